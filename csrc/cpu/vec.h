@@ -1,0 +1,122 @@
+// Vector load/store helpers for the CPU kernels. Included only by *_kernel.cpp
+// files, which CMake compiles once per instruction set; everything here lives in
+// the CPU_CAPABILITY inline namespace so the variants never collide.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <type_traits>
+
+namespace fusedllm::cpu {
+inline namespace CPU_CAPABILITY {
+
+using at::vec::Vectorized;
+
+// Moves `kStep` elements of dtype T to and from `kParts` vectors of its
+// accumulation type (float for bfloat16/float16, T itself otherwise).
+// The overloads with `count` handle the tail of a row (count < kStep):
+// loads fill the missing lanes with zeros.
+template <typename T, typename Enable = void>
+struct VecIO {
+  using acc_t = T;
+  using AV = Vectorized<T>;
+  static constexpr int kParts = 1;
+  static constexpr int64_t kStep = AV::size();
+
+  static void load(const T* p, AV (&out)[kParts]) { out[0] = AV::loadu(p); }
+  static void load(const T* p, int64_t count, AV (&out)[kParts]) { out[0] = AV::loadu(p, count); }
+  static void store(T* p, const AV (&v)[kParts]) { v[0].store(p); }
+  static void store(T* p, const AV (&v)[kParts], int64_t count) { v[0].store(p, count); }
+  static AV round(AV v) { return v; }
+};
+
+template <typename T>
+struct VecIO<T, std::enable_if_t<std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>>> {
+  using acc_t = float;
+  using AV = Vectorized<float>;
+  using TV = Vectorized<T>;
+  static constexpr int kParts = 2;
+  static constexpr int64_t kStep = TV::size();
+
+  static void load(const T* p, AV (&out)[kParts]) { split(TV::loadu(p), out); }
+  static void load(const T* p, int64_t count, AV (&out)[kParts]) {
+    split(TV::loadu(p, count), out);
+  }
+  static void store(T* p, const AV (&v)[kParts]) {
+    at::vec::convert_from_float<T>(v[0], v[1]).store(p);
+  }
+  static void store(T* p, const AV (&v)[kParts], int64_t count) {
+    at::vec::convert_from_float<T>(v[0], v[1]).store(p, count);
+  }
+  // Round to T and back: what a value becomes once stored in a T tensor.
+  static AV round(AV v) {
+    auto [a, b] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v));
+    (void)b;
+    return a;
+  }
+
+ private:
+  static void split(const TV& v, AV (&out)[kParts]) {
+    auto [a, b] = at::vec::convert_to_float<T>(v);
+    out[0] = a;
+    out[1] = b;
+  }
+};
+
+// Load/store `count` (<= kStep) accumulator values laid out like the parts of
+// one VecIO step, for per-column float32/float64 buffers.
+template <typename IO>
+inline void load_acc(const typename IO::acc_t* p, int64_t count,
+                     typename IO::AV (&out)[IO::kParts]) {
+  using AV = typename IO::AV;
+  for (int q = 0; q < IO::kParts; ++q) {
+    const int64_t c = std::clamp<int64_t>(count - q * AV::size(), 0, AV::size());
+    out[q] = c == AV::size() ? AV::loadu(p + q * AV::size()) : AV::loadu(p + q * AV::size(), c);
+  }
+}
+
+template <typename IO>
+inline void store_acc(typename IO::acc_t* p, int64_t count,
+                      const typename IO::AV (&v)[IO::kParts]) {
+  using AV = typename IO::AV;
+  for (int q = 0; q < IO::kParts; ++q) {
+    const int64_t c = std::clamp<int64_t>(count - q * AV::size(), 0, AV::size());
+    if (c == AV::size()) {
+      v[q].store(p + q * AV::size());
+    } else if (c > 0) {
+      v[q].store(p + q * AV::size(), c);
+    }
+  }
+}
+
+// Load a full step or the tail of a row.
+template <typename IO, typename T>
+inline void load_step(const T* p, int64_t count, typename IO::AV (&out)[IO::kParts]) {
+  if (count == IO::kStep) {
+    IO::load(p, out);
+  } else {
+    IO::load(p, count, out);
+  }
+}
+
+template <typename IO, typename T>
+inline void store_step(T* p, int64_t count, const typename IO::AV (&v)[IO::kParts]) {
+  if (count == IO::kStep) {
+    IO::store(p, v);
+  } else {
+    IO::store(p, v, count);
+  }
+}
+
+template <typename AV>
+inline typename AV::value_type reduce_sum(const AV& v) {
+  return at::vec::vec_reduce_all<typename AV::value_type>(
+      [](AV& a, AV& b) { return a + b; }, v);
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace fusedllm::cpu

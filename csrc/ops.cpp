@@ -1,0 +1,61 @@
+// The fusedllm operator schemas (the only place they are defined) and the
+// Python module `fusedllm._C`, which reports how the extension was built.
+#include <Python.h>
+#include <pybind11/pybind11.h>
+#include <torch/library.h>
+
+#include "fusedllm/cpu_dispatch.h"
+
+TORCH_LIBRARY(fusedllm, m) {
+  // Fake (meta) kernels and autograd live in python/fusedllm/_ops.py.
+  m.set_python_module("fusedllm._ops");
+
+  // y = x * rstd * (offset + weight); also returns rstd per row (float32,
+  // float64 for float64 input) for the backward op.
+  m.def("rms_norm(Tensor input, Tensor? weight, float eps, float offset, str casting)"
+        " -> (Tensor out, Tensor rstd)");
+  // h = input + residual; y = rms_norm(h). Returns y, h and rstd.
+  m.def("fused_add_rms_norm(Tensor input, Tensor residual, Tensor? weight, float eps, "
+        "float offset, str casting) -> (Tensor out, Tensor residual_out, Tensor rstd)");
+  // Gradients of both ops in one pass: grad_input (plus grad_residual, the
+  // gradient reaching fused_add_rms_norm's residual_out) and grad_weight
+  // (an empty tensor unless compute_weight_grad and a weight is given).
+  m.def("rms_norm_backward(Tensor grad_out, Tensor input, Tensor rstd, Tensor? weight, "
+        "float offset, str casting, Tensor? grad_residual, bool compute_weight_grad)"
+        " -> (Tensor grad_input, Tensor grad_weight)");
+}
+
+namespace py = pybind11;
+
+namespace {
+
+py::list split_list(const std::string& s) {
+  py::list out;
+  size_t start = 0;
+  while (start < s.size()) {
+    size_t end = s.find(',', start);
+    if (end == std::string::npos) end = s.size();
+    if (end > start) out.append(s.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fusedllm compiled kernels";
+  m.def("build_info", [] {
+    py::dict info;
+    info["torch_version"] = FUSEDLLM_TORCH_VERSION;
+#ifdef FUSEDLLM_WITH_CUDA
+    info["cuda"] = true;
+#else
+    info["cuda"] = false;
+#endif
+    info["cuda_archs"] = split_list(FUSEDLLM_CUDA_ARCHS);
+    info["cpu_isas"] = split_list(FUSEDLLM_CPU_ISA_LIST);
+    info["cpu_isa_active"] = fusedllm::cpu::isa_name(fusedllm::cpu::active_isa());
+    return info;
+  }, "How this extension was built: torch version, CUDA kernels and architectures, CPU variants.");
+}

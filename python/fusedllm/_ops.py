@@ -1,0 +1,76 @@
+"""Fake (meta) kernels and autograd for the ``torch.ops.fusedllm`` operators.
+
+This is the only module that calls ``torch.library.register_fake`` and
+``torch.library.register_autograd``. The schemas are in ``csrc/ops.cpp``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._extension import has_extension
+
+
+def rstd_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _register_rms_norm() -> None:
+    ops = torch.ops.fusedllm
+
+    @torch.library.register_fake("fusedllm::rms_norm")
+    def _rms_norm_fake(input, weight, eps, offset, casting):
+        return input.new_empty(input.shape), input.new_empty(input.shape[:-1], dtype=rstd_dtype(input))
+
+    @torch.library.register_fake("fusedllm::fused_add_rms_norm")
+    def _fused_add_rms_norm_fake(input, residual, weight, eps, offset, casting):
+        return (
+            input.new_empty(input.shape),
+            input.new_empty(input.shape),
+            input.new_empty(input.shape[:-1], dtype=rstd_dtype(input)),
+        )
+
+    @torch.library.register_fake("fusedllm::rms_norm_backward")
+    def _rms_norm_backward_fake(grad_out, input, rstd, weight, offset, casting, grad_residual,
+                                compute_weight_grad):
+        n = input.shape[-1] if (weight is not None and compute_weight_grad) else 0
+        return input.new_empty(input.shape), input.new_empty((n,))
+
+    def _backward(ctx, grad_out, x, weight, rstd, grad_residual):
+        want_dw = weight is not None and ctx.needs_input_grad[ctx.weight_index]
+        grad_input, grad_weight = ops.rms_norm_backward(
+            grad_out, x, rstd, weight, ctx.offset, ctx.casting, grad_residual, want_dw)
+        return grad_input, (grad_weight if want_dw else None)
+
+    def _rms_norm_setup(ctx, inputs, output):
+        x, weight, _eps, offset, casting = inputs
+        _out, rstd = output
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset, ctx.casting, ctx.weight_index = offset, casting, 1
+
+    def _rms_norm_grad(ctx, grad_out, _grad_rstd):
+        x, weight, rstd = ctx.saved_tensors
+        grad_input, grad_weight = _backward(ctx, grad_out, x, weight, rstd, None)
+        return grad_input, grad_weight, None, None, None
+
+    torch.library.register_autograd(
+        "fusedllm::rms_norm", _rms_norm_grad, setup_context=_rms_norm_setup)
+
+    def _fused_add_setup(ctx, inputs, output):
+        _x, _residual, weight, _eps, offset, casting = inputs
+        _out, residual_out, rstd = output
+        ctx.save_for_backward(residual_out, weight, rstd)
+        ctx.offset, ctx.casting, ctx.weight_index = offset, casting, 2
+
+    def _fused_add_grad(ctx, grad_out, grad_residual_out, _grad_rstd):
+        h, weight, rstd = ctx.saved_tensors
+        # h = input + residual, so both receive the gradient that reaches h.
+        grad_h, grad_weight = _backward(ctx, grad_out, h, weight, rstd, grad_residual_out)
+        return grad_h, grad_h, grad_weight, None, None, None
+
+    torch.library.register_autograd(
+        "fusedllm::fused_add_rms_norm", _fused_add_grad, setup_context=_fused_add_setup)
+
+
+if has_extension():
+    _register_rms_norm()

@@ -4,7 +4,10 @@
 
 #include <ATen/ATen.h>
 
+#include <limits>
+#include <optional>
 #include <string_view>
+#include <vector>
 
 #include "fusedllm/rms_norm.h"
 
@@ -68,6 +71,85 @@ inline std::vector<int64_t> row_shape(const at::Tensor& input) {
   auto sizes = input.sizes().vec();
   sizes.pop_back();
   return sizes;
+}
+
+// Checked, laid-out operands and freshly allocated outputs of a forward call.
+// `x`, `residual` are [rows, n] with unit column stride; outputs are contiguous.
+struct RmsNormForwardPlan {
+  int64_t n = 0;
+  rms::Casting casting = rms::Casting::kLlama;
+  at::Tensor x, residual, weight;                 // residual, weight may be undefined
+  at::Tensor out, residual_out, rstd;             // residual_out undefined for rms_norm
+  bool empty() const { return out.numel() == 0; }
+};
+
+inline RmsNormForwardPlan plan_rms_norm_forward(const char* op, const at::Tensor& input,
+                                                const std::optional<at::Tensor>& residual,
+                                                const std::optional<at::Tensor>& weight,
+                                                double eps, double offset,
+                                                std::string_view casting) {
+  RmsNormForwardPlan p;
+  p.n = check_rms_norm_args(op, input, weight, eps, offset);
+  p.casting = parse_casting(casting);
+  if (residual) {
+    check_same(input, "input", *residual, "residual", op);
+    TORCH_CHECK_VALUE(residual->sizes() == input.sizes(), op,
+                      ": residual must have the shape of input ", input.sizes(), ", got ",
+                      residual->sizes());
+  }
+  p.out = at::empty(input.sizes(), input.options());
+  if (residual) p.residual_out = at::empty(input.sizes(), input.options());
+  p.rstd = at::empty(row_shape(input), input.options().dtype(rstd_dtype(input)));
+  if (input.numel() == 0) {
+    if (p.n == 0) p.rstd.fill_(std::numeric_limits<double>::quiet_NaN());  // mean of nothing
+    return p;
+  }
+  p.x = as_rows(input, p.n);
+  if (residual) p.residual = as_rows(*residual, p.n);
+  if (weight && weight->defined()) p.weight = weight->contiguous();
+  return p;
+}
+
+// Checked, laid-out operands and outputs of a backward call.
+struct RmsNormBackwardPlan {
+  int64_t n = 0;
+  rms::Casting casting = rms::Casting::kLlama;
+  at::Tensor grad_out, x, rstd, weight, grad_residual;  // weight, grad_residual may be undefined
+  at::Tensor grad_input, grad_weight;  // grad_weight is [0] unless wanted
+  bool want_weight_grad = false;
+  bool empty() const { return grad_input.numel() == 0; }
+};
+
+inline RmsNormBackwardPlan plan_rms_norm_backward(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& weight, double offset, std::string_view casting,
+    const std::optional<at::Tensor>& grad_residual, bool compute_weight_grad) {
+  const char* op = "fusedllm.rms_norm_backward";
+  RmsNormBackwardPlan p;
+  p.n = check_rms_norm_args(op, input, weight, 0.0, offset);
+  p.casting = parse_casting(casting);
+  check_same(input, "input", grad_out, "grad_out", op);
+  TORCH_CHECK_VALUE(grad_out.sizes() == input.sizes(), op, ": grad_out must have the shape of input");
+  TORCH_CHECK_VALUE(rstd.scalar_type() == rstd_dtype(input) && rstd.device() == input.device() &&
+                        rstd.numel() * p.n == input.numel(),
+                    op, ": rstd must be the per-row statistic returned by the forward op");
+  if (grad_residual) {
+    check_same(input, "input", *grad_residual, "grad_residual", op);
+    TORCH_CHECK_VALUE(grad_residual->sizes() == input.sizes(), op,
+                      ": grad_residual must have the shape of input");
+  }
+  const bool has_weight = weight.has_value() && weight->defined();
+  p.want_weight_grad = has_weight && compute_weight_grad;
+  p.grad_input = at::empty(input.sizes(), input.options());
+  p.grad_weight = p.want_weight_grad ? at::zeros({p.n}, input.options())
+                                     : at::empty({0}, input.options());
+  if (input.numel() == 0) return p;
+  p.grad_out = as_rows(grad_out, p.n);
+  p.x = as_rows(input, p.n);
+  p.rstd = rstd.contiguous();
+  if (has_weight) p.weight = weight->contiguous();
+  if (grad_residual) p.grad_residual = as_rows(*grad_residual, p.n);
+  return p;
 }
 
 }  // namespace fusedllm

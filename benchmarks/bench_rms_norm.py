@@ -1,0 +1,163 @@
+"""RMSNorm: notebook-style eager module vs F.rms_norm vs torch.compile vs fusedllm.
+
+    python benchmarks/bench_rms_norm.py            # full table -> benchmarks/results/
+    python benchmarks/bench_rms_norm.py --quick    # small sizes (used by `make demo`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fusedllm  # noqa: E402
+from harness import Report, copy_bandwidth, interleaved_medians, machine_description  # noqa: E402
+
+
+class NotebookRMSNorm(nn.Module):
+    """RMSNorm the way the notebooks write it: float32 statistics, cast back, scale."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class TorchRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def make_candidates(dim, dtype, device, with_compile):
+    eager = NotebookRMSNorm(dim).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        eager.weight.copy_(1 + 0.1 * torch.randn(dim))
+    torch_norm = TorchRMSNorm(dim).to(device=device, dtype=dtype)
+    fused = fusedllm.nn.RMSNorm(dim).to(device=device, dtype=dtype)
+    torch_norm.load_state_dict(eager.state_dict())
+    fused.load_state_dict(eager.state_dict())
+    modules = {"eager": eager, "F.rms_norm": torch_norm, "fusedllm": fused}
+    if with_compile:
+        compiled_src = NotebookRMSNorm(dim).to(device=device, dtype=dtype)
+        compiled_src.load_state_dict(eager.state_dict())
+        modules["compile"] = torch.compile(compiled_src, fullgraph=True)
+    return modules
+
+
+def bench_case(rows, dim, dtype, device, reps, with_compile, copy_bps):
+    x = torch.randn(rows, dim, dtype=dtype, device=device)
+    g = torch.randn_like(x)
+    modules = make_candidates(dim, dtype, device, with_compile)
+
+    # correctness of the fused module against the eager one
+    xe = x.clone().requires_grad_()
+    xf = x.clone().requires_grad_()
+    ye, yf = modules["eager"](xe), modules["fusedllm"](xf)
+    ye.backward(g)
+    yf.backward(g)
+    max_diff = (ye.float() - yf.float()).abs().max().item()
+    grad_diff = (xe.grad.float() - xf.grad.float()).abs().max().item()
+
+    results = []
+    for mode in ("forward", "forward+backward"):
+        xr = x.clone().requires_grad_(mode != "forward")
+
+        def forward_only(m):
+            def run():
+                with torch.no_grad():
+                    m(x)
+            return run
+
+        def forward_backward(m):
+            def run():
+                xr.grad = None
+                m(xr).backward(g)
+            return run
+
+        wrap = forward_only if mode == "forward" else forward_backward
+        times = interleaved_medians({k: wrap(m) for k, m in modules.items()}, device, reps)
+        moved = (2 if mode == "forward" else 5) * x.numel() * x.element_size()
+        fused_t = times["fusedllm"]
+        row = dict(
+            case=f"{rows}x{dim} {str(dtype).replace('torch.', '')} {'fwd' if mode == 'forward' else 'fwd+bwd'}",
+            shape=[rows, dim], dtype=str(dtype), mode=mode,
+            ms={k: v * 1e3 for k, v in times.items()},
+            eager_ms=times["eager"] * 1e3, torch_ms=times["F.rms_norm"] * 1e3,
+            compile_ms=times["compile"] * 1e3 if "compile" in times else None,
+            fused_ms=fused_t * 1e3,
+            vs_eager=times["eager"] / fused_t, vs_torch=times["F.rms_norm"] / fused_t,
+            vs_compile=times["compile"] / fused_t if "compile" in times else None,
+            fused_gbps=moved / fused_t / 1e9, copy_gbps=copy_bps / 1e9,
+            pct_copy=100 * (moved / fused_t) / copy_bps,
+            max_abs_diff=max_diff, max_grad_diff=grad_diff,
+        )
+        results.append(row)
+    return results
+
+
+COLUMNS = [
+    ("case", "case", "s"),
+    ("eager_ms", "eager ms", ".3f"),
+    ("torch_ms", "F.rms_norm ms", ".3f"),
+    ("compile_ms", "compile ms", ".3f"),
+    ("fused_ms", "fusedllm ms", ".3f"),
+    ("vs_eager", "× eager", ".2f"),
+    ("vs_torch", "× F.rms_norm", ".2f"),
+    ("vs_compile", "× compile", ".2f"),
+    ("fused_gbps", "fusedllm GB/s", ".1f"),
+    ("pct_copy", "% of copy", ".0f"),
+]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--reps", type=int, default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+
+    shapes = [(2048, 1024)] if args.quick else [(4096, 4096), (16384, 1024)]
+    dtypes = [torch.float32, torch.bfloat16]
+    reps = args.reps or (15 if args.quick else 40)
+    largest = max(r * c for r, c in shapes) * 4
+    copy_bps = copy_bandwidth(largest, device)
+    print(f"fusedllm {fusedllm.backend()} on {machine_description(device)}; "
+          f"copy bandwidth {copy_bps / 1e9:.1f} GB/s")
+
+    report = Report("rms_norm", machine_description(device))
+    for rows, dim in shapes:
+        for dtype in dtypes:
+            for row in bench_case(rows, dim, dtype, device, reps, not args.no_compile, copy_bps):
+                report.add(**row)
+                print(f"  {row['case']:<28} fused {row['fused_ms']:8.3f} ms   "
+                      f"x{row['vs_eager']:.2f} eager   x{row['vs_torch']:.2f} F.rms_norm   "
+                      + (f"x{row['vs_compile']:.2f} compile   " if row['vs_compile'] else "")
+                      + f"{row['fused_gbps']:.1f} GB/s ({row['pct_copy']:.0f}% of copy)   "
+                      f"max|diff| {row['max_abs_diff']:.2e}")
+    paths = report.write(COLUMNS, "vs_eager", "speedup over the eager module",
+                         suffix="_quick" if args.quick else "")
+    print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}\n")
+    print(paths["table"])
+    return report
+
+
+if __name__ == "__main__":
+    main()

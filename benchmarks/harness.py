@@ -1,0 +1,134 @@
+"""Timing and reporting shared by the benchmark scripts.
+
+Candidates are timed in one process, interleaved (each repetition runs every
+candidate once, in turn), after warm-up; we report medians, ratios and the
+achieved bandwidth against a copy measured in the same run. On a GPU the same
+code times with CUDA events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_once(fn, device: torch.device) -> float:
+    """Seconds for one call of fn (CUDA events on a GPU, wall clock on a CPU)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved_medians(candidates: dict, device: torch.device, reps: int, warmup: int = 3,
+                        min_seconds: float = 0.0) -> dict:
+    """Median seconds per call for each named zero-argument callable.
+
+    Runs at least `reps` rounds, more until `min_seconds` of total timing.
+    """
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    samples = {name: [] for name in candidates}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < reps or time.perf_counter() - start < min_seconds:
+        for name, fn in candidates.items():
+            samples[name].append(time_once(fn, device))
+        rounds += 1
+        if rounds >= 20 * reps:
+            break
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def copy_bandwidth(nbytes: int, device: torch.device, reps: int = 30) -> float:
+    """Bytes per second of `dst.copy_(src)` (read + write) for a buffer of nbytes."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    t = interleaved_medians({"copy": lambda: dst.copy_(src)}, device, reps)["copy"]
+    return 2 * src.numel() * 4 / t
+
+
+def machine_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+@dataclass
+class Report:
+    """Rows of results; written as JSON, a markdown table and a PNG."""
+
+    name: str
+    device: str
+    rows: list = field(default_factory=list)
+
+    def add(self, **row) -> None:
+        self.rows.append(row)
+
+    def write(self, columns: list[tuple[str, str, str]], plot_key: str, plot_label: str,
+              results_dir: str = RESULTS_DIR, suffix: str = "") -> dict:
+        """columns: (key, header, format). Returns the paths written."""
+        os.makedirs(results_dir, exist_ok=True)
+        base = os.path.join(results_dir, f"{self.name}{suffix}")
+        meta = {
+            "benchmark": self.name,
+            "device": self.device,
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"),
+        }
+        with open(base + ".json", "w") as f:
+            json.dump({"meta": meta, "rows": self.rows}, f, indent=2)
+        lines = [f"| {' | '.join(h for _, h, _ in columns)} |",
+                 f"|{'|'.join('---' for _ in columns)}|"]
+        for row in self.rows:
+            cells = []
+            for key, _, fmt in columns:
+                value = row.get(key)
+                cells.append("" if value is None else format(value, fmt))
+            lines.append(f"| {' | '.join(cells)} |")
+        table = "\n".join(lines) + "\n"
+        with open(base + ".md", "w") as f:
+            f.write(f"{self.name} on {self.device}, torch {torch.__version__}, {meta['date']}\n\n")
+            f.write(table)
+        self._plot(base + ".png", plot_key, plot_label)
+        return {"json": base + ".json", "md": base + ".md", "png": base + ".png", "table": table}
+
+    def _plot(self, path: str, key: str, label: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        labels = [row["case"] for row in self.rows]
+        values = [row.get(key) or 0.0 for row in self.rows]
+        fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(labels)), 4))
+        ax.bar(range(len(values)), values, color="#3b7dd8")
+        ax.axhline(1.0, color="gray", lw=1, ls="--")
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, rotation=40, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        ax.set_title(f"{self.name} ({self.device})")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)

@@ -1,0 +1,68 @@
+// Device primitives shared by every CUDA kernel: warp/block reductions, vector
+// memory access, dynamic shared memory. One place to port (e.g. to 64-wide
+// wavefronts) or to emulate.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fusedllm::cuda {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+template <typename T>
+__device__ __forceinline__ T warp_reduce_sum(T v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    v += __shfl_xor_sync(kFullMask, v, offset);
+  }
+  return v;
+}
+
+// Sum over the block, returned to every thread. `scratch` holds one value per
+// warp (at most 32 warps). Contains __syncthreads: every thread must call it.
+template <typename T>
+__device__ __forceinline__ T block_reduce_sum(T v, T* scratch) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int num_warps = (blockDim.x + kWarpSize - 1) / kWarpSize;
+  v = warp_reduce_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  T total = lane < num_warps ? scratch[lane] : T(0);
+  return warp_reduce_sum(total);
+}
+
+// kN consecutive elements moved as one aligned access.
+template <typename T, int kN>
+struct alignas(sizeof(T) * kN) Pack {
+  T v[kN];
+};
+
+template <typename T, int kN>
+__device__ __forceinline__ Pack<T, kN> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, kN>*>(p);
+}
+
+template <typename T, int kN>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, kN>& pack) {
+  *reinterpret_cast<Pack<T, kN>*>(p) = pack;
+}
+
+// True when `p` can be read in packs of kN elements.
+template <typename T, int kN>
+inline bool pack_aligned(const void* p) {
+  return reinterpret_cast<std::uintptr_t>(p) % (sizeof(T) * kN) == 0;
+}
+
+// The block's dynamic shared memory as an array of T (size set at launch).
+template <typename T>
+__device__ __forceinline__ T* dynamic_shared() {
+  extern __shared__ __align__(16) unsigned char fusedllm_dynamic_smem[];
+  return reinterpret_cast<T*>(fusedllm_dynamic_smem);
+}
+
+}  // namespace fusedllm::cuda

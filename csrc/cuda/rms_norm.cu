@@ -1,0 +1,309 @@
+// rms_norm ops on CUDA. One block per row (grid-stride over rows), packed
+// 16-byte loads where the layout allows, block reductions from primitives.cuh,
+// per-row math from fusedllm/rms_norm.h (the code the CPU kernels run too).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "fusedllm/rms_norm.h"
+#include "fusedllm/rms_norm_op.h"
+#include "primitives.cuh"
+
+namespace fusedllm::cuda {
+namespace {
+
+using rms::Casting;
+
+// Rounds an accumulator value to T and back (what storing it in a T tensor does).
+template <typename T, typename acc_t>
+struct RoundTo {
+  __device__ __forceinline__ acc_t operator()(acc_t v) const {
+    return static_cast<acc_t>(static_cast<T>(v));
+  }
+};
+
+template <typename T, int kVec, bool kHasWeight, Casting kCasting>
+__global__ void rms_norm_forward_kernel(const T* __restrict__ input, int64_t input_stride,
+                                        const T* __restrict__ residual, int64_t residual_stride,
+                                        const T* __restrict__ weight, T* __restrict__ out,
+                                        T* __restrict__ residual_out, at::opmath_type<T>* rstd_out,
+                                        int64_t rows, int64_t n, at::opmath_type<T> eps,
+                                        at::opmath_type<T> offset) {
+  using acc_t = at::opmath_type<T>;
+  __shared__ acc_t scratch[kWarpSize];
+  const RoundTo<T, acc_t> round;
+  const int64_t packs = n / kVec;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* x = input + r * input_stride;
+    const T* src = x;
+    acc_t sumsq = 0;
+    if (residual != nullptr) {
+      const T* res = residual + r * residual_stride;
+      T* h = residual_out + r * n;
+      for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
+        Pack<T, kVec> a = load_pack<T, kVec>(x + i * kVec);
+        const Pack<T, kVec> b = load_pack<T, kVec>(res + i * kVec);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          a.v[k] = static_cast<T>(static_cast<acc_t>(a.v[k]) + static_cast<acc_t>(b.v[k]));
+          const acc_t v = static_cast<acc_t>(a.v[k]);
+          sumsq += v * v;
+        }
+        store_pack<T, kVec>(h + i * kVec, a);
+      }
+      src = h;  // each thread re-reads only the packs it wrote
+    } else {
+      for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
+        const Pack<T, kVec> a = load_pack<T, kVec>(x + i * kVec);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          const acc_t v = static_cast<acc_t>(a.v[k]);
+          sumsq += v * v;
+        }
+      }
+    }
+    sumsq = block_reduce_sum(sumsq, scratch);
+    const acc_t rstd = rms::rstd_from_sumsq<acc_t>(sumsq, n, eps);
+    if (threadIdx.x == 0) rstd_out[r] = rstd;
+
+    T* y = out + r * n;
+    for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
+      const Pack<T, kVec> a = load_pack<T, kVec>(src + i * kVec);
+      Pack<T, kVec> w;
+      if constexpr (kHasWeight) w = load_pack<T, kVec>(weight + i * kVec);
+      Pack<T, kVec> o;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const acc_t w_eff = kHasWeight ? static_cast<acc_t>(w.v[k]) + offset : acc_t(1);
+        o.v[k] = static_cast<T>(
+            rms::forward_value(static_cast<acc_t>(a.v[k]), rstd, w_eff, kCasting, round));
+      }
+      store_pack<T, kVec>(y + i * kVec, o);
+    }
+  }
+}
+
+// dx for every row handled by this block, and this block's dw partial sums in
+// `partial[blockIdx.x, :]` (each column owned by one thread: no atomics).
+template <typename T, int kVec, bool kHasWeight, Casting kCasting>
+__global__ void rms_norm_backward_kernel(const T* __restrict__ grad_out, int64_t grad_out_stride,
+                                         const T* __restrict__ input, int64_t input_stride,
+                                         const at::opmath_type<T>* __restrict__ rstd_in,
+                                         const T* __restrict__ weight,
+                                         const T* __restrict__ grad_residual,
+                                         int64_t grad_residual_stride, T* __restrict__ grad_input,
+                                         at::opmath_type<T>* __restrict__ partial, int64_t rows,
+                                         int64_t n, at::opmath_type<T> offset) {
+  using acc_t = at::opmath_type<T>;
+  __shared__ acc_t scratch[kWarpSize];
+  const RoundTo<T, acc_t> round;
+  const int64_t packs = n / kVec;
+  acc_t* dw = partial != nullptr ? partial + blockIdx.x * n : nullptr;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* g = grad_out + r * grad_out_stride;
+    const T* x = input + r * input_stride;
+    const acc_t rstd = rstd_in[r];
+    acc_t dot = 0;
+    for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
+      const Pack<T, kVec> gp = load_pack<T, kVec>(g + i * kVec);
+      const Pack<T, kVec> xp = load_pack<T, kVec>(x + i * kVec);
+      Pack<T, kVec> wp;
+      if constexpr (kHasWeight) wp = load_pack<T, kVec>(weight + i * kVec);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const acc_t w_eff = kHasWeight ? static_cast<acc_t>(wp.v[k]) + offset : acc_t(1);
+        dot += rms::backward_dot_term(static_cast<acc_t>(gp.v[k]), static_cast<acc_t>(xp.v[k]),
+                                      rstd, w_eff);
+      }
+    }
+    const acc_t mean_dot = block_reduce_sum(dot, scratch) / static_cast<acc_t>(n);
+
+    const T* gr = grad_residual != nullptr ? grad_residual + r * grad_residual_stride : nullptr;
+    T* dx = grad_input + r * n;
+    for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
+      const Pack<T, kVec> gp = load_pack<T, kVec>(g + i * kVec);
+      const Pack<T, kVec> xp = load_pack<T, kVec>(x + i * kVec);
+      Pack<T, kVec> wp, grp, o;
+      if constexpr (kHasWeight) wp = load_pack<T, kVec>(weight + i * kVec);
+      if (gr != nullptr) grp = load_pack<T, kVec>(gr + i * kVec);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const acc_t gv = static_cast<acc_t>(gp.v[k]);
+        const acc_t xv = static_cast<acc_t>(xp.v[k]);
+        const acc_t w_eff = kHasWeight ? static_cast<acc_t>(wp.v[k]) + offset : acc_t(1);
+        acc_t d = rms::input_grad(gv, xv, rstd, w_eff, mean_dot);
+        if (gr != nullptr) d += static_cast<acc_t>(grp.v[k]);
+        o.v[k] = static_cast<T>(d);
+        if (kHasWeight && dw != nullptr) {
+          dw[i * kVec + k] += rms::weight_grad_term(gv, xv, rstd, kCasting, round);
+        }
+      }
+      store_pack<T, kVec>(dx + i * kVec, o);
+    }
+  }
+}
+
+// dw[j] = sum over blocks of partial[b, j], added in block order (deterministic).
+template <typename T>
+__global__ void sum_partials_kernel(const at::opmath_type<T>* __restrict__ partial, int64_t blocks,
+                                    int64_t n, T* __restrict__ grad_weight) {
+  using acc_t = at::opmath_type<T>;
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    acc_t s = 0;
+    for (int64_t b = 0; b < blocks; ++b) s += partial[b * n + j];
+    grad_weight[j] = static_cast<T>(s);
+  }
+}
+
+// Pack width: 16 bytes when every row start is 16-byte aligned, else 1 element.
+template <typename T>
+int pack_width(int64_t n, std::initializer_list<std::pair<const void*, int64_t>> rows) {
+  constexpr int kWide = 16 / sizeof(T);
+  if (n % kWide != 0) return 1;
+  for (const auto& [ptr, stride] : rows) {
+    if (ptr != nullptr && (!pack_aligned<T, kWide>(ptr) || stride % kWide != 0)) return 1;
+  }
+  return kWide;
+}
+
+int threads_for(int64_t n, int vec) {
+  const int64_t packs = (n + vec - 1) / vec;
+  const int64_t warps = std::clamp<int64_t>((packs + kWarpSize - 1) / kWarpSize, 1, 32);
+  return static_cast<int>(warps * kWarpSize);
+}
+
+// Enough resident blocks to fill the device; backward uses fewer because
+// each of its blocks owns a float32 row of dw partial sums.
+int max_blocks(int per_sm) {
+  return at::cuda::getCurrentDeviceProperties()->multiProcessorCount * per_sm;
+}
+
+// Calls `f(std::integral_constant<int, V>, std::bool_constant<W>, std::integral_constant<Casting, C>)`.
+template <typename T, typename F>
+void with_variant(int vec, bool has_weight, Casting casting, F&& f) {
+  constexpr int kWide = 16 / sizeof(T);
+  auto by_vec = [&](auto w, auto c) {
+    if (vec == kWide) {
+      f(std::integral_constant<int, kWide>{}, w, c);
+    } else {
+      f(std::integral_constant<int, 1>{}, w, c);
+    }
+  };
+  if (!has_weight) {
+    by_vec(std::false_type{}, std::integral_constant<Casting, Casting::kGemma>{});
+  } else if (casting == Casting::kLlama) {
+    by_vec(std::true_type{}, std::integral_constant<Casting, Casting::kLlama>{});
+  } else {
+    by_vec(std::true_type{}, std::integral_constant<Casting, Casting::kGemma>{});
+  }
+}
+
+void launch_forward(const RmsNormForwardPlan& p, double eps, double offset) {
+  if (p.empty()) return;
+  const c10::cuda::CUDAGuard guard(p.x.device());
+  const int64_t rows = p.x.size(0);
+  const int64_t n = p.n;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.x.scalar_type(), "fusedllm_rms_norm_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* x = p.x.const_data_ptr<scalar_t>();
+    const scalar_t* res = p.residual.defined() ? p.residual.const_data_ptr<scalar_t>() : nullptr;
+    const scalar_t* w = p.weight.defined() ? p.weight.const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* h = p.residual_out.defined() ? p.residual_out.mutable_data_ptr<scalar_t>() : nullptr;
+    const int vec = pack_width<scalar_t>(
+        n, {{x, p.x.stride(0)}, {res, res ? p.residual.stride(0) : 0}, {w, 0},
+            {p.out.const_data_ptr(), n}, {h, n}});
+    const int threads = threads_for(n, vec);
+    const int blocks = static_cast<int>(std::min<int64_t>(rows, max_blocks(8)));
+    with_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
+      rms_norm_forward_kernel<scalar_t, decltype(V)::value, decltype(W)::value, decltype(C)::value>
+          <<<blocks, threads, 0, stream>>>(
+              x, p.x.stride(0), res, res ? p.residual.stride(0) : 0, w,
+              p.out.mutable_data_ptr<scalar_t>(), h, p.rstd.mutable_data_ptr<acc_t>(), rows, n,
+              static_cast<acc_t>(eps), static_cast<acc_t>(offset));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& input,
+                                            const std::optional<at::Tensor>& weight, double eps,
+                                            double offset, c10::string_view casting) {
+  auto p = plan_rms_norm_forward("fusedllm.rms_norm", input, std::nullopt, weight, eps, offset,
+                                 casting);
+  launch_forward(p, eps, offset);
+  return {p.out, p.rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm(
+    const at::Tensor& input, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
+    double eps, double offset, c10::string_view casting) {
+  auto p = plan_rms_norm_forward("fusedllm.fused_add_rms_norm", input, residual, weight, eps,
+                                 offset, casting);
+  launch_forward(p, eps, offset);
+  return {p.out, p.residual_out, p.rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& weight, double offset, c10::string_view casting,
+    const std::optional<at::Tensor>& grad_residual, bool compute_weight_grad) {
+  auto p = plan_rms_norm_backward(grad_out, input, rstd, weight, offset, casting, grad_residual,
+                                  compute_weight_grad);
+  if (p.empty()) return {p.grad_input, p.grad_weight};
+  const c10::cuda::CUDAGuard guard(p.x.device());
+  const int64_t rows = p.x.size(0);
+  const int64_t n = p.n;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int blocks = static_cast<int>(std::min<int64_t>(rows, max_blocks(2)));
+  at::Tensor partial;
+  if (p.want_weight_grad) {
+    partial = at::zeros({blocks, n}, p.x.options().dtype(rstd_dtype(p.x)));
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.x.scalar_type(), "fusedllm_rms_norm_backward_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* g = p.grad_out.const_data_ptr<scalar_t>();
+    const scalar_t* x = p.x.const_data_ptr<scalar_t>();
+    const scalar_t* w = p.weight.defined() ? p.weight.const_data_ptr<scalar_t>() : nullptr;
+    const scalar_t* gr =
+        p.grad_residual.defined() ? p.grad_residual.const_data_ptr<scalar_t>() : nullptr;
+    const int vec = pack_width<scalar_t>(
+        n, {{g, p.grad_out.stride(0)}, {x, p.x.stride(0)}, {w, 0},
+            {gr, gr ? p.grad_residual.stride(0) : 0}, {p.grad_input.const_data_ptr(), n}});
+    const int threads = threads_for(n, vec);
+    acc_t* partial_ptr = partial.defined() ? partial.mutable_data_ptr<acc_t>() : nullptr;
+    with_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
+      rms_norm_backward_kernel<scalar_t, decltype(V)::value, decltype(W)::value, decltype(C)::value>
+          <<<blocks, threads, 0, stream>>>(
+              g, p.grad_out.stride(0), x, p.x.stride(0), p.rstd.const_data_ptr<acc_t>(), w, gr,
+              gr ? p.grad_residual.stride(0) : 0, p.grad_input.mutable_data_ptr<scalar_t>(),
+              partial_ptr, rows, n, static_cast<acc_t>(offset));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    if (partial_ptr != nullptr) {
+      const int threads_sum = 256;
+      const int blocks_sum = static_cast<int>(std::min<int64_t>((n + threads_sum - 1) / threads_sum, 65535));
+      sum_partials_kernel<scalar_t><<<blocks_sum, threads_sum, 0, stream>>>(
+          partial_ptr, blocks, n, p.grad_weight.mutable_data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return {p.grad_input, p.grad_weight};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusedllm, CUDA, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rms_norm_backward", &rms_norm_backward);
+}
+
+}  // namespace fusedllm::cuda

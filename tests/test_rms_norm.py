@@ -1,0 +1,192 @@
+"""rms_norm and fused_add_rms_norm: values and gradients against tests/reference.py."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fusedllm
+from reference import FORWARD_TOL, GRAD_TOL, fused_add_rms_norm as ref_fused_add
+from reference import rms_norm as ref_rms_norm
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+HIDDEN = [1, 7, 127, 4096, 4097]
+ROWS = [0, 1, 37]
+# (casting, offset, with_weight): without a weight the casting makes no difference.
+VARIANTS = [("llama", 0.0, True), ("gemma", 0.0, True), ("llama", 1.0, True),
+            ("gemma", 1.0, True), ("llama", 0.0, False)]
+
+
+def assert_close(actual, expected, tol):
+    """assert_close with atol relative to the largest expected magnitude."""
+    atol, rtol = tol
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected.to(actual.dtype), atol=atol * scale, rtol=rtol,
+                               equal_nan=True)
+
+
+def reference_grads(x, weight, grad_out, eps, offset, residual=None):
+    """Exact gradients in float64 (no intermediate rounding) of sum(grad_out * y)."""
+    xd = x.detach().double().requires_grad_()
+    wd = None if weight is None else weight.detach().double().requires_grad_()
+    rd = None if residual is None else residual.detach().double().requires_grad_()
+    h = xd if rd is None else xd + rd
+    y = ref_rms_norm(h, wd, eps, offset, "gemma")
+    inputs = [t for t in (xd, wd, rd) if t is not None]
+    grads = torch.autograd.grad(y, inputs, grad_out.double(), allow_unused=True)
+    it = iter(grads)
+    gx = next(it)
+    gw = next(it) if wd is not None else None
+    gr = next(it) if rd is not None else None
+    return gx, gw, gr
+
+
+def make_inputs(rows, hidden, dtype, device, with_weight, offset):
+    x = torch.randn(rows, hidden, dtype=dtype, device=device)
+    w = None
+    if with_weight:
+        # Around 1 - offset so offset + w stays near 1, as in trained models.
+        w = (1.0 - offset + 0.3 * torch.randn(hidden)).to(dtype=dtype, device=device)
+    return x, w
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("casting,offset,with_weight", VARIANTS)
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("rows", ROWS)
+def test_rms_norm_matches_reference(device, dtype, casting, offset, with_weight, hidden, rows):
+    x, w = make_inputs(rows, hidden, dtype, device, with_weight, offset)
+    x_before = x.clone()
+    x.requires_grad_()
+    if w is not None:
+        w.requires_grad_()
+    y = fusedllm.rms_norm(x, w, eps=1e-5, offset=offset, casting=casting)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y, ref_rms_norm(x.detach(), None if w is None else w.detach(), 1e-5, offset, casting),
+                 FORWARD_TOL[dtype])
+
+    g = torch.randn_like(y)
+    y.backward(g)
+    gx, gw, _ = reference_grads(x, w, g, 1e-5, offset)
+    assert_close(x.grad, gx, GRAD_TOL[dtype])
+    if w is not None:
+        assert_close(w.grad, gw, GRAD_TOL[dtype])
+    assert torch.equal(x.detach(), x_before), "input was modified"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("casting,offset,with_weight", VARIANTS)
+@pytest.mark.parametrize("hidden", [1, 127, 4097])
+def test_fused_add_rms_norm_matches_reference(device, dtype, casting, offset, with_weight, hidden):
+    x, w = make_inputs(19, hidden, dtype, device, with_weight, offset)
+    r = torch.randn_like(x)
+    x.requires_grad_()
+    r.requires_grad_()
+    if w is not None:
+        w.requires_grad_()
+    y, h = fusedllm.fused_add_rms_norm(x, r, w, eps=1e-6, offset=offset, casting=casting)
+    ref_y, ref_h = ref_fused_add(x.detach(), r.detach(), None if w is None else w.detach(), 1e-6,
+                                 offset, casting)
+    torch.testing.assert_close(h, ref_h, atol=0, rtol=0)  # one rounding of x + r: exact
+    assert_close(y, ref_y, FORWARD_TOL[dtype])
+
+    gy, gh = torch.randn_like(y), torch.randn_like(h)
+    torch.autograd.backward([y, h], [gy, gh])
+    gx, gw, _ = reference_grads(h, w, gy, 1e-6, offset)
+    assert_close(x.grad, gx + gh.double(), GRAD_TOL[dtype])
+    assert_close(r.grad, gx + gh.double(), GRAD_TOL[dtype])
+    if w is not None:
+        assert_close(w.grad, gw, GRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["transposed", "every_other_column", "row_slice", "expanded"])
+def test_strided_inputs(device, dtype, layout):
+    base = torch.randn(24, 64, 80, dtype=dtype, device=device)
+    if layout == "transposed":
+        x = base.transpose(0, 1)  # rows not contiguous with each other
+    elif layout == "every_other_column":
+        x = base[..., ::2]  # last-dim stride 2
+    elif layout == "row_slice":
+        x = base[:, :, :48]  # unit stride, row stride 80: used without a copy
+    else:
+        x = base[:1, :1].expand(5, 3, 80)  # stride-0 rows
+    w_base = torch.randn(2 * x.shape[-1], dtype=dtype, device=device)
+    w = w_base[::2]  # non-contiguous weight
+    x = x.requires_grad_() if x.is_leaf else x.detach().requires_grad_()
+    y = fusedllm.rms_norm(x, w)
+    assert_close(y, ref_rms_norm(x.detach(), w, 1e-6), FORWARD_TOL[dtype])
+    g = torch.randn(y.shape[::-1], dtype=dtype, device=device).permute(*reversed(range(y.dim())))
+    y.backward(g)  # non-contiguous incoming gradient
+    gx, _, _ = reference_grads(x, w, g, 1e-6, 0.0)
+    assert_close(x.grad, gx, GRAD_TOL[dtype])
+
+
+def test_leading_shapes_and_zero_size(device):
+    for shape in [(64,), (2, 3, 4, 64), (0, 64), (3, 0, 64)]:
+        x = torch.randn(shape, device=device)
+        w = torch.randn(64, device=device)
+        y = fusedllm.rms_norm(x, w)
+        assert y.shape == x.shape
+        assert_close(y, ref_rms_norm(x, w), FORWARD_TOL[torch.float32])
+    x = torch.randn(0, 5, device=device, requires_grad=True)
+    w = torch.randn(5, device=device, requires_grad=True)
+    fusedllm.rms_norm(x, w).sum().backward()
+    assert x.grad.shape == (0, 5) and torch.equal(w.grad, torch.zeros(5, device=device))
+    # hidden size 0: empty output of the same shape
+    assert fusedllm.rms_norm(torch.randn(3, 0, device=device)).shape == (3, 0)
+
+
+def test_weight_grad_is_deterministic_across_runs_and_threads():
+    x = torch.randn(4099, 515)
+    w = torch.randn(515)
+    g = torch.randn(4099, 515)
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 2, 1):
+            torch.set_num_threads(threads)
+            xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+            fusedllm.rms_norm(xr, wr).backward(g)
+            results.append((xr.grad, wr.grad))
+    finally:
+        torch.set_num_threads(old)
+    for gx, gw in results[1:]:
+        assert torch.equal(gw, results[0][1])
+        assert torch.equal(gx, results[0][0])
+
+
+@pytest.mark.parametrize("casting,offset,with_weight", VARIANTS)
+def test_gradcheck_float64(device, casting, offset, with_weight):
+    x = torch.randn(3, 5, 11, dtype=torch.float64, device=device, requires_grad=True)
+    w = (torch.randn(11, dtype=torch.float64, device=device).requires_grad_() if with_weight else None)
+    r = torch.randn_like(x, requires_grad=True)
+    inputs = (x,) if w is None else (x, w)
+    assert torch.autograd.gradcheck(
+        lambda *t: fusedllm.rms_norm(t[0], t[1] if len(t) > 1 else None, 1e-6, offset, casting),
+        inputs)
+    assert torch.autograd.gradcheck(
+        lambda x_, r_, *t: fusedllm.fused_add_rms_norm(x_, r_, t[0] if t else None, 1e-6, offset,
+                                                       casting),
+        (x, r) + inputs[1:])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lead=st.lists(st.integers(0, 5), min_size=0, max_size=3),
+    hidden=st.integers(1, 300),
+    dtype=st.sampled_from(DTYPES),
+    variant=st.sampled_from(VARIANTS),
+    eps=st.sampled_from([0.0, 1e-6, 1e-2]),
+)
+def test_hypothesis_shapes(lead, hidden, dtype, variant, eps):
+    casting, offset, with_weight = variant
+    x = torch.randn(*lead, hidden, dtype=dtype) + 0.1  # avoid all-zero rows with eps = 0
+    w = (1.0 - offset + torch.randn(hidden)).to(dtype) if with_weight else None
+    y = fusedllm.rms_norm(x, w, eps, offset, casting)
+    assert_close(y, ref_rms_norm(x, w, eps, offset, casting), FORWARD_TOL[dtype])
+    r = torch.randn_like(x)
+    y2, h2 = fusedllm.fused_add_rms_norm(x, r, w, eps, offset, casting)
+    ref_y2, ref_h2 = ref_fused_add(x, r, w, eps, offset, casting)
+    assert torch.equal(h2, ref_h2)
+    assert_close(y2, ref_y2, FORWARD_TOL[dtype])

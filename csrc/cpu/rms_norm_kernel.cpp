@@ -18,68 +18,139 @@ using rms::Casting;
 // Rows per parallel task: enough elements that scheduling costs stay small.
 inline int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)); }
 
+// Per-row work takes every value as a parameter: the vector stores use
+// may-alias types, so anything read through a pointer or reference (e.g. a
+// lambda capture) would be re-read from memory after every store.
 template <typename T, bool kHasWeight, Casting kCasting>
-void forward_rows(const RmsNormForwardArgs& a) {
+void forward_row(const T* x, const T* res, T* h, const T* weight, T* y,
+                 typename VecIO<T>::acc_t* rstd_out, int64_t n, typename VecIO<T>::acc_t eps,
+                 typename VecIO<T>::acc_t offset_value) {
   using IO = VecIO<T>;
   using acc_t = typename IO::acc_t;
   using AV = typename IO::AV;
   constexpr int P = IO::kParts;
   constexpr int64_t S = IO::kStep;
-  const int64_t n = a.n;
-  const T* weight = static_cast<const T*>(a.weight);
-  const AV offset(static_cast<acc_t>(a.offset));
   const auto round = [](AV v) { return IO::round(v); };
 
-  at::parallel_for(0, a.rows, row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* x = static_cast<const T*>(a.input) + r * a.input_stride;
-      T* y = static_cast<T*>(a.out) + r * n;
-      // Pass 1 reads the row from memory; pass 2 finds it in cache.
-      const T* src = x;
-      AV acc[P];
-      for (int q = 0; q < P; ++q) acc[q] = AV(acc_t(0));
-      if (a.residual != nullptr) {
-        const T* res = static_cast<const T*>(a.residual) + r * a.residual_stride;
-        T* h = static_cast<T*>(a.residual_out) + r * n;
-        for (int64_t j = 0; j < n; j += S) {
-          const int64_t c = std::min(S, n - j);
-          AV v[P], u[P];
-          load_step<IO>(x + j, c, v);
-          load_step<IO>(res + j, c, u);
-          for (int q = 0; q < P; ++q) v[q] = v[q] + u[q];
-          store_step<IO>(h + j, c, v);
-          load_step<IO>(h + j, c, v);  // the sum as stored in the input dtype
-          for (int q = 0; q < P; ++q) acc[q] = at::vec::fmadd(v[q], v[q], acc[q]);
-        }
-        src = h;
-      } else {
-        for (int64_t j = 0; j < n; j += S) {
-          const int64_t c = std::min(S, n - j);
-          AV v[P];
-          load_step<IO>(x + j, c, v);
-          for (int q = 0; q < P; ++q) acc[q] = at::vec::fmadd(v[q], v[q], acc[q]);
-        }
-      }
-      for (int q = 1; q < P; ++q) acc[0] = acc[0] + acc[q];
-      const acc_t rstd = rms::rstd_from_sumsq<acc_t>(reduce_sum(acc[0]), n, static_cast<acc_t>(a.eps));
-      static_cast<acc_t*>(a.rstd)[r] = rstd;
+  // Pass 1 reads the row from memory; pass 2 finds it in cache.
+  const T* src = x;
+  acc_t sumsq;
+  if (res != nullptr) {
+    sumsq = row_sum<IO>(n, [&](int64_t j, int64_t c, AV(&acc)[P]) {
+      AV v[P], u[P];
+      load_step<IO>(x + j, c, v);
+      load_step<IO>(res + j, c, u);
+      for (int q = 0; q < P; ++q) v[q] = v[q] + u[q];
+      store_step<IO>(h + j, c, v);
+      load_step<IO>(h + j, c, v);  // the sum as stored in the input dtype
+      for (int q = 0; q < P; ++q) acc[q] = at::vec::fmadd(v[q], v[q], acc[q]);
+    });
+    src = h;
+  } else {
+    sumsq = row_sum<IO>(n, [&](int64_t j, int64_t c, AV(&acc)[P]) {
+      AV v[P];
+      load_step<IO>(x + j, c, v);
+      for (int q = 0; q < P; ++q) acc[q] = at::vec::fmadd(v[q], v[q], acc[q]);
+    });
+  }
+  const acc_t rstd = rms::rstd_from_sumsq<acc_t>(sumsq, n, eps);
+  *rstd_out = rstd;
 
-      const AV rstd_v(rstd);
-      for (int64_t j = 0; j < n; j += S) {
-        const int64_t c = std::min(S, n - j);
-        AV v[P], w[P];
-        load_step<IO>(src + j, c, v);
-        if constexpr (kHasWeight) {
-          load_step<IO>(weight + j, c, w);
-          for (int q = 0; q < P; ++q) w[q] = w[q] + offset;
-        } else {
-          for (int q = 0; q < P; ++q) w[q] = AV(acc_t(1));
-        }
-        for (int q = 0; q < P; ++q) v[q] = rms::forward_value(v[q], rstd_v, w[q], kCasting, round);
-        store_step<IO>(y + j, c, v);
-      }
+  const AV rstd_v(rstd);
+  const AV offset(offset_value);
+  const auto pass2 = [&](int64_t j, int64_t c) {
+    AV v[P], w[P];
+    load_step<IO>(src + j, c, v);
+    if constexpr (kHasWeight) {
+      load_step<IO>(weight + j, c, w);
+      for (int q = 0; q < P; ++q) w[q] = w[q] + offset;
+    } else {
+      for (int q = 0; q < P; ++q) w[q] = AV(acc_t(1));
+    }
+    for (int q = 0; q < P; ++q) v[q] = rms::forward_value(v[q], rstd_v, w[q], kCasting, round);
+    store_step<IO>(y + j, c, v);
+  };
+  int64_t j = 0;
+  for (; j + S <= n; j += S) pass2(j, S);
+  if (j < n) pass2(j, n - j);
+}
+
+template <typename T, bool kHasWeight, Casting kCasting>
+void forward_rows(const RmsNormForwardArgs& a) {
+  using acc_t = typename VecIO<T>::acc_t;
+  at::parallel_for(0, a.rows, row_grain(a.n), [&a](int64_t begin, int64_t end) {
+    const int64_t n = a.n;
+    const T* input = static_cast<const T*>(a.input);
+    const T* residual = static_cast<const T*>(a.residual);
+    T* residual_out = static_cast<T*>(a.residual_out);
+    T* out = static_cast<T*>(a.out);
+    acc_t* rstd = static_cast<acc_t*>(a.rstd);
+    const int64_t input_stride = a.input_stride, residual_stride = a.residual_stride;
+    const T* weight = static_cast<const T*>(a.weight);
+    const acc_t eps = static_cast<acc_t>(a.eps), offset = static_cast<acc_t>(a.offset);
+    for (int64_t r = begin; r < end; ++r) {
+      forward_row<T, kHasWeight, kCasting>(
+          input + r * input_stride, residual ? residual + r * residual_stride : nullptr,
+          residual ? residual_out + r * n : nullptr, weight, out + r * n, rstd + r, n, eps, offset);
     }
   });
+}
+
+// dx for one row (plus grad_residual when given); adds this row's dw terms to `dw`.
+template <typename T, bool kHasWeight, Casting kCasting>
+void backward_row(const T* g, const T* x, const T* gr, const T* weight, T* dx,
+                  typename VecIO<T>::acc_t* dw, int64_t n, typename VecIO<T>::acc_t rstd_value,
+                  typename VecIO<T>::acc_t offset_value) {
+  using IO = VecIO<T>;
+  using acc_t = typename IO::acc_t;
+  using AV = typename IO::AV;
+  constexpr int P = IO::kParts;
+  constexpr int64_t S = IO::kStep;
+  const auto round = [](AV v) { return IO::round(v); };
+  const AV rstd(rstd_value);
+  const AV offset(offset_value);
+  const auto load_weight = [&](int64_t j, int64_t c, AV(&wv)[P]) {
+    if constexpr (kHasWeight) {
+      load_step<IO>(weight + j, c, wv);
+      for (int q = 0; q < P; ++q) wv[q] = wv[q] + offset;
+    } else {
+      for (int q = 0; q < P; ++q) wv[q] = AV(acc_t(1));
+    }
+  };
+
+  const acc_t dot = row_sum<IO>(n, [&](int64_t j, int64_t c, AV(&acc)[P]) {
+    AV gv[P], xv[P], wv[P];
+    load_step<IO>(g + j, c, gv);
+    load_step<IO>(x + j, c, xv);
+    load_weight(j, c, wv);
+    for (int q = 0; q < P; ++q) acc[q] = acc[q] + rms::backward_dot_term(gv[q], xv[q], rstd, wv[q]);
+  });
+  const AV mean_dot(dot / static_cast<acc_t>(n));
+
+  const auto pass2 = [&](int64_t j, int64_t c) {
+    AV gv[P], xv[P], wv[P], out[P];
+    load_step<IO>(g + j, c, gv);
+    load_step<IO>(x + j, c, xv);
+    load_weight(j, c, wv);
+    for (int q = 0; q < P; ++q) out[q] = rms::input_grad(gv[q], xv[q], rstd, wv[q], mean_dot);
+    if (gr != nullptr) {
+      AV gres[P];
+      load_step<IO>(gr + j, c, gres);
+      for (int q = 0; q < P; ++q) out[q] = out[q] + gres[q];
+    }
+    store_step<IO>(dx + j, c, out);
+    if (dw != nullptr) {
+      AV acc[P];
+      load_acc<IO>(dw + j, c, acc);
+      for (int q = 0; q < P; ++q) {
+        acc[q] = acc[q] + rms::weight_grad_term(gv[q], xv[q], rstd, kCasting, round);
+      }
+      store_acc<IO>(dw + j, c, acc);
+    }
+  };
+  int64_t j = 0;
+  for (; j + S <= n; j += S) pass2(j, S);
+  if (j < n) pass2(j, n - j);
 }
 
 template <typename T, bool kHasWeight, Casting kCasting>
@@ -91,10 +162,7 @@ void backward_rows(const RmsNormBackwardArgs& a) {
   constexpr int64_t S = IO::kStep;
   const int64_t n = a.n;
   const int64_t rows = a.rows;
-  const T* weight = static_cast<const T*>(a.weight);
-  const AV offset(static_cast<acc_t>(a.offset));
   const bool want_dw = kHasWeight && a.grad_weight != nullptr;
-  const auto round = [](AV v) { return IO::round(v); };
 
   // Rows are split into a fixed number of blocks that depends only on the
   // shape; each block sums its dw into its own buffer row and the buffers are
@@ -103,65 +171,26 @@ void backward_rows(const RmsNormBackwardArgs& a) {
   const int64_t blocks = std::max<int64_t>(1, std::min(rows, max_blocks));
   const int64_t rows_per_block = (rows + blocks - 1) / blocks;
   std::vector<acc_t> partial(want_dw ? static_cast<size_t>(blocks * n) : 0, acc_t(0));
+  acc_t* partial_data = partial.data();
 
   at::parallel_for(0, blocks, 1, [&](int64_t b_begin, int64_t b_end) {
+    const T* grad_out = static_cast<const T*>(a.grad_out);
+    const T* input = static_cast<const T*>(a.input);
+    const T* grad_res = static_cast<const T*>(a.grad_residual);
+    const T* weight = static_cast<const T*>(a.weight);
+    const acc_t* rstd = static_cast<const acc_t*>(a.rstd);
+    T* grad_input = static_cast<T*>(a.grad_input);
+    const int64_t g_stride = a.grad_out_stride, x_stride = a.input_stride;
+    const int64_t gr_stride = a.grad_residual_stride;
+    const acc_t offset = static_cast<acc_t>(a.offset);
     for (int64_t b = b_begin; b < b_end; ++b) {
-      acc_t* dw = want_dw ? partial.data() + b * n : nullptr;
+      acc_t* dw = want_dw ? partial_data + b * n : nullptr;
       const int64_t r_end = std::min(rows, (b + 1) * rows_per_block);
       for (int64_t r = b * rows_per_block; r < r_end; ++r) {
-        const T* g = static_cast<const T*>(a.grad_out) + r * a.grad_out_stride;
-        const T* x = static_cast<const T*>(a.input) + r * a.input_stride;
-        T* dx = static_cast<T*>(a.grad_input) + r * n;
-        const AV rstd(static_cast<const acc_t*>(a.rstd)[r]);
-
-        AV dot[P];
-        for (int q = 0; q < P; ++q) dot[q] = AV(acc_t(0));
-        for (int64_t j = 0; j < n; j += S) {
-          const int64_t c = std::min(S, n - j);
-          AV gv[P], xv[P], wv[P];
-          load_step<IO>(g + j, c, gv);
-          load_step<IO>(x + j, c, xv);
-          if constexpr (kHasWeight) {
-            load_step<IO>(weight + j, c, wv);
-            for (int q = 0; q < P; ++q) wv[q] = wv[q] + offset;
-          } else {
-            for (int q = 0; q < P; ++q) wv[q] = AV(acc_t(1));
-          }
-          for (int q = 0; q < P; ++q) dot[q] = dot[q] + rms::backward_dot_term(gv[q], xv[q], rstd, wv[q]);
-        }
-        for (int q = 1; q < P; ++q) dot[0] = dot[0] + dot[q];
-        const AV mean_dot(reduce_sum(dot[0]) / static_cast<acc_t>(n));
-
-        const T* gr = a.grad_residual == nullptr
-                          ? nullptr
-                          : static_cast<const T*>(a.grad_residual) + r * a.grad_residual_stride;
-        for (int64_t j = 0; j < n; j += S) {
-          const int64_t c = std::min(S, n - j);
-          AV gv[P], xv[P], wv[P], out[P];
-          load_step<IO>(g + j, c, gv);
-          load_step<IO>(x + j, c, xv);
-          if constexpr (kHasWeight) {
-            load_step<IO>(weight + j, c, wv);
-            for (int q = 0; q < P; ++q) wv[q] = wv[q] + offset;
-          } else {
-            for (int q = 0; q < P; ++q) wv[q] = AV(acc_t(1));
-          }
-          for (int q = 0; q < P; ++q) out[q] = rms::input_grad(gv[q], xv[q], rstd, wv[q], mean_dot);
-          if (gr != nullptr) {
-            AV gres[P];
-            load_step<IO>(gr + j, c, gres);
-            for (int q = 0; q < P; ++q) out[q] = out[q] + gres[q];
-          }
-          store_step<IO>(dx + j, c, out);
-          if (want_dw) {
-            AV acc[P];
-            load_acc<IO>(dw + j, c, acc);
-            for (int q = 0; q < P; ++q) {
-              acc[q] = acc[q] + rms::weight_grad_term(gv[q], xv[q], rstd, kCasting, round);
-            }
-            store_acc<IO>(dw + j, c, acc);
-          }
-        }
+        backward_row<T, kHasWeight, kCasting>(
+            grad_out + r * g_stride, input + r * x_stride,
+            grad_res ? grad_res + r * gr_stride : nullptr, weight, grad_input + r * n, dw, n,
+            rstd[r], offset);
       }
     }
   });
@@ -175,7 +204,7 @@ void backward_rows(const RmsNormBackwardArgs& a) {
       AV sum[P], part[P];
       for (int q = 0; q < P; ++q) sum[q] = AV(acc_t(0));
       for (int64_t b = 0; b < blocks; ++b) {
-        load_acc<IO>(partial.data() + b * n + j, c, part);
+        load_acc<IO>(partial_data + b * n + j, c, part);
         for (int q = 0; q < P; ++q) sum[q] = sum[q] + part[q];
       }
       store_step<IO>(grad_weight + j, c, sum);

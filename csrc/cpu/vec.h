@@ -54,9 +54,19 @@ struct VecIO<T, std::enable_if_t<std::is_same_v<T, c10::BFloat16> || std::is_sam
   }
   // Round to T and back: what a value becomes once stored in a T tensor.
   static AV round(AV v) {
-    auto [a, b] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v));
-    (void)b;
-    return a;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      // Round to nearest even on the float bits, without packing to 16 bits
+      // and back; NaN passes through unchanged.
+      using IV = Vectorized<int32_t>;
+      const IV bits = at::vec::cast<int32_t>(v);
+      const IV lsb = (bits >> IV(16)) & IV(1);
+      const IV rounded = (bits + IV(0x7FFF) + lsb) & IV(static_cast<int32_t>(0xFFFF0000u));
+      return AV::blendv(at::vec::cast<float>(rounded), v, v.isnan());
+    } else {
+      auto [a, b] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v));
+      (void)b;
+      return a;
+    }
   }
 
  private:
@@ -116,6 +126,33 @@ template <typename AV>
 inline typename AV::value_type reduce_sum(const AV& v) {
   return at::vec::vec_reduce_all<typename AV::value_type>(
       [](AV& a, AV& b) { return a + b; }, v);
+}
+
+// Sum over a row of n elements: `step(j, count, acc)` adds the terms of
+// elements [j, j + count) into `acc`. Four independent accumulator sets hide
+// the add latency; they are combined in a fixed order (same bits every run).
+template <typename IO, typename Step>
+inline typename IO::acc_t row_sum(int64_t n, Step&& step) {
+  using AV = typename IO::AV;
+  constexpr int P = IO::kParts;
+  constexpr int64_t S = IO::kStep;
+  constexpr int kUnroll = 4;
+  AV acc[kUnroll][P];
+  for (int u = 0; u < kUnroll; ++u) {
+    for (int q = 0; q < P; ++q) acc[u][q] = AV(typename IO::acc_t(0));
+  }
+  int64_t j = 0;
+  for (; j + kUnroll * S <= n; j += kUnroll * S) {
+    for (int u = 0; u < kUnroll; ++u) step(j + u * S, S, acc[u]);
+  }
+  for (; j < n; j += S) step(j, std::min(S, n - j), acc[0]);
+  AV total = acc[0][0];
+  for (int u = 0; u < kUnroll; ++u) {
+    for (int q = 0; q < P; ++q) {
+      if (u != 0 || q != 0) total = total + acc[u][q];
+    }
+  }
+  return reduce_sum(total);
 }
 
 }  // namespace CPU_CAPABILITY

@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.14.1
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-SOURCES := $(shell find csrc python -type f) CMakeLists.txt pyproject.toml
+SOURCES := $(shell find csrc python -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
 
 .PHONY: all venv deps build test test-fast demo bench clean
 
@@ -16,7 +16,6 @@ all: build
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --upgrade pip
 
 $(VENV)/.torch-installed: | $(BIN)/python
 	$(BIN)/pip install "$(TORCH_SPEC)"

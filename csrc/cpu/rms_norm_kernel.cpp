@@ -18,6 +18,19 @@ using rms::Casting;
 // Rows per parallel task: enough elements that scheduling costs stay small.
 inline int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)); }
 
+// offset + weight for elements [j, j + c), or ones without a weight.
+template <typename IO, bool kHasWeight, typename T>
+inline void load_scale(const T* weight, int64_t j, int64_t c, const typename IO::AV& offset,
+                       typename IO::AV (&out)[IO::kParts]) {
+  using AV = typename IO::AV;
+  if constexpr (kHasWeight) {
+    load_step<IO>(weight + j, c, out);
+    for (int q = 0; q < IO::kParts; ++q) out[q] = out[q] + offset;
+  } else {
+    for (int q = 0; q < IO::kParts; ++q) out[q] = AV(typename IO::acc_t(1));
+  }
+}
+
 // Per-row work takes every value as a parameter: the vector stores use
 // may-alias types, so anything read through a pointer or reference (e.g. a
 // lambda capture) would be re-read from memory after every store.
@@ -29,7 +42,6 @@ void forward_row(const T* x, const T* res, T* h, const T* weight, T* y,
   using acc_t = typename IO::acc_t;
   using AV = typename IO::AV;
   constexpr int P = IO::kParts;
-  constexpr int64_t S = IO::kStep;
   const auto round = [](AV v) { return IO::round(v); };
 
   // Pass 1 reads the row from memory; pass 2 finds it in cache.
@@ -58,21 +70,13 @@ void forward_row(const T* x, const T* res, T* h, const T* weight, T* y,
 
   const AV rstd_v(rstd);
   const AV offset(offset_value);
-  const auto pass2 = [&](int64_t j, int64_t c) {
+  row_for_each<IO>(n, [&](int64_t j, int64_t c) {
     AV v[P], w[P];
     load_step<IO>(src + j, c, v);
-    if constexpr (kHasWeight) {
-      load_step<IO>(weight + j, c, w);
-      for (int q = 0; q < P; ++q) w[q] = w[q] + offset;
-    } else {
-      for (int q = 0; q < P; ++q) w[q] = AV(acc_t(1));
-    }
+    load_scale<IO, kHasWeight>(weight, j, c, offset, w);
     for (int q = 0; q < P; ++q) v[q] = rms::forward_value(v[q], rstd_v, w[q], kCasting, round);
     store_step<IO>(y + j, c, v);
-  };
-  int64_t j = 0;
-  for (; j + S <= n; j += S) pass2(j, S);
-  if (j < n) pass2(j, n - j);
+  });
 }
 
 template <typename T, bool kHasWeight, Casting kCasting>
@@ -105,33 +109,24 @@ void backward_row(const T* g, const T* x, const T* gr, const T* weight, T* dx,
   using acc_t = typename IO::acc_t;
   using AV = typename IO::AV;
   constexpr int P = IO::kParts;
-  constexpr int64_t S = IO::kStep;
   const auto round = [](AV v) { return IO::round(v); };
   const AV rstd(rstd_value);
   const AV offset(offset_value);
-  const auto load_weight = [&](int64_t j, int64_t c, AV(&wv)[P]) {
-    if constexpr (kHasWeight) {
-      load_step<IO>(weight + j, c, wv);
-      for (int q = 0; q < P; ++q) wv[q] = wv[q] + offset;
-    } else {
-      for (int q = 0; q < P; ++q) wv[q] = AV(acc_t(1));
-    }
-  };
 
   const acc_t dot = row_sum<IO>(n, [&](int64_t j, int64_t c, AV(&acc)[P]) {
     AV gv[P], xv[P], wv[P];
     load_step<IO>(g + j, c, gv);
     load_step<IO>(x + j, c, xv);
-    load_weight(j, c, wv);
+    load_scale<IO, kHasWeight>(weight, j, c, offset, wv);
     for (int q = 0; q < P; ++q) acc[q] = acc[q] + rms::backward_dot_term(gv[q], xv[q], rstd, wv[q]);
   });
   const AV mean_dot(dot / static_cast<acc_t>(n));
 
-  const auto pass2 = [&](int64_t j, int64_t c) {
+  row_for_each<IO>(n, [&](int64_t j, int64_t c) {
     AV gv[P], xv[P], wv[P], out[P];
     load_step<IO>(g + j, c, gv);
     load_step<IO>(x + j, c, xv);
-    load_weight(j, c, wv);
+    load_scale<IO, kHasWeight>(weight, j, c, offset, wv);
     for (int q = 0; q < P; ++q) out[q] = rms::input_grad(gv[q], xv[q], rstd, wv[q], mean_dot);
     if (gr != nullptr) {
       AV gres[P];
@@ -147,10 +142,7 @@ void backward_row(const T* g, const T* x, const T* gr, const T* weight, T* dx,
       }
       store_acc<IO>(dw + j, c, acc);
     }
-  };
-  int64_t j = 0;
-  for (; j + S <= n; j += S) pass2(j, S);
-  if (j < n) pass2(j, n - j);
+  });
 }
 
 template <typename T, bool kHasWeight, Casting kCasting>

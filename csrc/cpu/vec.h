@@ -128,6 +128,15 @@ inline typename AV::value_type reduce_sum(const AV& v) {
       [](AV& a, AV& b) { return a + b; }, v);
 }
 
+// Calls `step(j, count)` over a row of n elements in kStep chunks (the last
+// one shorter when n is not a multiple of kStep).
+template <typename IO, typename Step>
+inline void row_for_each(int64_t n, Step&& step) {
+  int64_t j = 0;
+  for (; j + IO::kStep <= n; j += IO::kStep) step(j, IO::kStep);
+  if (j < n) step(j, n - j);
+}
+
 // Sum over a row of n elements: `step(j, count, acc)` adds the terms of
 // elements [j, j + count) into `acc`. Four independent accumulator sets hide
 // the add latency; they are combined in a fixed order (same bits every run).

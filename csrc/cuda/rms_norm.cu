@@ -205,105 +205,78 @@ void with_variant(int vec, bool has_weight, Casting casting, F&& f) {
   }
 }
 
-void launch_forward(const RmsNormForwardPlan& p, double eps, double offset) {
-  if (p.empty()) return;
-  const c10::cuda::CUDAGuard guard(p.x.device());
-  const int64_t rows = p.x.size(0);
-  const int64_t n = p.n;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.x.scalar_type(), "fusedllm_rms_norm_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* x = p.x.const_data_ptr<scalar_t>();
-    const scalar_t* res = p.residual.defined() ? p.residual.const_data_ptr<scalar_t>() : nullptr;
-    const scalar_t* w = p.weight.defined() ? p.weight.const_data_ptr<scalar_t>() : nullptr;
-    scalar_t* h = p.residual_out.defined() ? p.residual_out.mutable_data_ptr<scalar_t>() : nullptr;
-    const int vec = pack_width<scalar_t>(
-        n, {{x, p.x.stride(0)}, {res, res ? p.residual.stride(0) : 0}, {w, 0},
-            {p.out.const_data_ptr(), n}, {h, n}});
-    const int threads = threads_for(n, vec);
-    const int blocks = static_cast<int>(std::min<int64_t>(rows, max_blocks(8)));
-    with_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
-      rms_norm_forward_kernel<scalar_t, decltype(V)::value, decltype(W)::value, decltype(C)::value>
-          <<<blocks, threads, 0, stream>>>(
-              x, p.x.stride(0), res, res ? p.residual.stride(0) : 0, w,
-              p.out.mutable_data_ptr<scalar_t>(), h, p.rstd.mutable_data_ptr<acc_t>(), rows, n,
-              static_cast<acc_t>(eps), static_cast<acc_t>(offset));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+struct CudaRmsNorm {
+  static void forward(const RmsNormForwardPlan& p, double eps, double offset) {
+    const c10::cuda::CUDAGuard guard(p.x.device());
+    const int64_t rows = p.x.size(0);
+    const int64_t n = p.n;
+    auto stream = at::cuda::getCurrentCUDAStream();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.x.scalar_type(), "fusedllm_rms_norm_cuda", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const scalar_t* x = p.x.const_data_ptr<scalar_t>();
+      const scalar_t* res = p.residual.defined() ? p.residual.const_data_ptr<scalar_t>() : nullptr;
+      const scalar_t* w = p.weight.defined() ? p.weight.const_data_ptr<scalar_t>() : nullptr;
+      scalar_t* h = p.residual_out.defined() ? p.residual_out.mutable_data_ptr<scalar_t>() : nullptr;
+      const int vec = pack_width<scalar_t>(
+          n, {{x, p.x.stride(0)}, {res, res ? p.residual.stride(0) : 0}, {w, 0},
+              {p.out.const_data_ptr(), n}, {h, n}});
+      const int threads = threads_for(n, vec);
+      const int blocks = static_cast<int>(std::min<int64_t>(rows, max_blocks(8)));
+      with_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
+        rms_norm_forward_kernel<scalar_t, decltype(V)::value, decltype(W)::value, decltype(C)::value>
+            <<<blocks, threads, 0, stream>>>(
+                x, p.x.stride(0), res, res ? p.residual.stride(0) : 0, w,
+                p.out.mutable_data_ptr<scalar_t>(), h, p.rstd.mutable_data_ptr<acc_t>(), rows, n,
+                static_cast<acc_t>(eps), static_cast<acc_t>(offset));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     });
-  });
-}
-
-std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& input,
-                                            const std::optional<at::Tensor>& weight, double eps,
-                                            double offset, c10::string_view casting) {
-  auto p = plan_rms_norm_forward("fusedllm.rms_norm", input, std::nullopt, weight, eps, offset,
-                                 casting);
-  launch_forward(p, eps, offset);
-  return {p.out, p.rstd};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm(
-    const at::Tensor& input, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
-    double eps, double offset, c10::string_view casting) {
-  auto p = plan_rms_norm_forward("fusedllm.fused_add_rms_norm", input, residual, weight, eps,
-                                 offset, casting);
-  launch_forward(p, eps, offset);
-  return {p.out, p.residual_out, p.rstd};
-}
-
-std::tuple<at::Tensor, at::Tensor> rms_norm_backward(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& rstd,
-    const std::optional<at::Tensor>& weight, double offset, c10::string_view casting,
-    const std::optional<at::Tensor>& grad_residual, bool compute_weight_grad) {
-  auto p = plan_rms_norm_backward(grad_out, input, rstd, weight, offset, casting, grad_residual,
-                                  compute_weight_grad);
-  if (p.empty()) return {p.grad_input, p.grad_weight};
-  const c10::cuda::CUDAGuard guard(p.x.device());
-  const int64_t rows = p.x.size(0);
-  const int64_t n = p.n;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  const int blocks = static_cast<int>(std::min<int64_t>(rows, max_blocks(2)));
-  at::Tensor partial;
-  if (p.want_weight_grad) {
-    partial = at::zeros({blocks, n}, p.x.options().dtype(rstd_dtype(p.x)));
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.x.scalar_type(), "fusedllm_rms_norm_backward_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const scalar_t* g = p.grad_out.const_data_ptr<scalar_t>();
-    const scalar_t* x = p.x.const_data_ptr<scalar_t>();
-    const scalar_t* w = p.weight.defined() ? p.weight.const_data_ptr<scalar_t>() : nullptr;
-    const scalar_t* gr =
-        p.grad_residual.defined() ? p.grad_residual.const_data_ptr<scalar_t>() : nullptr;
-    const int vec = pack_width<scalar_t>(
-        n, {{g, p.grad_out.stride(0)}, {x, p.x.stride(0)}, {w, 0},
-            {gr, gr ? p.grad_residual.stride(0) : 0}, {p.grad_input.const_data_ptr(), n}});
-    const int threads = threads_for(n, vec);
-    acc_t* partial_ptr = partial.defined() ? partial.mutable_data_ptr<acc_t>() : nullptr;
-    with_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
-      rms_norm_backward_kernel<scalar_t, decltype(V)::value, decltype(W)::value, decltype(C)::value>
-          <<<blocks, threads, 0, stream>>>(
-              g, p.grad_out.stride(0), x, p.x.stride(0), p.rstd.const_data_ptr<acc_t>(), w, gr,
-              gr ? p.grad_residual.stride(0) : 0, p.grad_input.mutable_data_ptr<scalar_t>(),
-              partial_ptr, rows, n, static_cast<acc_t>(offset));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-    if (partial_ptr != nullptr) {
-      const int threads_sum = 256;
-      const int blocks_sum = static_cast<int>(std::min<int64_t>((n + threads_sum - 1) / threads_sum, 65535));
-      sum_partials_kernel<scalar_t><<<blocks_sum, threads_sum, 0, stream>>>(
-          partial_ptr, blocks, n, p.grad_weight.mutable_data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  static void backward(const RmsNormBackwardPlan& p, double offset) {
+    const c10::cuda::CUDAGuard guard(p.x.device());
+    const int64_t rows = p.x.size(0);
+    const int64_t n = p.n;
+    auto stream = at::cuda::getCurrentCUDAStream();
+    const int blocks = static_cast<int>(std::min<int64_t>(rows, max_blocks(2)));
+    at::Tensor partial;
+    if (p.want_weight_grad) {
+      partial = at::zeros({blocks, n}, p.x.options().dtype(rstd_dtype(p.x)));
     }
-  });
-  return {p.grad_input, p.grad_weight};
-}
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.x.scalar_type(), "fusedllm_rms_norm_backward_cuda", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const scalar_t* g = p.grad_out.const_data_ptr<scalar_t>();
+      const scalar_t* x = p.x.const_data_ptr<scalar_t>();
+      const scalar_t* w = p.weight.defined() ? p.weight.const_data_ptr<scalar_t>() : nullptr;
+      const scalar_t* gr =
+          p.grad_residual.defined() ? p.grad_residual.const_data_ptr<scalar_t>() : nullptr;
+      const int vec = pack_width<scalar_t>(
+          n, {{g, p.grad_out.stride(0)}, {x, p.x.stride(0)}, {w, 0},
+              {gr, gr ? p.grad_residual.stride(0) : 0}, {p.grad_input.const_data_ptr(), n}});
+      const int threads = threads_for(n, vec);
+      acc_t* partial_ptr = partial.defined() ? partial.mutable_data_ptr<acc_t>() : nullptr;
+      with_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
+        rms_norm_backward_kernel<scalar_t, decltype(V)::value, decltype(W)::value, decltype(C)::value>
+            <<<blocks, threads, 0, stream>>>(
+                g, p.grad_out.stride(0), x, p.x.stride(0), p.rstd.const_data_ptr<acc_t>(), w, gr,
+                gr ? p.grad_residual.stride(0) : 0, p.grad_input.mutable_data_ptr<scalar_t>(),
+                partial_ptr, rows, n, static_cast<acc_t>(offset));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+      if (partial_ptr != nullptr) {
+        const int threads_sum = 256;
+        const int blocks_sum =
+            static_cast<int>(std::min<int64_t>((n + threads_sum - 1) / threads_sum, 65535));
+        sum_partials_kernel<scalar_t><<<blocks_sum, threads_sum, 0, stream>>>(
+            partial_ptr, blocks, n, p.grad_weight.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    });
+  }
+};
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fusedllm, CUDA, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
-  m.impl("rms_norm_backward", &rms_norm_backward);
-}
+TORCH_LIBRARY_IMPL(fusedllm, CUDA, m) { FUSEDLLM_IMPL_RMS_NORM_OPS(m, CudaRmsNorm); }
 
 }  // namespace fusedllm::cuda

@@ -7,6 +7,7 @@
 #include <limits>
 #include <optional>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "fusedllm/rms_norm.h"
@@ -152,4 +153,48 @@ inline RmsNormBackwardPlan plan_rms_norm_backward(
   return p;
 }
 
+// The three operators for one device. `Impl` provides
+//   static void forward(const RmsNormForwardPlan&, double eps, double offset);
+//   static void backward(const RmsNormBackwardPlan&, double offset);
+// which run the kernels on non-empty plans.
+template <typename Impl>
+struct RmsNormOps {
+  static std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& input,
+                                                     const std::optional<at::Tensor>& weight,
+                                                     double eps, double offset,
+                                                     c10::string_view casting) {
+    auto p = plan_rms_norm_forward("fusedllm.rms_norm", input, std::nullopt, weight, eps, offset,
+                                   casting);
+    if (!p.empty()) Impl::forward(p, eps, offset);
+    return {p.out, p.rstd};
+  }
+
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm(
+      const at::Tensor& input, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
+      double eps, double offset, c10::string_view casting) {
+    auto p = plan_rms_norm_forward("fusedllm.fused_add_rms_norm", input, residual, weight, eps,
+                                   offset, casting);
+    if (!p.empty()) Impl::forward(p, eps, offset);
+    return {p.out, p.residual_out, p.rstd};
+  }
+
+  static std::tuple<at::Tensor, at::Tensor> rms_norm_backward(
+      const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& rstd,
+      const std::optional<at::Tensor>& weight, double offset, c10::string_view casting,
+      const std::optional<at::Tensor>& grad_residual, bool compute_weight_grad) {
+    auto p = plan_rms_norm_backward(grad_out, input, rstd, weight, offset, casting, grad_residual,
+                                    compute_weight_grad);
+    if (!p.empty()) Impl::backward(p, offset);
+    return {p.grad_input, p.grad_weight};
+  }
+};
+
 }  // namespace fusedllm
+
+// Registers the rms_norm operators of one dispatch key; use inside TORCH_LIBRARY_IMPL.
+#define FUSEDLLM_IMPL_RMS_NORM_OPS(m, Impl)                                           \
+  do {                                                                                \
+    (m).impl("rms_norm", &::fusedllm::RmsNormOps<Impl>::rms_norm);                    \
+    (m).impl("fused_add_rms_norm", &::fusedllm::RmsNormOps<Impl>::fused_add_rms_norm); \
+    (m).impl("rms_norm_backward", &::fusedllm::RmsNormOps<Impl>::rms_norm_backward);  \
+  } while (0)

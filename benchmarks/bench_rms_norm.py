@@ -19,23 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 import fusedllm  # noqa: E402
-from harness import Report, copy_bandwidth, interleaved_medians, machine_description  # noqa: E402
-
-
-class NotebookRMSNorm(nn.Module):
-    """RMSNorm the way the notebooks write it: float32 statistics, cast back, scale."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+from reference import NotebookRMSNorm  # noqa: E402  (the notebooks' eager module)
+from harness import (Report, copy_bandwidth, forward_backward, forward_only,  # noqa: E402
+                     interleaved_medians, machine_description)
 
 
 class TorchRMSNorm(nn.Module):
@@ -84,20 +73,10 @@ def bench_case(rows, dim, dtype, device, reps, with_compile):
     for mode in ("forward", "forward+backward"):
         xr = x.clone().requires_grad_(mode != "forward")
 
-        def forward_only(m):
-            def run():
-                with torch.no_grad():
-                    m(x)
-            return run
-
-        def forward_backward(m):
-            def run():
-                xr.grad = None
-                m(xr).backward(g)
-            return run
-
-        wrap = forward_only if mode == "forward" else forward_backward
-        candidates = {k: wrap(m) for k, m in modules.items()}
+        if mode == "forward":
+            candidates = {k: forward_only(m, x) for k, m in modules.items()}
+        else:
+            candidates = {k: forward_backward(m, [xr], g) for k, m in modules.items()}
         # An allocating copy: what any op returning a new tensor of this size pays.
         candidates["clone"] = lambda: x.clone()
         times = interleaved_medians(candidates, device, reps)

@@ -61,12 +61,56 @@ def interleaved_medians(candidates: dict, device: torch.device, reps: int, warmu
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def forward_only(fn, *inputs):
+    """A zero-argument callable running fn(*inputs) without autograd."""
+    def run():
+        with torch.no_grad():
+            fn(*inputs)
+    return run
+
+
+def forward_backward(fn, inputs, grad):
+    """A zero-argument callable running fn(*inputs).backward(grad), clearing the
+    inputs' gradients first (module parameters accumulate, as in training)."""
+    def run():
+        for t in inputs:
+            t.grad = None
+        fn(*inputs).backward(grad)
+    return run
+
+
 def copy_bandwidth(nbytes: int, device: torch.device, reps: int = 30) -> float:
     """Bytes per second of `dst.copy_(src)` (read + write) for a buffer of nbytes."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     t = interleaved_medians({"copy": lambda: dst.copy_(src)}, device, reps)["copy"]
     return 2 * src.numel() * 4 / t
+
+
+def peak_memory(fn, device: torch.device) -> int:
+    """Peak bytes allocated by `fn` above what was allocated before it.
+
+    On a GPU: CUDA's allocator statistics. On a CPU (torch keeps no counters
+    there): the profiler's per-op allocations and frees, summed in time order.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage),
+                    key=lambda e: e.time_range.start)
+    current = peak = 0
+    for event in events:
+        current += event.self_cpu_memory_usage
+        peak = max(peak, current)
+    return peak
 
 
 def machine_description(device: torch.device) -> str:

@@ -23,6 +23,15 @@ TORCH_LIBRARY(fusedllm, m) {
   m.def("rms_norm_backward(Tensor grad_out, Tensor input, Tensor rstd, Tensor? weight, "
         "float offset, str casting, Tensor? grad_residual, bool compute_weight_grad)"
         " -> (Tensor grad_input, Tensor grad_weight)");
+
+  // h = act(gate) * up with act in {"silu", "gelu_tanh"}; float32 math inside.
+  m.def("swiglu(Tensor gate, Tensor up, str activation) -> Tensor");
+  // The same from one [..., 2F] tensor laid out [gate | up] (one fused projection).
+  m.def("swiglu_packed(Tensor gate_up, str activation) -> Tensor");
+  // Backward ops recompute the activation from the inputs.
+  m.def("swiglu_backward(Tensor grad_out, Tensor gate, Tensor up, str activation)"
+        " -> (Tensor grad_gate, Tensor grad_up)");
+  m.def("swiglu_packed_backward(Tensor grad_out, Tensor gate_up, str activation) -> Tensor");
 }
 
 namespace py = pybind11;

@@ -108,7 +108,8 @@ def test_every_cpu_variant_this_machine_runs_matches_reference(isa):
     # ATEN_CPU_CAPABILITY caps torch's choice, and fusedllm follows it.
     res = run_python(f"""
         import torch, fusedllm
-        from reference import rms_norm, FORWARD_TOL
+        from reference import rms_norm
+        from checks import FORWARD_TOL
         assert fusedllm.build_info()["cpu_isa_active"] == "{isa}", fusedllm.build_info()
         for dt in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
             for n in (1, 7, 33, 4097):

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fusedllm
-from reference import FORWARD_TOL, GRAD_TOL, fused_add_rms_norm as ref_fused_add
+from checks import FORWARD_TOL, GRAD_TOL, assert_close
+from reference import fused_add_rms_norm as ref_fused_add
 from reference import rms_norm as ref_rms_norm
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -15,14 +16,6 @@ ROWS = [0, 1, 37]
 # (casting, offset, with_weight): without a weight the casting makes no difference.
 VARIANTS = [("llama", 0.0, True), ("gemma", 0.0, True), ("llama", 1.0, True),
             ("gemma", 1.0, True), ("llama", 0.0, False)]
-
-
-def assert_close(actual, expected, tol):
-    """assert_close with atol relative to the largest expected magnitude."""
-    atol, rtol = tol
-    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
-    torch.testing.assert_close(actual, expected.to(actual.dtype), atol=atol * scale, rtol=rtol,
-                               equal_nan=True)
 
 
 def reference_grads(x, weight, grad_out, eps, offset, residual=None):

@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 
 namespace fusedllm::cuda {
 
@@ -36,6 +38,18 @@ __device__ __forceinline__ T block_reduce_sum(T v, T* scratch) {
   return warp_reduce_sum(total);
 }
 
+// Grid-stride loop over a [rows, cols] index space: body(row, col) once per
+// element, consecutive threads on consecutive columns (coalesced rows).
+template <typename Body>
+__device__ __forceinline__ void grid_stride_2d(int64_t rows, int64_t cols, Body&& body) {
+  const int64_t total = rows * cols;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols;
+    body(r, i - r * cols);
+  }
+}
+
 // kN consecutive elements moved as one aligned access.
 template <typename T, int kN>
 struct alignas(sizeof(T) * kN) Pack {
@@ -56,6 +70,19 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, kN>& pack) {
 template <typename T, int kN>
 inline bool pack_aligned(const void* p) {
   return reinterpret_cast<std::uintptr_t>(p) % (sizeof(T) * kN) == 0;
+}
+
+// Elements per access for [rows, n] operands given as (pointer, row stride):
+// a 16-byte pack when n, every stride and every pointer allow it, else 1.
+// Null pointers (absent operands) are ignored.
+template <typename T>
+inline int pack_width(int64_t n, std::initializer_list<std::pair<const void*, int64_t>> operands) {
+  constexpr int kWide = 16 / sizeof(T);
+  if (n % kWide != 0) return 1;
+  for (const auto& [ptr, stride] : operands) {
+    if (ptr != nullptr && (!pack_aligned<T, kWide>(ptr) || stride % kWide != 0)) return 1;
+  }
+  return kWide;
 }
 
 // The block's dynamic shared memory as an array of T (size set at launch).

@@ -162,17 +162,6 @@ __global__ void sum_partials_kernel(const at::opmath_type<T>* __restrict__ parti
   }
 }
 
-// Pack width: 16 bytes when every row start is 16-byte aligned, else 1 element.
-template <typename T>
-int pack_width(int64_t n, std::initializer_list<std::pair<const void*, int64_t>> rows) {
-  constexpr int kWide = 16 / sizeof(T);
-  if (n % kWide != 0) return 1;
-  for (const auto& [ptr, stride] : rows) {
-    if (ptr != nullptr && (!pack_aligned<T, kWide>(ptr) || stride % kWide != 0)) return 1;
-  }
-  return kWide;
-}
-
 int threads_for(int64_t n, int vec) {
   const int64_t packs = (n + vec - 1) / vec;
   const int64_t warps = std::clamp<int64_t>((packs + kWarpSize - 1) / kWarpSize, 1, 32);

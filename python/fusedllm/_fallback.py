@@ -29,3 +29,19 @@ def fused_add_rms_norm(input, residual, weight, eps, offset, casting):
     h = input + residual
     out, rstd = _rms_scale(h, weight, eps, offset, casting)
     return out, h, rstd
+
+
+def _activation(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return torch.nn.functional.silu(x)
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def swiglu(gate, up, activation):
+    acc = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    return (_activation(gate.to(acc), activation) * up.to(acc)).to(gate.dtype)
+
+
+def swiglu_packed(gate_up, activation):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return swiglu(gate, up, activation)

@@ -72,5 +72,51 @@ def _register_rms_norm() -> None:
         "fusedllm::fused_add_rms_norm", _fused_add_grad, setup_context=_fused_add_setup)
 
 
+def _register_swiglu() -> None:
+    ops = torch.ops.fusedllm
+
+    @torch.library.register_fake("fusedllm::swiglu")
+    def _swiglu_fake(gate, up, activation):
+        return gate.new_empty(gate.shape)
+
+    @torch.library.register_fake("fusedllm::swiglu_packed")
+    def _swiglu_packed_fake(gate_up, activation):
+        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+    @torch.library.register_fake("fusedllm::swiglu_backward")
+    def _swiglu_backward_fake(grad_out, gate, up, activation):
+        return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+    @torch.library.register_fake("fusedllm::swiglu_packed_backward")
+    def _swiglu_packed_backward_fake(grad_out, gate_up, activation):
+        return gate_up.new_empty(gate_up.shape)
+
+    # Only the inputs are saved: backward recomputes the activation.
+    def _swiglu_setup(ctx, inputs, output):
+        gate, up, activation = inputs
+        ctx.save_for_backward(gate, up)
+        ctx.activation = activation
+
+    def _swiglu_grad(ctx, grad_out):
+        gate, up = ctx.saved_tensors
+        grad_gate, grad_up = ops.swiglu_backward(grad_out, gate, up, ctx.activation)
+        return grad_gate, grad_up, None
+
+    torch.library.register_autograd("fusedllm::swiglu", _swiglu_grad, setup_context=_swiglu_setup)
+
+    def _swiglu_packed_setup(ctx, inputs, output):
+        gate_up, activation = inputs
+        ctx.save_for_backward(gate_up)
+        ctx.activation = activation
+
+    def _swiglu_packed_grad(ctx, grad_out):
+        (gate_up,) = ctx.saved_tensors
+        return ops.swiglu_packed_backward(grad_out, gate_up, ctx.activation), None
+
+    torch.library.register_autograd(
+        "fusedllm::swiglu_packed", _swiglu_packed_grad, setup_context=_swiglu_packed_setup)
+
+
 if has_extension():
     _register_rms_norm()
+    _register_swiglu()

@@ -96,3 +96,42 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     impl = torch.ops.fusedllm.fused_add_rms_norm if has_extension() else _fallback.fused_add_rms_norm
     out, residual_out, _rstd = impl(x, residual, weight, eps, offset, casting)
     return out, residual_out
+
+
+_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+    """Gated activation ``act(gate) * up``, computed in float32 (float64 for float64).
+
+    ``activation`` is ``"silu"`` (SwiGLU: Llama, Mistral, Qwen) or ``"gelu_tanh"``
+    (GeGLU with the tanh approximation: Gemma). With ``up=None``, ``gate`` is one
+    packed ``[..., 2 * F]`` tensor laid out ``[gate | up]`` (the output of a single
+    fused projection) and the result is ``[..., F]``. Backward recomputes the
+    activation from the inputs, so nothing else is kept for it.
+    """
+    op = "fusedllm.swiglu"
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be 'silu' or 'gelu_tanh', got {activation!r}")
+    if up is None:
+        _require_tensor(op, "gate", gate)
+        _require_float(op, "gate", gate)
+        if gate.dim() < 1 or gate.shape[-1] % 2 != 0:
+            raise ValueError(
+                f"{op}: with up=None, gate must be packed [..., 2 * F] as [gate | up]; "
+                f"got shape {list(gate.shape)} whose last dim is not even")
+        if has_extension():
+            return torch.ops.fusedllm.swiglu_packed(gate, activation)
+        return _fallback.swiglu_packed(gate, activation)
+    _require_tensor(op, "gate", gate)
+    _require_tensor(op, "up", up)
+    _require_float(op, "gate", gate)
+    _require_like(op, "up", up, "gate", gate)
+    if gate.shape != up.shape:
+        raise ValueError(
+            f"{op}: gate and up must have the same shape, got {list(gate.shape)} and {list(up.shape)}")
+    if gate.dim() < 1:
+        raise ValueError(f"{op}: gate must have at least one dimension, got a 0-d tensor")
+    if has_extension():
+        return torch.ops.fusedllm.swiglu(gate, up, activation)
+    return _fallback.swiglu(gate, up, activation)

@@ -1,0 +1,140 @@
+"""SwiGLU: the gating op against eager `F.silu(g) * u` and torch.compile of it, and
+the gated MLP module against the notebook's SwiGLU module and torch.compile of it.
+
+    python benchmarks/bench_swiglu.py            # full tables -> benchmarks/results/
+    python benchmarks/bench_swiglu.py --quick    # small sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
+import fusedllm  # noqa: E402
+from harness import (Report, copy_bandwidth, forward_backward, forward_only,  # noqa: E402
+                     interleaved_medians, machine_description, peak_memory)
+from reference import NotebookSwiGLU  # noqa: E402  (the notebook's eager module)
+
+
+def eager_gate(g, u):
+    return F.silu(g) * u
+
+
+def bench_op(rows, features, dtype, device, reps, with_compile):
+    g = torch.randn(rows, features, dtype=dtype, device=device)
+    u = torch.randn_like(g)
+    dh = torch.randn_like(g)
+    size = g.numel() * g.element_size()
+    copy_bps = copy_bandwidth(size, device)
+    fns = {"eager": eager_gate, "fusedllm": fusedllm.swiglu}
+    if with_compile:
+        fns["compile"] = torch.compile(eager_gate, fullgraph=True)
+    max_diff = (fns["eager"](g, u).float() - fusedllm.swiglu(g, u).float()).abs().max().item()
+    rows_out = []
+    for mode in ("forward", "forward+backward"):
+        if mode == "forward":
+            candidates = {k: forward_only(f, g, u) for k, f in fns.items()}
+            moved = 3 * size  # read gate and up, write h
+        else:
+            gr, ur = g.clone().requires_grad_(), u.clone().requires_grad_()
+            candidates = {k: forward_backward(f, [gr, ur], dh) for k, f in fns.items()}
+            moved = 8 * size  # forward 3, backward reads dh, gate, up and writes two grads
+        times = interleaved_medians(candidates, device, reps)
+        t = times["fusedllm"]
+        rows_out.append(dict(
+            case=f"{rows}x{features} {str(dtype).replace('torch.', '')} {'fwd' if mode == 'forward' else 'fwd+bwd'}",
+            kind="op", mode=mode, dtype=str(dtype), shape=[rows, features],
+            eager_ms=times["eager"] * 1e3, compile_ms=times["compile"] * 1e3 if "compile" in times else None,
+            fused_ms=t * 1e3, vs_eager=times["eager"] / t,
+            vs_compile=times["compile"] / t if "compile" in times else None,
+            fused_gbps=moved / t / 1e9, copy_gbps=copy_bps / 1e9, pct_copy=100 * moved / t / copy_bps,
+            max_abs_diff=max_diff))
+    return rows_out
+
+
+def bench_mlp(tokens, hidden, intermediate, dtype, device, reps, with_compile):
+    eager = NotebookSwiGLU(hidden, intermediate).to(device=device, dtype=dtype)
+    fused = fusedllm.nn.SwiGLU(hidden, intermediate).to(device=device, dtype=dtype)
+    fused.load_state_dict(eager.state_dict())
+    modules = {"eager": eager, "fusedllm": fused}
+    if with_compile:
+        src = NotebookSwiGLU(hidden, intermediate).to(device=device, dtype=dtype)
+        src.load_state_dict(eager.state_dict())
+        modules["compile"] = torch.compile(src, fullgraph=True)
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    max_diff = (eager(x).float() - fused(x).float()).abs().max().item()
+    candidates = {k: forward_backward(m, [x], grad) for k, m in modules.items()}
+    times = interleaved_medians(candidates, device, reps, warmup=2)
+    peaks = {k: peak_memory(fn, device) for k, fn in candidates.items()}
+    t = times["fusedllm"]
+    return [dict(
+        case=f"MLP {tokens}x{hidden}->{intermediate} {str(dtype).replace('torch.', '')} fwd+bwd",
+        kind="mlp", mode="forward+backward", dtype=str(dtype),
+        eager_ms=times["eager"] * 1e3, compile_ms=times["compile"] * 1e3 if "compile" in times else None,
+        fused_ms=t * 1e3, vs_eager=times["eager"] / t,
+        vs_compile=times["compile"] / t if "compile" in times else None,
+        eager_peak_mb=peaks["eager"] / 2**20, fused_peak_mb=peaks["fusedllm"] / 2**20,
+        compile_peak_mb=peaks["compile"] / 2**20 if "compile" in peaks else None,
+        max_abs_diff=max_diff)]
+
+
+COLUMNS = [
+    ("case", "case", "s"),
+    ("eager_ms", "eager ms", ".2f"),
+    ("compile_ms", "compile ms", ".2f"),
+    ("fused_ms", "fusedllm ms", ".2f"),
+    ("vs_eager", "× eager", ".2f"),
+    ("vs_compile", "× compile", ".2f"),
+    ("fused_gbps", "fusedllm GB/s", ".1f"),
+    ("pct_copy", "% of copy", ".0f"),
+    ("eager_peak_mb", "eager peak MiB", ".0f"),
+    ("compile_peak_mb", "compile peak MiB", ".0f"),
+    ("fused_peak_mb", "fusedllm peak MiB", ".0f"),
+]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    parser.add_argument("--reps", type=int, default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    compile_ = not args.no_compile
+    if args.quick:
+        op_shapes, mlp_shape, reps = [(1024, 2816)], (512, 256, 704), args.reps or 10
+    else:
+        op_shapes, mlp_shape, reps = [(4096, 11008), (16384, 2816)], (4096, 1024, 2816), args.reps or 15
+
+    print(f"fusedllm {fusedllm.backend()} on {machine_description(device)}")
+    report = Report("swiglu", machine_description(device))
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, features in op_shapes:
+            for row in bench_op(rows, features, dtype, device, reps, compile_):
+                report.add(**row)
+                print(f"  {row['case']:<34} fused {row['fused_ms']:8.2f} ms  x{row['vs_eager']:.2f} eager  "
+                      + (f"x{row['vs_compile']:.2f} compile  " if row["vs_compile"] else "")
+                      + f"{row['fused_gbps']:.1f} GB/s ({row['pct_copy']:.0f}% of copy at {row['copy_gbps']:.1f})")
+    for dtype in (torch.float32, torch.bfloat16):
+        for row in bench_mlp(*mlp_shape, dtype, device, max(3, reps // 3), compile_):
+            report.add(**row)
+            print(f"  {row['case']:<34} fused {row['fused_ms']:8.2f} ms  x{row['vs_eager']:.2f} eager  "
+                  + (f"x{row['vs_compile']:.2f} compile  " if row["vs_compile"] else "")
+                  + f"peak MiB eager {row['eager_peak_mb']:.0f} fused {row['fused_peak_mb']:.0f}"
+                  + (f" compile {row['compile_peak_mb']:.0f}" if row["compile_peak_mb"] is not None else ""))
+    paths = report.write(COLUMNS, "vs_eager", "speedup over eager", suffix="_quick" if args.quick else "")
+    print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}\n")
+    print(paths["table"])
+
+
+if __name__ == "__main__":
+    main()

@@ -32,6 +32,16 @@ TORCH_LIBRARY(fusedllm, m) {
   m.def("swiglu_backward(Tensor grad_out, Tensor gate, Tensor up, str activation)"
         " -> (Tensor grad_gate, Tensor grad_up)");
   m.def("swiglu_packed_backward(Tensor grad_out, Tensor gate_up, str activation) -> Tensor");
+
+  // Rotates q [B, Hq, S, D] and k [B, Hkv, S, D] by the angles of cos/sin tables
+  // ([positions, rotary_dim / 2] looked up at position_ids or offset + s, or
+  // per-token [B, S, rotary_dim / 2]); the first rotary_dim features rotate.
+  // inverse=True rotates back (the backward pass).
+  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? position_ids, int offset, "
+        "bool interleaved, int rotary_dim, bool inverse) -> (Tensor q_out, Tensor k_out)");
+  // The same, writing into q and k.
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, Tensor? position_ids, "
+        "int offset, bool interleaved, int rotary_dim, bool inverse) -> ()");
 }
 
 namespace py = pybind11;

@@ -58,6 +58,30 @@ def swiglu(gate, up=None, activation="silu"):
     return (act(gate.to(acc)) * up.to(acc)).to(gate.dtype)
 
 
+def rope(x, cos, sin, positions, interleaved=False, rotary_dim=None):
+    """Rotary embedding as complex multiplication: each rotated pair (x0, x1) is
+    the complex number x0 + i x1, multiplied by cos(theta) + i sin(theta).
+
+    x [B, H, S, D]; cos/sin tables [P, R/2]; positions [B, S] (int).
+    Pairs are (i, i + R/2) (half-split) or (2i, 2i + 1) (interleaved).
+    """
+    rotary_dim = rotary_dim or x.shape[-1]
+    half = rotary_dim // 2
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xr = x[..., :rotary_dim].to(acc)
+    if interleaved:
+        pairs = torch.complex(xr[..., 0::2].contiguous(), xr[..., 1::2].contiguous())
+    else:
+        pairs = torch.complex(xr[..., :half].contiguous(), xr[..., half:].contiguous())
+    angle = torch.complex(cos[positions].to(acc), sin[positions].to(acc))[:, None]  # [B, 1, S, R/2]
+    turned = pairs * angle
+    if interleaved:
+        rotated = torch.stack((turned.real, turned.imag), dim=-1).reshape(xr.shape)
+    else:
+        rotated = torch.cat((turned.real, turned.imag), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+
 # --- eager modules written the way the notebooks write them ---------------------------
 # (same constructor arguments and parameter names as the notebooks' classes; the
 # baselines of the benchmarks and the originals of the state-dict tests)
@@ -89,3 +113,29 @@ class NotebookSwiGLU(nn.Module):
 
     def forward(self, x):
         return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class NotebookRotaryEmbedding(nn.Module):
+    """RotaryPositionalEmbedding(d_model, max_len=8192, base=10000.0) with
+    cos_cached / sin_cached buffers [max_len, d_model / 2] and
+    forward(q, k, position_offset) rotating with rotate_half (chunk / cat)."""
+
+    def __init__(self, d_model, max_len=8192, base=10000.0):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, d_model, 2).float() / d_model))
+        angles = torch.outer(torch.arange(max_len).float(), inv_freq)
+        self.register_buffer("cos_cached", angles.cos())
+        self.register_buffer("sin_cached", angles.sin())
+
+    @staticmethod
+    def rotate_half(x):
+        first, second = x.chunk(2, dim=-1)
+        return torch.cat([-second, first], dim=-1)
+
+    def forward(self, q, k, position_offset=0):
+        seq = q.size(2)
+        cos = self.cos_cached[position_offset:position_offset + seq]
+        sin = self.sin_cached[position_offset:position_offset + seq]
+        cos = torch.cat([cos, cos], dim=-1)[None, None]
+        sin = torch.cat([sin, sin], dim=-1)[None, None]
+        return (q * cos + self.rotate_half(q) * sin, k * cos + self.rotate_half(k) * sin)

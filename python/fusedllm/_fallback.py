@@ -45,3 +45,30 @@ def swiglu(gate, up, activation):
 def swiglu_packed(gate_up, activation):
     gate, up = gate_up.chunk(2, dim=-1)
     return swiglu(gate, up, activation)
+
+
+def _rotate(x, cos, sin, interleaved, rotary_dim, inverse):
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xr = x[..., :rotary_dim].to(acc)
+    if interleaved:
+        x0, x1 = xr[..., 0::2], xr[..., 1::2]
+    else:
+        x0, x1 = xr.chunk(2, dim=-1)
+    c, s = cos.to(acc), (-sin if inverse else sin).to(acc)
+    r0, r1 = x0 * c - x1 * s, x1 * c + x0 * s
+    rotated = torch.stack((r0, r1), dim=-1).flatten(-2) if interleaved else torch.cat((r0, r1), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+
+def rope(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse):
+    rotary_dim = q.shape[-1] if rotary_dim < 0 else rotary_dim
+    if cos.dim() == 3:  # per token [B, S, R/2]
+        c, s = cos[:, None], sin[:, None]
+    elif position_ids is not None:
+        c, s = cos[position_ids], sin[position_ids]
+        if c.dim() == 3:
+            c, s = c[:, None], s[:, None]
+    else:
+        c, s = cos[offset:offset + q.shape[2]], sin[offset:offset + q.shape[2]]
+    return (_rotate(q, c, s, interleaved, rotary_dim, inverse),
+            _rotate(k, c, s, interleaved, rotary_dim, inverse))

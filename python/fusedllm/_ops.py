@@ -117,6 +117,34 @@ def _register_swiglu() -> None:
         "fusedllm::swiglu_packed", _swiglu_packed_grad, setup_context=_swiglu_packed_setup)
 
 
+def _register_rope() -> None:
+    ops = torch.ops.fusedllm
+
+    @torch.library.register_fake("fusedllm::rope")
+    def _rope_fake(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse):
+        return q.new_empty(q.shape), k.new_empty(k.shape)
+
+    @torch.library.register_fake("fusedllm::rope_")
+    def _rope_inplace_fake(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse):
+        return None
+
+    def _rope_setup(ctx, inputs, output):
+        _q, _k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse = inputs
+        ctx.save_for_backward(cos, sin, position_ids)
+        ctx.args = (offset, interleaved, rotary_dim, inverse)
+
+    # The tables are constants: the gradient of a rotation is the inverse rotation.
+    def _rope_grad(ctx, grad_q, grad_k):
+        cos, sin, position_ids = ctx.saved_tensors
+        offset, interleaved, rotary_dim, inverse = ctx.args
+        grad_q, grad_k = ops.rope(grad_q, grad_k, cos, sin, position_ids, offset, interleaved,
+                                  rotary_dim, not inverse)
+        return grad_q, grad_k, None, None, None, None, None, None, None
+
+    torch.library.register_autograd("fusedllm::rope", _rope_grad, setup_context=_rope_setup)
+
+
 if has_extension():
     _register_rms_norm()
     _register_swiglu()
+    _register_rope()

@@ -135,3 +135,103 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str =
     if has_extension():
         return torch.ops.fusedllm.swiglu(gate, up, activation)
     return _fallback.swiglu(gate, up, activation)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               position_ids: torch.Tensor | None = None, offset: int = 0, interleaved: bool = False,
+               rotary_dim: int | None = None, inplace: bool = False):
+    """Rotary position embedding of ``q [B, Hq, S, D]`` and ``k [B, Hkv, S, D]``.
+
+    ``cos`` / ``sin`` are either tables ``[positions, rotary_dim / 2]`` (from
+    :func:`fusedllm.rope_tables`), looked up at ``position_ids`` (``[S]`` or
+    ``[B, S]``) or at ``offset + s`` (a KV cache's length), or Hugging Face's
+    per-token ``[B, S, rotary_dim]`` tables with duplicated halves (what its
+    rotary embedding module returns), so this stands in for HF's
+    ``apply_rotary_pos_emb``. Tables are used in float32 whatever q's dtype.
+
+    ``interleaved=False`` pairs feature ``i`` with ``i + rotary_dim / 2`` (NeoX,
+    Llama); ``True`` pairs ``2i`` with ``2i + 1`` (GPT-J). Only the first
+    ``rotary_dim`` features (default: all) rotate; the rest pass through.
+    q and k may be strided views (e.g. slices of a fused QKV projection).
+    Returns new tensors, or rotates q and k in place with ``inplace=True``
+    (inference only: no autograd).
+    """
+    op = "fusedllm.apply_rope"
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        _require_tensor(op, name, t)
+    _require_float(op, "q", q)
+    _require_like(op, "k", k, "q", q)
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"{op}: q and k must be [B, H, S, D], got {list(q.shape)} and {list(k.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{op}: q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"{op}: q and k must have the same batch and sequence sizes, "
+                         f"got {list(q.shape)} and {list(k.shape)}")
+    head_dim, batch, seq = q.shape[-1], q.shape[0], q.shape[2]
+    if rotary_dim is None:
+        rotary_dim = head_dim
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+        raise ValueError(f"{op}: rotary_dim must be an int, got {rotary_dim!r}")
+    if rotary_dim > head_dim:
+        raise ValueError(f"{op}: rotary_dim {rotary_dim} is larger than the head dim {head_dim}")
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"{op}: rotary_dim must be a positive even number, got {rotary_dim}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"{op}: offset must be an int >= 0, got {offset!r}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"{op}: cos and sin must have the same shape, got {list(cos.shape)} and {list(sin.shape)}")
+    if cos.device != q.device or sin.device != q.device:
+        raise ValueError(f"{op}: cos and sin are on {cos.device} but q is on {q.device}")
+    _require_float(op, "cos", cos)
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        raise ValueError(f"{op}: cos and sin are constants here; gradients to them are not computed")
+    if cos.dim() not in (2, 3):
+        raise ValueError(f"{op}: cos and sin must be [positions, rotary_dim / 2] or per-token "
+                         f"[B, S, rotary_dim], got {list(cos.shape)}")
+    half = rotary_dim // 2
+    if cos.shape[-1] == rotary_dim and cos.shape[-1] != half:
+        # Hugging Face layout: both members of a pair carry the angle
+        pick = slice(0, None, 2) if interleaved else slice(0, half)
+        cos, sin = cos[..., pick], sin[..., pick]
+    elif cos.shape[-1] != half:
+        raise ValueError(f"{op}: cos and sin must have last dim {half} (rotary_dim / 2) or "
+                         f"{rotary_dim} (Hugging Face layout), got {cos.shape[-1]}")
+    if cos.dim() == 3:
+        if position_ids is not None or offset:
+            raise ValueError(f"{op}: per-token cos/sin [B, S, ...] are already indexed by position; "
+                             f"pass position_ids or offset only with a [positions, ...] table")
+        if cos.shape[0] not in (1, batch) or cos.shape[1] != seq:
+            raise ValueError(f"{op}: per-token cos/sin must be [{batch} or 1, {seq}, ...], got {list(cos.shape)}")
+    elif position_ids is not None:
+        _require_tensor(op, "position_ids", position_ids)
+        if position_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{op}: position_ids must be int64 or int32, got {position_ids.dtype}")
+        if position_ids.device != q.device:
+            raise ValueError(f"{op}: position_ids is on {position_ids.device} but q is on {q.device}")
+        if not (tuple(position_ids.shape) == (seq,) or
+                (position_ids.dim() == 2 and position_ids.shape[0] in (1, batch) and position_ids.shape[1] == seq)):
+            raise ValueError(f"{op}: position_ids must be [S] or [B, S] = [{batch}, {seq}], "
+                             f"got {list(position_ids.shape)}")
+        if offset:
+            raise ValueError(f"{op}: pass either position_ids or offset, not both")
+        if position_ids.numel() and not torch.compiler.is_compiling():
+            low, high = int(position_ids.min()), int(position_ids.max())
+            if low < 0 or high >= cos.shape[0]:
+                raise ValueError(f"{op}: position_ids span {low}..{high} but the cos/sin table has "
+                                 f"{cos.shape[0]} positions")
+    elif offset + seq > cos.shape[0]:
+        raise ValueError(f"{op}: positions {offset}..{offset + seq - 1} are past the cos/sin table "
+                         f"of {cos.shape[0]} positions")
+    if inplace:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            raise ValueError(f"{op}: inplace=True has no autograd; use inplace=False for training")
+        if has_extension():
+            torch.ops.fusedllm.rope_(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, False)
+        else:
+            rq, rk = _fallback.rope(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, False)
+            q.copy_(rq)
+            k.copy_(rk)
+        return q, k
+    impl = torch.ops.fusedllm.rope if has_extension() else _fallback.rope
+    return impl(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, False)

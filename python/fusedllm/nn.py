@@ -9,6 +9,7 @@ from torch import nn
 import torch.nn.functional as torch_F
 
 from . import functional as F
+from .rope_scaling import rope_tables
 
 # Hugging Face `hidden_act` names and the gated activation they mean.
 _HF_ACTIVATIONS = {
@@ -126,3 +127,74 @@ class SwiGLU(GatedMLP):
 
     def __init__(self, input_dim: int, hidden_dim: int, bias: bool = True, device=None, dtype=None):
         super().__init__(input_dim, hidden_dim, bias=bias, activation="silu", device=device, dtype=dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding applied to ``q [B, Hq, S, D]`` and ``k [B, Hkv, S, D]``.
+
+    Holds float32 ``cos_cached`` / ``sin_cached`` tables ``[positions, rotary_dim / 2]``
+    (kept in float32 when the module is moved to another dtype) built by
+    :func:`fusedllm.rope_tables` with ``base`` and ``scaling`` (Hugging Face style
+    dict: linear, dynamic, llama3, yarn). ``forward(q, k, position_offset=0,
+    position_ids=None)`` rotates positions ``position_offset + s`` (a KV cache's
+    length) or ``position_ids``; asked for positions past the tables, it rebuilds
+    them at least twice as long instead of failing (dynamic NTK frequencies are
+    then those of the longer context, as in transformers).
+    """
+
+    def __init__(self, dim: int, max_positions: int = 8192, base: float = 10000.0,
+                 scaling: dict | None = None, interleaved: bool = False, rotary_dim: int | None = None,
+                 device=None):
+        super().__init__()
+        rotary_dim = dim if rotary_dim is None else rotary_dim
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
+            raise ValueError(f"fusedllm.nn.RotaryEmbedding: dim must be an int >= 2, got {dim!r}")
+        if not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2 or rotary_dim > dim:
+            raise ValueError(f"fusedllm.nn.RotaryEmbedding: rotary_dim must be even and at most dim={dim}, "
+                             f"got {rotary_dim!r}")
+        self.dim = dim
+        self.rotary_dim = rotary_dim
+        self.base = float(base)
+        self.scaling = dict(scaling) if scaling else None
+        self.interleaved = bool(interleaved)
+        cos, sin = rope_tables(rotary_dim, max_positions, self.base, self.scaling, device=device)
+        self.register_buffer("cos_cached", cos, persistent=False)
+        self.register_buffer("sin_cached", sin, persistent=False)
+
+    @property
+    def max_positions(self) -> int:
+        return self.cos_cached.shape[0]
+
+    def _apply(self, fn, *args, **kwargs):
+        # Follow device moves, but keep the angle tables in float32.
+        super()._apply(fn, *args, **kwargs)
+        self.cos_cached = self.cos_cached.float()
+        self.sin_cached = self.sin_cached.float()
+        return self
+
+    def _grow(self, positions_needed: int) -> None:
+        length = max(positions_needed, 2 * self.max_positions)
+        self.cos_cached, self.sin_cached = rope_tables(
+            self.rotary_dim, length, self.base, self.scaling, device=self.cos_cached.device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, position_offset: int = 0,
+                position_ids: torch.Tensor | None = None):
+        if not torch.compiler.is_compiling():
+            if position_ids is not None:
+                needed = int(position_ids.max()) + 1 if position_ids.numel() else 0
+            else:
+                needed = position_offset + q.shape[2]
+            if needed > self.max_positions:
+                self._grow(needed)
+        return F.apply_rope(q, k, self.cos_cached, self.sin_cached, position_ids, position_offset,
+                            self.interleaved, self.rotary_dim)
+
+    def extra_repr(self) -> str:
+        text = f"dim={self.dim}, max_positions={self.max_positions}, base={self.base}"
+        if self.rotary_dim != self.dim:
+            text += f", rotary_dim={self.rotary_dim}"
+        if self.scaling:
+            text += f", scaling={self.scaling}"
+        if self.interleaved:
+            text += ", interleaved=True"
+        return text

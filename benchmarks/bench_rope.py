@@ -1,0 +1,129 @@
+"""Rotary embedding: the notebook's module (chunk / cat rotate_half), Hugging Face's
+apply_rotary_pos_emb, torch.compile of it, and fusedllm.
+
+    python benchmarks/bench_rope.py            # B=4, Hq=32, Hkv=8, S=2048, D=128
+    python benchmarks/bench_rope.py --quick    # small sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
+import fusedllm  # noqa: E402
+from harness import (Report, copy_bandwidth, forward_backward, forward_only,  # noqa: E402
+                     interleaved_medians, machine_description)
+from reference import NotebookRotaryEmbedding  # noqa: E402  (the notebook's eager module)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def hf_style(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb with [B, S, D] tables."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def summed(fn):
+    """fn returning (q, k) as one tensor to call backward on."""
+    def run(*args):
+        q, k = fn(*args)
+        return q.sum() + k.sum()
+    return run
+
+
+def bench_case(batch, hq, hkv, seq, dim, dtype, device, reps, with_compile):
+    q = torch.randn(batch, hq, seq, dim, dtype=dtype, device=device)
+    k = torch.randn(batch, hkv, seq, dim, dtype=dtype, device=device)
+    notebook = NotebookRotaryEmbedding(dim, max_len=seq).to(device)
+    fused = fusedllm.nn.RotaryEmbedding(dim, max_positions=seq).to(device)
+    cos_full = torch.cat([fused.cos_cached, fused.cos_cached], -1)[None].expand(batch, -1, -1).to(dtype)
+    sin_full = torch.cat([fused.sin_cached, fused.sin_cached], -1)[None].expand(batch, -1, -1).to(dtype)
+    fns = {
+        "notebook": lambda a, b: notebook(a, b),
+        "hf": lambda a, b: hf_style(a, b, cos_full, sin_full),
+        "fusedllm": lambda a, b: fused(a, b),
+    }
+    if with_compile:
+        compiled = torch.compile(hf_style, fullgraph=True)
+        fns["compile"] = lambda a, b: compiled(a, b, cos_full, sin_full)
+    ref = fns["hf"](q, k)
+    got = fns["fusedllm"](q, k)
+    max_diff = max((ref[0].float() - got[0].float()).abs().max().item(),
+                   (ref[1].float() - got[1].float()).abs().max().item())
+    size = (q.numel() + k.numel()) * q.element_size()
+    copy_bps = copy_bandwidth(size, device)
+    rows = []
+    for mode in ("forward", "forward+backward"):
+        if mode == "forward":
+            candidates = {n: forward_only(f, q, k) for n, f in fns.items()}
+            moved = 2 * size
+        else:
+            qr, kr = q.clone().requires_grad_(), k.clone().requires_grad_()
+            one = torch.ones((), dtype=dtype, device=device)
+            candidates = {n: forward_backward(summed(f), [qr, kr], one) for n, f in fns.items()}
+            moved = 4 * size  # forward reads and writes q, k; backward the same for the grads
+        times = interleaved_medians(candidates, device, reps)
+        t = times["fusedllm"]
+        rows.append(dict(
+            case=f"{batch}x{hq}/{hkv}x{seq}x{dim} {str(dtype).replace('torch.', '')} {'fwd' if mode == 'forward' else 'fwd+bwd'}",
+            mode=mode, dtype=str(dtype),
+            notebook_ms=times["notebook"] * 1e3, hf_ms=times["hf"] * 1e3,
+            compile_ms=times["compile"] * 1e3 if "compile" in times else None, fused_ms=t * 1e3,
+            vs_notebook=times["notebook"] / t, vs_hf=times["hf"] / t,
+            vs_compile=times["compile"] / t if "compile" in times else None,
+            fused_gbps=moved / t / 1e9, copy_gbps=copy_bps / 1e9, pct_copy=100 * moved / t / copy_bps,
+            max_abs_diff=max_diff))
+    return rows
+
+
+COLUMNS = [
+    ("case", "case", "s"),
+    ("notebook_ms", "notebook ms", ".2f"),
+    ("hf_ms", "HF ms", ".2f"),
+    ("compile_ms", "compile ms", ".2f"),
+    ("fused_ms", "fusedllm ms", ".2f"),
+    ("vs_notebook", "× notebook", ".2f"),
+    ("vs_hf", "× HF", ".2f"),
+    ("vs_compile", "× compile", ".2f"),
+    ("fused_gbps", "fusedllm GB/s", ".1f"),
+    ("copy_gbps", "copy GB/s", ".1f"),
+    ("pct_copy", "% of copy", ".0f"),
+]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--reps", type=int, default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    shape = (1, 32, 8, 256, 128) if args.quick else (4, 32, 8, 2048, 128)
+    reps = args.reps or (10 if args.quick else 15)
+    print(f"fusedllm {fusedllm.backend()} on {machine_description(device)}")
+    report = Report("rope", machine_description(device))
+    for dtype in (torch.float32, torch.bfloat16):
+        for row in bench_case(*shape, dtype, device, reps, not args.no_compile):
+            report.add(**row)
+            print(f"  {row['case']:<34} fused {row['fused_ms']:8.2f} ms  x{row['vs_notebook']:.2f} notebook  "
+                  f"x{row['vs_hf']:.2f} HF  " + (f"x{row['vs_compile']:.2f} compile  " if row["vs_compile"] else "")
+                  + f"{row['fused_gbps']:.1f} GB/s ({row['pct_copy']:.0f}% of copy)  max|diff| {row['max_abs_diff']:.1e}")
+    paths = report.write(COLUMNS, "vs_notebook", "speedup over the notebook module",
+                         suffix="_quick" if args.quick else "")
+    print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}\n")
+    print(paths["table"])
+
+
+if __name__ == "__main__":
+    main()

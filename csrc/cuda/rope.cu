@@ -1,0 +1,104 @@
+// rope ops on CUDA: one thread per (row, pair) rotates a pair with the shared
+// fusedllm/rope.h math; out of place, the remaining threads of a row copy the
+// features past rotary_dim.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/macros/Macros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "fusedllm/rope.h"
+#include "fusedllm/rope_op.h"
+#include "primitives.cuh"
+
+namespace fusedllm::cuda {
+namespace {
+
+struct RopeTensor {
+  int64_t heads;
+  const void* in; int64_t in_b, in_h, in_s;
+  void* out; int64_t out_b, out_h, out_s;
+};
+
+template <typename T>
+__global__ void rope_kernel(RopeTensor q, RopeTensor k, int64_t batch, int64_t seq,
+                            int64_t head_dim, int64_t rotary_dim, bool interleaved, bool inverse,
+                            const at::opmath_type<T>* __restrict__ cos,
+                            const at::opmath_type<T>* __restrict__ sin, int64_t table_b,
+                            int64_t table_row, int64_t table_rows,
+                            const int64_t* __restrict__ positions, int64_t positions_b,
+                            int64_t offset) {
+  using acc_t = at::opmath_type<T>;
+  const int64_t half = rotary_dim / 2;
+  const bool copy_rest = q.in != q.out;
+  const int64_t cols = half + (copy_rest ? head_dim - rotary_dim : 0);
+  const int64_t q_rows = batch * q.heads * seq;
+  const int64_t rows = q_rows + batch * k.heads * seq;
+  grid_stride_2d(rows, cols, [&](int64_t r, int64_t col) {
+    const bool is_q = r < q_rows;
+    const RopeTensor& t = is_q ? q : k;
+    const int64_t idx = is_q ? r : r - q_rows;
+    const int64_t s = idx % seq;
+    const int64_t h = (idx / seq) % t.heads;
+    const int64_t b = idx / (seq * t.heads);
+    const T* x = static_cast<const T*>(t.in) + b * t.in_b + h * t.in_h + s * t.in_s;
+    T* y = static_cast<T*>(t.out) + b * t.out_b + h * t.out_h + s * t.out_s;
+    if (col >= half) {  // pass-through feature
+      const int64_t j = rotary_dim + (col - half);
+      y[j] = x[j];
+      return;
+    }
+    const int64_t pos = positions != nullptr ? positions[b * positions_b + s] : offset + s;
+    CUDA_KERNEL_ASSERT(pos >= 0 && pos < table_rows);
+    const int64_t table = b * table_b + pos * table_row + col;
+    const int64_t i0 = rope::pair_first(col, rotary_dim, interleaved);
+    const int64_t i1 = rope::pair_second(col, rotary_dim, interleaved);
+    acc_t x0 = static_cast<acc_t>(x[i0]);
+    acc_t x1 = static_cast<acc_t>(x[i1]);
+    const acc_t sn = inverse ? -sin[table] : sin[table];
+    rope::rotate_pair(x0, x1, cos[table], sn);
+    y[i0] = static_cast<T>(x0);
+    y[i1] = static_cast<T>(x1);
+  });
+}
+
+RopeTensor tensor_args(const RopeOperand& o) {
+  return {o.in.size(1),
+          o.in.data_ptr(), o.in.stride(0), o.in.stride(1), o.in.stride(2),
+          o.out.data_ptr(), o.out.stride(0), o.out.stride(1), o.out.stride(2)};
+}
+
+struct CudaRope {
+  static void run(const RopePlan& p) {
+    const c10::cuda::CUDAGuard guard(p.q.in.device());
+    auto stream = at::cuda::getCurrentCUDAStream();
+    const int64_t copy_cols = p.q.in.data_ptr() != p.q.out.data_ptr() ? p.head_dim - p.rotary_dim : 0;
+    const int64_t work = p.batch * p.seq * (p.q.in.size(1) + p.k.in.size(1)) * (p.rotary_dim / 2 + copy_cols);
+    if (work == 0) return;
+    constexpr int kThreads = 256;
+    const int64_t max_blocks =
+        static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 16;
+    const int blocks = static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, max_blocks));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.in.scalar_type(), "fusedllm_rope_cuda", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      rope_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+          tensor_args(p.q), tensor_args(p.k), p.batch, p.seq, p.head_dim, p.rotary_dim,
+          p.interleaved, p.inverse, p.cos.const_data_ptr<acc_t>(), p.sin.const_data_ptr<acc_t>(),
+          p.cos.stride(0), p.cos.stride(1), p.cos.size(1),
+          p.positions.defined() ? p.positions.const_data_ptr<int64_t>() : nullptr,
+          p.positions.defined() ? p.positions.stride(0) : 0, p.offset);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusedllm, CUDA, m) { FUSEDLLM_IMPL_ROPE_OPS(m, CudaRope); }
+
+}  // namespace fusedllm::cuda

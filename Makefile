@@ -50,6 +50,8 @@ demo: build
 
 bench: build
 	$(BIN)/python benchmarks/bench_rms_norm.py
+	$(BIN)/python benchmarks/bench_swiglu.py
+	$(BIN)/python benchmarks/bench_rope.py
 
 clean:
 	rm -rf build $(VENV)/.built

@@ -6,25 +6,21 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-if "--thp" in sys.argv:
-    # Must be set before torch allocates: large CPU tensors then use 2 MB pages,
-    # which cuts the page faults every freshly allocated output pays.
-    os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
+# harness before torch: with --thp it configures torch's allocator
+from harness import (Report, copy_candidate, forward_backward, forward_only,
+                     interleaved_medians, machine_description, standard_arguments)
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 import fusedllm  # noqa: E402
 from reference import NotebookRMSNorm  # noqa: E402  (the notebooks' eager module)
-from harness import (Report, copy_bandwidth, forward_backward, forward_only,  # noqa: E402
-                     interleaved_medians, machine_description)
 
 
 class TorchRMSNorm(nn.Module):
@@ -55,8 +51,7 @@ def make_candidates(dim, dtype, device, with_compile):
 
 def bench_case(rows, dim, dtype, device, reps, with_compile):
     x = torch.randn(rows, dim, dtype=dtype, device=device)
-    # The roofline: a copy of x into a preallocated buffer (read + write), same run.
-    copy_bps = copy_bandwidth(x.numel() * x.element_size(), device)
+    copy_fn, copy_bytes = copy_candidate(x.numel() * x.element_size(), device)
     g = torch.randn_like(x)
     modules = make_candidates(dim, dtype, device, with_compile)
 
@@ -79,7 +74,9 @@ def bench_case(rows, dim, dtype, device, reps, with_compile):
             candidates = {k: forward_backward(m, [xr], g) for k, m in modules.items()}
         # An allocating copy: what any op returning a new tensor of this size pays.
         candidates["clone"] = lambda: x.clone()
+        candidates["copy"] = copy_fn
         times = interleaved_medians(candidates, device, reps)
+        copy_bps = copy_bytes / times["copy"]
         moved = (2 if mode == "forward" else 5) * x.numel() * x.element_size()
         fused_t = times["fusedllm"]
         row = dict(
@@ -117,14 +114,7 @@ COLUMNS = [
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    parser.add_argument("--reps", type=int, default=None)
-    parser.add_argument("--thp", action="store_true",
-                        help="run with THP_MEM_ALLOC_ENABLE=1 (2 MB pages for large CPU tensors)")
-    args = parser.parse_args(argv)
+    args = standard_arguments(__doc__, argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
 
@@ -133,7 +123,7 @@ def main(argv=None):
     reps = args.reps or (15 if args.quick else 40)
     print(f"fusedllm {fusedllm.backend()} on {machine_description(device)}")
 
-    report = Report("rms_norm", machine_description(device) + (", THP_MEM_ALLOC_ENABLE=1" if args.thp else ""))
+    report = Report("rms_norm", machine_description(device))
     for rows, dim in shapes:
         for dtype in dtypes:
             for row in bench_case(rows, dim, dtype, device, reps, not args.no_compile):
@@ -144,7 +134,7 @@ def main(argv=None):
                       + f"{row['fused_gbps']:.1f} GB/s ({row['pct_copy']:.0f}% of copy at {row['copy_gbps']:.1f})   "
                       f"max|diff| {row['max_abs_diff']:.2e}")
     paths = report.write(COLUMNS, "vs_eager", "speedup over the eager module",
-                         suffix=("_quick" if args.quick else "") + ("_thp" if args.thp else ""))
+                         suffix="_quick" if args.quick else "")
     print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}\n")
     print(paths["table"])
     return report

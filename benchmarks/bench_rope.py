@@ -7,17 +7,18 @@ apply_rotary_pos_emb, torch.compile of it, and fusedllm.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-import torch
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
+# harness before torch: with --thp it configures torch's allocator
+from harness import (Report, copy_candidate, forward_backward, forward_only,
+                     interleaved_medians, machine_description, standard_arguments)
+
+import torch
+
 import fusedllm  # noqa: E402
-from harness import (Report, copy_bandwidth, forward_backward, forward_only,  # noqa: E402
-                     interleaved_medians, machine_description)
 from reference import NotebookRotaryEmbedding  # noqa: E402  (the notebook's eager module)
 
 
@@ -60,7 +61,7 @@ def bench_case(batch, hq, hkv, seq, dim, dtype, device, reps, with_compile):
     max_diff = max((ref[0].float() - got[0].float()).abs().max().item(),
                    (ref[1].float() - got[1].float()).abs().max().item())
     size = (q.numel() + k.numel()) * q.element_size()
-    copy_bps = copy_bandwidth(size, device)
+    copy_fn, copy_bytes = copy_candidate(size, device)
     rows = []
     for mode in ("forward", "forward+backward"):
         if mode == "forward":
@@ -71,7 +72,9 @@ def bench_case(batch, hq, hkv, seq, dim, dtype, device, reps, with_compile):
             one = torch.ones((), dtype=dtype, device=device)
             candidates = {n: forward_backward(summed(f), [qr, kr], one) for n, f in fns.items()}
             moved = 4 * size  # forward reads and writes q, k; backward the same for the grads
+        candidates["copy"] = copy_fn
         times = interleaved_medians(candidates, device, reps)
+        copy_bps = copy_bytes / times["copy"]
         t = times["fusedllm"]
         rows.append(dict(
             case=f"{batch}x{hq}/{hkv}x{seq}x{dim} {str(dtype).replace('torch.', '')} {'fwd' if mode == 'forward' else 'fwd+bwd'}",
@@ -101,12 +104,7 @@ COLUMNS = [
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    parser.add_argument("--reps", type=int, default=None)
-    args = parser.parse_args(argv)
+    args = standard_arguments(__doc__, argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
     shape = (1, 32, 8, 256, 128) if args.quick else (4, 32, 8, 2048, 128)

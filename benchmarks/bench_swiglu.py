@@ -7,18 +7,20 @@ the gated MLP module against the notebook's SwiGLU module and torch.compile of i
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
+# harness before torch: with --thp it configures torch's allocator
+from harness import (Report, copy_candidate, forward_backward, forward_only,
+                     interleaved_medians, machine_description, peak_memory,
+                     standard_arguments)
 
 import torch
 import torch.nn.functional as F
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 import fusedllm  # noqa: E402
-from harness import (Report, copy_bandwidth, forward_backward, forward_only,  # noqa: E402
-                     interleaved_medians, machine_description, peak_memory)
 from reference import NotebookSwiGLU  # noqa: E402  (the notebook's eager module)
 
 
@@ -31,7 +33,7 @@ def bench_op(rows, features, dtype, device, reps, with_compile):
     u = torch.randn_like(g)
     dh = torch.randn_like(g)
     size = g.numel() * g.element_size()
-    copy_bps = copy_bandwidth(size, device)
+    copy_fn, copy_bytes = copy_candidate(size, device)
     fns = {"eager": eager_gate, "fusedllm": fusedllm.swiglu}
     if with_compile:
         fns["compile"] = torch.compile(eager_gate, fullgraph=True)
@@ -45,7 +47,9 @@ def bench_op(rows, features, dtype, device, reps, with_compile):
             gr, ur = g.clone().requires_grad_(), u.clone().requires_grad_()
             candidates = {k: forward_backward(f, [gr, ur], dh) for k, f in fns.items()}
             moved = 8 * size  # forward 3, backward reads dh, gate, up and writes two grads
+        candidates["copy"] = copy_fn
         times = interleaved_medians(candidates, device, reps)
+        copy_bps = copy_bytes / times["copy"]
         t = times["fusedllm"]
         rows_out.append(dict(
             case=f"{rows}x{features} {str(dtype).replace('torch.', '')} {'fwd' if mode == 'forward' else 'fwd+bwd'}",
@@ -101,12 +105,7 @@ COLUMNS = [
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
-    parser.add_argument("--reps", type=int, default=None)
-    args = parser.parse_args(argv)
+    args = standard_arguments(__doc__, argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
     compile_ = not args.no_compile

@@ -2,7 +2,7 @@
 
 Candidates are timed in one process, interleaved (each repetition runs every
 candidate once, in turn), after warm-up; we report medians, ratios and the
-achieved bandwidth against a copy measured in the same run. On a GPU the same
+achieved bandwidth against a copy timed among them. On a GPU the same
 code times with CUDA events.
 """
 
@@ -12,10 +12,17 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
-import torch
+if "--thp" in sys.argv:
+    # Read by torch's CPU allocator at its first allocation, so this module is
+    # imported before torch: large tensors then get 2 MB pages, which cuts the
+    # page faults every freshly allocated output pays.
+    os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+
+import torch  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -79,12 +86,13 @@ def forward_backward(fn, inputs, grad):
     return run
 
 
-def copy_bandwidth(nbytes: int, device: torch.device, reps: int = 30) -> float:
-    """Bytes per second of `dst.copy_(src)` (read + write) for a buffer of nbytes."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+def copy_candidate(nbytes: int, device: torch.device):
+    """`dst.copy_(src)` of nbytes between preallocated buffers: the bandwidth
+    roofline, timed among the candidates so it sees the same machine load.
+    Returns the callable and the bytes it moves per call (read + write)."""
+    src = torch.empty(max(1, nbytes // 4), dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    t = interleaved_medians({"copy": lambda: dst.copy_(src)}, device, reps)["copy"]
-    return 2 * src.numel() * 4 / t
+    return (lambda: dst.copy_(src)), 2 * src.numel() * 4
 
 
 def peak_memory(fn, device: torch.device) -> int:
@@ -113,10 +121,30 @@ def peak_memory(fn, device: torch.device) -> int:
     return peak
 
 
+def standard_arguments(doc: str, argv=None):
+    """The options every benchmark script takes: --quick, --device, --no-compile, --reps."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per candidate")
+    parser.add_argument("--thp", action="store_true",
+                        help="THP_MEM_ALLOC_ENABLE=1: 2 MB pages for large CPU tensors "
+                             "(read before torch allocates; the scripts check sys.argv early)")
+    return parser.parse_args(argv)
+
+
+def thp_enabled() -> bool:
+    return os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
+
+
 def machine_description(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    text = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    return text + (", THP_MEM_ALLOC_ENABLE=1" if thp_enabled() else "")
 
 
 @dataclass
@@ -134,7 +162,7 @@ class Report:
               results_dir: str = RESULTS_DIR, suffix: str = "") -> dict:
         """columns: (key, header, format). Returns the paths written."""
         os.makedirs(results_dir, exist_ok=True)
-        base = os.path.join(results_dir, f"{self.name}{suffix}")
+        base = os.path.join(results_dir, f"{self.name}{suffix}{'_thp' if thp_enabled() else ''}")
         meta = {
             "benchmark": self.name,
             "device": self.device,

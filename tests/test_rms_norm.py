@@ -186,3 +186,17 @@ def test_hypothesis_shapes(lead, hidden, dtype, variant, eps):
     ref_y2, ref_h2 = ref_fused_add(x, r, w, eps, offset, casting)
     assert torch.equal(h2, ref_h2)
     assert_close(y2, ref_y2, FORWARD_TOL[dtype])
+
+
+def test_large_outputs_with_huge_page_hints():
+    # Outputs past 8 MiB get a transparent-huge-page hint before the kernel writes them.
+    x = torch.randn(1024, 4100)
+    w = torch.randn(4100)
+    r = torch.randn_like(x)
+    y, h = fusedllm.fused_add_rms_norm(x, r, w)
+    ref_y, ref_h = ref_fused_add(x, r, w)
+    assert torch.equal(h, ref_h)
+    assert_close(y, ref_y, FORWARD_TOL[torch.float32])
+    gate_up = torch.randn(1024, 2 * 4100)
+    from reference import swiglu as ref_swiglu
+    assert_close(fusedllm.swiglu(gate_up), ref_swiglu(gate_up), FORWARD_TOL[torch.float32])

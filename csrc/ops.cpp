@@ -23,6 +23,14 @@ TORCH_LIBRARY(fusedllm, m) {
   m.def("rms_norm_backward(Tensor grad_out, Tensor input, Tensor rstd, Tensor? weight, "
         "float offset, str casting, Tensor? grad_residual, bool compute_weight_grad)"
         " -> (Tensor grad_input, Tensor grad_weight)");
+  // Grouped-query flash attention: q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D]; causal is
+  // bottom-right aligned, window -1 means none. Returns out and the per-row lse.
+  m.def("attention(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window)"
+        " -> (Tensor out, Tensor lse)");
+  // Gradients of attention from the saved out and lse (probabilities recomputed).
+  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+        "Tensor lse, float scale, bool causal, int window)"
+        " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
 }
 
 namespace py = pybind11;

@@ -2,9 +2,9 @@
 
 from ._extension import backend, build_info
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
-from .functional import fused_add_rms_norm, rms_norm
+from .functional import attention, fused_add_rms_norm, rms_norm
 from . import nn
 
 __version__ = "0.1.0"
 
-__all__ = ["backend", "build_info", "rms_norm", "fused_add_rms_norm", "nn", "__version__"]
+__all__ = ["backend", "build_info", "rms_norm", "fused_add_rms_norm", "attention", "nn", "__version__"]

@@ -95,32 +95,6 @@ def copy_candidate(nbytes: int, device: torch.device):
     return (lambda: dst.copy_(src)), 2 * src.numel() * 4
 
 
-def peak_memory(fn, device: torch.device) -> int:
-    """Peak bytes allocated by `fn` above what was allocated before it.
-
-    On a GPU: CUDA's allocator statistics. On a CPU (torch keeps no counters
-    there): the profiler's per-op allocations and frees, summed in time order.
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage),
-                    key=lambda e: e.time_range.start)
-    current = peak = 0
-    for event in events:
-        current += event.self_cpu_memory_usage
-        peak = max(peak, current)
-    return peak
-
-
 def standard_arguments(doc: str, argv=None):
     """The options every benchmark script takes: --quick, --device, --no-compile, --reps."""
     import argparse
@@ -204,3 +178,31 @@ class Report:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
+
+
+def peak_memory_bytes(fn, device: torch.device) -> int:
+    """Peak bytes allocated by torch while fn() runs, above what was live before.
+
+    CUDA: the caching allocator's peak counter. CPU: torch keeps no such counter,
+    so we replay the allocation and free events the profiler records
+    (profile_memory=True) in time order and take the highest running total.
+    Memory that does not go through torch's allocator is not counted.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak

@@ -42,6 +42,15 @@ TORCH_LIBRARY(fusedllm, m) {
   // The same, writing into q and k.
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, Tensor? position_ids, "
         "int offset, bool interleaved, int rotary_dim, bool inverse) -> ()");
+
+  // Grouped-query flash attention: q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D]; causal is
+  // bottom-right aligned, window -1 means none. Returns out and the per-row lse.
+  m.def("attention(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window)"
+        " -> (Tensor out, Tensor lse)");
+  // Gradients of attention from the saved out and lse (probabilities recomputed).
+  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+        "Tensor lse, float scale, bool causal, int window)"
+        " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
 }
 
 namespace py = pybind11;

@@ -139,3 +139,35 @@ class NotebookRotaryEmbedding(nn.Module):
         cos = torch.cat([cos, cos], dim=-1)[None, None]
         sin = torch.cat([sin, sin], dim=-1)[None, None]
         return (q * cos + self.rotate_half(q) * sin, k * cos + self.rotate_half(k) * sin)
+
+def attention(q, k, v, causal=False, scale=None, window=None):
+    """Grouped-query attention, the plain way: softmax(q k^T * scale + mask) v.
+
+    q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D]. Query head h uses kv head
+    h // (Hq / Hkv), done here by repeating each kv head Hq / Hkv times.
+    Masks are aligned bottom-right: query i sits at position i + Sk - Sq.
+    causal keeps keys j <= position; window w keeps keys j > position - w.
+    Returns (out in q.dtype, lse = logsumexp of the masked scores, float32 or
+    float64); a query that sees no key gets out = 0 and lse = -inf.
+    """
+    acc = accumulation_dtype(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    keys = k.to(acc).repeat_interleave(group, dim=1)
+    values = v.to(acc).repeat_interleave(group, dim=1)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    scores = torch.matmul(q.to(acc), keys.transpose(-1, -2)) * scale
+    q_len, kv_len = q.shape[2], k.shape[2]
+    position = torch.arange(q_len, device=q.device).unsqueeze(1) + (kv_len - q_len)
+    key = torch.arange(kv_len, device=q.device).unsqueeze(0)
+    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
+    if causal:
+        visible = visible & (key <= position)
+    if window is not None:
+        visible = visible & (key > position - window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(visible, probs, torch.zeros((), dtype=acc, device=q.device))
+    out = torch.matmul(probs, values)
+    return out.to(q.dtype), lse

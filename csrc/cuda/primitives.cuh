@@ -92,4 +92,21 @@ __device__ __forceinline__ T* dynamic_shared() {
   return reinterpret_cast<T*>(fusedllm_dynamic_smem);
 }
 
+// Maximum over the warp, returned to every lane.
+template <typename T>
+__device__ __forceinline__ T warp_reduce_max(T v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const T other = __shfl_xor_sync(kFullMask, v, offset);
+    v = other > v ? other : v;
+  }
+  return v;
+}
+
+// Lane `src`'s value of v, to every lane.
+template <typename T>
+__device__ __forceinline__ T warp_broadcast(T v, int src) {
+  return __shfl_sync(kFullMask, v, src);
+}
+
 }  // namespace fusedllm::cuda

@@ -2,10 +2,10 @@
 
 from ._extension import backend, build_info
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
-from .functional import apply_rope, fused_add_rms_norm, rms_norm, swiglu
+from .functional import apply_rope, attention, fused_add_rms_norm, rms_norm, swiglu
 from .rope_scaling import rope_tables
 from . import nn
 
 __version__ = "0.1.0"
 
-__all__ = ["backend", "build_info", "rms_norm", "fused_add_rms_norm", "swiglu", "apply_rope", "rope_tables", "nn", "__version__"]
+__all__ = ["backend", "build_info", "rms_norm", "fused_add_rms_norm", "swiglu", "apply_rope", "rope_tables", "attention", "nn", "__version__"]

@@ -72,3 +72,26 @@ def rope(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse)
         c, s = cos[offset:offset + q.shape[2]], sin[offset:offset + q.shape[2]]
     return (_rotate(q, c, s, interleaved, rotary_dim, inverse),
             _rotate(k, c, s, interleaved, rotary_dim, inverse))
+
+def attention(q, k, v, scale, causal, window):
+    """softmax(q k^T * scale + mask) v with K/V repeated per query group, in
+    float32 (float64 for float64 inputs); returns (out, lse). Builds the whole
+    [Sq, Sk] score matrix: a reference, not a fast path."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = q.shape[1] // k.shape[1] if k.shape[1] else 1
+    kf = k.to(acc).repeat_interleave(group, dim=1)
+    vf = v.to(acc).repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.to(acc), kf.transpose(-1, -2)) * scale
+    sq, sk = q.shape[2], k.shape[2]
+    pos = torch.arange(sq, device=q.device).unsqueeze(1) + (sk - sq)
+    key = torch.arange(sk, device=q.device).unsqueeze(0)
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= key <= pos
+    if window >= 1:
+        visible &= key > pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
+    out = torch.matmul(probs, vf).to(q.dtype)
+    return out, lse.detach()

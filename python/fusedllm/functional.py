@@ -4,7 +4,7 @@ then calls ``torch.ops.fusedllm`` or, without the extension, the plain path."""
 from __future__ import annotations
 
 import math
-from numbers import Real
+from numbers import Integral, Real
 
 import torch
 
@@ -235,3 +235,72 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         return q, k
     impl = torch.ops.fusedllm.rope if has_extension() else _fallback.rope
     return impl(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, False)
+
+_MAX_HEAD_DIM = 256
+
+
+def _check_attention(op, q, k, v, causal, scale, window):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _require_tensor(op, name, t)
+    _require_float(op, "q", q)
+    _require_like(op, "k", k, "q", q)
+    _require_like(op, "v", v, "q", q)
+    for name, t, heads, length in (("q", q, "q_heads", "q_len"), ("k", k, "kv_heads", "kv_len"),
+                                   ("v", v, "kv_heads", "kv_len")):
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be 4-D [batch, {heads}, {length}, head_dim], "
+                             f"got shape {list(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k and v must have the same shape, got {list(k.shape)} and "
+                         f"{list(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"{op}: q and k/v must have the same batch size, got {q.shape[0]} and "
+                         f"{k.shape[0]}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"{op}: q and k/v must have the same head_dim, got {q.shape[3]} and "
+                         f"{k.shape[3]}")
+    q_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    if (q_heads % kv_heads != 0) if kv_heads else q_heads != 0:
+        raise ValueError(f"{op}: the number of query heads ({q_heads}) must be a multiple of the "
+                         f"number of key/value heads ({kv_heads})")
+    if not 1 <= head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(f"{op}: head_dim must be between 1 and {_MAX_HEAD_DIM}, got {head_dim}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"{op}: causal must be True or False, got {causal!r}")
+    scale = head_dim ** -0.5 if scale is None else _require_number(op, "scale", scale)
+    if window is None:
+        window = -1
+    elif isinstance(window, bool) or not isinstance(window, Integral) or window < 1:
+        raise ValueError(f"{op}: window must be None or an int >= 1 (the number of keys a query "
+                         f"sees, itself included), got {window!r}")
+    return scale, int(window)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+              scale: float | None = None, window: int | None = None) -> torch.Tensor:
+    """Grouped-query attention ``softmax(q k^T * scale + mask) v``, flash style.
+
+    ``q`` is ``[batch, q_heads, q_len, head_dim]``, ``k`` and ``v`` are
+    ``[batch, kv_heads, kv_len, head_dim]`` with ``q_heads`` a multiple of
+    ``kv_heads``: query head ``h`` attends with kv head ``h // (q_heads // kv_heads)``
+    (K and V are never repeated in memory). ``scale`` defaults to ``head_dim ** -0.5``.
+
+    Masks are aligned bottom-right: query ``i`` sits at position ``i + kv_len - q_len``
+    (the queries are the last ``q_len`` positions, as when decoding with a KV cache).
+    ``causal=True`` lets it see keys ``j <= i + kv_len - q_len``. This equals
+    ``F.scaled_dot_product_attention(is_causal=True)`` when ``q_len == kv_len``; when
+    they differ SDPA aligns top-left (query ``i`` sees keys ``j <= i``) instead.
+    ``window=w`` keeps only the last ``w`` keys up to a query's position,
+    ``j > i + kv_len - q_len - w`` (itself included): with ``causal=True`` this is
+    Mistral's / Hugging Face's ``sliding_window``. A query that sees no key
+    (possible when ``q_len > kv_len``) gets an output of zeros.
+
+    float32, float64, bfloat16 and float16, accumulated in float32 (float64 for
+    float64); memory grows linearly with the sequence lengths, never with
+    ``q_len * kv_len``. Differentiable in ``q``, ``k`` and ``v``.
+    """
+    op = "fusedllm.attention"
+    scale, window = _check_attention(op, q, k, v, causal, scale, window)
+    impl = torch.ops.fusedllm.attention if has_extension() else _fallback.attention
+    out, _lse = impl(q, k, v, scale, causal, window)
+    return out

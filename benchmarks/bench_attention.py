@@ -1,0 +1,191 @@
+"""Causal grouped-query attention: the notebook's per-head loop, eager softmax
+attention with repeated K/V, F.scaled_dot_product_attention(enable_gqa=True),
+torch.compile of the eager version, and fusedllm.attention.
+
+    python benchmarks/bench_attention.py            # B=1, Hq=32, Hkv=8, D=128, S in 512/2048/4096
+    python benchmarks/bench_attention.py --quick    # small sizes, fewer repetitions
+
+GFLOP/s counts the useful matrix products only: a causal forward is
+4*B*Hq*S*S*D / 2 FLOPs (QK^T and PV over the visible half), forward+backward
+three times that (the backward's four products; recomputation not counted), the
+same figure for every candidate. Peak memory is what torch allocates during
+one call beyond the inputs (see harness.peak_memory_bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fusedllm  # noqa: E402
+from harness import Report, interleaved_medians, machine_description, peak_memory_bytes  # noqa: E402
+
+
+def notebook_core(q, k, v):
+    """The attention core of notebook 003's LLaMAGroupQueryAttention, restated:
+    one query head at a time, scores against the kv head it maps to
+    (h // (Hq / Hkv)), a lower-triangular mask built from a [S, S] matrix of
+    ones, softmax, then P V written into a preallocated output."""
+    batch, q_heads, seq, head_dim = q.shape
+    per_kv = q_heads // k.shape[1]
+    out = torch.zeros(batch, q_heads, seq, head_dim, dtype=q.dtype, device=q.device)
+    for h in range(q_heads):
+        kv = h // per_kv
+        scores = (q[:, h] @ k[:, kv].transpose(-2, -1)) * (1.0 / math.sqrt(head_dim))
+        keep = torch.tril(torch.ones(seq, seq, device=q.device)).unsqueeze(0)
+        scores = scores.masked_fill(keep == 0, float("-inf"))
+        out[:, h] = F.softmax(scores, dim=-1) @ v[:, kv]
+    return out
+
+
+def eager_core(q, k, v):
+    """Softmax attention the way eager Hugging Face code writes it: repeat each
+    kv head for its query heads, full [S, S] scores, causal mask, softmax in
+    float32, cast back, P V."""
+    per_kv = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(per_kv, dim=1)
+    v = v.repeat_interleave(per_kv, dim=1)
+    seq = q.shape[2]
+    scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def sdpa_core(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def fused_core(q, k, v):
+    return fusedllm.attention(q, k, v, causal=True)
+
+
+def candidates(with_compile):
+    c = {"notebook": notebook_core, "eager": eager_core, "sdpa": sdpa_core}
+    if with_compile:
+        c["compile"] = torch.compile(eager_core, fullgraph=True, dynamic=False)
+    c["fusedllm"] = fused_core
+    return c
+
+
+def bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cores):
+    torch.manual_seed(0)
+    q = torch.randn(batch, q_heads, seq, head_dim, dtype=dtype, device=device)
+    k = torch.randn(batch, kv_heads, seq, head_dim, dtype=dtype, device=device)
+    v = torch.randn(batch, kv_heads, seq, head_dim, dtype=dtype, device=device)
+    grad_out = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    names = list(cores)
+
+    with torch.no_grad():
+        reference = cores["sdpa"](q, k, v).float()
+        max_diff = (cores["fusedllm"](q, k, v).float() - reference).abs().max().item()
+
+    def forward(fn):
+        def run():
+            with torch.no_grad():
+                fn(q, k, v)
+        return run
+
+    def forward_backward(fn):
+        def run():
+            for t in leaves:
+                t.grad = None
+            fn(*leaves).backward(grad_out)
+        return run
+
+    rows = []
+    flops_fwd = 4 * batch * q_heads * seq * seq * head_dim / 2
+    for mode, wrap, flops in (("fwd", forward, flops_fwd), ("fwd+bwd", forward_backward, 3 * flops_fwd)):
+        calls = {n: wrap(cores[n]) for n in names}
+        times = interleaved_medians(calls, device, reps, warmup=1)
+        peaks = {}
+        for n, fn in calls.items():
+            gc.collect()
+            peaks[n] = peak_memory_bytes(fn, device)
+        fused_t = times["fusedllm"]
+        row = dict(
+            case=f"S={seq} {str(dtype).replace('torch.', '')} {mode}",
+            seq=seq, dtype=str(dtype), mode=mode,
+            shape=dict(batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim),
+            ms={n: t * 1e3 for n, t in times.items()},
+            gflops={n: flops / t / 1e9 for n, t in times.items()},
+            peak_mb={n: b / 2**20 for n, b in peaks.items()},
+            max_abs_diff_vs_sdpa=max_diff,
+        )
+        for n in names:
+            row[f"{n}_ms"] = times[n] * 1e3
+            row[f"{n}_mb"] = peaks[n] / 2**20
+            if n != "fusedllm":
+                row[f"vs_{n}"] = times[n] / fused_t
+        row["fused_gflops"] = flops / fused_t / 1e9
+        row["sdpa_gflops"] = flops / times["sdpa"] / 1e9
+        rows.append(row)
+    return rows
+
+
+COLUMNS = [
+    ("case", "case", "s"),
+    ("notebook_ms", "notebook ms", ".1f"),
+    ("eager_ms", "eager ms", ".1f"),
+    ("sdpa_ms", "SDPA ms", ".1f"),
+    ("compile_ms", "compile ms", ".1f"),
+    ("fusedllm_ms", "fusedllm ms", ".1f"),
+    ("vs_notebook", "× notebook", ".1f"),
+    ("vs_eager", "× eager", ".2f"),
+    ("vs_sdpa", "× SDPA", ".2f"),
+    ("vs_compile", "× compile", ".2f"),
+    ("fused_gflops", "fusedllm GFLOP/s", ".0f"),
+    ("sdpa_gflops", "SDPA GFLOP/s", ".0f"),
+    ("fusedllm_mb", "fusedllm peak MB", ".0f"),
+    ("sdpa_mb", "SDPA peak MB", ".0f"),
+    ("eager_mb", "eager peak MB", ".0f"),
+    ("notebook_mb", "notebook peak MB", ".0f"),
+]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seqs", type=int, nargs="*", default=None)
+    parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--reps", type=int, default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+
+    seqs = args.seqs or ([256, 512] if args.quick else [512, 2048, 4096])
+    batch, q_heads, kv_heads, head_dim = 1, 32, 8, 128
+    print(f"fusedllm {fusedllm.backend()} on {machine_description(device)}")
+    cores = candidates(not args.no_compile)
+    report = Report("attention", machine_description(device))
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        for seq in seqs:
+            reps = args.reps or (3 if args.quick else (5 if seq <= 2048 else 3))
+            for row in bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cores):
+                report.add(**row)
+                print(f"  {row['case']:<26} fusedllm {row['fusedllm_ms']:9.1f} ms "
+                      f"({row['fused_gflops']:.0f} GFLOP/s, {row['fusedllm_mb']:.0f} MB)   "
+                      f"x{row['vs_sdpa']:.2f} SDPA   x{row['vs_notebook']:.1f} notebook   "
+                      f"x{row['vs_eager']:.2f} eager"
+                      + (f"   x{row['vs_compile']:.2f} compile" if "vs_compile" in row else "")
+                      + f"   max|diff| vs SDPA {row['max_abs_diff_vs_sdpa']:.1e}", flush=True)
+    paths = report.write(COLUMNS, "vs_sdpa", "speedup over F.scaled_dot_product_attention",
+                         suffix="_quick" if args.quick else "")
+    print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}\n")
+    print(paths["table"])
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+// attention ops on CPU: checked plans (fusedllm/attention_op.h) handed to the
+// kernel variant for the running CPU.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "attention_kernel.h"
+#include "fusedllm/attention_op.h"
+
+namespace fusedllm::cpu {
+
+KernelTable<AttentionForwardFn> attention_forward_kernels{};
+KernelTable<AttentionBackwardFn> attention_backward_kernels{};
+
+namespace {
+
+AttentionOperand operand(const at::Tensor& t) {
+  AttentionOperand o;
+  o.data = t.data_ptr();
+  o.batch_stride = t.stride(0);
+  o.head_stride = t.stride(1);
+  o.seq_stride = t.stride(2);
+  return o;
+}
+
+struct CpuAttention {
+  static void forward(const AttentionForwardPlan& p) {
+    AttentionForwardArgs a{};
+    a.dtype = p.q.scalar_type();
+    a.batch = p.shape.batch;
+    a.q_heads = p.shape.q_heads;
+    a.kv_heads = p.shape.kv_heads;
+    a.sq = p.shape.sq;
+    a.sk = p.shape.sk;
+    a.head_dim = p.shape.head_dim;
+    a.q = operand(p.q);
+    a.k = operand(p.k);
+    a.v = operand(p.v);
+    a.out = p.out.data_ptr();
+    a.lse = p.lse.data_ptr();
+    a.scale = p.scale;
+    a.mask = p.mask;
+    attention_forward_kernels.get()(a);
+  }
+
+  static void backward(const AttentionBackwardPlan& p) {
+    AttentionBackwardArgs a{};
+    a.dtype = p.q.scalar_type();
+    a.batch = p.shape.batch;
+    a.q_heads = p.shape.q_heads;
+    a.kv_heads = p.shape.kv_heads;
+    a.sq = p.shape.sq;
+    a.sk = p.shape.sk;
+    a.head_dim = p.shape.head_dim;
+    a.grad_out = operand(p.grad_out);
+    a.q = operand(p.q);
+    a.k = operand(p.k);
+    a.v = operand(p.v);
+    a.out = operand(p.out);
+    a.lse = p.lse.data_ptr();
+    a.grad_q = p.grad_q.data_ptr();
+    a.grad_k = p.grad_k.data_ptr();
+    a.grad_v = p.grad_v.data_ptr();
+    a.scale = p.scale;
+    a.mask = p.mask;
+    attention_backward_kernels.get()(a);
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusedllm, CPU, m) { FUSEDLLM_IMPL_ATTENTION_OPS(m, CpuAttention); }
+
+}  // namespace fusedllm::cpu

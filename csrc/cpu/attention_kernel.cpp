@@ -1,0 +1,800 @@
+// Flash attention CPU kernels, compiled once per instruction set (see CMakeLists.txt).
+//
+// Layout of the work. A task owns one (batch, kv head) pair and a tile of
+// query positions; its rows are the `group` query heads of that kv head at
+// each position of the tile, ordered (position, head), so K/V tiles are read
+// once for the whole group. Scores are computed transposed, S^T = K Q^T
+// (keys x rows), so the per-row softmax statistics are vectors across rows
+// and need no horizontal reductions. Both products (K Q^T and P V) run on a
+// register-blocked micro-kernel over float32 (float64) tiles; bfloat16 and
+// float16 operands are converted to float32 tiles once per tile.
+//
+// Backward: a task owns the dK/dV rows of one (batch, kv head) pair (or of a
+// strided subset of its key tiles when there are few pairs) and walks every
+// query tile of the group, recomputing P from the saved log-sum-exp. dQ of a
+// query tile is complete when its task has seen every key tile; with several
+// key subsets each writes a partial dQ that is summed in a fixed order after
+// the tasks, so the result never depends on the thread count or schedule.
+#include "attention_kernel.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+
+namespace fusedllm::cpu {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+using attn::Mask;
+
+template <typename acc_t>
+constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// ---------------------------------------------------------------------------
+// GEMM core: C (+)= A B on accumulator-type tiles.
+//
+// A(i, k) is a[i * lda + k] (row-major) or a[k * lda + i] (column-major, how
+// the kernels read P and dS out of the transposed score tile); B is row-major
+// with leading dimension ldb and N a multiple of the vector width (callers
+// pad). The micro-kernel keeps an MR x (NV vectors) block of C in registers
+// across the whole K loop: per k it loads NV vectors of B and broadcasts MR
+// values of A, for MR * NV fused multiply-adds.
+// ---------------------------------------------------------------------------
+
+enum class ALayout { kRowMajor, kColMajor };
+
+constexpr int kMR = 6;  // rows per micro-kernel
+constexpr int kNV = 2;  // vectors of columns per micro-kernel
+
+// C[MR x NV*W] = (kLoadC ? diag(row_scale) C : 0) + A[MR x K] B[K x NV*W]
+// (row_scale may be null: no rescale).
+template <typename acc_t, int MR, int NV, ALayout kA, bool kLoadC>
+inline void micro_kernel(int64_t K, const acc_t* __restrict a, int64_t lda,
+                         const acc_t* __restrict b, int64_t ldb, acc_t* __restrict c, int64_t ldc,
+                         const acc_t* __restrict row_scale) {
+  using V = Vectorized<acc_t>;
+  constexpr int W = V::size();
+  V acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    const V scale_i = (kLoadC && row_scale != nullptr) ? V(row_scale[i]) : V(acc_t(1));
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      if constexpr (kLoadC) {
+        acc[i][v] = V::loadu(c + i * ldc + v * W);
+        if (row_scale != nullptr) acc[i][v] = acc[i][v] * scale_i;
+      } else {
+        acc[i][v] = V(acc_t(0));
+      }
+    }
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    V bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = V::loadu(b + k * ldb + v * W);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const V ai(kA == ALayout::kRowMajor ? a[i * lda + k] : a[k * lda + i]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = at::vec::fmadd(ai, bv[v], acc[i][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v].store(c + i * ldc + v * W);
+  }
+}
+
+// One column panel of NV vectors for all M rows.
+template <typename acc_t, int NV, ALayout kA, bool kLoadC>
+inline void gemm_panel(int64_t M, int64_t K, const acc_t* a, int64_t lda, const acc_t* b,
+                       int64_t ldb, acc_t* c, int64_t ldc, const acc_t* row_scale) {
+  const auto a_rows = [lda](const acc_t* base, int64_t i) {
+    return kA == ALayout::kRowMajor ? base + i * lda : base + i;
+  };
+  int64_t i = 0;
+  for (; i + kMR <= M; i += kMR) {
+    micro_kernel<acc_t, kMR, NV, kA, kLoadC>(K, a_rows(a, i), lda, b, ldb, c + i * ldc, ldc,
+                                             row_scale ? row_scale + i : nullptr);
+  }
+  const acc_t* ai = a_rows(a, i);
+  acc_t* ci = c + i * ldc;
+  const acc_t* si = row_scale ? row_scale + i : nullptr;
+  switch (M - i) {
+    case 1: micro_kernel<acc_t, 1, NV, kA, kLoadC>(K, ai, lda, b, ldb, ci, ldc, si); break;
+    case 2: micro_kernel<acc_t, 2, NV, kA, kLoadC>(K, ai, lda, b, ldb, ci, ldc, si); break;
+    case 3: micro_kernel<acc_t, 3, NV, kA, kLoadC>(K, ai, lda, b, ldb, ci, ldc, si); break;
+    case 4: micro_kernel<acc_t, 4, NV, kA, kLoadC>(K, ai, lda, b, ldb, ci, ldc, si); break;
+    case 5: micro_kernel<acc_t, 5, NV, kA, kLoadC>(K, ai, lda, b, ldb, ci, ldc, si); break;
+    default: break;
+  }
+}
+
+// C[M x N] = (kLoadC ? diag(row_scale) C : 0) + A[M x K] B[K x N], N a multiple of
+// the vector width. Column panels outside, so each panel of B stays in L1
+// while every row block of A streams past it.
+template <typename acc_t, ALayout kA, bool kLoadC>
+void gemm(int64_t M, int64_t N, int64_t K, const acc_t* a, int64_t lda, const acc_t* b,
+          int64_t ldb, acc_t* c, int64_t ldc, const acc_t* row_scale = nullptr) {
+  constexpr int64_t W = Vectorized<acc_t>::size();
+  int64_t j = 0;
+  for (; j + kNV * W <= N; j += kNV * W) {
+    gemm_panel<acc_t, kNV, kA, kLoadC>(M, K, a, lda, b + j, ldb, c + j, ldc, row_scale);
+  }
+  for (; j < N; j += W) {
+    gemm_panel<acc_t, 1, kA, kLoadC>(M, K, a, lda, b + j, ldb, c + j, ldc, row_scale);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Vector operations for the shared online-softmax template.
+// ---------------------------------------------------------------------------
+
+template <typename acc_t>
+struct VecOps {
+  using V = Vectorized<acc_t>;
+  static V max(V a, V b) { return at::vec::maximum(a, b); }
+  static V exp(V x) {
+    if constexpr (std::is_same_v<acc_t, float>) {
+      return x.exp_u20();  // ~1e-6 relative error, several times faster than exp()
+    } else {
+      return x.exp();
+    }
+  }
+  static V finite_or_zero(V x) { return V::blendv(x, V(acc_t(0)), x == V(kNegInf<acc_t>)); }
+};
+
+// ---------------------------------------------------------------------------
+// Row conversion helpers (T <-> accumulator type).
+// ---------------------------------------------------------------------------
+
+// dst[0, n) = src[0, n) * scale in the accumulator type; dst[n, n_pad) = 0.
+template <typename T>
+inline void load_row(const T* src, int64_t n, int64_t n_pad, typename VecIO<T>::acc_t scale,
+                     typename VecIO<T>::acc_t* dst) {
+  using IO = VecIO<T>;
+  using AV = typename IO::AV;
+  constexpr int P = IO::kParts;
+  const AV s(scale);
+  int64_t j = 0;
+  for (; j < n; j += IO::kStep) {
+    const int64_t c = std::min<int64_t>(IO::kStep, n - j);
+    AV v[P];
+    load_step<IO>(src + j, c, v);
+    for (int q = 0; q < P; ++q) v[q] = v[q] * s;
+    store_acc<IO>(dst + j, c, v);
+  }
+  for (j = n; j < n_pad; ++j) dst[j] = 0;
+}
+
+// dst[0, n) = T(src[0, n) * scale).
+template <typename T>
+inline void store_row(const typename VecIO<T>::acc_t* src, int64_t n,
+                      typename VecIO<T>::acc_t scale, T* dst) {
+  using IO = VecIO<T>;
+  using AV = typename IO::AV;
+  constexpr int P = IO::kParts;
+  const AV s(scale);
+  for (int64_t j = 0; j < n; j += IO::kStep) {
+    const int64_t c = std::min<int64_t>(IO::kStep, n - j);
+    AV v[P];
+    load_acc<IO>(src + j, c, v);
+    for (int q = 0; q < P; ++q) v[q] = v[q] * s;
+    store_step<IO>(dst + j, c, v);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Tiling: shared by forward and backward, a function of the shape only.
+// ---------------------------------------------------------------------------
+
+constexpr int64_t kRowsPerTile = 96;  // query rows (positions x group heads) per tile
+constexpr int64_t kKeysPerTile = 96;
+constexpr int64_t kMinTasks = 8;      // split further below this many independent tasks
+constexpr int64_t kMaxPartialBytes = int64_t(256) << 20;  // cap on split-partial scratch
+
+template <typename acc_t>
+struct Tiling {
+  int64_t batch, kv_heads, group, sq, sk, d, d_pad;
+  int64_t block_q, rows, rows_pad, block_k;
+  int64_t q_tiles, k_tiles;
+
+  Tiling(int64_t batch_, int64_t q_heads, int64_t kv_heads_, int64_t sq_, int64_t sk_, int64_t d_)
+      : batch(batch_), kv_heads(kv_heads_), group(q_heads / kv_heads_), sq(sq_), sk(sk_), d(d_) {
+    constexpr int64_t W = Vectorized<acc_t>::size();
+    d_pad = round_up(d, W);
+    const int64_t target_rows = d > 128 ? kRowsPerTile * 2 / 3 : kRowsPerTile;
+    block_q = std::clamp<int64_t>(target_rows / group, 1, std::max<int64_t>(sq, 1));
+    rows = block_q * group;
+    rows_pad = round_up(rows, W);
+    block_k = d > 128 ? kKeysPerTile * 2 / 3 : kKeysPerTile;
+    q_tiles = ceil_div(sq, block_q);
+    k_tiles = ceil_div(sk, block_k);
+  }
+
+  // Column i of a tile starting at position p0: query head and position.
+  int64_t head_of(int64_t g, int64_t i) const { return g * group + i % group; }
+  int64_t pos_of(int64_t p0, int64_t i) const { return p0 + i / group; }
+};
+
+// Runs fn(task, slot) for every task in [0, n_tasks) on at most
+// at::get_num_threads() threads; tasks are handed out in index order from a
+// shared counter (so uneven tasks balance), and `slot` < the returned slot
+// count identifies the caller's scratch space.
+inline int64_t task_slots(int64_t n_tasks) {
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_tasks));
+}
+
+template <typename F>
+void run_tasks(int64_t n_tasks, int64_t slots, const F& fn) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t slot = begin; slot < end; ++slot) {
+      for (int64_t t = next.fetch_add(1); t < n_tasks; t = next.fetch_add(1)) fn(t, slot);
+    }
+  });
+}
+
+// Sets the scores of keys a row cannot see to -inf in a transposed tile
+// s[j * ld + col] (keys j0 + [0, nk), columns of positions p0 + [0, npos)).
+template <typename acc_t>
+void mask_tile(acc_t* s, int64_t ld, int64_t nk, int64_t j0, int64_t p0, int64_t npos,
+               int64_t group, const Mask mask) {
+  for (int64_t pi = 0; pi < npos; ++pi) {
+    const int64_t lo = std::clamp<int64_t>(attn::key_begin(mask, p0 + pi) - j0, 0, nk);
+    const int64_t hi = std::clamp<int64_t>(attn::key_end(mask, p0 + pi) - j0, lo, nk);
+    for (int64_t r = 0; r < group; ++r) {
+      acc_t* col = s + pi * group + r;
+      for (int64_t j = 0; j < lo; ++j) col[j * ld] = kNegInf<acc_t>;
+      for (int64_t j = hi; j < nk; ++j) col[j * ld] = kNegInf<acc_t>;
+    }
+  }
+}
+
+// True when every row of positions [p0, p1) sees every key of [j0, j0 + nk).
+inline bool tile_fully_visible(const Mask& mask, int64_t p0, int64_t p1, int64_t j0, int64_t nk) {
+  return attn::key_begin(mask, p1 - 1) <= j0 && attn::key_end(mask, p0) >= j0 + nk;
+}
+
+// Key tiles [first, last] that rows of positions [p0, p1) may see; first > last if none.
+template <typename acc_t>
+inline void key_tile_range(const Tiling<acc_t>& t, const Mask& mask, int64_t p0, int64_t p1,
+                           int64_t& first, int64_t& last) {
+  const int64_t kb = attn::key_begin(mask, p0);
+  const int64_t ke = attn::key_end(mask, p1 - 1);
+  if (kb >= ke) {
+    first = 0;
+    last = -1;
+    return;
+  }
+  first = kb / t.block_k;
+  last = (ke - 1) / t.block_k;
+}
+
+// Pointer to a [rows, d] tile of K or V in the accumulator type: the tensor
+// itself when it already is (and, if `need_pad`, has no column padding to
+// add), else a converted, zero-padded copy in `buf` with leading dimension d_pad.
+template <typename T, typename acc_t>
+inline const acc_t* kv_tile(const T* src, int64_t seq_stride, int64_t nk, int64_t d, int64_t d_pad,
+                            bool need_pad, acc_t* buf, int64_t& ld) {
+  if constexpr (std::is_same_v<T, acc_t>) {
+    if (!need_pad || d == d_pad) {
+      ld = seq_stride;
+      return src;
+    }
+  }
+  for (int64_t j = 0; j < nk; ++j) load_row(src + j * seq_stride, d, d_pad, acc_t(1), buf + j * d_pad);
+  ld = d_pad;
+  return buf;
+}
+
+// Q^T of a tile: dst[d * ld + i] = q(row i)[d] * scale for the tile's columns i < rows,
+// zeros in the padding columns. `tmp` holds one converted row.
+template <typename T, typename acc_t>
+void gather_transposed(const T* base, int64_t head_stride, int64_t seq_stride, const Tiling<acc_t>& t,
+                       int64_t g, int64_t p0, int64_t rows, acc_t scale, acc_t* dst, int64_t ld,
+                       acc_t* tmp) {
+  const int64_t d = t.d;
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* row = base + t.head_of(g, i) * head_stride + t.pos_of(p0, i) * seq_stride;
+    load_row(row, d, d, scale, tmp);
+    for (int64_t k = 0; k < d; ++k) dst[k * ld + i] = tmp[k];
+  }
+  for (int64_t k = 0; k < d; ++k) {
+    for (int64_t i = rows; i < ld; ++i) dst[k * ld + i] = 0;
+  }
+}
+
+// Rows of a tile, row-major with leading dimension d_pad (zero padding).
+template <typename T, typename acc_t>
+void gather_rows(const T* base, int64_t head_stride, int64_t seq_stride, const Tiling<acc_t>& t,
+                 int64_t g, int64_t p0, int64_t rows, acc_t scale, acc_t* dst) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* row = base + t.head_of(g, i) * head_stride + t.pos_of(p0, i) * seq_stride;
+    load_row(row, t.d, t.d_pad, scale, dst + i * t.d_pad);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------
+
+// Per-slot scratch of the forward pass, in accumulator-type elements.
+template <typename acc_t>
+struct ForwardScratch {
+  acc_t *qt, *s, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha, *tmp;
+  static int64_t size(const Tiling<acc_t>& t) {
+    return t.d * t.rows_pad + t.block_k * t.rows_pad + t.rows_pad * t.d_pad +
+           2 * t.block_k * t.d_pad + 3 * t.rows_pad + t.d_pad;
+  }
+  ForwardScratch(acc_t* p, const Tiling<acc_t>& t) {
+    qt = p;
+    s = qt + t.d * t.rows_pad;
+    o = s + t.block_k * t.rows_pad;
+    kbuf = o + t.rows_pad * t.d_pad;
+    vbuf = kbuf + t.block_k * t.d_pad;
+    row_max = vbuf + t.block_k * t.d_pad;
+    row_sum = row_max + t.rows_pad;
+    alpha = row_sum + t.rows_pad;
+    tmp = alpha + t.rows_pad;
+  }
+};
+
+// Online softmax over one transposed score tile s[j * ld + col] (nk keys,
+// ld columns): turns scores into exp(score - shift) in place and updates the
+// per-row running max and sum; alpha[col] rescales the output rows.
+template <typename acc_t>
+void softmax_tile(acc_t* s, int64_t ld, int64_t nk, acc_t* row_max, acc_t* row_sum, acc_t* alpha) {
+  using V = Vectorized<acc_t>;
+  constexpr int64_t W = V::size();
+  const VecOps<acc_t> ops;
+  for (int64_t c = 0; c < ld; c += W) {
+    acc_t* col = s + c;
+    V tile_max(kNegInf<acc_t>);
+    for (int64_t j = 0; j < nk; ++j) tile_max = ops.max(tile_max, V::loadu(col + j * ld));
+    V running_max = V::loadu(row_max + c);
+    V shift;
+    const V a = attn::online_softmax_step(running_max, tile_max, shift, ops);
+    V sum0(acc_t(0)), sum1(acc_t(0));
+    int64_t j = 0;
+    for (; j + 2 <= nk; j += 2) {
+      const V p0 = ops.exp(V::loadu(col + j * ld) - shift);
+      const V p1 = ops.exp(V::loadu(col + (j + 1) * ld) - shift);
+      p0.store(col + j * ld);
+      p1.store(col + (j + 1) * ld);
+      sum0 = sum0 + p0;
+      sum1 = sum1 + p1;
+    }
+    if (j < nk) {
+      const V p0 = ops.exp(V::loadu(col + j * ld) - shift);
+      p0.store(col + j * ld);
+      sum0 = sum0 + p0;
+    }
+    (V::loadu(row_sum + c) * a + (sum0 + sum1)).store(row_sum + c);
+    running_max.store(row_max + c);
+    a.store(alpha + c);
+  }
+}
+
+template <typename T>
+struct ForwardKernel {
+  using acc_t = typename VecIO<T>::acc_t;
+
+  // Output rows (normalized) and log-sum-exp of one task: the tile of
+  // positions [p0, p0 + npos) of kv head g in batch b, over the key tiles
+  // first, first + stride, ... <= last.
+  static void task(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w,
+                   int64_t b, int64_t g, int64_t p0, int64_t npos, int64_t first, int64_t last,
+                   int64_t stride, acc_t* o_out, int64_t o_ld, acc_t* lse_out) {
+    const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride;
+    const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + g * a.k.head_stride;
+    const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + g * a.v.head_stride;
+    const int64_t kss = a.k.seq_stride, vss = a.v.seq_stride;
+    const Mask mask = a.mask;
+    const int64_t d = t.d, d_pad = t.d_pad, sk = t.sk, block_k = t.block_k, group = t.group;
+    const int64_t rows = npos * group;
+    const int64_t ld = round_up(rows, Vectorized<acc_t>::size());
+
+    gather_transposed(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows,
+                      static_cast<acc_t>(a.scale), w.qt, ld, w.tmp);
+    std::fill(w.o, w.o + rows * d_pad, acc_t(0));
+    std::fill(w.row_max, w.row_max + ld, kNegInf<acc_t>);
+    std::fill(w.row_sum, w.row_sum + ld, acc_t(0));
+
+    for (int64_t kt = first; kt <= last; kt += stride) {
+      const int64_t j0 = kt * block_k;
+      const int64_t nk = std::min(block_k, sk - j0);
+      int64_t k_ld, v_ld;
+      const acc_t* kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, false, w.kbuf, k_ld);
+      // S^T = K (Q * scale)^T: keys x rows.
+      gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
+      if (!tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
+        mask_tile(w.s, ld, nk, j0, p0, npos, group, mask);
+      }
+      softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
+      const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, true, w.vbuf, v_ld);
+      // O = diag(alpha) O + P V, P read column-major out of the transposed tile.
+      gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.s, ld, vp, v_ld, w.o, d_pad,
+                                            w.alpha);
+    }
+
+    for (int64_t i = 0; i < rows; ++i) {
+      const acc_t inv = attn::row_inv_sum(w.row_sum[i]);
+      const acc_t* src = w.o + i * d_pad;
+      acc_t* dst = o_out + i * o_ld;
+      for (int64_t c = 0; c < d; ++c) dst[c] = src[c] * inv;
+      lse_out[i] = attn::row_lse(w.row_max[i], w.row_sum[i]);
+    }
+  }
+
+  static void run(const AttentionForwardArgs& a) {
+    const Tiling<acc_t> t(a.batch, a.q_heads, a.kv_heads, a.sq, a.sk, a.head_dim);
+    const int64_t pairs = t.batch * t.kv_heads;
+    const int64_t base_tasks = pairs * t.q_tiles;
+    // Few tasks (decoding, small batch): also split the keys; each split
+    // writes normalized partial rows and their log-sum-exp, merged below.
+    int64_t splits = 1;
+    if (base_tasks < kMinTasks && t.k_tiles > 1) {
+      splits = std::min(ceil_div(kMinTasks, base_tasks), t.k_tiles);
+      const int64_t per_split = t.batch * a.q_heads * t.sq * (t.d_pad + 1) * int64_t(sizeof(acc_t));
+      splits = std::max<int64_t>(1, std::min(splits, kMaxPartialBytes / std::max<int64_t>(per_split, 1)));
+    }
+    const int64_t n_tasks = base_tasks * splits;
+    const int64_t slots = task_slots(n_tasks);
+    const auto acc_dtype = std::is_same_v<acc_t, double> ? at::kDouble : at::kFloat;
+    at::Tensor scratch = at::zeros({slots, ForwardScratch<acc_t>::size(t)}, at::TensorOptions(acc_dtype));
+    at::Tensor partial_o, partial_lse;
+    // Row-major output rows of a task, in accumulator type, before the cast to T.
+    at::Tensor rows_out = at::empty({slots, t.rows_pad * t.d_pad + t.rows_pad}, at::TensorOptions(acc_dtype));
+    if (splits > 1) {
+      partial_o = at::empty({splits, t.batch, a.q_heads, t.sq, t.d_pad}, at::TensorOptions(acc_dtype));
+      partial_lse = at::empty({splits, t.batch, a.q_heads, t.sq}, at::TensorOptions(acc_dtype));
+    }
+    acc_t* scratch_p = scratch.data_ptr<acc_t>();
+    acc_t* rows_p = rows_out.data_ptr<acc_t>();
+    acc_t* po = splits > 1 ? partial_o.data_ptr<acc_t>() : nullptr;
+    acc_t* pl = splits > 1 ? partial_lse.data_ptr<acc_t>() : nullptr;
+    const int64_t scratch_stride = scratch.size(1), rows_stride = rows_out.size(1);
+
+    run_tasks(n_tasks, slots, [&](int64_t index, int64_t slot) {
+      // Latest query tiles first: under a causal mask they see the most keys.
+      const int64_t split = index % splits;
+      const int64_t rest = index / splits;
+      const int64_t pair = rest % pairs;
+      const int64_t qt = t.q_tiles - 1 - rest / pairs;
+      const int64_t b = pair / t.kv_heads, g = pair % t.kv_heads;
+      const int64_t p0 = qt * t.block_q;
+      const int64_t npos = std::min(t.block_q, t.sq - p0);
+      const int64_t rows = npos * t.group;
+      int64_t first, last;
+      key_tile_range(t, a.mask, p0, p0 + npos, first, last);
+      ForwardScratch<acc_t> w(scratch_p + slot * scratch_stride, t);
+      acc_t* o_rows = rows_p + slot * rows_stride;
+      acc_t* lse_rows = o_rows + t.rows_pad * t.d_pad;
+      task(a, t, w, b, g, p0, npos, first + split, last, splits, o_rows, t.d_pad, lse_rows);
+      // Scatter the (position, head) rows to [B, Hq, Sq, ...].
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t h = t.head_of(g, i), pos = t.pos_of(p0, i);
+        const int64_t row = (b * a.q_heads + h) * t.sq + pos;
+        if (splits == 1) {
+          store_row<T>(o_rows + i * t.d_pad, t.d, acc_t(1), static_cast<T*>(a.out) + row * t.d);
+          static_cast<acc_t*>(a.lse)[row] = lse_rows[i];
+        } else {
+          const int64_t prow = split * t.batch * a.q_heads * t.sq + row;
+          std::memcpy(po + prow * t.d_pad, o_rows + i * t.d_pad, sizeof(acc_t) * t.d);
+          pl[prow] = lse_rows[i];
+        }
+      }
+    });
+    if (splits == 1) return;
+
+    // Merge the splits of each row in split order.
+    const int64_t n_rows = t.batch * a.q_heads * t.sq;
+    at::parallel_for(0, n_rows, std::max<int64_t>(1, 4096 / t.d_pad), [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> acc(t.d_pad);
+      for (int64_t row = begin; row < end; ++row) {
+        acc_t m = kNegInf<acc_t>;
+        for (int64_t s = 0; s < splits; ++s) m = std::max(m, pl[s * n_rows + row]);
+        acc_t total = kNegInf<acc_t>;
+        if (m != kNegInf<acc_t>) {
+          acc_t sum = 0;
+          for (int64_t s = 0; s < splits; ++s) sum += std::exp(pl[s * n_rows + row] - m);
+          total = m + std::log(sum);
+        }
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        for (int64_t s = 0; s < splits; ++s) {
+          const acc_t wgt = attn::merge_weight(pl[s * n_rows + row], total);
+          if (wgt == acc_t(0)) continue;
+          const acc_t* src = po + (s * n_rows + row) * t.d_pad;
+          for (int64_t c = 0; c < t.d; ++c) acc[c] += wgt * src[c];
+        }
+        store_row<T>(acc.data(), t.d, acc_t(1), static_cast<T*>(a.out) + row * t.d);
+        static_cast<acc_t*>(a.lse)[row] = total;
+      }
+    });
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Backward
+// ---------------------------------------------------------------------------
+
+template <typename acc_t>
+struct BackwardScratch {
+  acc_t *qt, *dot, *qs, *dor, *s, *dp, *dq, *kbuf, *vbuf, *shift, *delta, *tmp;
+  static int64_t size(const Tiling<acc_t>& t) {
+    return 2 * t.d * t.rows_pad + 3 * t.rows_pad * t.d_pad + 2 * t.block_k * t.rows_pad +
+           2 * t.block_k * t.d_pad + 2 * t.rows_pad + t.d_pad;
+  }
+  BackwardScratch(acc_t* p, const Tiling<acc_t>& t) {
+    qt = p;
+    dot = qt + t.d * t.rows_pad;
+    qs = dot + t.d * t.rows_pad;
+    dor = qs + t.rows_pad * t.d_pad;
+    dq = dor + t.rows_pad * t.d_pad;
+    s = dq + t.rows_pad * t.d_pad;
+    dp = s + t.block_k * t.rows_pad;
+    kbuf = dp + t.block_k * t.rows_pad;
+    vbuf = kbuf + t.block_k * t.d_pad;
+    shift = vbuf + t.block_k * t.d_pad;
+    delta = shift + t.rows_pad;
+    tmp = delta + t.rows_pad;
+  }
+};
+
+// P = exp(S - shift) and dS = P * (dP - delta) over a transposed tile, in place.
+template <typename acc_t>
+void probs_and_score_grads(acc_t* s, acc_t* dp, int64_t ld, int64_t nk, const acc_t* shift,
+                           const acc_t* delta) {
+  using V = Vectorized<acc_t>;
+  constexpr int64_t W = V::size();
+  const VecOps<acc_t> ops;
+  for (int64_t c = 0; c < ld; c += W) {
+    const V sh = V::loadu(shift + c);
+    const V de = V::loadu(delta + c);
+    for (int64_t j = 0; j < nk; ++j) {
+      acc_t* sp = s + j * ld + c;
+      acc_t* dpp = dp + j * ld + c;
+      const V p = ops.exp(V::loadu(sp) - sh);
+      const V ds = attn::score_grad(p, V::loadu(dpp), de);
+      p.store(sp);
+      ds.store(dpp);
+    }
+  }
+}
+
+template <typename T>
+struct BackwardKernel {
+  using acc_t = typename VecIO<T>::acc_t;
+
+  // delta[row] = sum(dO * O) over head_dim, rows of [B, Hq, Sq].
+  static void compute_delta(const AttentionBackwardArgs& a, acc_t* delta) {
+    using IO = VecIO<T>;
+    using AV = typename IO::AV;
+    const int64_t n_rows = a.batch * a.q_heads * a.sq;
+    const int64_t d = a.head_dim;
+    at::parallel_for(0, n_rows, std::max<int64_t>(1, 8192 / d), [&](int64_t begin, int64_t end) {
+      const T* go = static_cast<const T*>(a.grad_out.data);
+      const T* out = static_cast<const T*>(a.out.data);
+      const AttentionOperand g_op = a.grad_out, o_op = a.out;
+      const int64_t hq = a.q_heads, sq = a.sq;
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t pos = row % sq, bh = row / sq;
+        const int64_t h = bh % hq, b = bh / hq;
+        const T* gr = go + b * g_op.batch_stride + h * g_op.head_stride + pos * g_op.seq_stride;
+        const T* orow = out + b * o_op.batch_stride + h * o_op.head_stride + pos * o_op.seq_stride;
+        delta[row] = row_sum<IO>(d, [=](int64_t j, int64_t c, AV(&acc)[IO::kParts]) {
+          AV x[IO::kParts], y[IO::kParts];
+          load_step<IO>(gr + j, c, x);
+          load_step<IO>(orow + j, c, y);
+          for (int q = 0; q < IO::kParts; ++q) acc[q] = at::vec::fmadd(x[q], y[q], acc[q]);
+        });
+      }
+    });
+  }
+
+  // One task: kv head g of batch b, key tiles chunk, chunk + chunks, ...;
+  // accumulates dK (already scaled) and dV rows into dk/dv (leading dim d_pad)
+  // and writes dQ of every query tile (scaled into grad_q when chunks == 1,
+  // else unscaled into this chunk's partial rows).
+  static void task(const AttentionBackwardArgs& a, const Tiling<acc_t>& t, BackwardScratch<acc_t> w,
+                   int64_t b, int64_t g, int64_t chunk, int64_t chunks, const acc_t* delta_all,
+                   acc_t* dk, acc_t* dv, acc_t* dq_partial) {
+    const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride;
+    const T* go = static_cast<const T*>(a.grad_out.data) + b * a.grad_out.batch_stride;
+    const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + g * a.k.head_stride;
+    const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + g * a.v.head_stride;
+    const acc_t* lse = static_cast<const acc_t*>(a.lse);
+    const int64_t kss = a.k.seq_stride, vss = a.v.seq_stride;
+    const Mask mask = a.mask;
+    const acc_t scale = static_cast<acc_t>(a.scale);
+    const int64_t d = t.d, d_pad = t.d_pad, sk = t.sk, sq = t.sq, block_k = t.block_k;
+    const int64_t group = t.group, hq = a.q_heads;
+
+    for (int64_t qt = 0; qt < t.q_tiles; ++qt) {
+      const int64_t p0 = qt * t.block_q;
+      const int64_t npos = std::min(t.block_q, sq - p0);
+      const int64_t rows = npos * group;
+      const int64_t ld = round_up(rows, Vectorized<acc_t>::size());
+      int64_t first, last;
+      key_tile_range(t, mask, p0, p0 + npos, first, last);
+      // This chunk's first key tile in [first, last].
+      int64_t kt0 = first + ((chunk - first % chunks) % chunks + chunks) % chunks;
+      const bool any = kt0 <= last;
+      if (!any && chunks > 1) continue;  // the partial rows stay zero
+
+      std::fill(w.dq, w.dq + rows * d_pad, acc_t(0));
+      if (any) {
+        gather_transposed(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, scale, w.qt, ld, w.tmp);
+        gather_transposed(go, a.grad_out.head_stride, a.grad_out.seq_stride, t, g, p0, rows,
+                          acc_t(1), w.dot, ld, w.tmp);
+        gather_rows(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, scale, w.qs);
+        gather_rows(go, a.grad_out.head_stride, a.grad_out.seq_stride, t, g, p0, rows, acc_t(1), w.dor);
+        for (int64_t i = 0; i < ld; ++i) {
+          if (i < rows) {
+            const int64_t row = (b * hq + t.head_of(g, i)) * sq + t.pos_of(p0, i);
+            w.shift[i] = attn::ScalarOps<acc_t>::finite_or_zero(lse[row]);
+            w.delta[i] = delta_all[row];
+          } else {
+            w.shift[i] = 0;
+            w.delta[i] = 0;
+          }
+        }
+      }
+
+      for (int64_t kt = kt0; kt <= last; kt += chunks) {
+        const int64_t j0 = kt * block_k;
+        const int64_t nk = std::min(block_k, sk - j0);
+        int64_t k_ld, v_ld;
+        const acc_t* kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, true, w.kbuf, k_ld);
+        const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, false, w.vbuf, v_ld);
+        // S^T = K (Q * scale)^T and dP^T = V dO^T: keys x rows.
+        gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
+        gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, vp, v_ld, w.dot, ld, w.dp, ld);
+        if (!tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
+          mask_tile(w.s, ld, nk, j0, p0, npos, group, mask);
+        }
+        probs_and_score_grads(w.s, w.dp, ld, nk, w.shift, w.delta);
+        // dV += P^T dO, dK += dS^T (Q * scale): the sum over the group's rows
+        // is the inner dimension of these products.
+        acc_t* dv_rows = dv + j0 * d_pad;
+        acc_t* dk_rows = dk + j0 * d_pad;
+        gemm<acc_t, ALayout::kRowMajor, true>(nk, d_pad, rows, w.s, ld, w.dor, d_pad, dv_rows, d_pad);
+        gemm<acc_t, ALayout::kRowMajor, true>(nk, d_pad, rows, w.dp, ld, w.qs, d_pad, dk_rows, d_pad);
+        // dQ (unscaled) += dS K, dS read column-major out of the transposed tile.
+        gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.dp, ld, kp, k_ld, w.dq, d_pad);
+      }
+
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t row = (b * hq + t.head_of(g, i)) * sq + t.pos_of(p0, i);
+        if (chunks == 1) {
+          store_row<T>(w.dq + i * d_pad, d, scale, static_cast<T*>(a.grad_q) + row * d);
+        } else {
+          std::memcpy(dq_partial + row * d_pad, w.dq + i * d_pad, sizeof(acc_t) * d);
+        }
+      }
+    }
+  }
+
+  static void run(const AttentionBackwardArgs& a) {
+    const Tiling<acc_t> t(a.batch, a.q_heads, a.kv_heads, a.sq, a.sk, a.head_dim);
+    const auto opts = at::TensorOptions(std::is_same_v<acc_t, double> ? at::kDouble : at::kFloat);
+    const int64_t pairs = t.batch * t.kv_heads;
+    const int64_t n_q_rows = t.batch * a.q_heads * t.sq;
+
+    // Few (batch, kv head) pairs: split each pair's key tiles into chunks
+    // (a function of the shape only), each with its own partial dQ.
+    int64_t chunks = 1;
+    if (pairs < kMinTasks && t.k_tiles > 1) {
+      chunks = std::min(ceil_div(kMinTasks, pairs), t.k_tiles);
+      const int64_t per_chunk = n_q_rows * t.d_pad * int64_t(sizeof(acc_t));
+      chunks = std::max<int64_t>(1, std::min(chunks, kMaxPartialBytes / std::max<int64_t>(per_chunk, 1)));
+    }
+
+    at::Tensor delta = at::empty({n_q_rows}, opts);
+    compute_delta(a, delta.data_ptr<acc_t>());
+
+    // dK/dV accumulate in the accumulator type with rows padded to d_pad;
+    // when that is exactly the output layout they accumulate in place.
+    const bool in_place = std::is_same_v<T, acc_t> && t.d == t.d_pad;
+    const int64_t kv_rows = pairs * t.sk;
+    at::Tensor dk_buf, dv_buf;
+    acc_t *dk, *dv;
+    if (in_place) {
+      dk = reinterpret_cast<acc_t*>(a.grad_k);
+      dv = reinterpret_cast<acc_t*>(a.grad_v);
+      at::parallel_for(0, kv_rows, 1024, [&](int64_t begin, int64_t end) {
+        std::fill(dk + begin * t.d_pad, dk + end * t.d_pad, acc_t(0));
+        std::fill(dv + begin * t.d_pad, dv + end * t.d_pad, acc_t(0));
+      });
+    } else {
+      dk_buf = at::zeros({kv_rows, t.d_pad}, opts);
+      dv_buf = at::zeros({kv_rows, t.d_pad}, opts);
+      dk = dk_buf.data_ptr<acc_t>();
+      dv = dv_buf.data_ptr<acc_t>();
+    }
+    at::Tensor dq_partial;
+    acc_t* dq_p = nullptr;
+    if (chunks > 1) {
+      dq_partial = at::zeros({chunks, n_q_rows, t.d_pad}, opts);
+      dq_p = dq_partial.data_ptr<acc_t>();
+    }
+
+    const int64_t n_tasks = pairs * chunks;
+    const int64_t slots = task_slots(n_tasks);
+    at::Tensor scratch = at::zeros({slots, BackwardScratch<acc_t>::size(t)}, opts);
+    acc_t* scratch_p = scratch.data_ptr<acc_t>();
+    const int64_t scratch_stride = scratch.size(1);
+    const acc_t* delta_p = delta.data_ptr<acc_t>();
+
+    run_tasks(n_tasks, slots, [&](int64_t task_index, int64_t slot) {
+      const int64_t chunk = task_index % chunks;
+      const int64_t pair = task_index / chunks;
+      const int64_t b = pair / t.kv_heads, g = pair % t.kv_heads;
+      BackwardScratch<acc_t> w(scratch_p + slot * scratch_stride, t);
+      acc_t* dq_rows = dq_p != nullptr ? dq_p + chunk * n_q_rows * t.d_pad : nullptr;
+      task(a, t, w, b, g, chunk, chunks, delta_p, dk + pair * t.sk * t.d_pad,
+           dv + pair * t.sk * t.d_pad, dq_rows);
+    });
+
+    if (!in_place) {
+      at::parallel_for(0, kv_rows, std::max<int64_t>(1, 4096 / t.d_pad), [&](int64_t begin, int64_t end) {
+        T* gk = static_cast<T*>(a.grad_k);
+        T* gv = static_cast<T*>(a.grad_v);
+        for (int64_t r = begin; r < end; ++r) {
+          store_row<T>(dk + r * t.d_pad, t.d, acc_t(1), gk + r * t.d);
+          store_row<T>(dv + r * t.d_pad, t.d, acc_t(1), gv + r * t.d);
+        }
+      });
+    }
+    if (chunks > 1) {
+      // dQ = scale * sum of the chunks' partials, in chunk order.
+      at::parallel_for(0, n_q_rows, std::max<int64_t>(1, 4096 / t.d_pad), [&](int64_t begin, int64_t end) {
+        std::vector<acc_t> acc(t.d_pad);
+        T* gq = static_cast<T*>(a.grad_q);
+        for (int64_t r = begin; r < end; ++r) {
+          std::fill(acc.begin(), acc.end(), acc_t(0));
+          for (int64_t c = 0; c < chunks; ++c) {
+            const acc_t* src = dq_p + (c * n_q_rows + r) * t.d_pad;
+            for (int64_t j = 0; j < t.d; ++j) acc[j] += src[j];
+          }
+          store_row<T>(acc.data(), t.d, static_cast<acc_t>(a.scale), gq + r * t.d);
+        }
+      });
+    }
+  }
+};
+
+void attention_forward(const AttentionForwardArgs& a) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.dtype, "fusedllm_attention_cpu", [&] {
+    ForwardKernel<scalar_t>::run(a);
+  });
+}
+
+void attention_backward(const AttentionBackwardArgs& a) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.dtype, "fusedllm_attention_backward_cpu", [&] {
+    BackwardKernel<scalar_t>::run(a);
+  });
+}
+
+}  // namespace
+
+FUSEDLLM_REGISTER_CPU_KERNEL(attention_forward_kernels, &attention_forward);
+FUSEDLLM_REGISTER_CPU_KERNEL(attention_backward_kernels, &attention_backward);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace fusedllm::cpu

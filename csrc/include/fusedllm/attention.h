@@ -1,0 +1,120 @@
+// Attention math shared by the CPU kernels (scalar and Vectorized<float/double>
+// lanes) and the CUDA kernels: which keys a query sees, the online-softmax
+// update, the log-sum-exp of a finished row, merging partial results and the
+// score gradient. Functions templated on `V` take an `Ops` policy for max /
+// exp / select, so the CPU kernels can run them on whole vectors of rows.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "fusedllm/macros.h"
+
+namespace fusedllm::attn {
+
+// Visibility of key j to query i. Query i sits at absolute position
+// p = i + offset with offset = Sk - Sq (queries are the last Sq positions of
+// the Sk keys: bottom-right alignment, what decoding with a KV cache needs).
+//   causal:     j <= p
+//   window w:   j >  p - w   (w keys up to and including p; -1: no window)
+struct Mask {
+  int64_t sk = 0;
+  int64_t offset = 0;
+  int64_t window = -1;
+  bool causal = false;
+};
+
+FUSEDLLM_HOST_DEVICE int64_t clamp_index(int64_t x, int64_t lo, int64_t hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
+
+// First key query i sees (keys [key_begin, key_end) are visible; empty when begin >= end).
+FUSEDLLM_HOST_DEVICE int64_t key_begin(const Mask& m, int64_t i) {
+  if (m.window < 0) return 0;
+  return clamp_index(i + m.offset - m.window + 1, 0, m.sk);
+}
+
+FUSEDLLM_HOST_DEVICE int64_t key_end(const Mask& m, int64_t i) {
+  if (!m.causal) return m.sk;
+  return clamp_index(i + m.offset + 1, 0, m.sk);
+}
+
+// Queries [query_begin, query_end) of [0, sq) that see at least one key of
+// [j0, j1) (j0 < j1): used to skip query tiles a key tile cannot affect.
+FUSEDLLM_HOST_DEVICE int64_t query_begin(const Mask& m, int64_t j0, int64_t sq) {
+  if (!m.causal) return 0;
+  return clamp_index(j0 - m.offset, 0, sq);
+}
+
+FUSEDLLM_HOST_DEVICE int64_t query_end(const Mask& m, int64_t j1, int64_t sq) {
+  if (m.window < 0) return sq;
+  return clamp_index(j1 - 1 + m.window - m.offset, 0, sq);
+}
+
+// Scalar operations for the templates below (CUDA kernels, CPU scalar code).
+template <typename acc_t>
+struct ScalarOps {
+  FUSEDLLM_HOST_DEVICE static acc_t max(acc_t a, acc_t b) { return a > b ? a : b; }
+  FUSEDLLM_HOST_DEVICE static acc_t exp(acc_t x) {
+#if defined(__CUDA_ARCH__)
+    if constexpr (sizeof(acc_t) == 4) {
+      return __expf(x);
+    } else {
+      return ::exp(x);
+    }
+#else
+    return std::exp(x);
+#endif
+  }
+  // x, or 0 where x is -inf (a row that has not seen any key yet).
+  FUSEDLLM_HOST_DEVICE static acc_t finite_or_zero(acc_t x) {
+    return x == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : x;
+  }
+};
+
+// One online-softmax step for a row (or a vector of rows) that has seen
+// scores with maximum `running_max` (-inf: none yet) and now sees a tile of
+// scores with maximum `tile_max`. Updates running_max, sets `shift` to the
+// value to subtract from this tile's scores before exp, and returns the
+// factor that rescales the previous sum of exps and the output accumulator.
+// A row with no visible key so far keeps shift 0 so exp(-inf - shift) = 0
+// instead of NaN.
+template <typename V, typename Ops>
+FUSEDLLM_HOST_DEVICE V online_softmax_step(V& running_max, V tile_max, V& shift, Ops ops) {
+  const V new_max = ops.max(running_max, tile_max);
+  shift = ops.finite_or_zero(new_max);
+  const V alpha = ops.exp(running_max - shift);
+  running_max = new_max;
+  return alpha;
+}
+
+// log(sum of exp(score)) of a finished row from its running max and sum of
+// exp(score - max); -inf for a row that saw no key (its output is 0).
+template <typename acc_t>
+FUSEDLLM_HOST_DEVICE acc_t row_lse(acc_t running_max, acc_t sum) {
+  using std::log;
+  return sum > acc_t(0) ? running_max + log(sum) : -std::numeric_limits<acc_t>::infinity();
+}
+
+// 1 / sum, or 0 for a row that saw no key (so its output is 0, never NaN).
+template <typename acc_t>
+FUSEDLLM_HOST_DEVICE acc_t row_inv_sum(acc_t sum) {
+  return sum > acc_t(0) ? acc_t(1) / sum : acc_t(0);
+}
+
+// Weight of a partial result with log-sum-exp `part_lse` in a row whose total
+// log-sum-exp is `total_lse` (both -inf when the row saw no key at all).
+template <typename acc_t>
+FUSEDLLM_HOST_DEVICE acc_t merge_weight(acc_t part_lse, acc_t total_lse) {
+  using std::exp;
+  return total_lse == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : exp(part_lse - total_lse);
+}
+
+// dScore = P * (dP - rowsum(dO * O)), with dP = dO . v_j.
+template <typename V>
+FUSEDLLM_HOST_DEVICE V score_grad(V p, V dp, V delta) {
+  return p * (dp - delta);
+}
+
+}  // namespace fusedllm::attn

@@ -1,0 +1,198 @@
+// Host-side argument checks and layout for the attention ops, shared by the
+// CPU and CUDA implementations so both reject the same inputs with the same words.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+
+#include "fusedllm/attention.h"
+#include "fusedllm/rms_norm_op.h"  // check_float_tensor, check_same
+
+namespace fusedllm {
+
+constexpr int64_t kAttentionMaxHeadDim = 256;
+
+struct AttentionShape {
+  int64_t batch = 0, q_heads = 0, kv_heads = 0, sq = 0, sk = 0, head_dim = 0;
+  int64_t group() const { return kv_heads > 0 ? q_heads / kv_heads : 0; }
+};
+
+inline AttentionShape check_attention_args(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v, double scale, int64_t window) {
+  TORCH_CHECK_VALUE(q.dim() == 4, op, ": q must be 4-D [batch, q_heads, q_len, head_dim], got shape ",
+                    q.sizes());
+  TORCH_CHECK_VALUE(k.dim() == 4, op, ": k must be 4-D [batch, kv_heads, kv_len, head_dim], got shape ",
+                    k.sizes());
+  TORCH_CHECK_VALUE(v.dim() == 4, op, ": v must be 4-D [batch, kv_heads, kv_len, head_dim], got shape ",
+                    v.sizes());
+  check_float_tensor(q, op, "q");
+  check_same(q, "q", k, "k", op);
+  check_same(q, "q", v, "v", op);
+  AttentionShape s;
+  s.batch = q.size(0);
+  s.q_heads = q.size(1);
+  s.sq = q.size(2);
+  s.head_dim = q.size(3);
+  s.kv_heads = k.size(1);
+  s.sk = k.size(2);
+  TORCH_CHECK_VALUE(k.size(0) == s.batch && v.size(0) == s.batch, op,
+                    ": q, k and v must have the same batch size, got ", s.batch, ", ", k.size(0),
+                    " and ", v.size(0));
+  TORCH_CHECK_VALUE(k.size(3) == s.head_dim && v.size(3) == s.head_dim, op,
+                    ": q, k and v must have the same head_dim, got ", s.head_dim, ", ", k.size(3),
+                    " and ", v.size(3));
+  TORCH_CHECK_VALUE(v.size(1) == s.kv_heads, op, ": k and v must have the same number of heads, got ",
+                    s.kv_heads, " and ", v.size(1));
+  TORCH_CHECK_VALUE(v.size(2) == s.sk, op, ": k and v must have the same length, got ", s.sk, " and ",
+                    v.size(2));
+  TORCH_CHECK_VALUE(s.kv_heads > 0 ? s.q_heads % s.kv_heads == 0 : s.q_heads == 0, op,
+                    ": the number of query heads (", s.q_heads,
+                    ") must be a multiple of the number of key/value heads (", s.kv_heads, ")");
+  TORCH_CHECK_VALUE(s.head_dim >= 1 && s.head_dim <= kAttentionMaxHeadDim, op,
+                    ": head_dim must be between 1 and ", kAttentionMaxHeadDim, ", got ", s.head_dim);
+  TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be a finite number, got ", scale);
+  TORCH_CHECK_VALUE(window == -1 || window >= 1, op,
+                    ": window must be -1 (no window) or a number of keys >= 1, got ", window);
+  return s;
+}
+
+inline at::ScalarType lse_dtype(const at::Tensor& q) {
+  return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// `t` with unit stride along head_dim (a copy only when it has none); the
+// batch, head and sequence strides are used as they are.
+inline at::Tensor unit_last_stride(const at::Tensor& t) {
+  return (t.size(3) > 1 && t.stride(3) != 1) ? t.contiguous() : t;
+}
+
+inline attn::Mask make_mask(const AttentionShape& s, bool causal, int64_t window) {
+  attn::Mask m;
+  m.sk = s.sk;
+  m.offset = s.sk - s.sq;
+  m.window = window;
+  m.causal = causal;
+  return m;
+}
+
+// Checked operands and fresh outputs of a forward call. q, k, v have unit
+// stride along head_dim; out is contiguous [B, Hq, Sq, D], lse [B, Hq, Sq].
+struct AttentionForwardPlan {
+  AttentionShape shape;
+  attn::Mask mask;
+  double scale = 1.0;
+  at::Tensor q, k, v;
+  at::Tensor out, lse;
+  bool has_work = false;  // false: outputs are already final (empty, or no keys)
+};
+
+inline AttentionForwardPlan plan_attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                   const at::Tensor& v, double scale, bool causal,
+                                                   int64_t window) {
+  const char* op = "fusedllm.attention";
+  AttentionForwardPlan p;
+  p.shape = check_attention_args(op, q, k, v, scale, window);
+  p.mask = make_mask(p.shape, causal, window);
+  p.scale = scale;
+  p.out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  p.lse = at::empty({p.shape.batch, p.shape.q_heads, p.shape.sq}, q.options().dtype(lse_dtype(q)));
+  if (p.out.numel() == 0) return p;
+  if (p.shape.sk == 0) {
+    // No keys: every row is empty, so out = 0 and lse = -inf.
+    p.out.zero_();
+    p.lse.fill_(-std::numeric_limits<double>::infinity());
+    return p;
+  }
+  p.q = unit_last_stride(q);
+  p.k = unit_last_stride(k);
+  p.v = unit_last_stride(v);
+  p.has_work = true;
+  return p;
+}
+
+// Checked operands and outputs of a backward call; grad_q/k/v are contiguous.
+struct AttentionBackwardPlan {
+  AttentionShape shape;
+  attn::Mask mask;
+  double scale = 1.0;
+  at::Tensor grad_out, q, k, v, out, lse;
+  at::Tensor grad_q, grad_k, grad_v;
+  bool has_work = false;
+};
+
+inline AttentionBackwardPlan plan_attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
+                                                     const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& out, const at::Tensor& lse,
+                                                     double scale, bool causal, int64_t window) {
+  const char* op = "fusedllm.attention_backward";
+  AttentionBackwardPlan p;
+  p.shape = check_attention_args(op, q, k, v, scale, window);
+  p.mask = make_mask(p.shape, causal, window);
+  p.scale = scale;
+  check_same(q, "q", grad_out, "grad_out", op);
+  check_same(q, "q", out, "out", op);
+  TORCH_CHECK_VALUE(grad_out.sizes() == q.sizes(), op, ": grad_out must have the shape of q ",
+                    q.sizes(), ", got ", grad_out.sizes());
+  TORCH_CHECK_VALUE(out.sizes() == q.sizes(), op, ": out must have the shape of q ", q.sizes(),
+                    ", got ", out.sizes());
+  TORCH_CHECK_VALUE(lse.scalar_type() == lse_dtype(q) && lse.device() == q.device() &&
+                        lse.dim() == 3 && lse.size(0) == p.shape.batch &&
+                        lse.size(1) == p.shape.q_heads && lse.size(2) == p.shape.sq,
+                    op, ": lse must be the ", lse_dtype(q), " [batch, q_heads, q_len] = [",
+                    p.shape.batch, ", ", p.shape.q_heads, ", ", p.shape.sq,
+                    "] tensor returned by the forward op, got ", lse.scalar_type(), " ", lse.sizes());
+  const auto contiguous = q.options().memory_format(at::MemoryFormat::Contiguous);
+  p.grad_q = at::empty(q.sizes(), contiguous);
+  p.grad_k = at::empty(k.sizes(), contiguous);
+  p.grad_v = at::empty(v.sizes(), contiguous);
+  if (p.grad_q.numel() == 0 || p.shape.sk == 0) {
+    // No query or no key: nothing flows anywhere.
+    p.grad_q.zero_();
+    p.grad_k.zero_();
+    p.grad_v.zero_();
+    return p;
+  }
+  p.grad_out = unit_last_stride(grad_out);
+  p.q = unit_last_stride(q);
+  p.k = unit_last_stride(k);
+  p.v = unit_last_stride(v);
+  p.out = unit_last_stride(out);
+  p.lse = lse.contiguous();
+  p.has_work = true;
+  return p;
+}
+
+// The two operators for one device. `Impl` provides
+//   static void forward(const AttentionForwardPlan&);
+//   static void backward(const AttentionBackwardPlan&);
+// which run the kernels on plans with work.
+template <typename Impl>
+struct AttentionOps {
+  static std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v, double scale,
+                                                      bool causal, int64_t window) {
+    auto p = plan_attention_forward(q, k, v, scale, causal, window);
+    if (p.has_work) Impl::forward(p);
+    return {p.out, p.lse};
+  }
+
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+      const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+      const at::Tensor& out, const at::Tensor& lse, double scale, bool causal, int64_t window) {
+    auto p = plan_attention_backward(grad_out, q, k, v, out, lse, scale, causal, window);
+    if (p.has_work) Impl::backward(p);
+    return {p.grad_q, p.grad_k, p.grad_v};
+  }
+};
+
+}  // namespace fusedllm
+
+// Registers the attention operators of one dispatch key; use inside TORCH_LIBRARY_IMPL.
+#define FUSEDLLM_IMPL_ATTENTION_OPS(m, Impl)                                             \
+  do {                                                                                  \
+    (m).impl("attention", &::fusedllm::AttentionOps<Impl>::attention);                  \
+    (m).impl("attention_backward", &::fusedllm::AttentionOps<Impl>::attention_backward); \
+  } while (0)

@@ -109,6 +109,10 @@ def bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cor
         times = interleaved_medians(calls, device, reps, warmup=1)
         peaks = {}
         for n, fn in calls.items():
+            # Gradients of the previous call are dropped before measuring, so
+            # freeing them does not offset this call's allocations.
+            for t in leaves:
+                t.grad = None
             gc.collect()
             peaks[n] = peak_memory_bytes(fn, device)
         fused_t = times["fusedllm"]

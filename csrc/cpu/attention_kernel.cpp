@@ -81,6 +81,7 @@ inline void micro_kernel(int64_t K, const acc_t* __restrict a, int64_t lda,
       }
     }
   }
+#pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k) {
     V bv[NV];
 #pragma GCC unroll 4
@@ -270,20 +271,34 @@ inline bool tile_fully_visible(const Mask& mask, int64_t p0, int64_t p1, int64_t
   return attn::key_begin(mask, p1 - 1) <= j0 && attn::key_end(mask, p0) >= j0 + nk;
 }
 
-// Key tiles [first, last] that rows of positions [p0, p1) may see; first > last if none.
-template <typename acc_t>
-inline void key_tile_range(const Tiling<acc_t>& t, const Mask& mask, int64_t p0, int64_t p1,
-                           int64_t& first, int64_t& last) {
-  const int64_t kb = attn::key_begin(mask, p0);
-  const int64_t ke = attn::key_end(mask, p1 - 1);
-  if (kb >= ke) {
-    first = 0;
-    last = -1;
-    return;
+// The key tiles a query tile visits: keys [begin, end) (the union of what
+// its rows see) cut into tiles of `block` keys. Aligned to the end, the last
+// tile stops at the last visible key, so under a causal mask only about half a
+// tile of the diagonal is computed and masked. Aligned to the global grid
+// (tile i is global tile first + i, clipped to [begin, end)), every query tile
+// uses the same tiles: what a backward task needs when it owns a subset of them.
+struct KeyTiles {
+  int64_t begin = 0, end = 0, block = 1, count = 0, first = 0;
+  bool global = false;
+
+  KeyTiles(const Mask& mask, int64_t p0, int64_t p1, int64_t block_, bool global_)
+      : begin(attn::key_begin(mask, p0)), end(attn::key_end(mask, p1 - 1)), block(block_),
+        global(global_) {
+    if (begin >= end) return;
+    if (global) {
+      first = begin / block;
+      count = (end - 1) / block - first + 1;
+    } else {
+      count = ceil_div(end - begin, block);
+    }
   }
-  first = kb / t.block_k;
-  last = (ke - 1) / t.block_k;
-}
+  int64_t start(int64_t i) const {
+    return std::max(begin, global ? (first + i) * block : end - (count - i) * block);
+  }
+  int64_t stop(int64_t i) const {
+    return global ? std::min(end, (first + i + 1) * block) : end - (count - 1 - i) * block;
+  }
+};
 
 // Pointer to a [rows, d] tile of K or V in the accumulator type: the tensor
 // itself when it already is (and, if `need_pad`, has no column padding to
@@ -302,23 +317,6 @@ inline const acc_t* kv_tile(const T* src, int64_t seq_stride, int64_t nk, int64_
   return buf;
 }
 
-// Q^T of a tile: dst[d * ld + i] = q(row i)[d] * scale for the tile's columns i < rows,
-// zeros in the padding columns. `tmp` holds one converted row.
-template <typename T, typename acc_t>
-void gather_transposed(const T* base, int64_t head_stride, int64_t seq_stride, const Tiling<acc_t>& t,
-                       int64_t g, int64_t p0, int64_t rows, acc_t scale, acc_t* dst, int64_t ld,
-                       acc_t* tmp) {
-  const int64_t d = t.d;
-  for (int64_t i = 0; i < rows; ++i) {
-    const T* row = base + t.head_of(g, i) * head_stride + t.pos_of(p0, i) * seq_stride;
-    load_row(row, d, d, scale, tmp);
-    for (int64_t k = 0; k < d; ++k) dst[k * ld + i] = tmp[k];
-  }
-  for (int64_t k = 0; k < d; ++k) {
-    for (int64_t i = rows; i < ld; ++i) dst[k * ld + i] = 0;
-  }
-}
-
 // Rows of a tile, row-major with leading dimension d_pad (zero padding).
 template <typename T, typename acc_t>
 void gather_rows(const T* base, int64_t head_stride, int64_t seq_stride, const Tiling<acc_t>& t,
@@ -329,6 +327,36 @@ void gather_rows(const T* base, int64_t head_stride, int64_t seq_stride, const T
   }
 }
 
+// dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols: 8 x 8
+// blocks through ATen's vector transpose, scalar edges.
+template <typename acc_t>
+void transpose(const acc_t* src, int64_t ld_src, int64_t rows, int64_t cols, acc_t* dst,
+               int64_t ld_dst) {
+  const int64_t rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
+  for (int64_t r = 0; r < rows8; r += 8) {
+    for (int64_t c = 0; c < cols8; c += 8) {
+      at::vec::transpose_mxn<acc_t, 8, 8>(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst);
+    }
+    for (int64_t c = cols8; c < cols; ++c) {
+      for (int64_t i = r; i < r + 8; ++i) dst[c * ld_dst + i] = src[i * ld_src + c];
+    }
+  }
+  for (int64_t i = rows8; i < rows; ++i) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + i] = src[i * ld_src + c];
+  }
+}
+
+// Rows of a tile (times scale) both row-major in `rows_dst` (leading dim
+// d_pad) and transposed in `t_dst` (d x ld); rows [rows, ld) are zero in both.
+template <typename T, typename acc_t>
+void gather_both(const T* base, int64_t head_stride, int64_t seq_stride, const Tiling<acc_t>& t,
+                 int64_t g, int64_t p0, int64_t rows, int64_t ld, acc_t scale, acc_t* rows_dst,
+                 acc_t* t_dst) {
+  gather_rows(base, head_stride, seq_stride, t, g, p0, rows, scale, rows_dst);
+  std::fill(rows_dst + rows * t.d_pad, rows_dst + ld * t.d_pad, acc_t(0));
+  transpose(rows_dst, t.d_pad, ld, t.d, t_dst, ld);
+}
+
 // ---------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------
@@ -336,10 +364,10 @@ void gather_rows(const T* base, int64_t head_stride, int64_t seq_stride, const T
 // Per-slot scratch of the forward pass, in accumulator-type elements.
 template <typename acc_t>
 struct ForwardScratch {
-  acc_t *qt, *s, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha, *tmp;
+  acc_t *qt, *s, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha;
   static int64_t size(const Tiling<acc_t>& t) {
     return t.d * t.rows_pad + t.block_k * t.rows_pad + t.rows_pad * t.d_pad +
-           2 * t.block_k * t.d_pad + 3 * t.rows_pad + t.d_pad;
+           2 * t.block_k * t.d_pad + 3 * t.rows_pad;
   }
   ForwardScratch(acc_t* p, const Tiling<acc_t>& t) {
     qt = p;
@@ -350,7 +378,6 @@ struct ForwardScratch {
     row_max = vbuf + t.block_k * t.d_pad;
     row_sum = row_max + t.rows_pad;
     alpha = row_sum + t.rows_pad;
-    tmp = alpha + t.rows_pad;
   }
 };
 
@@ -395,29 +422,31 @@ struct ForwardKernel {
   using acc_t = typename VecIO<T>::acc_t;
 
   // Output rows (normalized) and log-sum-exp of one task: the tile of
-  // positions [p0, p0 + npos) of kv head g in batch b, over the key tiles
-  // first, first + stride, ... <= last.
+  // positions [p0, p0 + npos) of kv head g in batch b, over its key tiles
+  // split, split + splits, ...
   static void task(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w,
-                   int64_t b, int64_t g, int64_t p0, int64_t npos, int64_t first, int64_t last,
-                   int64_t stride, acc_t* o_out, int64_t o_ld, acc_t* lse_out) {
+                   int64_t b, int64_t g, int64_t p0, int64_t npos, int64_t split, int64_t splits,
+                   acc_t* o_out, int64_t o_ld, acc_t* lse_out) {
     const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride;
     const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + g * a.k.head_stride;
     const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + g * a.v.head_stride;
     const int64_t kss = a.k.seq_stride, vss = a.v.seq_stride;
     const Mask mask = a.mask;
-    const int64_t d = t.d, d_pad = t.d_pad, sk = t.sk, block_k = t.block_k, group = t.group;
+    const int64_t d = t.d, d_pad = t.d_pad, group = t.group;
     const int64_t rows = npos * group;
     const int64_t ld = round_up(rows, Vectorized<acc_t>::size());
 
-    gather_transposed(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows,
-                      static_cast<acc_t>(a.scale), w.qt, ld, w.tmp);
-    std::fill(w.o, w.o + rows * d_pad, acc_t(0));
+    // (Q * scale)^T, staged row-major in the output buffer first.
+    gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, static_cast<acc_t>(a.scale),
+                w.o, w.qt);
+    std::fill(w.o, w.o + ld * d_pad, acc_t(0));
     std::fill(w.row_max, w.row_max + ld, kNegInf<acc_t>);
     std::fill(w.row_sum, w.row_sum + ld, acc_t(0));
 
-    for (int64_t kt = first; kt <= last; kt += stride) {
-      const int64_t j0 = kt * block_k;
-      const int64_t nk = std::min(block_k, sk - j0);
+    const KeyTiles tiles(mask, p0, p0 + npos, t.block_k, false);
+    for (int64_t i = split; i < tiles.count; i += splits) {
+      const int64_t j0 = tiles.start(i);
+      const int64_t nk = tiles.stop(i) - j0;
       int64_t k_ld, v_ld;
       const acc_t* kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, false, w.kbuf, k_ld);
       // S^T = K (Q * scale)^T: keys x rows.
@@ -480,12 +509,10 @@ struct ForwardKernel {
       const int64_t p0 = qt * t.block_q;
       const int64_t npos = std::min(t.block_q, t.sq - p0);
       const int64_t rows = npos * t.group;
-      int64_t first, last;
-      key_tile_range(t, a.mask, p0, p0 + npos, first, last);
       ForwardScratch<acc_t> w(scratch_p + slot * scratch_stride, t);
       acc_t* o_rows = rows_p + slot * rows_stride;
       acc_t* lse_rows = o_rows + t.rows_pad * t.d_pad;
-      task(a, t, w, b, g, p0, npos, first + split, last, splits, o_rows, t.d_pad, lse_rows);
+      task(a, t, w, b, g, p0, npos, split, splits, o_rows, t.d_pad, lse_rows);
       // Scatter the (position, head) rows to [B, Hq, Sq, ...].
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t h = t.head_of(g, i), pos = t.pos_of(p0, i);
@@ -535,10 +562,10 @@ struct ForwardKernel {
 
 template <typename acc_t>
 struct BackwardScratch {
-  acc_t *qt, *dot, *qs, *dor, *s, *dp, *dq, *kbuf, *vbuf, *shift, *delta, *tmp;
+  acc_t *qt, *dot, *qs, *dor, *s, *dp, *dq, *kbuf, *vbuf, *shift, *delta;
   static int64_t size(const Tiling<acc_t>& t) {
     return 2 * t.d * t.rows_pad + 3 * t.rows_pad * t.d_pad + 2 * t.block_k * t.rows_pad +
-           2 * t.block_k * t.d_pad + 2 * t.rows_pad + t.d_pad;
+           2 * t.block_k * t.d_pad + 2 * t.rows_pad;
   }
   BackwardScratch(acc_t* p, const Tiling<acc_t>& t) {
     qt = p;
@@ -552,7 +579,6 @@ struct BackwardScratch {
     vbuf = kbuf + t.block_k * t.d_pad;
     shift = vbuf + t.block_k * t.d_pad;
     delta = shift + t.rows_pad;
-    tmp = delta + t.rows_pad;
   }
 };
 
@@ -622,7 +648,7 @@ struct BackwardKernel {
     const int64_t kss = a.k.seq_stride, vss = a.v.seq_stride;
     const Mask mask = a.mask;
     const acc_t scale = static_cast<acc_t>(a.scale);
-    const int64_t d = t.d, d_pad = t.d_pad, sk = t.sk, sq = t.sq, block_k = t.block_k;
+    const int64_t d = t.d, d_pad = t.d_pad, sq = t.sq;
     const int64_t group = t.group, hq = a.q_heads;
 
     for (int64_t qt = 0; qt < t.q_tiles; ++qt) {
@@ -630,20 +656,18 @@ struct BackwardKernel {
       const int64_t npos = std::min(t.block_q, sq - p0);
       const int64_t rows = npos * group;
       const int64_t ld = round_up(rows, Vectorized<acc_t>::size());
-      int64_t first, last;
-      key_tile_range(t, mask, p0, p0 + npos, first, last);
-      // This chunk's first key tile in [first, last].
-      int64_t kt0 = first + ((chunk - first % chunks) % chunks + chunks) % chunks;
-      const bool any = kt0 <= last;
+      // With several chunks each owns the global key tiles chunk, chunk + chunks, ...
+      const KeyTiles tiles(mask, p0, p0 + npos, t.block_k, chunks > 1);
+      int64_t i0 = 0;
+      if (chunks > 1) i0 = ((chunk - tiles.first % chunks) % chunks + chunks) % chunks;
+      const bool any = i0 < tiles.count;
       if (!any && chunks > 1) continue;  // the partial rows stay zero
 
       std::fill(w.dq, w.dq + rows * d_pad, acc_t(0));
       if (any) {
-        gather_transposed(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, scale, w.qt, ld, w.tmp);
-        gather_transposed(go, a.grad_out.head_stride, a.grad_out.seq_stride, t, g, p0, rows,
-                          acc_t(1), w.dot, ld, w.tmp);
-        gather_rows(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, scale, w.qs);
-        gather_rows(go, a.grad_out.head_stride, a.grad_out.seq_stride, t, g, p0, rows, acc_t(1), w.dor);
+        gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, scale, w.qs, w.qt);
+        gather_both(go, a.grad_out.head_stride, a.grad_out.seq_stride, t, g, p0, rows, ld, acc_t(1),
+                    w.dor, w.dot);
         for (int64_t i = 0; i < ld; ++i) {
           if (i < rows) {
             const int64_t row = (b * hq + t.head_of(g, i)) * sq + t.pos_of(p0, i);
@@ -656,9 +680,9 @@ struct BackwardKernel {
         }
       }
 
-      for (int64_t kt = kt0; kt <= last; kt += chunks) {
-        const int64_t j0 = kt * block_k;
-        const int64_t nk = std::min(block_k, sk - j0);
+      for (int64_t i = i0; i < tiles.count; i += chunks) {
+        const int64_t j0 = tiles.start(i);
+        const int64_t nk = tiles.stop(i) - j0;
         int64_t k_ld, v_ld;
         const acc_t* kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, true, w.kbuf, k_ld);
         const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, false, w.vbuf, v_ld);

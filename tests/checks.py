@@ -24,3 +24,19 @@ def assert_close(actual, expected, tol):
     scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
     torch.testing.assert_close(actual, expected.to(actual.dtype), atol=atol * scale, rtol=rtol,
                                equal_nan=True)
+
+
+def runnable_cpu_isas():
+    """The compiled CPU variants this machine can execute."""
+    import os
+
+    import fusedllm
+
+    info = fusedllm.build_info()
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    runnable = ["DEFAULT"]
+    if "AVX2" in info["cpu_isas"] and " avx2" in flags:
+        runnable.append("AVX2")
+    if "AVX512" in info["cpu_isas"] and " avx512bw" in flags and " avx512vl" in flags:
+        runnable.append("AVX512")
+    return runnable

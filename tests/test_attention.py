@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fusedllm
+from checks import runnable_cpu_isas
 from checks import FORWARD_TOL, GRAD_TOL
 from reference import attention as ref_attention
 
@@ -407,18 +408,7 @@ def test_long_sequence_memory_stays_linear(device):
 
 # --- CPU variants ---------------------------------------------------------------------
 
-def _runnable_isas():
-    info = fusedllm.build_info()
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    runnable = ["DEFAULT"]
-    if "AVX2" in info["cpu_isas"] and " avx2" in flags:
-        runnable.append("AVX2")
-    if "AVX512" in info["cpu_isas"] and " avx512bw" in flags and " avx512vl" in flags:
-        runnable.append("AVX512")
-    return runnable
-
-
-@pytest.mark.parametrize("isa", _runnable_isas())
+@pytest.mark.parametrize("isa", runnable_cpu_isas())
 def test_every_cpu_variant_this_machine_runs_matches_reference(isa):
     code = textwrap.dedent(f"""
         import torch, fusedllm

@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 import fusedllm
+from checks import runnable_cpu_isas
 
 TESTS_DIR = os.path.dirname(__file__)
 
@@ -92,18 +93,7 @@ def test_disable_extension_selects_reference_path_quietly():
     assert "BACKEND reference" in res.stdout
 
 
-def _runnable_isas():
-    info = fusedllm.build_info()
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    runnable = ["DEFAULT"]
-    if "AVX2" in info["cpu_isas"] and " avx2" in flags:
-        runnable.append("AVX2")
-    if "AVX512" in info["cpu_isas"] and " avx512bw" in flags and " avx512vl" in flags:
-        runnable.append("AVX512")
-    return runnable
-
-
-@pytest.mark.parametrize("isa", _runnable_isas())
+@pytest.mark.parametrize("isa", runnable_cpu_isas())
 def test_every_cpu_variant_this_machine_runs_matches_reference(isa):
     # ATEN_CPU_CAPABILITY caps torch's choice, and fusedllm follows it.
     res = run_python(f"""

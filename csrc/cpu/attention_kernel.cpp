@@ -300,18 +300,14 @@ struct KeyTiles {
   }
 };
 
-// Pointer to a [rows, d] tile of K or V in the accumulator type: the tensor
-// itself when it already is (and, if `need_pad`, has no column padding to
-// add), else a converted, zero-padded copy in `buf` with leading dimension d_pad.
+// A [rows, d] tile of K or V as a contiguous, zero-padded accumulator-type
+// copy in `buf` (leading dimension d_pad). Copied even when the tensor already
+// has the accumulator type: the sequential copy streams the tile into cache
+// once, where the products would otherwise fetch it row by row, several rows at
+// a time (measured faster for float32 inputs).
 template <typename T, typename acc_t>
 inline const acc_t* kv_tile(const T* src, int64_t seq_stride, int64_t nk, int64_t d, int64_t d_pad,
-                            bool need_pad, acc_t* buf, int64_t& ld) {
-  if constexpr (std::is_same_v<T, acc_t>) {
-    if (!need_pad || d == d_pad) {
-      ld = seq_stride;
-      return src;
-    }
-  }
+                            acc_t* buf, int64_t& ld) {
   for (int64_t j = 0; j < nk; ++j) load_row(src + j * seq_stride, d, d_pad, acc_t(1), buf + j * d_pad);
   ld = d_pad;
   return buf;
@@ -448,14 +444,14 @@ struct ForwardKernel {
       const int64_t j0 = tiles.start(i);
       const int64_t nk = tiles.stop(i) - j0;
       int64_t k_ld, v_ld;
-      const acc_t* kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, false, w.kbuf, k_ld);
+      const acc_t* kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, w.kbuf, k_ld);
       // S^T = K (Q * scale)^T: keys x rows.
       gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
       if (!tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
         mask_tile(w.s, ld, nk, j0, p0, npos, group, mask);
       }
       softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
-      const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, true, w.vbuf, v_ld);
+      const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
       // O = diag(alpha) O + P V, P read column-major out of the transposed tile.
       gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.s, ld, vp, v_ld, w.o, d_pad,
                                             w.alpha);
@@ -684,8 +680,8 @@ struct BackwardKernel {
         const int64_t j0 = tiles.start(i);
         const int64_t nk = tiles.stop(i) - j0;
         int64_t k_ld, v_ld;
-        const acc_t* kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, true, w.kbuf, k_ld);
-        const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, false, w.vbuf, v_ld);
+        const acc_t* kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, w.kbuf, k_ld);
+        const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
         // S^T = K (Q * scale)^T and dP^T = V dO^T: keys x rows.
         gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
         gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, vp, v_ld, w.dot, ld, w.dp, ld);

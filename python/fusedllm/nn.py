@@ -198,3 +198,269 @@ class RotaryEmbedding(nn.Module):
         if self.interleaved:
             text += ", interleaved=True"
         return text
+
+
+class KVCache:
+    """Keys and values of one attention layer, kept across decoding steps.
+
+    Storage is preallocated ``[batch, kv_heads, capacity, head_dim]`` for keys
+    and values; ``append(k, v)`` writes the new positions after the ones held
+    and returns views ``[batch, kv_heads, length, head_dim]`` of everything
+    held so far, so a decoding step copies only its own keys and values
+    (no concatenation of the whole past). When the storage is full it grows
+    to at least twice its capacity, copying the past once.
+
+    Batch size, kv heads, head dim, dtype and device come from the first
+    ``append`` (after creation or ``reset()``); later appends must match.
+    ``len(cache)`` / ``cache.length`` is the number of positions held.
+
+    The cache is for inference: it stores values without autograd history, so
+    appending tensors that require grad (decoding without ``torch.no_grad()``
+    while parameters require grad) is an error rather than silently cutting
+    gradients. Make one cache per layer, e.g. ``KVCache.layers(n_layers)``.
+    """
+
+    def __init__(self, capacity: int = 256):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"fusedllm.nn.KVCache: capacity must be a positive int, got {capacity!r}")
+        self._initial_capacity = capacity
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self.length = 0
+
+    @classmethod
+    def layers(cls, n_layers: int, capacity: int = 256) -> list["KVCache"]:
+        """One empty cache per layer."""
+        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 0:
+            raise ValueError(f"fusedllm.nn.KVCache.layers: n_layers must be an int >= 0, got {n_layers!r}")
+        return [cls(capacity) for _ in range(n_layers)]
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def capacity(self) -> int:
+        """Positions the current storage holds before it must grow (0 before the first append)."""
+        return 0 if self._k is None else self._k.shape[2]
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """View of the keys held, ``[batch, kv_heads, length, head_dim]`` (None before any append)."""
+        return None if self._k is None else self._k[:, :, :self.length]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """View of the values held, ``[batch, kv_heads, length, head_dim]`` (None before any append)."""
+        return None if self._v is None else self._v[:, :, :self.length]
+
+    def reset(self) -> None:
+        """Forget every position. The storage is kept and reused when the next
+        append has the same batch, heads, head dim, dtype and device."""
+        self.length = 0
+
+    def _check(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        op = "fusedllm.nn.KVCache.append"
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise ValueError(f"{op}: {name} must be 4-D [batch, kv_heads, new_len, head_dim], "
+                                 f"got shape {list(t.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"{op}: k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+        if k.dtype != v.dtype or k.device != v.device:
+            raise ValueError(f"{op}: k and v must share dtype and device, got {k.dtype} on {k.device} "
+                             f"and {v.dtype} on {v.device}")
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            raise RuntimeError(f"{op}: k/v require grad, but the cache keeps no autograd history; "
+                               f"decode under torch.no_grad() or torch.inference_mode()")
+        if self.length == 0:
+            return
+        held = self._k
+        for i, what in ((0, "batch size"), (1, "number of kv heads"), (3, "head_dim")):
+            if k.shape[i] != held.shape[i]:
+                raise ValueError(f"{op}: the cache holds {what} {held.shape[i]} but k has {k.shape[i]} "
+                                 f"(shape {list(k.shape)}); reset() the cache to start another sequence")
+        if k.dtype != held.dtype:
+            raise ValueError(f"{op}: the cache holds {held.dtype} but k is {k.dtype}")
+        if k.device != held.device:
+            raise ValueError(f"{op}: the cache is on {held.device} but k is on {k.device}")
+
+    def _reserve(self, k: torch.Tensor, needed: int) -> None:
+        fits = (self._k is not None and self._k.dtype == k.dtype and self._k.device == k.device
+                and self._k.shape[0] == k.shape[0] and self._k.shape[1] == k.shape[1]
+                and self._k.shape[3] == k.shape[3]
+                # storage made under inference_mode cannot be written outside it
+                and (torch.is_inference_mode_enabled() or not self._k.is_inference()))
+        if fits and needed <= self.capacity:
+            return
+        if not fits:  # first append, or a reset cache reused for another shape
+            capacity = max(needed, self._initial_capacity)
+        else:
+            capacity = max(needed, 2 * self.capacity)
+        batch, heads, _, head_dim = k.shape
+        new_k = k.new_empty(batch, heads, capacity, head_dim)
+        new_v = k.new_empty(batch, heads, capacity, head_dim)
+        if fits and self.length:
+            new_k[:, :, :self.length].copy_(self._k[:, :, :self.length])
+            new_v[:, :, :self.length].copy_(self._v[:, :, :self.length])
+        self._k, self._v = new_k, new_v
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k, v [batch, kv_heads, new_len, head_dim]`` after the positions
+        held; return views of all ``length`` keys and values (valid until the
+        next append that grows the storage)."""
+        self._check(k, v)
+        end = self.length + k.shape[2]
+        self._reserve(k, end)
+        self._k[:, :, self.length:end].copy_(k)
+        self._v[:, :, self.length:end].copy_(v)
+        self.length = end
+        return self.keys, self.values
+
+    def __repr__(self) -> str:
+        if self._k is None:
+            return "KVCache(length=0, capacity=0)"
+        b, h, _, d = self._k.shape
+        return (f"KVCache(length={self.length}, capacity={self.capacity}, batch={b}, kv_heads={h}, "
+                f"head_dim={d}, dtype={self._k.dtype}, device={self._k.device})")
+
+
+def _positive_int(owner: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+class GQAttention(nn.Module):
+    """Causal grouped-query self-attention with rotary embeddings, on the fused
+    ``rope`` and ``attention`` ops.
+
+    Parameters ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (``nn.Linear``,
+    named as in Hugging Face's ``LlamaAttention``); ``n_kv_heads`` (default
+    ``n_heads``) must divide ``n_heads``; ``head_dim`` defaults to
+    ``d_model // n_heads``. ``rope=True`` rotates q and k with a
+    :class:`RotaryEmbedding` (``rotary``, base ``rope_base``, tables for
+    ``max_positions`` that grow on demand). ``window=w`` is a sliding window
+    (Mistral / HF ``sliding_window``: a query sees its last ``w`` keys, itself
+    included). ``dropout`` drops attention probabilities in training mode only.
+
+    ``forward(x, mask=None, position_offset=None, cache=None, return_weights=False)``:
+
+    - ``x`` is ``[batch, seq, d_model]``; the result has the same shape.
+    - Attention is always causal. ``mask`` adds to that: a bool keep-mask (True
+      attends) or an additive float mask, broadcastable to
+      ``[batch, n_heads, seq, kv_len]`` (e.g. a padding mask ``[batch, 1, 1, kv_len]``).
+    - With ``cache`` (a :class:`KVCache`), the new keys and values are appended
+      to it and the queries attend to every cached position; the queries are
+      the last ``seq`` positions (causality is aligned bottom-right), and RoPE
+      positions start at ``position_offset``, by default the cache's length
+      before the call (0 without a cache).
+    - ``return_weights=True`` returns ``(out, weights)`` with the attention
+      probabilities ``[batch, n_heads, seq, kv_len]`` (before dropout) computed
+      on a plain PyTorch path that builds the whole score matrix: slow and
+      memory hungry, for inspection and plots. Queries that see no key have
+      zero weights and outputs, as in the fused op.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None,
+                 head_dim: int | None = None, bias: bool = False, rope: bool = True,
+                 rope_base: float = 10000.0, max_positions: int = 8192, dropout: float = 0.0,
+                 window: int | None = None, device=None, dtype=None):
+        super().__init__()
+        owner = "fusedllm.nn.GQAttention"
+        _positive_int(owner, "d_model", d_model)
+        _positive_int(owner, "n_heads", n_heads)
+        n_kv_heads = n_heads if n_kv_heads is None else _positive_int(owner, "n_kv_heads", n_kv_heads)
+        if n_heads % n_kv_heads:
+            raise ValueError(f"{owner}: n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"{owner}: d_model ({d_model}) must be divisible by n_heads ({n_heads}), "
+                                 f"or pass head_dim")
+            head_dim = d_model // n_heads
+        _positive_int(owner, "head_dim", head_dim)
+        if rope and head_dim % 2:
+            raise ValueError(f"{owner}: rope=True needs an even head_dim, got {head_dim}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"{owner}: dropout must be a number in [0, 1), got {dropout!r}")
+        if window is not None:
+            _positive_int(owner, "window", window)
+        self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
+        self.dropout = float(dropout)
+        self.window = window
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias, **factory)
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias, **factory)
+        self.rotary = (RotaryEmbedding(head_dim, max_positions=max_positions, base=rope_base, device=device)
+                       if rope else None)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, position_offset: int | None = None,
+                cache: KVCache | None = None, return_weights: bool = False):
+        owner = "fusedllm.nn.GQAttention"
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
+            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{owner}: x must be [batch, seq, d_model={self.d_model}], got {shape}")
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"{owner}: cache must be a fusedllm.nn.KVCache, got {type(cache).__name__}")
+        if position_offset is None:
+            position_offset = cache.length if cache is not None else 0
+        elif isinstance(position_offset, bool) or not isinstance(position_offset, int) or position_offset < 0:
+            raise ValueError(f"{owner}: position_offset must be an int >= 0, got {position_offset!r}")
+        batch, seq, _ = x.shape
+        # [B, S, H*D] -> [B, H, S, D] as strided views: rope and attention read strides
+        q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, position_offset=position_offset)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        dropout_p = self.dropout if self.training else 0.0
+        weights = None
+        if return_weights:
+            out, weights = _attention_with_weights(q, k, v, self.window, mask, dropout_p)
+        else:
+            out = F.attention(q, k, v, causal=True, window=self.window, mask=mask, dropout_p=dropout_p)
+        out = self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
+        return (out, weights) if return_weights else out
+
+    def extra_repr(self) -> str:
+        text = (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
+                f"head_dim={self.head_dim}")
+        if self.window is not None:
+            text += f", window={self.window}"
+        if self.dropout:
+            text += f", dropout={self.dropout}"
+        return text
+
+
+def _attention_with_weights(q, k, v, window, mask, dropout_p):
+    """Causal attention on the plain path, returning (out, probabilities):
+    builds the [Sq, Sk] scores, so it is for inspection only."""
+    op = "fusedllm.nn.GQAttention"
+    # same argument checks as the fused op, so both paths accept the same masks
+    F._check_attention(op, q, k, v, True, None, window)
+    F._check_attention_mask(op, mask, q, k)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = q.shape[1] // k.shape[1]
+    keys = k.to(acc).repeat_interleave(group, dim=1)
+    values = v.to(acc).repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.to(acc), keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    q_len, kv_len = q.shape[2], k.shape[2]
+    position = torch.arange(q_len, device=q.device).unsqueeze(1) + (kv_len - q_len)
+    key = torch.arange(kv_len, device=q.device)
+    visible = key <= position
+    if window is not None:
+        visible = visible & (key > position - window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(acc)
+    # rows without any visible key get zero weights (softmax alone would give NaN)
+    seen = torch.isfinite(scores).any(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen
+    dropped = torch_F.dropout(probs, dropout_p) if dropout_p else probs
+    out = torch.matmul(dropped, values).to(q.dtype)
+    return out, probs.to(q.dtype)

@@ -5,7 +5,8 @@ from . import _ops  # noqa: F401  (registers fake kernels and autograd)
 from .functional import apply_rope, attention, fused_add_rms_norm, rms_norm, swiglu
 from .rope_scaling import rope_tables
 from . import nn
+from .patch import patch, unpatch
 
 __version__ = "0.1.0"
 
-__all__ = ["backend", "build_info", "rms_norm", "fused_add_rms_norm", "swiglu", "apply_rope", "rope_tables", "attention", "nn", "__version__"]
+__all__ = ["backend", "build_info", "rms_norm", "fused_add_rms_norm", "swiglu", "apply_rope", "rope_tables", "attention", "nn", "patch", "unpatch", "__version__"]

@@ -1,0 +1,592 @@
+"""Swap fused modules into a model that already exists.
+
+``fusedllm.patch(model)`` walks the module tree and replaces, in place:
+
+- the seed notebooks' classes, recognised by class name AND structure
+  (attributes, submodules, parameter shapes), wherever they were defined
+  (``__main__`` in a notebook, or a user's file holding the same code):
+  ``RMSNorm``, ``SwiGLU``, ``LLaMASwiGLU``, ``RotaryPositionalEmbedding`` and
+  the attention classes ``RoPEAttention``, ``OriginalMultiHeadAttention``,
+  ``ModernMultiHeadAttention``, ``SimpleAttention``,
+  ``LLaMAGroupQueryAttention``, by their :mod:`fusedllm.compat` drop-ins;
+- Hugging Face Llama, Mistral, Qwen2/3 and Phi-3 RMSNorms (Llama casting),
+  Gemma RMSNorms (``offset=1``, Gemma casting), their gated MLPs (SwiGLU, or
+  GeGLU-tanh for Gemma; Phi-3's packed ``gate_up_proj``), and attention, by
+  switching the model to the ``"fusedllm"`` attention implementation
+  (:mod:`fusedllm.hf`).
+
+Every replacement holds the very same ``Parameter`` objects (and the same
+``nn.Linear`` submodules) as the module it replaces, so an optimizer built
+before patching keeps training them and ``state_dict()`` keys do not change.
+``fusedllm.unpatch(model)`` puts the original modules back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import functional as F
+from . import nn as fnn
+
+__all__ = ["patch", "unpatch", "PatchReport", "PackedGatedMLP"]
+
+_REGISTRY_ATTR = "_fusedllm_patches"
+_ATTN_ATTR = "_fusedllm_previous_attn_implementation"
+
+
+class PackedGatedMLP(nn.Module):
+    """``down_proj(act(gate) * up)`` where ``gate_up_proj`` produces the packed
+    ``[gate | up]`` (Phi-3's MLP): the fused op reads the packed projection as
+    it is, with no chunk and no copies."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu",
+                 bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"PackedGatedMLP: activation must be 'silu' or 'gelu_tanh', got {activation!r}")
+        self.activation = activation
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.swiglu(self.gate_up_proj(x), activation=self.activation))
+
+
+@dataclass
+class Replaced:
+    path: str
+    original: str
+    replacement: str
+    verified: bool | None = None  # None: not checked
+    note: str = ""
+
+
+@dataclass
+class Left:
+    path: str
+    module: str
+    reason: str
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` did: ``replaced`` (path, original class, fused class,
+    whether it was verified), ``left`` (candidates kept as they were, and why)
+    and ``attention`` (the Hugging Face attention implementation switch, or why
+    it was not made)."""
+
+    replaced: list[Replaced] = field(default_factory=list)
+    left: list[Left] = field(default_factory=list)
+    attention: str = ""
+
+    def count(self, replacement_contains: str = "") -> int:
+        return sum(replacement_contains in r.replacement for r in self.replaced)
+
+    def __str__(self) -> str:
+        lines = [f"fusedllm.patch: {len(self.replaced)} module(s) replaced, {len(self.left)} left"]
+        for r in self.replaced:
+            check = {True: " [verified]", False: "", None: ""}[r.verified]
+            note = f" ({r.note})" if r.note else ""
+            lines.append(f"  replaced {r.path or '<root>'}: {r.original} -> {r.replacement}{check}{note}")
+        for item in self.left:
+            lines.append(f"  left     {item.path or '<root>'}: {item.module}: {item.reason}")
+        if self.attention:
+            lines.append(f"  attention: {self.attention}")
+        return "\n".join(lines)
+
+
+# --- recognising modules --------------------------------------------------------------
+
+def _is_linear(m, in_features=None, out_features=None) -> bool:
+    return (isinstance(m, nn.Linear) and (in_features is None or m.in_features == in_features)
+            and (out_features is None or m.out_features == out_features))
+
+
+def _norm_weight(module) -> torch.Tensor | None:
+    w = module._parameters.get("weight")
+    if not isinstance(w, nn.Parameter) or w.dim() != 1:
+        return None
+    if len(module._parameters) != 1 or len(module._modules) != 0:
+        return None
+    return w
+
+
+def _eps_of(module, *names):
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+            return float(value)
+    return None
+
+
+def _gated_linears(module, gate, up, down):
+    g, u, d = (getattr(module, n, None) for n in (gate, up, down))
+    if not (_is_linear(g) and _is_linear(u) and _is_linear(d)):
+        return None
+    if g.weight.shape != u.weight.shape or d.in_features != g.out_features or d.out_features != g.in_features:
+        return None
+    if (g.bias is None) != (u.bias is None):
+        return None
+    return g, u, d
+
+
+def _hf_activation(act) -> str | None:
+    """The fused activation equal to a Hugging Face ``act_fn`` module, if any."""
+    name = type(act).__name__
+    if name in ("SiLUActivation", "SiLU"):
+        return "silu"
+    if name in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPytorchTanh"):
+        return "gelu_tanh"
+    if isinstance(act, nn.GELU) and act.approximate == "tanh":
+        return "gelu_tanh"
+    return None
+
+
+def _shell(cls, *args, **kwargs):
+    """Build a replacement without allocating its parameters; the original's
+    parameters and submodules are attached right after."""
+    with torch.device("meta"):
+        return cls(*args, **kwargs)
+
+
+def _attach_rope_tables(new_rope, old_rope, names):
+    for name in names:
+        setattr(new_rope, name, getattr(old_rope, name))
+
+
+# --- notebook classes -----------------------------------------------------------------
+
+def _nb_rms_norm(m):
+    w, eps = _norm_weight(m), _eps_of(m, "eps")
+    if w is None or eps is None:
+        return "expected one 1-D `weight` parameter and a numeric `eps`"
+    new = _shell(fnn.RMSNorm, w.shape[0], eps=eps)
+    new.weight = w
+    return new
+
+
+def _nb_swiglu(m):
+    linears = _gated_linears(m, "gate_proj", "up_proj", "down_proj")
+    if linears is None:
+        return "expected nn.Linear gate_proj / up_proj / down_proj of matching shapes"
+    g, u, d = linears
+    new = _shell(fnn.SwiGLU, g.in_features, g.out_features, bias=g.bias is not None)
+    new.gate_proj, new.up_proj, new.down_proj = g, u, d
+    return new
+
+
+def _nb_llama_swiglu(m):
+    from .compat import nb003
+    # w3 gates in that notebook: w2(w1(x) * silu(w3(x)))
+    linears = _gated_linears(m, "w3", "w1", "w2")
+    if linears is None or any(lin.bias is not None for lin in linears):
+        return "expected bias-free nn.Linear w1 / w2 / w3 of matching shapes"
+    w3, w1, w2 = linears
+    new = _shell(nb003.LLaMASwiGLU, nb003.LLaMAConfig(hidden_size=w1.in_features,
+                                                      intermediate_size=w1.out_features))
+    new.w1, new.w2, new.w3 = w1, w2, w3
+    return new
+
+
+def _nb_rope_tables_ok(rope) -> bool:
+    cos, sin = getattr(rope, "cos_cached", None), getattr(rope, "sin_cached", None)
+    return (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.dim() == 2
+            and cos.shape == sin.shape)
+
+
+def _nb_rope(m):
+    from .compat import nb000
+    if not _nb_rope_tables_ok(m):
+        return "expected cos_cached / sin_cached buffers [max_len, d_model / 2]"
+    positions, half = m.cos_cached.shape
+    new = _shell(nb000.RotaryPositionalEmbedding, 2 * half, positions, float(getattr(m, "base", 10000.0)))
+    _attach_rope_tables(new, m, ("cos_cached", "sin_cached"))
+    return new
+
+
+def _heads_ok(d_model, heads) -> bool:
+    return isinstance(heads, int) and heads >= 1 and d_model % heads == 0
+
+
+def _dropout_p(m, name="dropout") -> float | None:
+    d = getattr(m, name, None)
+    return d.p if isinstance(d, nn.Dropout) else None
+
+
+def _nb_rope_attention(m):
+    from .compat import nb000
+    names = ("w_q", "w_k", "w_v", "w_o")
+    linears = [getattr(m, n, None) for n in names]
+    if not all(_is_linear(lin) and lin.bias is None for lin in linears):
+        return "expected bias-free nn.Linear w_q / w_k / w_v / w_o"
+    d_model = linears[0].in_features
+    heads, rope, p = getattr(m, "n_heads", None), getattr(m, "rope", None), _dropout_p(m)
+    if not _heads_ok(d_model, heads) or p is None or rope is None or not _nb_rope_tables_ok(rope):
+        return "expected n_heads, a `dropout` nn.Dropout and a `rope` with cos_cached / sin_cached"
+    if 2 * rope.cos_cached.shape[1] != d_model // heads:
+        return "rope tables do not match the head size"
+    new = _shell(nb000.RoPEAttention, d_model, heads, rope.cos_cached.shape[0], p)
+    for name, lin in zip(names, linears):
+        setattr(new, name, lin)
+    new.rope = _nb_rope(rope)
+    return new
+
+
+def _nb_original_mha(m):
+    from .compat import nb001
+    names = ("W_q", "W_k", "W_v", "W_o")
+    linears = [getattr(m, n, None) for n in names]
+    if not all(_is_linear(lin) and lin.bias is not None for lin in linears):
+        return "expected biased nn.Linear W_q / W_k / W_v / W_o"
+    d_model, heads, p = linears[0].in_features, getattr(m, "num_heads", None), _dropout_p(m)
+    if not _heads_ok(d_model, heads) or p is None:
+        return "expected num_heads dividing d_model and a `dropout` nn.Dropout"
+    new = _shell(nb001.OriginalMultiHeadAttention, d_model, heads, p)
+    for name, lin in zip(names, linears):
+        setattr(new, name, lin)
+    return new
+
+
+def _nb_modern_mha(m):
+    from .compat import nb001
+    qkv, proj = getattr(m, "qkv", None), getattr(m, "proj", None)
+    if not (_is_linear(qkv) and _is_linear(proj) and qkv.out_features == 3 * qkv.in_features):
+        return "expected nn.Linear qkv (d -> 3d) and proj"
+    d_model, heads = qkv.in_features, getattr(m, "num_heads", None)
+    p, p2 = _dropout_p(m, "attn_dropout"), _dropout_p(m, "proj_dropout")
+    if not _heads_ok(d_model, heads) or p is None or p2 != p:
+        return "expected num_heads and attn_dropout / proj_dropout of the same p"
+    new = _shell(nb001.ModernMultiHeadAttention, d_model, heads, p, bias=qkv.bias is not None)
+    new.qkv, new.proj = qkv, proj
+    return new
+
+
+def _nb_simple_attention(m):
+    from .compat import nb002
+    qkv, out = getattr(m, "qkv", None), getattr(m, "out", None)
+    if not (_is_linear(qkv) and _is_linear(out) and qkv.out_features == 3 * qkv.in_features):
+        return "expected nn.Linear qkv (d -> 3d) and out"
+    dim = qkv.in_features
+    if not math.isclose(float(getattr(m, "scale", -1.0)), dim ** -0.5):
+        return "expected scale == dim ** -0.5"
+    new = _shell(nb002.SimpleAttention, dim)
+    new.qkv, new.out = qkv, out
+    return new
+
+
+def _nb_gqa(m):
+    from .compat import nb003
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    linears = [getattr(m, n, None) for n in names]
+    if not all(_is_linear(lin) and lin.bias is None for lin in linears):
+        return "expected bias-free nn.Linear q_proj / k_proj / v_proj / o_proj"
+    heads, kv_heads, head_dim = (getattr(m, n, None) for n in ("n_heads", "n_kv_heads", "head_dim"))
+    rope = getattr(m, "rope", None)
+    inv_freq = getattr(rope, "inv_freq", None)
+    if not (all(isinstance(v, int) and v >= 1 for v in (heads, kv_heads, head_dim)) and heads % kv_heads == 0
+            and isinstance(inv_freq, torch.Tensor) and inv_freq.shape == (head_dim // 2,)
+            and linears[0].out_features == heads * head_dim and linears[1].out_features == kv_heads * head_dim):
+        return "expected n_heads / n_kv_heads / head_dim matching the projections and rope.inv_freq"
+    cfg = nb003.LLaMAConfig(hidden_size=linears[0].in_features, n_heads=heads, n_kv_heads=kv_heads,
+                            head_dim=head_dim, max_position_embeddings=int(getattr(rope, "max_position", 2048)))
+    new = _shell(nb003.LLaMAGroupQueryAttention, cfg)
+    for name, lin in zip(names, linears):
+        setattr(new, name, lin)
+    new.rope.inv_freq = inv_freq
+    return new
+
+
+# class name -> (flag, builder, probe kind)
+_NOTEBOOK_RULES = {
+    "RMSNorm": ("rms_norm", _nb_rms_norm, "hidden"),
+    "SwiGLU": ("swiglu", _nb_swiglu, "hidden"),
+    "LLaMASwiGLU": ("swiglu", _nb_llama_swiglu, "hidden"),
+    "RotaryPositionalEmbedding": ("rope", _nb_rope, "rope"),
+    "RoPEAttention": ("attention", _nb_rope_attention, "hidden"),
+    "OriginalMultiHeadAttention": ("attention", _nb_original_mha, "qkv"),
+    "ModernMultiHeadAttention": ("attention", _nb_modern_mha, "hidden"),
+    "SimpleAttention": ("attention", _nb_simple_attention, "hidden"),
+    "LLaMAGroupQueryAttention": ("attention", _nb_gqa, "hidden"),
+}
+
+
+# --- Hugging Face modules -------------------------------------------------------------
+
+_HF_LLAMA_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
+                   "Phi3RMSNorm"}
+_HF_GEMMA_NORMS = {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"}
+_HF_GATED_MLPS = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP"}
+_HF_PACKED_MLPS = {"Phi3MLP"}
+# model types whose attention goes through AttentionInterface with nothing the
+# fused kernel lacks (Gemma 2 / 3 use logit soft-capping)
+_HF_ATTENTION_MODELS = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma"}
+
+
+def _hf_norm(m, gemma):
+    w, eps = _norm_weight(m), _eps_of(m, "eps", "variance_epsilon")
+    if w is None or eps is None:
+        return "expected one 1-D `weight` parameter and a numeric eps"
+    if gemma:
+        new = _shell(fnn.RMSNorm, w.shape[0], eps=eps, offset=1.0, casting="gemma")
+    else:
+        new = _shell(fnn.RMSNorm, w.shape[0], eps=eps)
+    new.weight = w
+    return new
+
+
+def _hf_gated_mlp(m):
+    linears = _gated_linears(m, "gate_proj", "up_proj", "down_proj")
+    if linears is None:
+        return "expected nn.Linear gate_proj / up_proj / down_proj of matching shapes"
+    activation = _hf_activation(getattr(m, "act_fn", None))
+    if activation is None:
+        return f"activation {type(getattr(m, 'act_fn', None)).__name__} has no fused kernel"
+    g, u, d = linears
+    new = _shell(fnn.GatedMLP, g.in_features, g.out_features, bias=g.bias is not None, activation=activation)
+    new.gate_proj, new.up_proj, new.down_proj = g, u, d
+    return new
+
+
+def _hf_packed_mlp(m):
+    gate_up, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+    if not (_is_linear(gate_up) and _is_linear(down) and gate_up.out_features == 2 * down.in_features
+            and down.out_features == gate_up.in_features):
+        return "expected nn.Linear gate_up_proj (h -> 2f) and down_proj (f -> h)"
+    activation = _hf_activation(getattr(m, "activation_fn", None))
+    if activation is None:
+        return f"activation {type(getattr(m, 'activation_fn', None)).__name__} has no fused kernel"
+    new = _shell(PackedGatedMLP, gate_up.in_features, down.in_features, activation=activation,
+                 bias=gate_up.bias is not None)
+    new.gate_up_proj, new.down_proj = gate_up, down
+    return new
+
+
+def _hf_rule(module):
+    name = type(module).__name__
+    if name in _HF_LLAMA_NORMS:
+        return "rms_norm", lambda m: _hf_norm(m, gemma=False)
+    if name in _HF_GEMMA_NORMS:
+        return "rms_norm", lambda m: _hf_norm(m, gemma=True)
+    if name in _HF_GATED_MLPS:
+        return "swiglu", _hf_gated_mlp
+    if name in _HF_PACKED_MLPS:
+        return "swiglu", _hf_packed_mlp
+    return None
+
+
+# --- verification ---------------------------------------------------------------------
+
+def _probe_inputs(module, kind, new):
+    param = next(module.parameters(), None)
+    if param is None:
+        param = next(module.buffers())
+    dtype = param.dtype if param.is_floating_point() else torch.float32
+    device = param.device
+    if kind == "rope":
+        d = 2 * module.cos_cached.shape[1]
+        q = torch.randn(2, 2, 5, d, dtype=dtype, device=device)
+        return (q, torch.randn_like(q)), {}
+    first = next(lin for lin in new.modules() if isinstance(lin, nn.Linear)) if not isinstance(new, fnn.RMSNorm) \
+        else None
+    dim = new.weight.shape[0] if first is None else first.in_features
+    x = torch.randn(2, 5, dim, dtype=dtype, device=device)
+    if kind == "qkv":
+        return (x, x, x), {}
+    return (x,), {}
+
+
+def _tolerance(dtype):
+    if dtype == torch.float64:
+        return 1e-9
+    if dtype == torch.float32:
+        return 1e-4
+    return 3e-2
+
+
+def _verify(original, new, kind):
+    """None when ``new`` computes what ``original`` does on a random input;
+    otherwise a sentence saying how they differ. Both run in eval mode (no
+    dropout) without gradients; training flags are restored."""
+    args, kwargs = _probe_inputs(original, kind, new)
+    modes = [(m, m.training) for m in (*original.modules(), *new.modules())]
+    try:
+        original.eval()
+        new.eval()
+        with torch.no_grad():
+            expected = original(*args, **kwargs)
+            try:
+                actual = new(*args, **kwargs)
+            except Exception as exc:  # the replacement cannot take this module's input
+                return f"the fused module failed on the probe input ({type(exc).__name__}: {exc})"
+    finally:
+        for m, training in modes:
+            m.training = training
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    actual = actual if isinstance(actual, tuple) else (actual,)
+    for e, a in zip(expected, actual):
+        if e is None or a is None:
+            continue
+        if e.shape != a.shape:
+            return f"output shapes differ: {tuple(e.shape)} vs {tuple(a.shape)}"
+        tol = _tolerance(e.dtype)
+        scale = max(1.0, e.abs().max().item())
+        diff = (a.float() - e.float()).abs().max().item()
+        if not diff <= tol * scale:
+            return f"outputs differ by up to {diff:.3g} (allowed {tol * scale:.3g})"
+    return None
+
+
+# --- the walk ---------------------------------------------------------------------------
+
+def _is_ours(module) -> bool:
+    return type(module).__module__.startswith("fusedllm")
+
+
+def _is_transformers(module) -> bool:
+    return type(module).__module__.startswith("transformers")
+
+
+def _switch_hf_attention(model, report):
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation") or not _is_transformers(model):
+        return
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _HF_ATTENTION_MODELS:
+        report.attention = f"left as {config._attn_implementation!r}: model type {model_type!r} is not supported"
+        return
+    try:
+        from . import hf
+    except ImportError as exc:
+        report.attention = f"left as {config._attn_implementation!r}: {exc}"
+        return
+    previous = config._attn_implementation
+    if previous == hf.NAME:
+        report.attention = f"already {hf.NAME!r}"
+        return
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(hf.NAME)
+    else:
+        config._attn_implementation = hf.NAME
+    if not hasattr(model, _ATTN_ATTR):
+        object.__setattr__(model, _ATTN_ATTR, previous)
+    report.attention = f"{previous!r} -> {hf.NAME!r}"
+
+
+def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
+          attention: bool = True, verify: bool = False) -> PatchReport:
+    """Replace, in place, the modules of ``model`` that fusedllm has fused
+    versions of; return a :class:`PatchReport` (``print(report)`` for a summary).
+
+    ``rms_norm``, ``swiglu``, ``rope``, ``attention`` choose the families
+    (Hugging Face attention is switched to ``attn_implementation="fusedllm"``
+    rather than replaced). Replacements keep the original ``Parameter``
+    objects, submodules and training mode; an optimizer built before patching
+    keeps working, and so do ``state_dict`` / ``load_state_dict``.
+
+    ``verify=True`` runs each original and its replacement on a random input
+    (eval mode, no gradients) and keeps the original where the outputs differ
+    beyond float rounding; the report says so. A notebook module that itself
+    fails on that input (the LLaMA notebook's attention does) is replaced and
+    marked as not compared.
+
+    The model itself (the root) is never replaced, only modules inside it.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fusedllm.patch: model must be an nn.Module, got {type(model).__name__}")
+    flags = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope, "attention": attention}
+    report = PatchReport()
+    registry = model.__dict__.setdefault(_REGISTRY_ATTR, [])
+
+    def consider(path, module):
+        """A replacement for ``module``, or None (after noting why, if it was a candidate)."""
+        if _is_ours(module):
+            return None
+        kind = "hidden"
+        if _is_transformers(module):
+            rule = _hf_rule(module)
+            if rule is None:
+                return None
+            flag, build = rule
+        else:
+            rule = _NOTEBOOK_RULES.get(type(module).__name__)
+            if rule is None:
+                return None
+            flag, build, kind = rule
+        name = type(module).__name__
+        if not flags[flag]:
+            report.left.append(Left(path, name, f"{flag}=False"))
+            return None
+        new = build(module)
+        if isinstance(new, str):
+            report.left.append(Left(path, name, f"same name, different structure: {new}"))
+            return None
+        new.train(module.training)
+        entry = Replaced(path, name, f"{type(new).__module__}.{type(new).__qualname__}")
+        if verify:
+            try:
+                problem = _verify(module, new, kind)
+            except Exception as exc:
+                if _is_transformers(module):
+                    report.left.append(Left(path, name, f"verify: the original failed ({exc})"))
+                    return None
+                entry.note = f"not compared: the original failed on the probe input ({type(exc).__name__})"
+                problem = None
+            else:
+                entry.verified = problem is None
+            if problem is not None:
+                report.left.append(Left(path, name, f"verify: {problem}"))
+                return None
+        report.replaced.append(entry)
+        return new
+
+    def walk(parent, prefix):
+        for child_name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            path = f"{prefix}.{child_name}" if prefix else child_name
+            new = consider(path, child)
+            if new is None:
+                walk(child, path)
+                continue
+            setattr(parent, child_name, new)
+            registry.append((parent, child_name, child, new))
+
+    if consider("", model) is not None:
+        report.replaced.pop()
+        report.left.append(Left("", type(model).__name__,
+                                "the model itself is not replaced in place; use fusedllm.compat or patch a parent"))
+    walk(model, "")
+    if attention:
+        _switch_hf_attention(model, report)
+    return report
+
+
+def unpatch(model: nn.Module) -> int:
+    """Put back every module :func:`patch` replaced in ``model`` (latest first)
+    and the previous Hugging Face attention implementation. The originals hold
+    the same parameters, so training done while patched is kept; buffers the
+    replacements moved (e.g. with ``.to(device)``) are handed back too.
+    Returns the number of modules restored."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fusedllm.unpatch: model must be an nn.Module, got {type(model).__name__}")
+    registry = model.__dict__.pop(_REGISTRY_ATTR, [])
+    for parent, name, original, new in reversed(registry):
+        new_buffers = dict(new.named_buffers())
+        for buffer_name, _ in list(original.named_buffers()):
+            if buffer_name in new_buffers:
+                owner_path, _, leaf = buffer_name.rpartition(".")
+                owner = original.get_submodule(owner_path) if owner_path else original
+                setattr(owner, leaf, new_buffers[buffer_name])
+        original.train(new.training)
+        setattr(parent, name, original)
+    if _ATTN_ATTR in model.__dict__:
+        previous = model.__dict__.pop(_ATTN_ATTR)
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(previous)
+        else:
+            model.config._attn_implementation = previous
+    return len(registry)

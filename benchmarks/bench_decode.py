@@ -4,6 +4,10 @@ its weights and the KV cache (transformers' DynamicCache) are the same.
 
     python benchmarks/bench_decode.py           # hidden 256, 4 layers, 8 heads, 2 kv heads, vocab 1000
     python benchmarks/bench_decode.py --quick   # shorter prompts and prefill, fewer repetitions
+    OMP_NUM_THREADS=1 python benchmarks/bench_decode.py   # one thread: steadier on a shared machine
+
+On a machine whose other core is busy, two-thread runs of these small
+decoding ops mostly measure waits for the descheduled thread.
 
 Decode: prefill a prompt (not timed), then time greedy decoding of
 `new` tokens one at a time with the cache; tokens/s = batch * new / time. The

@@ -44,13 +44,17 @@ TORCH_LIBRARY(fusedllm, m) {
         "int offset, bool interleaved, int rotary_dim, bool inverse) -> ()");
 
   // Grouped-query flash attention: q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D]; causal is
-  // bottom-right aligned, window -1 means none. Returns out and the per-row lse.
-  m.def("attention(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window)"
-        " -> (Tensor out, Tensor lse)");
-  // Gradients of attention from the saved out and lse (probabilities recomputed).
+  // bottom-right aligned, window -1 means none. mask: bool keep-mask or additive
+  // float mask broadcastable to [B, Hq, Sq, Sk]. dropout_p > 0 drops probabilities
+  // with a counter-based RNG keyed by seed (int64 [1], on the CPU). Returns out and
+  // the per-row lse (of the probabilities before dropout).
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, "
+        "int window, float dropout_p, Tensor? seed) -> (Tensor out, Tensor lse)");
+  // Gradients of attention from the saved out and lse (probabilities and the
+  // dropout mask recomputed).
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
-        "Tensor lse, float scale, bool causal, int window)"
-        " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+        "Tensor lse, Tensor? mask, float scale, bool causal, int window, float dropout_p, "
+        "Tensor? seed) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
 }
 
 namespace py = pybind11;

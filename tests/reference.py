@@ -140,13 +140,16 @@ class NotebookRotaryEmbedding(nn.Module):
         sin = torch.cat([sin, sin], dim=-1)[None, None]
         return (q * cos + self.rotate_half(q) * sin, k * cos + self.rotate_half(k) * sin)
 
-def attention(q, k, v, causal=False, scale=None, window=None):
+def attention(q, k, v, causal=False, scale=None, window=None, mask=None, keep=None, dropout_p=0.0):
     """Grouped-query attention, the plain way: softmax(q k^T * scale + mask) v.
 
     q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D]. Query head h uses kv head
     h // (Hq / Hkv), done here by repeating each kv head Hq / Hkv times.
     Masks are aligned bottom-right: query i sits at position i + Sk - Sq.
-    causal keeps keys j <= position; window w keeps keys j > position - w.
+    causal keeps keys j <= position; window w keeps keys j > position - w;
+    `mask` is a bool keep-mask or an additive float mask. `keep` (bool,
+    [B, Hq, Sq, Sk]) is a dropout pattern: kept probabilities are divided by
+    1 - dropout_p, the others zeroed.
     Returns (out in q.dtype, lse = logsumexp of the masked scores, float32 or
     float64); a query that sees no key gets out = 0 and lse = -inf.
     """
@@ -165,9 +168,17 @@ def attention(q, k, v, causal=False, scale=None, window=None):
         visible = visible & (key <= position)
     if window is not None:
         visible = visible & (key > position - window)
+    if mask is not None and mask.dtype == torch.bool:
+        visible = visible & mask
+    elif mask is not None:
+        visible = visible & (mask > torch.finfo(mask.dtype).min)  # the dtype's lowest: masked
+        scores = scores + mask.to(acc)
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(visible, probs, torch.zeros((), dtype=acc, device=q.device))
+    empty = torch.isneginf(lse).unsqueeze(-1)
+    probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)
+    probs = torch.where(visible & ~empty, probs, torch.zeros((), dtype=acc, device=q.device))
+    if keep is not None:
+        probs = probs * keep / (1.0 - dropout_p)
     out = torch.matmul(probs, values)
     return out.to(q.dtype), lse

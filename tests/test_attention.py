@@ -27,7 +27,7 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 SHAPES = [
     (2, 4, 4, 17, 17, 64),
     (1, 4, 2, 257, 257, 16),
-    (1, 8, 2, 1, 1000, 128),
+    (1, 8, 2, 1, 2100, 128),
     (1, 8, 1, 100, 257, 80),
     (1, 4, 1, 33, 33, 1),
     (1, 2, 1, 64, 64, 256),
@@ -65,7 +65,7 @@ def reference_results(q, k, v, grad_out, causal, window, scale=None):
 
 def run_op(q, k, v, causal, window, scale=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return ops.attention(q, k, v, scale, causal, -1 if window is None else window)
+    return ops.attention(q, k, v, None, scale, causal, -1 if window is None else window, 0.0, None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -272,11 +272,17 @@ def _opcheck_cases(device):
     out, lse = run_op(q, k, v, True, None)
     g = torch.randn_like(out)
     qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    pad = torch.rand(2, 1, 1, 11, device=device) > 0.3
+    bias = torch.randn(9, 11, device=device)
+    seed = torch.tensor([1234], dtype=torch.int64)
     return [
-        (ops.attention.default, (q, k, v, 0.25, False, -1)),
-        (ops.attention.default, (q, k, v, 0.25, True, 4)),
-        (ops.attention.default, (qb, kb, vb, 0.25, True, -1)),
-        (ops.attention_backward.default, (g, q, k, v, out, lse, 0.25, True, -1)),
+        (ops.attention.default, (q, k, v, None, 0.25, False, -1, 0.0, None)),
+        (ops.attention.default, (q, k, v, None, 0.25, True, 4, 0.0, None)),
+        (ops.attention.default, (qb, kb, vb, None, 0.25, True, -1, 0.0, None)),
+        (ops.attention.default, (q, k, v, pad, 0.25, True, -1, 0.0, None)),
+        (ops.attention.default, (q, k, v, bias, 0.25, False, -1, 0.2, seed)),
+        (ops.attention_backward.default, (g, q, k, v, out, lse, None, 0.25, True, -1, 0.0, None)),
+        (ops.attention_backward.default, (g, q, k, v, out, lse, bias, 0.25, False, 3, 0.2, seed)),
     ]
 
 
@@ -284,8 +290,9 @@ def _opcheck_cases(device):
 def test_opcheck(device, requires_grad):
     for op, args in _opcheck_cases(device):
         if requires_grad and op is not ops.attention_backward.default:
-            args = tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) else a
-                         for a in args)
+            # q, k, v are differentiable; the mask and the seed are not.
+            args = tuple(a.detach().requires_grad_() if i < 3 and isinstance(a, torch.Tensor) else a
+                         for i, a in enumerate(args))
         torch.library.opcheck(op, args)
 
 
@@ -349,6 +356,144 @@ def test_hypothesis_shapes(batch, kv_heads, group, q_len, kv_extra, head_dim, ca
     assert_close(lse, ref_lse, FORWARD_TOL[dtype], "lse")
     for name, t, ref in zip("qkv", (q, k, v), ref_grads):
         assert_close(t.grad, ref, GRAD_TOL[dtype], f"grad_{name}")
+
+
+# --- caller masks and dropout ---------------------------------------------------------
+
+def _masks(kind, b, hq, sq, sk, device):
+    g = torch.Generator().manual_seed(7)
+    if kind == "padding_bool":  # [B, 1, 1, Sk], left padding of different lengths
+        lengths = torch.tensor([sk, max(1, sk - 5)][:b])
+        return (torch.arange(sk) >= (sk - lengths).view(-1, 1)).view(b, 1, 1, sk).to(device)
+    if kind == "notebook_causal_int":  # the notebooks' [Sq, Sk] 1/0 causal mask, as bool
+        return torch.ones(sq, sk).tril(sk - sq).bool().to(device)
+    if kind == "additive_float32":
+        return torch.randn(sq, sk, generator=g).to(device)
+    if kind == "additive_bfloat16_4d":  # HF style: finfo.min where masked, model dtype
+        m = torch.zeros(b, hq, sq, sk)
+        m[torch.rand(b, hq, sq, sk, generator=g) < 0.3] = torch.finfo(torch.bfloat16).min
+        return m.bfloat16().to(device)
+    if kind == "additive_neg_inf_heads":  # per-head rows, -inf entries
+        m = torch.randn(1, hq, sq, 1, generator=g).expand(1, hq, sq, sk).clone()
+        m[..., ::3] = float("-inf")
+        return m.to(device)
+    raise AssertionError(kind)
+
+
+MASK_KINDS = ["padding_bool", "notebook_causal_int", "additive_float32", "additive_bfloat16_4d",
+              "additive_neg_inf_heads"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("shape,causal", [((2, 8, 2, 37, 37, 64), True), ((1, 8, 2, 1, 2100, 128), False),
+                                          ((1, 6, 2, 40, 150, 80), False)],
+                         ids=["prefill_causal", "decode_split_keys", "chunked"])
+def test_masks_match_reference(device, shape, causal, kind, dtype):
+    b, hq, hkv, sq, sk, d = shape
+    q, k, v = make_qkv(*shape, dtype, device, requires_grad=True)
+    mask = _masks(kind, b, hq, sq, sk, device)
+    mask_before = mask.clone()
+    out = fusedllm.attention(q, k, v, causal=causal, mask=mask)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = ref_attention(qd, kd, vd, causal=causal, mask=mask)
+    ref.backward(grad_out.double())
+    assert_close(out, ref.detach(), FORWARD_TOL[dtype], "out")
+    for name, t, r in zip("qkv", (q, k, v), (qd.grad, kd.grad, vd.grad)):
+        assert_close(t.grad, r, GRAD_TOL[dtype], f"grad_{name}")
+    assert torch.equal(mask, mask_before)
+
+
+def test_fully_masked_rows_are_zero_not_nan(device):
+    q, k, v = make_qkv(2, 4, 2, 6, 9, 16, torch.float32, device, requires_grad=True)
+    keep = torch.ones(2, 1, 6, 9, dtype=torch.bool, device=device)
+    keep[0, :, 2] = False  # every key masked for query 2 of batch 0
+    additive = torch.zeros(2, 1, 6, 9, device=device).masked_fill(~keep, float("-inf"))
+    for mask in (keep, additive):
+        out = fusedllm.attention(q, k, v, mask=mask)
+        assert torch.equal(out[0, :, 2], torch.zeros_like(out[0, :, 2]))
+        assert torch.isfinite(out).all()
+        gq, gk, gv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        assert torch.equal(gq[0, :, 2], torch.zeros_like(gq[0, :, 2]))
+        assert all(torch.isfinite(g).all() for g in (gq, gk, gv))
+
+
+def test_masks_combine_with_causal_and_window(device):
+    q, k, v = make_qkv(2, 4, 2, 30, 30, 32, torch.float64, device)
+    pad = _masks("padding_bool", 2, 4, 30, 30, device)
+    got = fusedllm.attention(q, k, v, causal=True, window=8, mask=pad)
+    ref, _ = ref_attention(q, k, v, causal=True, window=8, mask=pad)
+    torch.testing.assert_close(got, ref)
+    # a bool mask and the equivalent additive -inf mask give the same result
+    additive = torch.zeros(pad.shape, dtype=torch.float64, device=device).masked_fill(~pad, float("-inf"))
+    torch.testing.assert_close(fusedllm.attention(q, k, v, causal=True, mask=additive),
+                               fusedllm.attention(q, k, v, causal=True, mask=pad))
+
+
+def _dropout_reference(q, k, v, seed, p, **kw):
+    from fusedllm import _fallback
+    b, hq, sq, _ = q.shape
+    keep = _fallback.dropout_keep(seed, (b, hq, sq, k.shape[2]), p, q.device)
+    return ref_attention(q, k, v, keep=keep, dropout_p=p, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 4, 2, 33, 33, 64), (1, 8, 1, 1, 2100, 128), (1, 2, 2, 20, 9, 7)],
+                         ids=["prefill", "decode_split_keys", "q_longer"])
+def test_dropout_matches_reference_pattern(device, shape, dtype):
+    """The kernels draw exactly the pattern the documented generator gives."""
+    p, seed = 0.3, 987654321987
+    q, k, v = make_qkv(*shape, dtype, device, requires_grad=True)
+    bias = torch.randn(shape[3], shape[4], device=device)
+    out, _ = ops.attention(q, k, v, bias, 0.5, True, -1, p, torch.tensor([seed]))
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = _dropout_reference(qd, kd, vd, seed, p, causal=True, scale=0.5, mask=bias.double())
+    ref.backward(grad_out.double())
+    assert_close(out, ref.detach(), FORWARD_TOL[dtype], "out")
+    for name, t, r in zip("qkv", (q, k, v), (qd.grad, kd.grad, vd.grad)):
+        assert_close(t.grad, r, GRAD_TOL[dtype], f"grad_{name}")
+
+
+def test_dropout_repeats_under_manual_seed_and_differs_across_seeds(device):
+    q, k, v = make_qkv(1, 4, 2, 16, 16, 32, torch.float32, device)
+    torch.manual_seed(3)
+    a = fusedllm.attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(3)
+    b = fusedllm.attention(q, k, v, dropout_p=0.5)
+    c = fusedllm.attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert torch.equal(fusedllm.attention(q, k, v, dropout_p=0.0), fusedllm.attention(q, k, v))
+
+
+def test_dropout_keeps_the_expected_fraction_and_the_mean(device):
+    """With v = 1 every output entry is sum_j P_j z_j / (1 - p): mean 1."""
+    p = 0.25
+    q, k, _ = make_qkv(2, 8, 2, 64, 256, 16, torch.float32, device)
+    v = torch.ones_like(k)
+    out = fusedllm.attention(q, k, v, dropout_p=p)
+    assert abs(out.mean().item() - 1.0) < 0.02
+    from fusedllm import _fallback
+    keep = _fallback.dropout_keep(123, (4, 8, 64, 256), p)
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.005
+
+
+def test_dropout_gradcheck_with_fixed_seed(device):
+    q, k, v = make_qkv(1, 4, 2, 5, 7, 8, torch.float64, device, requires_grad=True)
+    seed = torch.tensor([42])
+    bias = torch.randn(5, 7, dtype=torch.float64, device=device)
+    assert torch.autograd.gradcheck(
+        lambda *t: ops.attention(*t, bias, 0.6, True, -1, 0.4, seed)[0], (q, k, v))
+
+
+def test_mask_gradcheck_float64(device):
+    q, k, v = make_qkv(2, 4, 2, 5, 7, 8, torch.float64, device, requires_grad=True)
+    pad = torch.tensor([[True] * 7, [False] * 2 + [True] * 5], device=device).view(2, 1, 1, 7)
+    assert torch.autograd.gradcheck(lambda *t: fusedllm.attention(*t, causal=True, mask=pad), (q, k, v))
 
 
 # --- memory ------------------------------------------------------------------------
@@ -469,6 +614,20 @@ BAD_CALLS = [
      lambda: fusedllm.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), window=0)),
     ("scale must be a finite number",
      lambda: fusedllm.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), scale=float("nan"))),
+    ("mask of shape \\[3, 4\\] does not broadcast to \\[batch, q_heads, q_len, kv_len\\] = \\[1, 2, 3, 3\\]",
+     lambda: fusedllm.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), mask=_t(3, 4))),
+    ("mask must be a bool keep-mask .* got torch.int64",
+     lambda: fusedllm.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8),
+                                mask=torch.ones(3, 3, dtype=torch.long))),
+    ("mask is on meta but q is on cpu",
+     lambda: fusedllm.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), mask=_t(3, 3, device="meta"))),
+    ("mask requires grad",
+     lambda: fusedllm.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8),
+                                mask=_t(3, 3).requires_grad_())),
+    ("dropout_p must be in \\[0, 1\\), got 1.0",
+     lambda: fusedllm.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), dropout_p=1.0)),
+    ("dropout_p must be >= 0",
+     lambda: fusedllm.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), dropout_p=-0.1)),
     ("causal must be True or False",
      lambda: fusedllm.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), causal="yes")),
 ]
@@ -486,21 +645,28 @@ def test_non_tensor_input_is_a_type_error():
 
 
 OP_BAD_CALLS = [
-    lambda: ops.attention(_t(1, 6, 5, 8), _t(1, 4, 5, 8), _t(1, 4, 5, 8), 1.0, False, -1),
-    lambda: ops.attention(_t(1, 4, 5, 8), _t(1, 2, 5, 16), _t(1, 2, 5, 16), 1.0, False, -1),
-    lambda: ops.attention(_t(1, 4, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 6, 8), 1.0, False, -1),
-    lambda: ops.attention(_t(2, 4, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), 1.0, False, -1),
-    lambda: ops.attention(_t(1, 2, 3, 300), _t(1, 2, 3, 300), _t(1, 2, 3, 300), 1.0, False, -1),
-    lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8).double(), _t(1, 2, 3, 8), 1.0, False, -1),
-    lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), 1.0, True, 0),
-    lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 0, 3, 8), _t(1, 0, 3, 8), 1.0, True, -1),
-    lambda: ops.attention(_t(2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), 1.0, True, -1),
+    lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(2, 1, 3, 3), 1.0, False, -1,
+                          0.0, None),
+    lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8),
+                          torch.ones(3, 3, dtype=torch.int32), 1.0, False, -1, 0.0, None),
+    lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), None, 1.0, False, -1, 0.5, None),
+    lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), None, 1.0, False, -1, 1.5,
+                          torch.tensor([1])),
+    lambda: ops.attention(_t(1, 6, 5, 8), _t(1, 4, 5, 8), _t(1, 4, 5, 8), None, 1.0, False, -1, 0.0, None),
+    lambda: ops.attention(_t(1, 4, 5, 8), _t(1, 2, 5, 16), _t(1, 2, 5, 16), None, 1.0, False, -1, 0.0, None),
+    lambda: ops.attention(_t(1, 4, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 6, 8), None, 1.0, False, -1, 0.0, None),
+    lambda: ops.attention(_t(2, 4, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), None, 1.0, False, -1, 0.0, None),
+    lambda: ops.attention(_t(1, 2, 3, 300), _t(1, 2, 3, 300), _t(1, 2, 3, 300), None, 1.0, False, -1, 0.0, None),
+    lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8).double(), _t(1, 2, 3, 8), None, 1.0, False, -1, 0.0, None),
+    lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), None, 1.0, True, 0, 0.0, None),
+    lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 0, 3, 8), _t(1, 0, 3, 8), None, 1.0, True, -1, 0.0, None),
+    lambda: ops.attention(_t(2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), None, 1.0, True, -1, 0.0, None),
     lambda: ops.attention_backward(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8),
-                                   _t(1, 2, 3, 8), _t(1, 2, 4), 1.0, False, -1),
+                                   _t(1, 2, 3, 8), _t(1, 2, 4), None, 1.0, False, -1, 0.0, None),
     lambda: ops.attention_backward(_t(1, 2, 4, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8),
-                                   _t(1, 2, 3, 8), _t(1, 2, 3), 1.0, False, -1),
+                                   _t(1, 2, 3, 8), _t(1, 2, 3), None, 1.0, False, -1, 0.0, None),
     lambda: ops.attention_backward(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8),
-                                   _t(1, 2, 3, 8), _t(1, 2, 3).double(), 1.0, False, -1),
+                                   _t(1, 2, 3, 8), _t(1, 2, 3).double(), None, 1.0, False, -1, 0.0, None),
 ]
 
 
@@ -516,7 +682,8 @@ def test_reference_path_matches_reference():
     from fusedllm import _fallback
     q, k, v = make_qkv(1, 6, 2, 30, 45, 16, torch.float64, "cpu")
     for causal, window in MASKS:
-        out, lse = _fallback.attention(q, k, v, 0.3, causal, -1 if window is None else window)
+        out, lse = _fallback.attention(q, k, v, None, 0.3, causal, -1 if window is None else window,
+                                       0.0, None)
         ref_out, ref_lse = ref_attention(q, k, v, causal=causal, scale=0.3, window=window)
         torch.testing.assert_close(out, ref_out)
         torch.testing.assert_close(lse, ref_lse)

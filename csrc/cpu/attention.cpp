@@ -39,6 +39,8 @@ struct CpuAttention {
     a.lse = p.lse.data_ptr();
     a.scale = p.scale;
     a.mask = p.mask;
+    a.tensor_mask = p.tensor_mask;
+    a.dropout = p.dropout;
     attention_forward_kernels.get()(a);
   }
 
@@ -62,6 +64,8 @@ struct CpuAttention {
     a.grad_v = p.grad_v.data_ptr();
     a.scale = p.scale;
     a.mask = p.mask;
+    a.tensor_mask = p.tensor_mask;
+    a.dropout = p.dropout;
     attention_backward_kernels.get()(a);
   }
 };

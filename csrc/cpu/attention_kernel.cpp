@@ -29,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fusedllm/dropout.h"
 #include "vec.h"
 
 namespace fusedllm::cpu {
@@ -207,6 +208,16 @@ constexpr int64_t kRowsPerTile = 96;  // query rows (positions x group heads) pe
 constexpr int64_t kKeysPerTile = 96;
 constexpr int64_t kMinTasks = 8;      // split further below this many independent tasks
 constexpr int64_t kMaxPartialBytes = int64_t(256) << 20;  // cap on split-partial scratch
+// Multiply-adds of QK^T below which a call runs on the calling thread: waking
+// other threads (and, on a loaded machine, waiting for them to be scheduled)
+// costs more than such a call (a decoding step over a short cache).
+constexpr int64_t kMinParallelWork = int64_t(1) << 21;
+
+// Slots for a call: threads when the work is large enough, else one.
+inline int64_t work_slots(int64_t n_tasks, int64_t work) {
+  if (work < kMinParallelWork) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_tasks));
+}
 
 template <typename acc_t>
 struct Tiling {
@@ -232,13 +243,9 @@ struct Tiling {
   int64_t pos_of(int64_t p0, int64_t i) const { return p0 + i / group; }
 };
 
-// Runs fn(task, slot) for every task in [0, n_tasks) on at most
-// at::get_num_threads() threads; tasks are handed out in index order from a
-// shared counter (so uneven tasks balance), and `slot` < the returned slot
-// count identifies the caller's scratch space.
-inline int64_t task_slots(int64_t n_tasks) {
-  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_tasks));
-}
+// Runs fn(task, slot) for every task in [0, n_tasks) on `slots` threads (from
+// work_slots); tasks are handed out in index order from a shared counter (so
+// uneven tasks balance), and `slot` identifies the caller's scratch space.
 
 template <typename F>
 void run_tasks(int64_t n_tasks, int64_t slots, const F& fn) {
@@ -264,6 +271,68 @@ void mask_tile(acc_t* s, int64_t ld, int64_t nk, int64_t j0, int64_t p0, int64_t
       for (int64_t j = hi; j < nk; ++j) col[j * ld] = kNegInf<acc_t>;
     }
   }
+}
+
+// Position p0 + [0, npos) and its group's heads as the columns of a
+// transposed tile: where the caller's mask and the dropout pattern are read.
+struct TileRows {
+  int64_t b, g, group, p0, npos, j0, nk;
+  int64_t head(int64_t col) const { return g * group + col % group; }
+  int64_t pos(int64_t col) const { return p0 + col / group; }
+  int64_t cols() const { return npos * group; }
+};
+
+template <typename M, typename acc_t>
+void apply_tensor_mask_typed(acc_t* s, int64_t ld, const TileRows& t, const attn::TensorMask& m) {
+  const M* base = static_cast<const M*>(m.data) + t.j0 * m.k_stride;
+  const int64_t ks = m.k_stride;
+  // Compared in the mask's own precision (double for double masks).
+  using cmp_t = std::conditional_t<std::is_same_v<M, double>, double, float>;
+  const cmp_t lowest = static_cast<cmp_t>(attn::mask_lowest(m.kind));
+  for (int64_t col = 0; col < t.cols(); ++col) {
+    const M* row = base + m.offset(t.b, t.head(col), t.pos(col));
+    acc_t* sc = s + col;
+    for (int64_t j = 0; j < t.nk; ++j) {
+      if constexpr (std::is_same_v<M, bool>) {
+        if (!row[j * ks]) sc[j * ld] = kNegInf<acc_t>;
+      } else {
+        const cmp_t x = static_cast<cmp_t>(row[j * ks]);
+        sc[j * ld] = x <= lowest ? kNegInf<acc_t> : sc[j * ld] + static_cast<acc_t>(x);
+      }
+    }
+  }
+}
+
+// Applies the caller's mask to a transposed score tile s[j * ld + col]: bool
+// False -> -inf, float masks added to the (already scaled) scores.
+template <typename acc_t>
+void apply_tensor_mask(acc_t* s, int64_t ld, const TileRows& t, const attn::TensorMask& m) {
+  switch (m.kind) {
+    case attn::MaskKind::kNone: break;
+    case attn::MaskKind::kBool: apply_tensor_mask_typed<bool>(s, ld, t, m); break;
+    case attn::MaskKind::kFloat: apply_tensor_mask_typed<float>(s, ld, t, m); break;
+    case attn::MaskKind::kDouble: apply_tensor_mask_typed<double>(s, ld, t, m); break;
+    case attn::MaskKind::kBFloat16: apply_tensor_mask_typed<c10::BFloat16>(s, ld, t, m); break;
+    case attn::MaskKind::kHalf: apply_tensor_mask_typed<c10::Half>(s, ld, t, m); break;
+  }
+}
+
+// z[j * ld + col] = 1 / (1 - p) where probability (b, head, pos, j0 + j) is
+// kept, else 0; columns past the tile's rows get 0. One Philox call serves
+// four consecutive keys of a row.
+template <typename acc_t>
+void dropout_tile(acc_t* z, int64_t ld, const TileRows& t, int64_t q_heads, int64_t sq, int64_t sk,
+                  const dropout::Dropout& dr) {
+  const acc_t kept = static_cast<acc_t>(dr.scale);
+  for (int64_t col = 0; col < t.cols(); ++col) {
+    uint64_t n = static_cast<uint64_t>(((t.b * q_heads + t.head(col)) * sq + t.pos(col)) * sk + t.j0);
+    dropout::Words w = dropout::philox(dr.seed, n >> 2);
+    for (int64_t j = 0; j < t.nk; ++j, ++n) {
+      if ((n & 3) == 0 && j > 0) w = dropout::philox(dr.seed, n >> 2);
+      z[j * ld + col] = (w.w[n & 3] >> 8) >= dr.threshold ? kept : acc_t(0);
+    }
+  }
+  for (int64_t j = 0; j < t.nk; ++j) std::fill(z + j * ld + t.cols(), z + (j + 1) * ld, acc_t(0));
 }
 
 // True when every row of positions [p0, p1) sees every key of [j0, j0 + nk).
@@ -360,9 +429,9 @@ void gather_both(const T* base, int64_t head_stride, int64_t seq_stride, const T
 // Per-slot scratch of the forward pass, in accumulator-type elements.
 template <typename acc_t>
 struct ForwardScratch {
-  acc_t *qt, *s, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha;
+  acc_t *qt, *s, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha, *z;
   static int64_t size(const Tiling<acc_t>& t) {
-    return t.d * t.rows_pad + t.block_k * t.rows_pad + t.rows_pad * t.d_pad +
+    return t.d * t.rows_pad + 2 * t.block_k * t.rows_pad + t.rows_pad * t.d_pad +
            2 * t.block_k * t.d_pad + 3 * t.rows_pad;
   }
   ForwardScratch(acc_t* p, const Tiling<acc_t>& t) {
@@ -374,6 +443,7 @@ struct ForwardScratch {
     row_max = vbuf + t.block_k * t.d_pad;
     row_sum = row_max + t.rows_pad;
     alpha = row_sum + t.rows_pad;
+    z = alpha + t.rows_pad;
   }
 };
 
@@ -413,6 +483,13 @@ void softmax_tile(acc_t* s, int64_t ld, int64_t nk, acc_t* row_max, acc_t* row_s
   }
 }
 
+// s *= z over nk rows of ld values.
+template <typename acc_t>
+void multiply_tile(acc_t* s, const acc_t* z, int64_t ld, int64_t nk) {
+  using V = Vectorized<acc_t>;
+  for (int64_t e = 0; e < nk * ld; e += V::size()) (V::loadu(s + e) * V::loadu(z + e)).store(s + e);
+}
+
 template <typename T>
 struct ForwardKernel {
   using acc_t = typename VecIO<T>::acc_t;
@@ -450,7 +527,14 @@ struct ForwardKernel {
       if (!tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
         mask_tile(w.s, ld, nk, j0, p0, npos, group, mask);
       }
+      const TileRows tile{b, g, group, p0, npos, j0, nk};
+      apply_tensor_mask(w.s, ld, tile, a.tensor_mask);
+      // The row sums (and so the lse) are those of the probabilities before dropout.
       softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
+      if (a.dropout.enabled) {
+        dropout_tile(w.z, ld, tile, a.q_heads, t.sq, t.sk, a.dropout);
+        multiply_tile(w.s, w.z, ld, nk);
+      }
       const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
       // O = diag(alpha) O + P V, P read column-major out of the transposed tile.
       gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.s, ld, vp, v_ld, w.o, d_pad,
@@ -472,14 +556,15 @@ struct ForwardKernel {
     const int64_t base_tasks = pairs * t.q_tiles;
     // Few tasks (decoding, small batch): also split the keys; each split
     // writes normalized partial rows and their log-sum-exp, merged below.
+    const int64_t work = t.batch * a.q_heads * t.sq * t.sk * t.d;
     int64_t splits = 1;
-    if (base_tasks < kMinTasks && t.k_tiles > 1) {
+    if (base_tasks < kMinTasks && t.k_tiles > 1 && work >= kMinParallelWork) {
       splits = std::min(ceil_div(kMinTasks, base_tasks), t.k_tiles);
       const int64_t per_split = t.batch * a.q_heads * t.sq * (t.d_pad + 1) * int64_t(sizeof(acc_t));
       splits = std::max<int64_t>(1, std::min(splits, kMaxPartialBytes / std::max<int64_t>(per_split, 1)));
     }
     const int64_t n_tasks = base_tasks * splits;
-    const int64_t slots = task_slots(n_tasks);
+    const int64_t slots = work_slots(n_tasks, work);
     const auto acc_dtype = std::is_same_v<acc_t, double> ? at::kDouble : at::kFloat;
     at::Tensor scratch = at::zeros({slots, ForwardScratch<acc_t>::size(t)}, at::TensorOptions(acc_dtype));
     at::Tensor partial_o, partial_lse;
@@ -558,9 +643,9 @@ struct ForwardKernel {
 
 template <typename acc_t>
 struct BackwardScratch {
-  acc_t *qt, *dot, *qs, *dor, *s, *dp, *dq, *kbuf, *vbuf, *shift, *delta;
+  acc_t *qt, *dot, *qs, *dor, *s, *dp, *dq, *kbuf, *vbuf, *shift, *delta, *z;
   static int64_t size(const Tiling<acc_t>& t) {
-    return 2 * t.d * t.rows_pad + 3 * t.rows_pad * t.d_pad + 2 * t.block_k * t.rows_pad +
+    return 2 * t.d * t.rows_pad + 3 * t.rows_pad * t.d_pad + 3 * t.block_k * t.rows_pad +
            2 * t.block_k * t.d_pad + 2 * t.rows_pad;
   }
   BackwardScratch(acc_t* p, const Tiling<acc_t>& t) {
@@ -575,6 +660,7 @@ struct BackwardScratch {
     vbuf = kbuf + t.block_k * t.d_pad;
     shift = vbuf + t.block_k * t.d_pad;
     delta = shift + t.rows_pad;
+    z = delta + t.rows_pad;
   }
 };
 
@@ -595,6 +681,27 @@ void probs_and_score_grads(acc_t* s, acc_t* dp, int64_t ld, int64_t nk, const ac
       const V ds = attn::score_grad(p, V::loadu(dpp), de);
       p.store(sp);
       ds.store(dpp);
+    }
+  }
+}
+
+// With dropout (z: 1 / (1 - p) where kept, else 0): dS = P * (dP z - delta)
+// into dp and the dropped probabilities P z into s, in place.
+template <typename acc_t>
+void dropped_probs_and_score_grads(acc_t* s, acc_t* dp, const acc_t* z, int64_t ld, int64_t nk,
+                                   const acc_t* shift, const acc_t* delta) {
+  using V = Vectorized<acc_t>;
+  constexpr int64_t W = V::size();
+  const VecOps<acc_t> ops;
+  for (int64_t c = 0; c < ld; c += W) {
+    const V sh = V::loadu(shift + c);
+    const V de = V::loadu(delta + c);
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t e = j * ld + c;
+      const V p = ops.exp(V::loadu(s + e) - sh);
+      const V zz = V::loadu(z + e);
+      attn::score_grad(p, V::loadu(dp + e) * zz, de).store(dp + e);
+      (p * zz).store(s + e);
     }
   }
 }
@@ -688,7 +795,14 @@ struct BackwardKernel {
         if (!tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
           mask_tile(w.s, ld, nk, j0, p0, npos, group, mask);
         }
-        probs_and_score_grads(w.s, w.dp, ld, nk, w.shift, w.delta);
+        const TileRows tile{b, g, group, p0, npos, j0, nk};
+        apply_tensor_mask(w.s, ld, tile, a.tensor_mask);
+        if (a.dropout.enabled) {
+          dropout_tile(w.z, ld, tile, hq, sq, t.sk, a.dropout);
+          dropped_probs_and_score_grads(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
+        } else {
+          probs_and_score_grads(w.s, w.dp, ld, nk, w.shift, w.delta);
+        }
         // dV += P^T dO, dK += dS^T (Q * scale): the sum over the group's rows
         // is the inner dimension of these products.
         acc_t* dv_rows = dv + j0 * d_pad;
@@ -718,8 +832,9 @@ struct BackwardKernel {
 
     // Few (batch, kv head) pairs: split each pair's key tiles into chunks
     // (a function of the shape only), each with its own partial dQ.
+    const int64_t work = t.batch * a.q_heads * t.sq * t.sk * t.d;
     int64_t chunks = 1;
-    if (pairs < kMinTasks && t.k_tiles > 1) {
+    if (pairs < kMinTasks && t.k_tiles > 1 && work >= kMinParallelWork) {
       chunks = std::min(ceil_div(kMinTasks, pairs), t.k_tiles);
       const int64_t per_chunk = n_q_rows * t.d_pad * int64_t(sizeof(acc_t));
       chunks = std::max<int64_t>(1, std::min(chunks, kMaxPartialBytes / std::max<int64_t>(per_chunk, 1)));
@@ -755,7 +870,7 @@ struct BackwardKernel {
     }
 
     const int64_t n_tasks = pairs * chunks;
-    const int64_t slots = task_slots(n_tasks);
+    const int64_t slots = work_slots(n_tasks, work);
     at::Tensor scratch = at::zeros({slots, BackwardScratch<acc_t>::size(t)}, opts);
     acc_t* scratch_p = scratch.data_ptr<acc_t>();
     const int64_t scratch_stride = scratch.size(1);

@@ -8,6 +8,7 @@
 
 #include "fusedllm/attention.h"
 #include "fusedllm/cpu_dispatch.h"
+#include "fusedllm/dropout.h"
 
 namespace fusedllm::cpu {
 
@@ -25,6 +26,8 @@ struct AttentionForwardArgs {
   void* lse;  // contiguous [B, Hq, Sq], float32 (float64 for float64 inputs)
   double scale;
   attn::Mask mask;
+  attn::TensorMask tensor_mask;
+  dropout::Dropout dropout;
 };
 
 struct AttentionBackwardArgs {
@@ -37,6 +40,8 @@ struct AttentionBackwardArgs {
   void* grad_v;     // contiguous [B, Hkv, Sk, D]
   double scale;
   attn::Mask mask;
+  attn::TensorMask tensor_mask;
+  dropout::Dropout dropout;
 };
 
 using AttentionForwardFn = void (*)(const AttentionForwardArgs&);

@@ -26,6 +26,7 @@
 
 #include "fusedllm/attention.h"
 #include "fusedllm/attention_op.h"
+#include "fusedllm/dropout.h"
 #include "primitives.cuh"
 
 namespace fusedllm::cuda {
@@ -114,6 +115,45 @@ __device__ __forceinline__ acc_t smem_dot(const acc_t* a, const acc_t* b, int n)
   return sum;
 }
 
+// What a score sees besides causal/window: the caller's mask (added, or -inf
+// where a bool mask is False) and the dropout of its probability.
+struct ScoreExtras {
+  attn::TensorMask mask;
+  dropout::Dropout drop;
+  int64_t q_heads = 0, sq = 0, sk = 0;
+
+  template <typename acc_t>
+  __device__ __forceinline__ acc_t masked(acc_t s, int64_t b, int64_t h, int64_t pos,
+                                          int64_t key) const {
+    if (!mask.present()) return s;
+    const int64_t off = mask.offset(b, h, pos) + key * mask.k_stride;
+    if (mask.kind == attn::MaskKind::kBool) {
+      return static_cast<const bool*>(mask.data)[off] ? s : -std::numeric_limits<acc_t>::infinity();
+    }
+    double x = 0;  // exact for every float mask dtype
+    switch (mask.kind) {
+      case attn::MaskKind::kFloat: x = static_cast<const float*>(mask.data)[off]; break;
+      case attn::MaskKind::kDouble: x = static_cast<const double*>(mask.data)[off]; break;
+      case attn::MaskKind::kBFloat16:
+        x = static_cast<float>(static_cast<const c10::BFloat16*>(mask.data)[off]);
+        break;
+      case attn::MaskKind::kHalf: x = static_cast<float>(static_cast<const c10::Half*>(mask.data)[off]); break;
+      default: break;
+    }
+    // The dtype's most negative finite value means "masked" (see attention.h).
+    return x <= attn::mask_lowest(mask.kind) ? -std::numeric_limits<acc_t>::infinity()
+                                             : s + static_cast<acc_t>(x);
+  }
+
+  // 1 / (1 - p) where probability (b, h, pos, key) is kept, else 0; 1 without dropout.
+  template <typename acc_t>
+  __device__ __forceinline__ acc_t keep_factor(int64_t b, int64_t h, int64_t pos, int64_t key) const {
+    if (!drop.enabled) return acc_t(1);
+    const uint64_t n = static_cast<uint64_t>(((b * q_heads + h) * sq + pos) * sk + key);
+    return dropout::keep(drop.seed, n, drop.threshold) ? static_cast<acc_t>(drop.scale) : acc_t(0);
+  }
+};
+
 // ---------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------
@@ -127,7 +167,7 @@ __global__ void __launch_bounds__(Cfg<at::opmath_type<T>, kDL>::kFwdWarps * kWar
 attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restrict__ k, Strides ks,
                          const T* __restrict__ v, Strides vs, T* __restrict__ out,
                          at::opmath_type<T>* __restrict__ lse, int64_t q_heads, int64_t group,
-                         int64_t sq, int d, at::opmath_type<T> scale, Mask mask) {
+                         int64_t sq, int d, at::opmath_type<T> scale, Mask mask, ScoreExtras extras) {
   using acc_t = at::opmath_type<T>;
   using C = Cfg<acc_t, kDL>;
   using Ops = attn::ScalarOps<acc_t>;
@@ -177,11 +217,15 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restric
                                                            k_s + lane * C::kLd, d_vec)
                                 : acc_t(0);
       const bool visible = lane < C::kKeys && key >= lo[r] && key < hi[r];
-      s = visible ? s : -std::numeric_limits<acc_t>::infinity();
+      const int64_t row = row0 + warp * RW + r;
+      const int64_t h = g * group + row % group, pos = row / group;
+      s = visible ? extras.masked(s, b, h, pos, key) : -std::numeric_limits<acc_t>::infinity();
       acc_t shift;
       const acc_t alpha = attn::online_softmax_step(m[r], warp_reduce_max(s), shift, Ops{});
       p[r] = visible ? Ops::exp(s - shift) : acc_t(0);
+      // The row sum (and so the lse) is that of the probabilities before dropout.
       l[r] = l[r] * alpha + warp_reduce_sum(p[r]);
+      if (visible) p[r] *= extras.keep_factor<acc_t>(b, h, pos, key);
 #pragma unroll
       for (int t = 0; t < kDL; ++t) o[r][t] *= alpha;
     }
@@ -248,7 +292,7 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
                     const at::opmath_type<T>* __restrict__ lse,
                     const at::opmath_type<T>* __restrict__ delta, T* __restrict__ grad_q,
                     int64_t q_heads, int64_t group, int64_t sq, int d, at::opmath_type<T> scale,
-                    Mask mask) {
+                    Mask mask, ScoreExtras extras) {
   using acc_t = at::opmath_type<T>;
   using C = Cfg<acc_t, kDL>;
   using Ops = attn::ScalarOps<acc_t>;
@@ -302,8 +346,13 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
       const bool visible = lane < C::kKeys && key >= lo[r] && key < hi[r];
       acc_t p = 0, dp = 0;
       if (visible) {
-        const acc_t s = smem_dot<acc_t, C::kVec>(q_s + (warp * RW + r) * C::kLd, k_s + lane * C::kLd, d_vec);
-        dp = smem_dot<acc_t, C::kVec>(do_s + (warp * RW + r) * C::kLd, v_s + lane * C::kLd, d_vec);
+        const int64_t row = row0 + warp * RW + r;
+        const int64_t h = g * group + row % group, pos = row / group;
+        const acc_t s = extras.masked(
+            smem_dot<acc_t, C::kVec>(q_s + (warp * RW + r) * C::kLd, k_s + lane * C::kLd, d_vec), b,
+            h, pos, key);
+        dp = smem_dot<acc_t, C::kVec>(do_s + (warp * RW + r) * C::kLd, v_s + lane * C::kLd, d_vec) *
+             extras.keep_factor<acc_t>(b, h, pos, key);
         p = Ops::exp(s - shift[r]);
       }
       ds[r] = attn::score_grad(p, dp, dlt[r]);
@@ -343,7 +392,8 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
                       const at::opmath_type<T>* __restrict__ lse,
                       const at::opmath_type<T>* __restrict__ delta, T* __restrict__ grad_k,
                       T* __restrict__ grad_v, int64_t q_heads, int64_t kv_heads, int64_t group,
-                      int64_t sq, int64_t sk, int d, at::opmath_type<T> scale, Mask mask) {
+                      int64_t sq, int64_t sk, int d, at::opmath_type<T> scale, Mask mask,
+                      ScoreExtras extras) {
   using acc_t = at::opmath_type<T>;
   using C = Cfg<acc_t, kDL>;
   using Ops = attn::ScalarOps<acc_t>;
@@ -405,10 +455,14 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
       if (row < rows_end) {
         const int64_t pos = row / group;
         if (key >= attn::key_begin(mask, pos) && key < attn::key_end(mask, pos) && key < j_end) {
-          const acc_t s = smem_dot<acc_t, C::kVec>(q_s + warp * C::kLd, k_s + lane * C::kLd, d_vec);
+          const int64_t h = g * group + row % group;
+          const acc_t s = extras.masked(
+              smem_dot<acc_t, C::kVec>(q_s + warp * C::kLd, k_s + lane * C::kLd, d_vec), b, h, pos, key);
           const acc_t dp = smem_dot<acc_t, C::kVec>(do_s + warp * C::kLd, v_s + lane * C::kLd, d_vec);
-          p = Ops::exp(s - shift_s[warp]);
-          ds = attn::score_grad(p, dp, delta_s[warp]);
+          const acc_t z = extras.keep_factor<acc_t>(b, h, pos, key);
+          const acc_t p_kept = Ops::exp(s - shift_s[warp]);
+          ds = attn::score_grad(p_kept, dp * z, delta_s[warp]);
+          p = p_kept * z;  // dV sees the probabilities after dropout
         }
       }
       p_s[warp * C::kKeys + lane] = p;
@@ -484,6 +538,17 @@ void allow_shared_memory(Kernel kernel, size_t bytes) {
   }
 }
 
+template <typename Plan>
+ScoreExtras extras_of(const Plan& p) {
+  ScoreExtras e;
+  e.mask = p.tensor_mask;
+  e.drop = p.dropout;
+  e.q_heads = p.shape.q_heads;
+  e.sq = p.shape.sq;
+  e.sk = p.shape.sk;
+  return e;
+}
+
 void check_grid(const AttentionShape& s) {
   TORCH_CHECK(s.batch <= 65535 && s.kv_heads <= 65535,
               "fusedllm.attention (CUDA): batch and kv_heads must be at most 65535, got ", s.batch,
@@ -510,7 +575,7 @@ struct CudaAttention {
             p.q.const_data_ptr<scalar_t>(), strides_of(p.q), p.k.const_data_ptr<scalar_t>(),
             strides_of(p.k), p.v.const_data_ptr<scalar_t>(), strides_of(p.v),
             p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), s.q_heads, group,
-            s.sq, static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask);
+            s.sq, static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
@@ -548,7 +613,7 @@ struct CudaAttention {
             strides_of(p.k), p.v.const_data_ptr<scalar_t>(), strides_of(p.v),
             p.lse.const_data_ptr<acc_t>(), delta.const_data_ptr<acc_t>(),
             p.grad_q.mutable_data_ptr<scalar_t>(), s.q_heads, group, s.sq,
-            static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask);
+            static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
 
         auto kv_kernel = attention_dkdv_kernel<scalar_t, kDL>;
@@ -562,7 +627,7 @@ struct CudaAttention {
             p.lse.const_data_ptr<acc_t>(), delta.const_data_ptr<acc_t>(),
             p.grad_k.mutable_data_ptr<scalar_t>(), p.grad_v.mutable_data_ptr<scalar_t>(), s.q_heads,
             s.kv_heads, group, s.sq, s.sk, static_cast<int>(s.head_dim),
-            static_cast<acc_t>(p.scale), p.mask);
+            static_cast<acc_t>(p.scale), p.mask, extras_of(p));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });

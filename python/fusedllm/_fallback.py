@@ -4,6 +4,8 @@ loaded (see ``fusedllm.backend()``). Same signatures and results as the
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -73,10 +75,50 @@ def rope(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse)
     return (_rotate(q, c, s, interleaved, rotary_dim, inverse),
             _rotate(k, c, s, interleaved, rotary_dim, inverse))
 
-def attention(q, k, v, scale, causal, window):
+# Philox-4x32-10, the counter-based generator of fusedllm/dropout.h, on int64
+# tensors holding 32-bit words (products split in 16-bit halves: no overflow).
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_U32 = 0xFFFFFFFF
+
+
+def _mulhilo(a: int, b: torch.Tensor):
+    low, high = a * (b & 0xFFFF), a * (b >> 16)
+    return (high + (low >> 16)) >> 16, ((high << 16) + low) & _U32
+
+
+def philox_words(seed: int, counter: torch.Tensor) -> torch.Tensor:
+    """The four 32-bit outputs (last dim) of Philox-4x32-10 for 64-bit counters
+    (int64 tensor, high words zero) under a 64-bit key."""
+    k0, k1 = seed & _U32, (seed >> 32) & _U32
+    c0, c1 = counter & _U32, (counter >> 32) & _U32
+    c2, c3 = torch.zeros_like(c0), torch.zeros_like(c0)
+    for r in range(10):
+        hi0, lo0 = _mulhilo(_PHILOX_M[0], c0)
+        hi1, lo1 = _mulhilo(_PHILOX_M[1], c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _PHILOX_W[0]) & _U32, (k1 + _PHILOX_W[1]) & _U32
+    return torch.stack((c0, c1, c2, c3), dim=-1)
+
+
+def dropout_keep(seed: int, shape, dropout_p: float, device=None) -> torch.Tensor:
+    """Boolean [B, Hq, Sq, Sk] mask of the attention probabilities the kernels
+    keep: element n (row-major index) draws word n % 4 of Philox(n // 4)."""
+    n = torch.arange(math.prod(shape), dtype=torch.int64, device=device)
+    words = philox_words(seed, n >> 2).gather(-1, (n & 3).unsqueeze(-1)).squeeze(-1)
+    return ((words >> 8) >= dropout_threshold(dropout_p)).reshape(shape)
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """A 24-bit draw is kept when it is >= this (so P(drop) = dropout_p to 2^-24)."""
+    return math.ceil(dropout_p * (1 << 24))
+
+
+def attention(q, k, v, mask, scale, causal, window, dropout_p, seed):
     """softmax(q k^T * scale + mask) v with K/V repeated per query group, in
-    float32 (float64 for float64 inputs); returns (out, lse). Builds the whole
-    [Sq, Sk] score matrix: a reference, not a fast path."""
+    float32 (float64 for float64 inputs), dropout as the kernels draw it;
+    returns (out, lse). Builds the whole [Sq, Sk] score matrix: a reference,
+    not a fast path."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = q.shape[1] // k.shape[1] if k.shape[1] else 1
     kf = k.to(acc).repeat_interleave(group, dim=1)
@@ -91,7 +133,17 @@ def attention(q, k, v, scale, causal, window):
     if window >= 1:
         visible &= key > pos - window
     scores = scores.masked_fill(~visible, float("-inf"))
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            # The dtype's most negative finite value means "masked" (as -inf).
+            scores = (scores + mask.to(acc)).masked_fill(mask <= torch.finfo(mask.dtype).min,
+                                                         float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
+    if dropout_p > 0:
+        keep = dropout_keep(int(seed.item()), probs.shape, dropout_p, q.device)
+        probs = probs * keep / (1.0 - dropout_p)
     out = torch.matmul(probs, vf).to(q.dtype)
     return out, lse.detach()

@@ -147,27 +147,30 @@ def _register_attention() -> None:
     ops = torch.ops.fusedllm
 
     @torch.library.register_fake("fusedllm::attention")
-    def _attention_fake(q, k, v, scale, causal, window):
+    def _attention_fake(q, k, v, mask, scale, causal, window, dropout_p, seed):
         return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=rstd_dtype(q))
 
     @torch.library.register_fake("fusedllm::attention_backward")
-    def _attention_backward_fake(grad_out, q, k, v, out, lse, scale, causal, window):
+    def _attention_backward_fake(grad_out, q, k, v, out, lse, mask, scale, causal, window,
+                                 dropout_p, seed):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def _attention_setup(ctx, inputs, output):
-        q, k, v, scale, causal, window = inputs
+        q, k, v, mask, scale, causal, window, dropout_p, seed = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.causal, ctx.window = scale, causal, window
+        ctx.save_for_backward(q, k, v, out, lse, mask, seed)
+        ctx.scale, ctx.causal, ctx.window, ctx.dropout_p = scale, causal, window, dropout_p
 
     def _attention_grad(ctx, grad_out, _grad_lse):
-        # lse is returned for the backward op (and for inspection); it carries no gradient.
-        q, k, v, out, lse = ctx.saved_tensors
+        # lse is returned for the backward op (and for inspection); it carries no
+        # gradient, nor do the mask and the seed.
+        q, k, v, out, lse, mask, seed = ctx.saved_tensors
         grad_q, grad_k, grad_v = ops.attention_backward(
-            grad_out, q, k, v, out, lse, ctx.scale, ctx.causal, ctx.window)
+            grad_out, q, k, v, out, lse, mask, ctx.scale, ctx.causal, ctx.window, ctx.dropout_p,
+            seed)
         needs = ctx.needs_input_grad
         return (grad_q if needs[0] else None, grad_k if needs[1] else None,
-                grad_v if needs[2] else None, None, None, None)
+                grad_v if needs[2] else None) + (None,) * 6
 
     torch.library.register_autograd(
         "fusedllm::attention", _attention_grad, setup_context=_attention_setup)

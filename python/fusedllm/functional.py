@@ -276,8 +276,43 @@ def _check_attention(op, q, k, v, causal, scale, window):
     return scale, int(window)
 
 
+def _check_attention_mask(op, mask, q, k):
+    if mask is None:
+        return None
+    _require_tensor(op, "mask", mask)
+    if mask.dtype != torch.bool and mask.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{op}: mask must be a bool keep-mask (True attends) or a float32, "
+                         f"float64, bfloat16 or float16 additive mask, got {mask.dtype}")
+    if mask.device != q.device:
+        raise ValueError(f"{op}: mask is on {mask.device} but q is on {q.device}")
+    if mask.requires_grad:
+        raise ValueError(f"{op}: mask requires grad, but no gradient flows to the mask; "
+                         f"pass mask.detach()")
+    target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    try:
+        ok = mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, target) == target
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{op}: mask of shape {list(mask.shape)} does not broadcast to "
+                         f"[batch, q_heads, q_len, kv_len] = {list(target)}")
+    return mask
+
+
+def _dropout_seed(op, dropout_p):
+    """The dropout probability, checked, and a seed drawn from torch's default
+    generator (so torch.manual_seed repeats it); None when there is no dropout."""
+    dropout_p = _require_number(op, "dropout_p", dropout_p, minimum=0.0)
+    if dropout_p >= 1.0:
+        raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p!r}")
+    if dropout_p == 0.0:
+        return 0.0, None
+    return dropout_p, torch.randint(0, 2**62, (1,), dtype=torch.int64)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-              scale: float | None = None, window: int | None = None) -> torch.Tensor:
+              scale: float | None = None, window: int | None = None,
+              mask: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Grouped-query attention ``softmax(q k^T * scale + mask) v``, flash style.
 
     ``q`` is ``[batch, q_heads, q_len, head_dim]``, ``k`` and ``v`` are
@@ -292,8 +327,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     they differ SDPA aligns top-left (query ``i`` sees keys ``j <= i``) instead.
     ``window=w`` keeps only the last ``w`` keys up to a query's position,
     ``j > i + kv_len - q_len - w`` (itself included): with ``causal=True`` this is
-    Mistral's / Hugging Face's ``sliding_window``. A query that sees no key
-    (possible when ``q_len > kv_len``) gets an output of zeros.
+    Mistral's / Hugging Face's ``sliding_window``.
+
+    ``mask`` (optional) is applied inside the kernel, on top of ``causal`` and
+    ``window``: a bool keep-mask (True attends, False is masked) or an additive
+    float mask (added to the scaled scores; ``-inf`` masks), of any shape that
+    broadcasts to ``[batch, q_heads, q_len, kv_len]`` (a padding mask
+    ``[batch, 1, 1, kv_len]``, a full ``[q_len, kv_len]`` causal mask, Hugging
+    Face's 4-D masks). It is read where it lies: no ``[q_len, kv_len]`` tensor is
+    built. In a float mask the dtype's most negative finite value (``finfo.min``,
+    what Hugging Face writes) counts as ``-inf``. A query that sees no key at all
+    gets an output of zeros and zero gradients, never NaN. No gradient flows to
+    the mask.
+
+    ``dropout_p > 0`` drops attention probabilities with that probability and
+    scales the rest by ``1 / (1 - dropout_p)`` (pass 0 in evaluation, as with
+    SDPA). The dropout pattern comes from a counter-based generator keyed by a
+    seed drawn from torch's default generator, so ``torch.manual_seed`` repeats
+    it; backward regenerates it instead of storing it.
 
     float32, float64, bfloat16 and float16, accumulated in float32 (float64 for
     float64); memory grows linearly with the sequence lengths, never with
@@ -301,6 +352,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     """
     op = "fusedllm.attention"
     scale, window = _check_attention(op, q, k, v, causal, scale, window)
+    mask = _check_attention_mask(op, mask, q, k)
+    dropout_p, seed = _dropout_seed(op, dropout_p)
     impl = torch.ops.fusedllm.attention if has_extension() else _fallback.attention
-    out, _lse = impl(q, k, v, scale, causal, window)
+    out, _lse = impl(q, k, v, mask, scale, causal, window, dropout_p, seed)
     return out

@@ -25,6 +25,38 @@ struct Mask {
   bool causal = false;
 };
 
+// A caller's mask tensor, read where it lies: element (b, h, i, j) of its
+// [B, Hq, Sq, Sk] broadcast view is data[b * batch_stride + h * head_stride +
+// i * q_stride + j * k_stride] (stride 0 along broadcast dimensions).
+// kBool: False masks the score; the float kinds are added to the scaled score,
+// except that the most negative finite value of the mask's dtype (what Hugging
+// Face and most notebooks write for "masked") counts as -inf: a row masked
+// entirely that way gets zeros, as with a bool mask, instead of a softmax over
+// scores whose differences were rounded away (whose gradient through the
+// log-sum-exp would be wrong).
+enum class MaskKind : int { kNone = 0, kBool, kFloat, kDouble, kBFloat16, kHalf };
+
+// The most negative finite value of each float mask dtype, as a double.
+FUSEDLLM_HOST_DEVICE double mask_lowest(MaskKind kind) {
+  switch (kind) {
+    case MaskKind::kFloat: return -3.4028234663852886e+38;
+    case MaskKind::kDouble: return -1.7976931348623157e+308;
+    case MaskKind::kBFloat16: return -3.3895313892515355e+38;
+    case MaskKind::kHalf: return -65504.0;
+    default: return 0.0;
+  }
+}
+
+struct TensorMask {
+  const void* data = nullptr;
+  MaskKind kind = MaskKind::kNone;
+  int64_t batch_stride = 0, head_stride = 0, q_stride = 0, k_stride = 0;
+  FUSEDLLM_HOST_DEVICE bool present() const { return kind != MaskKind::kNone; }
+  FUSEDLLM_HOST_DEVICE int64_t offset(int64_t b, int64_t h, int64_t i) const {
+    return b * batch_stride + h * head_stride + i * q_stride;
+  }
+};
+
 FUSEDLLM_HOST_DEVICE int64_t clamp_index(int64_t x, int64_t lo, int64_t hi) {
   return x < lo ? lo : (x > hi ? hi : x);
 }

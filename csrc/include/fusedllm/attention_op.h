@@ -7,9 +7,11 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <vector>
 
 #include "fusedllm/attention.h"
-#include "fusedllm/rms_norm_op.h"  // check_float_tensor, check_same
+#include "fusedllm/checks.h"
+#include "fusedllm/dropout.h"
 
 namespace fusedllm {
 
@@ -78,11 +80,64 @@ inline attn::Mask make_mask(const AttentionShape& s, bool causal, int64_t window
   return m;
 }
 
+// The caller's mask as a [B, Hq, Sq, Sk] broadcast view (no copy).
+inline attn::TensorMask check_tensor_mask(const char* op, const c10::optional<at::Tensor>& mask,
+                                          const at::Tensor& q, const AttentionShape& s,
+                                          at::Tensor& keep_alive) {
+  attn::TensorMask m;
+  if (!mask.has_value() || !mask->defined()) return m;
+  const at::Tensor& t = *mask;
+  TORCH_CHECK_VALUE(t.device() == q.device(), op, ": mask is on ", t.device(), " but q is on ",
+                    q.device());
+  switch (t.scalar_type()) {
+    case at::kBool: m.kind = attn::MaskKind::kBool; break;
+    case at::kFloat: m.kind = attn::MaskKind::kFloat; break;
+    case at::kDouble: m.kind = attn::MaskKind::kDouble; break;
+    case at::kBFloat16: m.kind = attn::MaskKind::kBFloat16; break;
+    case at::kHalf: m.kind = attn::MaskKind::kHalf; break;
+    default:
+      TORCH_CHECK_VALUE(false, op, ": mask must be a bool keep-mask or a float32, float64, "
+                        "bfloat16 or float16 additive mask, got ", t.scalar_type());
+  }
+  const std::vector<int64_t> target{s.batch, s.q_heads, s.sq, s.sk};
+  bool ok = t.dim() <= 4;
+  for (int64_t d = 1; ok && d <= t.dim(); ++d) {
+    const int64_t size = t.size(t.dim() - d);
+    ok = size == 1 || size == target[4 - d];
+  }
+  TORCH_CHECK_VALUE(ok, op, ": mask of shape ", t.sizes(),
+                    " does not broadcast to [batch, q_heads, q_len, kv_len] = ", at::IntArrayRef(target));
+  keep_alive = t.expand(target);
+  m.data = keep_alive.data_ptr();
+  m.batch_stride = keep_alive.stride(0);
+  m.head_stride = keep_alive.stride(1);
+  m.q_stride = keep_alive.stride(2);
+  m.k_stride = keep_alive.stride(3);
+  return m;
+}
+
+inline dropout::Dropout check_dropout(const char* op, double p, const c10::optional<at::Tensor>& seed) {
+  TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, op, ": dropout_p must be in [0, 1), got ", p);
+  dropout::Dropout d;
+  if (p == 0.0) return d;
+  TORCH_CHECK_VALUE(seed.has_value() && seed->defined() && seed->scalar_type() == at::kLong &&
+                        seed->numel() == 1 && seed->device().is_cpu(),
+                    op, ": dropout_p > 0 needs seed, a one-element int64 CPU tensor");
+  d.enabled = true;
+  d.seed = static_cast<uint64_t>(seed->item<int64_t>());
+  d.threshold = dropout::keep_threshold(p);
+  d.scale = 1.0 / (1.0 - p);
+  return d;
+}
+
 // Checked operands and fresh outputs of a forward call. q, k, v have unit
 // stride along head_dim; out is contiguous [B, Hq, Sq, D], lse [B, Hq, Sq].
 struct AttentionForwardPlan {
   AttentionShape shape;
   attn::Mask mask;
+  attn::TensorMask tensor_mask;
+  dropout::Dropout dropout;
+  at::Tensor mask_view;
   double scale = 1.0;
   at::Tensor q, k, v;
   at::Tensor out, lse;
@@ -90,12 +145,17 @@ struct AttentionForwardPlan {
 };
 
 inline AttentionForwardPlan plan_attention_forward(const at::Tensor& q, const at::Tensor& k,
-                                                   const at::Tensor& v, double scale, bool causal,
-                                                   int64_t window) {
+                                                   const at::Tensor& v,
+                                                   const c10::optional<at::Tensor>& mask,
+                                                   double scale, bool causal, int64_t window,
+                                                   double dropout_p,
+                                                   const c10::optional<at::Tensor>& seed) {
   const char* op = "fusedllm.attention";
   AttentionForwardPlan p;
   p.shape = check_attention_args(op, q, k, v, scale, window);
   p.mask = make_mask(p.shape, causal, window);
+  p.tensor_mask = check_tensor_mask(op, mask, q, p.shape, p.mask_view);
+  p.dropout = check_dropout(op, dropout_p, seed);
   p.scale = scale;
   p.out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   p.lse = at::empty({p.shape.batch, p.shape.q_heads, p.shape.sq}, q.options().dtype(lse_dtype(q)));
@@ -117,6 +177,9 @@ inline AttentionForwardPlan plan_attention_forward(const at::Tensor& q, const at
 struct AttentionBackwardPlan {
   AttentionShape shape;
   attn::Mask mask;
+  attn::TensorMask tensor_mask;
+  dropout::Dropout dropout;
+  at::Tensor mask_view;
   double scale = 1.0;
   at::Tensor grad_out, q, k, v, out, lse;
   at::Tensor grad_q, grad_k, grad_v;
@@ -126,11 +189,16 @@ struct AttentionBackwardPlan {
 inline AttentionBackwardPlan plan_attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
                                                      const at::Tensor& k, const at::Tensor& v,
                                                      const at::Tensor& out, const at::Tensor& lse,
-                                                     double scale, bool causal, int64_t window) {
+                                                     const c10::optional<at::Tensor>& mask,
+                                                     double scale, bool causal, int64_t window,
+                                                     double dropout_p,
+                                                     const c10::optional<at::Tensor>& seed) {
   const char* op = "fusedllm.attention_backward";
   AttentionBackwardPlan p;
   p.shape = check_attention_args(op, q, k, v, scale, window);
   p.mask = make_mask(p.shape, causal, window);
+  p.tensor_mask = check_tensor_mask(op, mask, q, p.shape, p.mask_view);
+  p.dropout = check_dropout(op, dropout_p, seed);
   p.scale = scale;
   check_same(q, "q", grad_out, "grad_out", op);
   check_same(q, "q", out, "out", op);
@@ -171,18 +239,22 @@ inline AttentionBackwardPlan plan_attention_backward(const at::Tensor& grad_out,
 // which run the kernels on plans with work.
 template <typename Impl>
 struct AttentionOps {
-  static std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k,
-                                                      const at::Tensor& v, double scale,
-                                                      bool causal, int64_t window) {
-    auto p = plan_attention_forward(q, k, v, scale, causal, window);
+  static std::tuple<at::Tensor, at::Tensor> attention(
+      const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+      const c10::optional<at::Tensor>& mask, double scale, bool causal, int64_t window,
+      double dropout_p, const c10::optional<at::Tensor>& seed) {
+    auto p = plan_attention_forward(q, k, v, mask, scale, causal, window, dropout_p, seed);
     if (p.has_work) Impl::forward(p);
     return {p.out, p.lse};
   }
 
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
       const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-      const at::Tensor& out, const at::Tensor& lse, double scale, bool causal, int64_t window) {
-    auto p = plan_attention_backward(grad_out, q, k, v, out, lse, scale, causal, window);
+      const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& mask,
+      double scale, bool causal, int64_t window, double dropout_p,
+      const c10::optional<at::Tensor>& seed) {
+    auto p = plan_attention_backward(grad_out, q, k, v, out, lse, mask, scale, causal, window,
+                                     dropout_p, seed);
     if (p.has_work) Impl::backward(p);
     return {p.grad_q, p.grad_k, p.grad_v};
   }

@@ -490,6 +490,25 @@ def test_dropout_gradcheck_with_fixed_seed(device):
         lambda *t: ops.attention(*t, bias, 0.6, True, -1, 0.4, seed)[0], (q, k, v))
 
 
+def test_attention_with_weights_is_the_same_attention(device):
+    """The plain path that returns the weights computes what the kernel does,
+    dropout pattern included (same seed), and its weights are the softmax."""
+    from fusedllm.functional import attention_with_weights
+    q, k, v = make_qkv(2, 4, 2, 12, 20, 16, torch.float32, device)
+    pad = _masks("padding_bool", 2, 4, 12, 20, device)
+    for p in (0.0, 0.3):
+        torch.manual_seed(5)
+        out_w, weights = attention_with_weights(q, k, v, causal=True, window=9, mask=pad, dropout_p=p)
+        torch.manual_seed(5)
+        out = fusedllm.attention(q, k, v, causal=True, window=9, mask=pad, dropout_p=p)
+        assert_close(out_w, out, FORWARD_TOL[torch.float32])
+        torch.testing.assert_close(torch.matmul(weights, v.repeat_interleave(2, dim=1)), out_w,
+                                   atol=1e-5, rtol=1e-5)
+    _, expected_lse = ref_attention(q, k, v, causal=True, window=9, mask=pad)
+    _, weights = attention_with_weights(q, k, v, causal=True, window=9, mask=pad)
+    assert_close(weights.sum(-1), torch.ones_like(expected_lse), FORWARD_TOL[torch.float32])
+
+
 def test_mask_gradcheck_float64(device):
     q, k, v = make_qkv(2, 4, 2, 5, 7, 8, torch.float64, device, requires_grad=True)
     pad = torch.tensor([[True] * 7, [False] * 2 + [True] * 5], device=device).view(2, 1, 1, 7)

@@ -114,11 +114,11 @@ def dropout_threshold(dropout_p: float) -> int:
     return math.ceil(dropout_p * (1 << 24))
 
 
-def attention(q, k, v, mask, scale, causal, window, dropout_p, seed):
+def attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed):
     """softmax(q k^T * scale + mask) v with K/V repeated per query group, in
     float32 (float64 for float64 inputs), dropout as the kernels draw it;
-    returns (out, lse). Builds the whole [Sq, Sk] score matrix: a reference,
-    not a fast path."""
+    returns (out, lse, probabilities after dropout). Builds the whole [Sq, Sk]
+    score matrix: a reference, not a fast path."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = q.shape[1] // k.shape[1] if k.shape[1] else 1
     kf = k.to(acc).repeat_interleave(group, dim=1)
@@ -146,4 +146,10 @@ def attention(q, k, v, mask, scale, causal, window, dropout_p, seed):
         keep = dropout_keep(int(seed.item()), probs.shape, dropout_p, q.device)
         probs = probs * keep / (1.0 - dropout_p)
     out = torch.matmul(probs, vf).to(q.dtype)
-    return out, lse.detach()
+    return out, lse.detach(), probs
+
+
+def attention(q, k, v, mask, scale, causal, window, dropout_p, seed):
+    """The attention op's plain path: (out, lse)."""
+    out, lse, _ = attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed)
+    return out, lse

@@ -239,7 +239,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 _MAX_HEAD_DIM = 256
 
 
-def _check_attention(op, q, k, v, causal, scale, window):
+def _check_attention(op, q, k, v, causal, scale, window, kernel=True):
+    """Checked (scale, window); `kernel=False` (the plain path) lifts the head_dim limit."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _require_tensor(op, name, t)
     _require_float(op, "q", q)
@@ -263,7 +264,7 @@ def _check_attention(op, q, k, v, causal, scale, window):
     if (q_heads % kv_heads != 0) if kv_heads else q_heads != 0:
         raise ValueError(f"{op}: the number of query heads ({q_heads}) must be a multiple of the "
                          f"number of key/value heads ({kv_heads})")
-    if not 1 <= head_dim <= _MAX_HEAD_DIM:
+    if head_dim < 1 or (kernel and head_dim > _MAX_HEAD_DIM):
         raise ValueError(f"{op}: head_dim must be between 1 and {_MAX_HEAD_DIM}, got {head_dim}")
     if not isinstance(causal, bool):
         raise ValueError(f"{op}: causal must be True or False, got {causal!r}")
@@ -357,3 +358,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     impl = torch.ops.fusedllm.attention if has_extension() else _fallback.attention
     out, _lse = impl(q, k, v, mask, scale, causal, window, dropout_p, seed)
     return out
+
+
+def attention_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                           scale: float | None = None, window: int | None = None,
+                           mask: torch.Tensor | None = None,
+                           dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention` on a plain PyTorch path that also returns the attention
+    probabilities ``[batch, q_heads, q_len, kv_len]`` in q's dtype: those that
+    multiplied ``v`` (after dropout, drawn as the fused kernel draws it). It
+    builds the whole score matrix, so it is slow and memory hungry: for code
+    that inspects or plots the weights. Queries that see no key get zero
+    weights and a zero output. Same arguments, checks and conventions as
+    :func:`attention`, without its head_dim limit; differentiable in q, k and v."""
+    op = "fusedllm.attention_with_weights"
+    scale, window = _check_attention(op, q, k, v, causal, scale, window, kernel=False)
+    mask = _check_attention_mask(op, mask, q, k)
+    dropout_p, seed = _dropout_seed(op, dropout_p)
+    out, _lse, probs = _fallback.attention_with_probs(q, k, v, mask, scale, causal, window,
+                                                      dropout_p, seed)
+    return out, probs.to(q.dtype)

@@ -357,10 +357,12 @@ class GQAttention(nn.Module):
       positions start at ``position_offset``, by default the cache's length
       before the call (0 without a cache).
     - ``return_weights=True`` returns ``(out, weights)`` with the attention
-      probabilities ``[batch, n_heads, seq, kv_len]`` (before dropout) computed
-      on a plain PyTorch path that builds the whole score matrix: slow and
-      memory hungry, for inspection and plots. Queries that see no key have
-      zero weights and outputs, as in the fused op.
+      probabilities ``[batch, n_heads, seq, kv_len]`` (after dropout in
+      training mode: what multiplied the values) from
+      :func:`fusedllm.functional.attention_with_weights`, a plain PyTorch path
+      that builds the whole score matrix: slow and memory hungry, for
+      inspection and plots. Queries that see no key have zero weights and
+      outputs, as in the fused op.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None,
@@ -421,7 +423,8 @@ class GQAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         weights = None
         if return_weights:
-            out, weights = _attention_with_weights(q, k, v, self.window, mask, dropout_p)
+            out, weights = F.attention_with_weights(q, k, v, causal=True, window=self.window, mask=mask,
+                                                    dropout_p=dropout_p)
         else:
             out = F.attention(q, k, v, causal=True, window=self.window, mask=mask, dropout_p=dropout_p)
         out = self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
@@ -435,32 +438,3 @@ class GQAttention(nn.Module):
         if self.dropout:
             text += f", dropout={self.dropout}"
         return text
-
-
-def _attention_with_weights(q, k, v, window, mask, dropout_p):
-    """Causal attention on the plain path, returning (out, probabilities):
-    builds the [Sq, Sk] scores, so it is for inspection only."""
-    op = "fusedllm.nn.GQAttention"
-    # same argument checks as the fused op, so both paths accept the same masks
-    F._check_attention(op, q, k, v, True, None, window)
-    F._check_attention_mask(op, mask, q, k)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    group = q.shape[1] // k.shape[1]
-    keys = k.to(acc).repeat_interleave(group, dim=1)
-    values = v.to(acc).repeat_interleave(group, dim=1)
-    scores = torch.matmul(q.to(acc), keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    q_len, kv_len = q.shape[2], k.shape[2]
-    position = torch.arange(q_len, device=q.device).unsqueeze(1) + (kv_len - q_len)
-    key = torch.arange(kv_len, device=q.device)
-    visible = key <= position
-    if window is not None:
-        visible = visible & (key > position - window)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(acc)
-    # rows without any visible key get zero weights (softmax alone would give NaN)
-    seen = torch.isfinite(scores).any(dim=-1, keepdim=True)
-    probs = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen
-    dropped = torch_F.dropout(probs, dropout_p) if dropout_p else probs
-    out = torch.matmul(dropped, values).to(q.dtype)
-    return out, probs.to(q.dtype)

@@ -27,31 +27,12 @@ def dropout_p(module: nn.Dropout) -> float:
 
 
 def attention_with_weights(q, k, v, keep=None, causal=False, scale=None, dropout: nn.Module | None = None):
-    """Plain softmax attention that also returns the probabilities, for callers
-    that ask for them (the fused kernel never forms them).
-
-    Same conventions as :func:`fusedllm.attention`: K/V heads are shared by
-    groups of query heads, ``causal`` is aligned bottom-right, and a query that
-    sees no key gets zero weights and a zero output (not NaN, and not the
-    uniform weights a ``-1e9`` fill gives)."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    q_len, kv_len = q.shape[2], k.shape[2]
-    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
-    if causal:
-        visible = torch.ones_like(visible).tril(kv_len - q_len)
-    if keep is not None:
-        visible = visible & keep
-    scores = scores.masked_fill(~visible, float("-inf"))
-    weights = torch.softmax(scores, dim=-1).masked_fill(~visible, 0.0)
-    if dropout is not None:
-        weights = dropout(weights)
-    return torch.matmul(weights, v), weights
+    """:func:`fusedllm.functional.attention_with_weights` (the plain path that
+    also returns the probabilities, after dropout) with the dropout of an
+    ``nn.Dropout`` module. A query that sees no key gets zero weights and a zero
+    output (not NaN, and not the uniform weights a ``-1e9`` fill gives)."""
+    p = dropout_p(dropout) if dropout is not None else 0.0
+    return F.attention_with_weights(q, k, v, causal=causal, scale=scale, mask=keep, dropout_p=p)
 
 
 def fused_attention(q, k, v, keep=None, causal=False, scale=None, dropout: nn.Dropout | None = None):

@@ -664,32 +664,12 @@ struct BackwardScratch {
   }
 };
 
-// P = exp(S - shift) and dS = P * (dP - delta) over a transposed tile, in place.
-template <typename acc_t>
-void probs_and_score_grads(acc_t* s, acc_t* dp, int64_t ld, int64_t nk, const acc_t* shift,
-                           const acc_t* delta) {
-  using V = Vectorized<acc_t>;
-  constexpr int64_t W = V::size();
-  const VecOps<acc_t> ops;
-  for (int64_t c = 0; c < ld; c += W) {
-    const V sh = V::loadu(shift + c);
-    const V de = V::loadu(delta + c);
-    for (int64_t j = 0; j < nk; ++j) {
-      acc_t* sp = s + j * ld + c;
-      acc_t* dpp = dp + j * ld + c;
-      const V p = ops.exp(V::loadu(sp) - sh);
-      const V ds = attn::score_grad(p, V::loadu(dpp), de);
-      p.store(sp);
-      ds.store(dpp);
-    }
-  }
-}
-
-// With dropout (z: 1 / (1 - p) where kept, else 0): dS = P * (dP z - delta)
-// into dp and the dropped probabilities P z into s, in place.
-template <typename acc_t>
-void dropped_probs_and_score_grads(acc_t* s, acc_t* dp, const acc_t* z, int64_t ld, int64_t nk,
-                                   const acc_t* shift, const acc_t* delta) {
+// P = exp(S - shift) and dS = P * (dP - delta) over a transposed tile, in
+// place (dS into dp, P into s). With dropout (kDropout; z: 1 / (1 - p) where
+// kept, else 0) dS = P * (dP z - delta) and s gets the dropped P z.
+template <bool kDropout, typename acc_t>
+void probs_and_score_grads(acc_t* s, acc_t* dp, const acc_t* z, int64_t ld, int64_t nk,
+                           const acc_t* shift, const acc_t* delta) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
   const VecOps<acc_t> ops;
@@ -699,9 +679,14 @@ void dropped_probs_and_score_grads(acc_t* s, acc_t* dp, const acc_t* z, int64_t 
     for (int64_t j = 0; j < nk; ++j) {
       const int64_t e = j * ld + c;
       const V p = ops.exp(V::loadu(s + e) - sh);
-      const V zz = V::loadu(z + e);
-      attn::score_grad(p, V::loadu(dp + e) * zz, de).store(dp + e);
-      (p * zz).store(s + e);
+      if constexpr (kDropout) {
+        const V zz = V::loadu(z + e);
+        attn::score_grad(p, V::loadu(dp + e) * zz, de).store(dp + e);
+        (p * zz).store(s + e);
+      } else {
+        attn::score_grad(p, V::loadu(dp + e), de).store(dp + e);
+        p.store(s + e);
+      }
     }
   }
 }
@@ -799,9 +784,9 @@ struct BackwardKernel {
         apply_tensor_mask(w.s, ld, tile, a.tensor_mask);
         if (a.dropout.enabled) {
           dropout_tile(w.z, ld, tile, hq, sq, t.sk, a.dropout);
-          dropped_probs_and_score_grads(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
+          probs_and_score_grads<true>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
         } else {
-          probs_and_score_grads(w.s, w.dp, ld, nk, w.shift, w.delta);
+          probs_and_score_grads<false>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
         }
         // dV += P^T dO, dK += dS^T (Q * scale): the sum over the group's rows
         // is the inner dimension of these products.

@@ -7,7 +7,8 @@ Each follows the op contract in DESIGN.md step by step, in float32
 import math
 
 import torch
-from torch import nn
+
+import notebook_models as _notebooks
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -82,63 +83,14 @@ def rope(x, cos, sin, positions, interleaved=False, rotary_dim=None):
     return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
 
 
-# --- eager modules written the way the notebooks write them ---------------------------
-# (same constructor arguments and parameter names as the notebooks' classes; the
-# baselines of the benchmarks and the originals of the state-dict tests)
+# --- eager modules as the notebooks write them (tests/notebook_models.py) -------------
+# the baselines of the benchmarks and the originals of the state-dict tests
 
 
-class NotebookRMSNorm(nn.Module):
-    """RMSNorm(dim, eps) with a `weight`: float32 statistics, cast back, scale."""
+NotebookRMSNorm = _notebooks.nb002.RMSNorm  # float32 statistics, cast back, scale
+NotebookSwiGLU = _notebooks.nb000.SwiGLU
+NotebookRotaryEmbedding = _notebooks.nb000.RotaryPositionalEmbedding  # chunk / cat rotate_half
 
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
-
-
-class NotebookSwiGLU(nn.Module):
-    """SwiGLU(input_dim, hidden_dim, bias=True) with gate_proj / up_proj / down_proj:
-    down_proj(silu(gate_proj(x)) * up_proj(x))."""
-
-    def __init__(self, input_dim, hidden_dim, bias=True):
-        super().__init__()
-        self.gate_proj = nn.Linear(input_dim, hidden_dim, bias=bias)
-        self.up_proj = nn.Linear(input_dim, hidden_dim, bias=bias)
-        self.down_proj = nn.Linear(hidden_dim, input_dim, bias=bias)
-
-    def forward(self, x):
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class NotebookRotaryEmbedding(nn.Module):
-    """RotaryPositionalEmbedding(d_model, max_len=8192, base=10000.0) with
-    cos_cached / sin_cached buffers [max_len, d_model / 2] and
-    forward(q, k, position_offset) rotating with rotate_half (chunk / cat)."""
-
-    def __init__(self, d_model, max_len=8192, base=10000.0):
-        super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, d_model, 2).float() / d_model))
-        angles = torch.outer(torch.arange(max_len).float(), inv_freq)
-        self.register_buffer("cos_cached", angles.cos())
-        self.register_buffer("sin_cached", angles.sin())
-
-    @staticmethod
-    def rotate_half(x):
-        first, second = x.chunk(2, dim=-1)
-        return torch.cat([-second, first], dim=-1)
-
-    def forward(self, q, k, position_offset=0):
-        seq = q.size(2)
-        cos = self.cos_cached[position_offset:position_offset + seq]
-        sin = self.sin_cached[position_offset:position_offset + seq]
-        cos = torch.cat([cos, cos], dim=-1)[None, None]
-        sin = torch.cat([sin, sin], dim=-1)[None, None]
-        return (q * cos + self.rotate_half(q) * sin, k * cos + self.rotate_half(k) * sin)
 
 def attention(q, k, v, causal=False, scale=None, window=None, mask=None, keep=None, dropout_p=0.0):
     """Grouped-query attention, the plain way: softmax(q k^T * scale + mask) v.

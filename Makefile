@@ -52,6 +52,9 @@ bench: build
 	$(BIN)/python benchmarks/bench_rms_norm.py
 	$(BIN)/python benchmarks/bench_swiglu.py
 	$(BIN)/python benchmarks/bench_rope.py
+	$(BIN)/python benchmarks/bench_attention.py
+	$(BIN)/python benchmarks/bench_decode.py
+	$(BIN)/python benchmarks/bench_model.py
 
 clean:
 	rm -rf build $(VENV)/.built

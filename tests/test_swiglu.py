@@ -187,10 +187,12 @@ def _compare_modules(original, fused, x, tol):
     original.load_state_dict(fused.state_dict())  # and back
 
 
+@pytest.mark.parametrize("tokens", [(1, 1), (3, 11), (4, 40)], ids=["decode_split", "split", "packed"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_swiglu_module_matches_the_notebook_module(bias):
+def test_swiglu_module_matches_the_notebook_module(bias, tokens):
+    """Few tokens run gate and up separately, many as one packed product: same function."""
     original = NotebookSwiGLU(48, 136, bias=bias)
-    _compare_modules(original, fusedllm.nn.SwiGLU(48, 136, bias=bias), torch.randn(3, 11, 48), 1e-5)
+    _compare_modules(original, fusedllm.nn.SwiGLU(48, 136, bias=bias), torch.randn(*tokens, 48), 1e-5)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma"])

@@ -107,16 +107,26 @@ class GatedMLP(nn.Module):
                    bias=bool(getattr(config, "mlp_bias", False)),
                    activation=_HF_ACTIVATIONS[act_name], device=device, dtype=dtype)
 
-    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
-        """The packed ``[..., 2 * intermediate]`` projection ``[gate | up]``."""
-        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight], dim=0)
-        bias = None
-        if self.gate_proj.bias is not None:
-            bias = torch.cat([self.gate_proj.bias, self.up_proj.bias], dim=0)
-        return torch_F.linear(x, weight, bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.swiglu(self.gate_up(x), activation=self.activation))
+        return self.down_proj(gated_projection(x, self.gate_proj, self.up_proj, self.activation))
+
+
+# Below this many tokens the gate and up projections run as two matrix
+# multiplies: concatenating their weights would copy more bytes than the
+# products read from the activations (a decoding step), so it cannot pay off.
+_PACKED_MIN_TOKENS = 32
+
+
+def gated_projection(x: torch.Tensor, gate: nn.Linear, up: nn.Linear, activation: str = "silu"):
+    """``act(gate(x)) * up(x)`` with the fused gating. From ``_PACKED_MIN_TOKENS``
+    tokens on, gate and up run as one matrix multiply on weights concatenated
+    at call time (the parameters stay separate ``nn.Linear`` objects)."""
+    tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if tokens < _PACKED_MIN_TOKENS:
+        return F.swiglu(gate(x), up(x), activation=activation)
+    weight = torch.cat([gate.weight, up.weight], dim=0)
+    bias = None if gate.bias is None else torch.cat([gate.bias, up.bias], dim=0)
+    return F.swiglu(torch_F.linear(x, weight, bias), activation=activation)
 
 
 class SwiGLU(GatedMLP):

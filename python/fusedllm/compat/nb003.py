@@ -36,8 +36,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import torch.nn.functional as torch_F
-
 from .. import functional as F
 from .. import nn as fnn
 
@@ -161,8 +159,9 @@ class LLaMASwiGLU(nn.Module):
     and ``w2`` (intermediate -> hidden), computing ``w2(w1(x) * silu(w3(x)))`` as
     the notebook does (``w3`` is the gate; see the module docstring).
 
-    Fused: ``w3`` and ``w1`` run as one matrix multiply (weights concatenated
-    at call time; the parameters stay separate), then the fused gating."""
+    Fused: :func:`fusedllm.nn.gated_projection` (``w3`` and ``w1`` as one
+    matrix multiply on concatenated weights, except for a few tokens), then the
+    fused gating."""
 
     def __init__(self, config: LLaMAConfig):
         super().__init__()
@@ -171,8 +170,7 @@ class LLaMASwiGLU(nn.Module):
         self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = torch_F.linear(x, torch.cat([self.w3.weight, self.w1.weight], dim=0))
-        return self.w2(F.swiglu(gate_up))
+        return self.w2(fnn.gated_projection(x, self.w3, self.w1))
 
 
 class LLaMABlock(nn.Module):

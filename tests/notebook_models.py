@@ -1,4 +1,4 @@
-"""Plain-PyTorch models written the way the seed notebooks build them: the same
+"""Plain-PyTorch models written the way the original notebooks build them: the same
 class names, constructor arguments, parameter / buffer names and arithmetic,
 re-implemented here as the oracle for fusedllm.compat and fusedllm.patch.
 

@@ -24,7 +24,7 @@ _HF_ACTIVATIONS = {
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim with a learned ``weight``.
 
-    Loads the state dicts of the seed notebooks' ``RMSNorm`` classes and of
+    Loads the state dicts of the notebooks' ``RMSNorm`` classes and of
     Hugging Face's ``LlamaRMSNorm`` (``casting="llama"``, the default) or
     ``GemmaRMSNorm`` (``offset=1.0, casting="gemma"``). ``weight`` starts at
     ``1 - offset`` so a new layer scales by one.

@@ -2,7 +2,7 @@
 
 ``fusedllm.patch(model)`` walks the module tree and replaces, in place:
 
-- the seed notebooks' classes, recognised by class name AND structure
+- the notebooks' classes, recognised by class name AND structure
   (attributes, submodules, parameter shapes), wherever they were defined
   (``__main__`` in a notebook, or a user's file holding the same code):
   ``RMSNorm``, ``SwiGLU``, ``LLaMASwiGLU``, ``RotaryPositionalEmbedding`` and

@@ -1,4 +1,4 @@
-"""Notebook-compatible modules: one submodule per seed notebook, exposing that
+"""Notebook-compatible modules: one submodule per notebook fusedllm grew from, exposing that
 notebook's classes with the same constructors, forward signatures, return
 values and parameter / buffer names, built on the fused ops.
 

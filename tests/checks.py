@@ -40,3 +40,48 @@ def runnable_cpu_isas():
     if "AVX512" in info["cpu_isas"] and " avx512bw" in flags and " avx512vl" in flags:
         runnable.append("AVX512")
     return runnable
+
+
+def peak_memory_bytes(fn, device) -> int:
+    """Peak bytes allocated by torch while fn() runs, above what was live before.
+
+    CUDA: the caching allocator's peak counter. CPU: torch keeps no such counter,
+    so we replay the allocation and free events the profiler records
+    (profile_memory=True) in time order and take the highest running total.
+    Memory that does not go through torch's allocator is not counted.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def results_across_thread_counts(device, run):
+    """run()'s results under 1, 2, 2 and 1 torch threads on a CPU (twice on a
+    GPU), the thread count restored after: for determinism tests."""
+    thread_counts = (1, 2, 2, 1) if torch.device(device).type == "cpu" else (None, None)
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for threads in thread_counts:
+            if threads:
+                torch.set_num_threads(threads)
+            results.append(run())
+    finally:
+        torch.set_num_threads(old)
+    return results

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fusedllm
-from checks import runnable_cpu_isas
-from checks import FORWARD_TOL, GRAD_TOL
+from checks import (FORWARD_TOL, GRAD_TOL, peak_memory_bytes, results_across_thread_counts,
+                    runnable_cpu_isas)
 from reference import attention as ref_attention
 
 ops = torch.ops.fusedllm
@@ -237,19 +237,14 @@ def test_backward_is_deterministic(device, pairs):
     b, hkv = (1, 1) if pairs == 1 else (2, 4)
     q, k, v = make_qkv(b, 4 * hkv, hkv, 300, 700, 64, torch.float32, device)
     grad_out = torch.randn_like(q)
-    thread_counts = (1, 2, 2, 1) if device == "cpu" else (None, None)
-    results = []
-    old = torch.get_num_threads()
-    try:
-        for threads in thread_counts:
-            if threads:
-                torch.set_num_threads(threads)
-            qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-            out = fusedllm.attention(qr, kr, vr, causal=True)
-            out.backward(grad_out)
-            results.append((out.detach(), qr.grad, kr.grad, vr.grad))
-    finally:
-        torch.set_num_threads(old)
+
+    def run():
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        out = fusedllm.attention(qr, kr, vr, causal=True)
+        out.backward(grad_out)
+        return out.detach(), qr.grad, kr.grad, vr.grad
+
+    results = results_across_thread_counts(device, run)
     for res in results[1:]:
         for got, first in zip(res, results[0]):
             assert torch.equal(got, first)
@@ -517,26 +512,6 @@ def test_mask_gradcheck_float64(device):
 
 # --- memory ------------------------------------------------------------------------
 
-def _peak_bytes(fn, device):
-    """Peak of torch-allocated bytes while fn runs, above what was live before."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
 
 @pytest.mark.slow
 def test_long_sequence_memory_stays_linear(device):
@@ -554,7 +529,7 @@ def test_long_sequence_memory_stays_linear(device):
             out.backward(grad_out)
             holder["out"] = out.detach()
 
-        peaks[s] = _peak_bytes(step, device)
+        peaks[s] = peak_memory_bytes(step, device)
         if s == 8192:
             out = holder["out"]
             tail = 16  # bottom-right alignment: the last rows alone are a valid call

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fusedllm
-from checks import FORWARD_TOL, GRAD_TOL, assert_close
+from checks import FORWARD_TOL, GRAD_TOL, assert_close, results_across_thread_counts
 from reference import fused_add_rms_norm as ref_fused_add
 from reference import rms_norm as ref_rms_norm
 
@@ -135,18 +135,13 @@ def test_weight_grad_is_deterministic(device):
     x = torch.randn(4099, 515, device=device)
     w = torch.randn(515, device=device)
     g = torch.randn(4099, 515, device=device)
-    thread_counts = (1, 2, 2, 1) if device == "cpu" else (None, None)
-    results = []
-    old = torch.get_num_threads()
-    try:
-        for threads in thread_counts:
-            if threads:
-                torch.set_num_threads(threads)
-            xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-            fusedllm.rms_norm(xr, wr).backward(g)
-            results.append((xr.grad, wr.grad))
-    finally:
-        torch.set_num_threads(old)
+
+    def run():
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        fusedllm.rms_norm(xr, wr).backward(g)
+        return xr.grad, wr.grad
+
+    results = results_across_thread_counts(device, run)
     for gx, gw in results[1:]:
         assert torch.equal(gw, results[0][1])
         assert torch.equal(gx, results[0][0])

@@ -22,37 +22,35 @@ AttentionOperand operand(const at::Tensor& t) {
   return o;
 }
 
+void fill_call_args(const AttentionParams& p, at::ScalarType dtype, AttentionCallArgs& a) {
+  a.dtype = dtype;
+  a.batch = p.shape.batch;
+  a.q_heads = p.shape.q_heads;
+  a.kv_heads = p.shape.kv_heads;
+  a.sq = p.shape.sq;
+  a.sk = p.shape.sk;
+  a.head_dim = p.shape.head_dim;
+  a.scale = p.scale;
+  a.mask = p.mask;
+  a.tensor_mask = p.tensor_mask;
+  a.dropout = p.dropout;
+}
+
 struct CpuAttention {
   static void forward(const AttentionForwardPlan& p) {
     AttentionForwardArgs a{};
-    a.dtype = p.q.scalar_type();
-    a.batch = p.shape.batch;
-    a.q_heads = p.shape.q_heads;
-    a.kv_heads = p.shape.kv_heads;
-    a.sq = p.shape.sq;
-    a.sk = p.shape.sk;
-    a.head_dim = p.shape.head_dim;
+    fill_call_args(p, p.q.scalar_type(), a);
     a.q = operand(p.q);
     a.k = operand(p.k);
     a.v = operand(p.v);
     a.out = p.out.data_ptr();
     a.lse = p.lse.data_ptr();
-    a.scale = p.scale;
-    a.mask = p.mask;
-    a.tensor_mask = p.tensor_mask;
-    a.dropout = p.dropout;
     attention_forward_kernels.get()(a);
   }
 
   static void backward(const AttentionBackwardPlan& p) {
     AttentionBackwardArgs a{};
-    a.dtype = p.q.scalar_type();
-    a.batch = p.shape.batch;
-    a.q_heads = p.shape.q_heads;
-    a.kv_heads = p.shape.kv_heads;
-    a.sq = p.shape.sq;
-    a.sk = p.shape.sk;
-    a.head_dim = p.shape.head_dim;
+    fill_call_args(p, p.q.scalar_type(), a);
     a.grad_out = operand(p.grad_out);
     a.q = operand(p.q);
     a.k = operand(p.k);
@@ -62,10 +60,6 @@ struct CpuAttention {
     a.grad_q = p.grad_q.data_ptr();
     a.grad_k = p.grad_k.data_ptr();
     a.grad_v = p.grad_v.data_ptr();
-    a.scale = p.scale;
-    a.mask = p.mask;
-    a.tensor_mask = p.tensor_mask;
-    a.dropout = p.dropout;
     attention_backward_kernels.get()(a);
   }
 };

@@ -317,22 +317,20 @@ void apply_tensor_mask(acc_t* s, int64_t ld, const TileRows& t, const attn::Tens
   }
 }
 
-// z[j * ld + col] = 1 / (1 - p) where probability (b, head, pos, j0 + j) is
-// kept, else 0; columns past the tile's rows get 0. One Philox call serves
-// four consecutive keys of a row.
-template <typename acc_t>
-void dropout_tile(acc_t* z, int64_t ld, const TileRows& t, int64_t q_heads, int64_t sq, int64_t sk,
-                  const dropout::Dropout& dr) {
-  const acc_t kept = static_cast<acc_t>(dr.scale);
+// Calls f(j, col, kept) for every key j of the tile and column col < t.cols():
+// whether dropout keeps probability (b, head, pos, j0 + j). One Philox call
+// serves four consecutive keys of a row.
+template <typename F>
+void for_each_dropout_draw(const TileRows& t, int64_t q_heads, int64_t sq, int64_t sk,
+                           const dropout::Dropout& dr, const F& f) {
   for (int64_t col = 0; col < t.cols(); ++col) {
     uint64_t n = static_cast<uint64_t>(((t.b * q_heads + t.head(col)) * sq + t.pos(col)) * sk + t.j0);
     dropout::Words w = dropout::philox(dr.seed, n >> 2);
     for (int64_t j = 0; j < t.nk; ++j, ++n) {
       if ((n & 3) == 0 && j > 0) w = dropout::philox(dr.seed, n >> 2);
-      z[j * ld + col] = (w.w[n & 3] >> 8) >= dr.threshold ? kept : acc_t(0);
+      f(j, col, (w.w[n & 3] >> 8) >= dr.threshold);
     }
   }
-  for (int64_t j = 0; j < t.nk; ++j) std::fill(z + j * ld + t.cols(), z + (j + 1) * ld, acc_t(0));
 }
 
 // True when every row of positions [p0, p1) sees every key of [j0, j0 + nk).
@@ -429,9 +427,9 @@ void gather_both(const T* base, int64_t head_stride, int64_t seq_stride, const T
 // Per-slot scratch of the forward pass, in accumulator-type elements.
 template <typename acc_t>
 struct ForwardScratch {
-  acc_t *qt, *s, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha, *z;
+  acc_t *qt, *s, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha;
   static int64_t size(const Tiling<acc_t>& t) {
-    return t.d * t.rows_pad + 2 * t.block_k * t.rows_pad + t.rows_pad * t.d_pad +
+    return t.d * t.rows_pad + t.block_k * t.rows_pad + t.rows_pad * t.d_pad +
            2 * t.block_k * t.d_pad + 3 * t.rows_pad;
   }
   ForwardScratch(acc_t* p, const Tiling<acc_t>& t) {
@@ -443,7 +441,6 @@ struct ForwardScratch {
     row_max = vbuf + t.block_k * t.d_pad;
     row_sum = row_max + t.rows_pad;
     alpha = row_sum + t.rows_pad;
-    z = alpha + t.rows_pad;
   }
 };
 
@@ -481,13 +478,6 @@ void softmax_tile(acc_t* s, int64_t ld, int64_t nk, acc_t* row_max, acc_t* row_s
     running_max.store(row_max + c);
     a.store(alpha + c);
   }
-}
-
-// s *= z over nk rows of ld values.
-template <typename acc_t>
-void multiply_tile(acc_t* s, const acc_t* z, int64_t ld, int64_t nk) {
-  using V = Vectorized<acc_t>;
-  for (int64_t e = 0; e < nk * ld; e += V::size()) (V::loadu(s + e) * V::loadu(z + e)).store(s + e);
 }
 
 template <typename T>
@@ -532,8 +522,12 @@ struct ForwardKernel {
       // The row sums (and so the lse) are those of the probabilities before dropout.
       softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
       if (a.dropout.enabled) {
-        dropout_tile(w.z, ld, tile, a.q_heads, t.sq, t.sk, a.dropout);
-        multiply_tile(w.s, w.z, ld, nk);
+        // P = P z in place, z = 1 / (1 - p) where kept, else 0.
+        const acc_t kept = static_cast<acc_t>(a.dropout.scale);
+        for_each_dropout_draw(tile, a.q_heads, t.sq, t.sk, a.dropout, [&](int64_t j, int64_t col, bool keep) {
+          acc_t& p = w.s[j * ld + col];
+          p = keep ? p * kept : acc_t(0);
+        });
       }
       const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
       // O = diag(alpha) O + P V, P read column-major out of the transposed tile.
@@ -783,7 +777,12 @@ struct BackwardKernel {
         const TileRows tile{b, g, group, p0, npos, j0, nk};
         apply_tensor_mask(w.s, ld, tile, a.tensor_mask);
         if (a.dropout.enabled) {
-          dropout_tile(w.z, ld, tile, hq, sq, t.sk, a.dropout);
+          // z = 1 / (1 - p) where kept, else 0 (also in the padding columns).
+          const acc_t kept = static_cast<acc_t>(a.dropout.scale);
+          std::fill(w.z, w.z + nk * ld, acc_t(0));
+          for_each_dropout_draw(tile, hq, sq, t.sk, a.dropout, [&](int64_t j, int64_t col, bool keep) {
+            if (keep) w.z[j * ld + col] = kept;
+          });
           probs_and_score_grads<true>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
         } else {
           probs_and_score_grads<false>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);

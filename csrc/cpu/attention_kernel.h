@@ -18,30 +18,28 @@ struct AttentionOperand {
   int64_t batch_stride = 0, head_stride = 0, seq_stride = 0;  // in elements
 };
 
-struct AttentionForwardArgs {
+// What forward and backward kernels share: dtype, sizes, scale and masks.
+struct AttentionCallArgs {
   at::ScalarType dtype;
   int64_t batch, q_heads, kv_heads, sq, sk, head_dim;
-  AttentionOperand q, k, v;
-  void* out;  // contiguous [B, Hq, Sq, D]
-  void* lse;  // contiguous [B, Hq, Sq], float32 (float64 for float64 inputs)
   double scale;
   attn::Mask mask;
   attn::TensorMask tensor_mask;
   dropout::Dropout dropout;
 };
 
-struct AttentionBackwardArgs {
-  at::ScalarType dtype;
-  int64_t batch, q_heads, kv_heads, sq, sk, head_dim;
+struct AttentionForwardArgs : AttentionCallArgs {
+  AttentionOperand q, k, v;
+  void* out;  // contiguous [B, Hq, Sq, D]
+  void* lse;  // contiguous [B, Hq, Sq], float32 (float64 for float64 inputs)
+};
+
+struct AttentionBackwardArgs : AttentionCallArgs {
   AttentionOperand grad_out, q, k, v, out;
   const void* lse;  // contiguous [B, Hq, Sq]
   void* grad_q;     // contiguous [B, Hq, Sq, D]
   void* grad_k;     // contiguous [B, Hkv, Sk, D]
   void* grad_v;     // contiguous [B, Hkv, Sk, D]
-  double scale;
-  attn::Mask mask;
-  attn::TensorMask tensor_mask;
-  dropout::Dropout dropout;
 };
 
 using AttentionForwardFn = void (*)(const AttentionForwardArgs&);

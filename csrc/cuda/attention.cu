@@ -538,8 +538,7 @@ void allow_shared_memory(Kernel kernel, size_t bytes) {
   }
 }
 
-template <typename Plan>
-ScoreExtras extras_of(const Plan& p) {
+ScoreExtras extras_of(const AttentionParams& p) {
   ScoreExtras e;
   e.mask = p.tensor_mask;
   e.drop = p.dropout;

@@ -130,15 +130,33 @@ inline dropout::Dropout check_dropout(const char* op, double p, const c10::optio
   return d;
 }
 
-// Checked operands and fresh outputs of a forward call. q, k, v have unit
-// stride along head_dim; out is contiguous [B, Hq, Sq, D], lse [B, Hq, Sq].
-struct AttentionForwardPlan {
+// What forward and backward calls share, checked: the shape, the causal /
+// window mask, the caller's mask (a broadcast view kept alive here), dropout
+// and scale.
+struct AttentionParams {
   AttentionShape shape;
   attn::Mask mask;
   attn::TensorMask tensor_mask;
   dropout::Dropout dropout;
   at::Tensor mask_view;
   double scale = 1.0;
+};
+
+inline void check_attention_params(AttentionParams& p, const char* op, const at::Tensor& q,
+                                   const at::Tensor& k, const at::Tensor& v,
+                                   const c10::optional<at::Tensor>& mask, double scale, bool causal,
+                                   int64_t window, double dropout_p,
+                                   const c10::optional<at::Tensor>& seed) {
+  p.shape = check_attention_args(op, q, k, v, scale, window);
+  p.mask = make_mask(p.shape, causal, window);
+  p.tensor_mask = check_tensor_mask(op, mask, q, p.shape, p.mask_view);
+  p.dropout = check_dropout(op, dropout_p, seed);
+  p.scale = scale;
+}
+
+// Checked operands and fresh outputs of a forward call. q, k, v have unit
+// stride along head_dim; out is contiguous [B, Hq, Sq, D], lse [B, Hq, Sq].
+struct AttentionForwardPlan : AttentionParams {
   at::Tensor q, k, v;
   at::Tensor out, lse;
   bool has_work = false;  // false: outputs are already final (empty, or no keys)
@@ -152,11 +170,7 @@ inline AttentionForwardPlan plan_attention_forward(const at::Tensor& q, const at
                                                    const c10::optional<at::Tensor>& seed) {
   const char* op = "fusedllm.attention";
   AttentionForwardPlan p;
-  p.shape = check_attention_args(op, q, k, v, scale, window);
-  p.mask = make_mask(p.shape, causal, window);
-  p.tensor_mask = check_tensor_mask(op, mask, q, p.shape, p.mask_view);
-  p.dropout = check_dropout(op, dropout_p, seed);
-  p.scale = scale;
+  check_attention_params(p, op, q, k, v, mask, scale, causal, window, dropout_p, seed);
   p.out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   p.lse = at::empty({p.shape.batch, p.shape.q_heads, p.shape.sq}, q.options().dtype(lse_dtype(q)));
   if (p.out.numel() == 0) return p;
@@ -174,13 +188,7 @@ inline AttentionForwardPlan plan_attention_forward(const at::Tensor& q, const at
 }
 
 // Checked operands and outputs of a backward call; grad_q/k/v are contiguous.
-struct AttentionBackwardPlan {
-  AttentionShape shape;
-  attn::Mask mask;
-  attn::TensorMask tensor_mask;
-  dropout::Dropout dropout;
-  at::Tensor mask_view;
-  double scale = 1.0;
+struct AttentionBackwardPlan : AttentionParams {
   at::Tensor grad_out, q, k, v, out, lse;
   at::Tensor grad_q, grad_k, grad_v;
   bool has_work = false;
@@ -195,11 +203,7 @@ inline AttentionBackwardPlan plan_attention_backward(const at::Tensor& grad_out,
                                                      const c10::optional<at::Tensor>& seed) {
   const char* op = "fusedllm.attention_backward";
   AttentionBackwardPlan p;
-  p.shape = check_attention_args(op, q, k, v, scale, window);
-  p.mask = make_mask(p.shape, causal, window);
-  p.tensor_mask = check_tensor_mask(op, mask, q, p.shape, p.mask_view);
-  p.dropout = check_dropout(op, dropout_p, seed);
-  p.scale = scale;
+  check_attention_params(p, op, q, k, v, mask, scale, causal, window, dropout_p, seed);
   check_same(q, "q", grad_out, "grad_out", op);
   check_same(q, "q", out, "out", op);
   TORCH_CHECK_VALUE(grad_out.sizes() == q.sizes(), op, ": grad_out must have the shape of q ",

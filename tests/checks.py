@@ -18,12 +18,19 @@ GRAD_TOL = {
 }
 
 
-def assert_close(actual, expected, tol):
-    """assert_close with atol relative to the largest expected magnitude."""
+def assert_close(actual, expected, tol, what="", upcast=False):
+    """assert_close with atol relative to the largest finite expected magnitude.
+    Compared in actual's dtype, or with upcast=True in expected's (a float64
+    reference kept unrounded); `what` prefixes the failure message."""
     atol, rtol = tol
-    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
-    torch.testing.assert_close(actual, expected.to(actual.dtype), atol=atol * scale, rtol=rtol,
-                               equal_nan=True)
+    finite = expected[torch.isfinite(expected)]
+    scale = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+    if upcast:
+        actual = actual.to(expected.dtype)
+    else:
+        expected = expected.to(actual.dtype)
+    torch.testing.assert_close(actual, expected, atol=atol * scale, rtol=rtol, equal_nan=True,
+                               msg=(lambda m: f"{what}: {m}") if what else None)
 
 
 def runnable_cpu_isas():

@@ -1,6 +1,7 @@
 """attention: values, log-sum-exp and gradients against tests/reference.py; the
 operator contract (opcheck, gradcheck, torch.compile), masks, memory and errors."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import checks
 import fusedllm
 from checks import (FORWARD_TOL, GRAD_TOL, peak_memory_bytes, results_across_thread_counts,
                     runnable_cpu_isas)
@@ -36,13 +38,8 @@ SHAPES = [
 MASKS = [(False, None), (True, None), (True, 7), (False, 33)]
 
 
-def assert_close(actual, expected, tol, what=""):
-    """assert_close with atol relative to the largest expected magnitude."""
-    atol, rtol = tol
-    finite = expected[torch.isfinite(expected)]
-    scale = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
-    torch.testing.assert_close(actual.to(expected.dtype), expected, atol=atol * scale, rtol=rtol,
-                               msg=lambda m: f"{what}: {m}")
+# Against float64 references, compared unrounded.
+assert_close = functools.partial(checks.assert_close, upcast=True)
 
 
 def make_qkv(b, hq, hkv, sq, sk, d, dtype, device, requires_grad=False):

@@ -16,8 +16,9 @@ def main():
             print(f"no {table_path}: left as it is")
             continue
         table = open(table_path).read().strip()
-        text = re.sub(rf"(<!-- bench:{name} -->\n).*?(\n<!-- /bench:{name} -->)",
-                      lambda m: m.group(1) + table + m.group(2), text, flags=re.S)
+        # the block may be empty: the closing marker then follows the opening one directly
+        text = re.sub(rf"(<!-- bench:{name} -->\n)(?:.*?\n)?(<!-- /bench:{name} -->)",
+                      lambda m: m.group(1) + table + "\n" + m.group(2), text, flags=re.S)
         print(f"README.md: {name} table updated")
     open(readme_path, "w").write(text)
 

@@ -13,7 +13,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 # harness before torch: with --thp it configures torch's allocator
-from harness import (Report, copy_candidate, forward_only,
+from harness import (Report, clone_candidate, copy_candidate, forward_only,
                      interleaved_medians, machine_description, standard_arguments)
 
 import torch
@@ -67,6 +67,7 @@ def bench_case(batch, hq, hkv, seq, dim, dtype, device, reps, with_compile):
                    (ref[1].float() - got[1].float()).abs().max().item())
     size = (q.numel() + k.numel()) * q.element_size()
     copy_fn, copy_bytes = copy_candidate(size, device)
+    clone_fn, clone_bytes = clone_candidate(size, device)
     rows = []
     for mode in ("forward", "forward+backward"):
         if mode == "forward":
@@ -87,8 +88,10 @@ def bench_case(batch, hq, hkv, seq, dim, dtype, device, reps, with_compile):
                 inverse[0] = not inverse[0]
             candidates["in_place"] = in_place
         candidates["copy"] = copy_fn
+        candidates["clone"] = clone_fn
         times = interleaved_medians(candidates, device, reps)
         copy_bps = copy_bytes / times["copy"]
+        clone_bps = clone_bytes / times["clone"]
         t = times["fusedllm"]
         rows.append(dict(
             case=f"{batch}x{hq}/{hkv}x{seq}x{dim} {str(dtype).replace('torch.', '')} {'fwd' if mode == 'forward' else 'fwd+bwd'}",
@@ -98,6 +101,7 @@ def bench_case(batch, hq, hkv, seq, dim, dtype, device, reps, with_compile):
             vs_notebook=times["notebook"] / t, vs_hf=times["hf"] / t,
             vs_compile=times["compile"] / t if "compile" in times else None,
             fused_gbps=moved / t / 1e9, copy_gbps=copy_bps / 1e9, pct_copy=100 * moved / t / copy_bps,
+            clone_gbps=clone_bps / 1e9, pct_clone=100 * moved / t / clone_bps,
             in_place_ms=times["in_place"] * 1e3 if "in_place" in times else None,
             in_place_pct_copy=100 * moved / times["in_place"] / copy_bps if "in_place" in times else None,
             max_abs_diff=max_diff))
@@ -116,6 +120,8 @@ COLUMNS = [
     ("fused_gbps", "fusedllm GB/s", ".1f"),
     ("copy_gbps", "copy GB/s", ".1f"),
     ("pct_copy", "% of copy", ".0f"),
+    ("clone_gbps", "clone GB/s", ".1f"),
+    ("pct_clone", "% of clone", ".0f"),
     ("in_place_ms", "in place ms", ".2f"),
     ("in_place_pct_copy", "in place % of copy", ".0f"),
 ]
@@ -134,7 +140,7 @@ def main(argv=None):
             report.add(**row)
             print(f"  {row['case']:<34} fused {row['fused_ms']:8.2f} ms  x{row['vs_notebook']:.2f} notebook  "
                   f"x{row['vs_hf']:.2f} HF  " + (f"x{row['vs_compile']:.2f} compile  " if row["vs_compile"] else "")
-                  + f"{row['fused_gbps']:.1f} GB/s ({row['pct_copy']:.0f}% of copy)  max|diff| {row['max_abs_diff']:.1e}")
+                  + f"{row['fused_gbps']:.1f} GB/s ({row['pct_copy']:.0f}% of copy, {row['pct_clone']:.0f}% of clone)  max|diff| {row['max_abs_diff']:.1e}")
     paths = report.write(COLUMNS, "vs_notebook", "speedup over the notebook module",
                          suffix="_quick" if args.quick else "")
     print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}\n")

@@ -13,7 +13,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 # harness before torch: with --thp it configures torch's allocator
-from harness import (Report, copy_candidate, forward_backward, forward_only,
+from harness import (Report, clone_candidate, copy_candidate, forward_backward, forward_only,
                      interleaved_medians, machine_description, peak_memory_bytes,
                      standard_arguments)
 
@@ -34,6 +34,7 @@ def bench_op(rows, features, dtype, device, reps, with_compile):
     dh = torch.randn_like(g)
     size = g.numel() * g.element_size()
     copy_fn, copy_bytes = copy_candidate(size, device)
+    clone_fn, clone_bytes = clone_candidate(size, device)
     fns = {"eager": eager_gate, "fusedllm": fusedllm.swiglu}
     if with_compile:
         fns["compile"] = torch.compile(eager_gate, fullgraph=True)
@@ -48,8 +49,10 @@ def bench_op(rows, features, dtype, device, reps, with_compile):
             candidates = {k: forward_backward(f, [gr, ur], dh) for k, f in fns.items()}
             moved = 8 * size  # forward 3, backward reads dh, gate, up and writes two grads
         candidates["copy"] = copy_fn
+        candidates["clone"] = clone_fn
         times = interleaved_medians(candidates, device, reps)
         copy_bps = copy_bytes / times["copy"]
+        clone_bps = clone_bytes / times["clone"]
         t = times["fusedllm"]
         rows_out.append(dict(
             case=f"{rows}x{features} {str(dtype).replace('torch.', '')} {'fwd' if mode == 'forward' else 'fwd+bwd'}",
@@ -58,6 +61,7 @@ def bench_op(rows, features, dtype, device, reps, with_compile):
             fused_ms=t * 1e3, vs_eager=times["eager"] / t,
             vs_compile=times["compile"] / t if "compile" in times else None,
             fused_gbps=moved / t / 1e9, copy_gbps=copy_bps / 1e9, pct_copy=100 * moved / t / copy_bps,
+            clone_gbps=clone_bps / 1e9, pct_clone=100 * moved / t / clone_bps,
             max_abs_diff=max_diff))
     return rows_out
 
@@ -98,6 +102,8 @@ COLUMNS = [
     ("vs_compile", "× compile", ".2f"),
     ("fused_gbps", "fusedllm GB/s", ".1f"),
     ("pct_copy", "% of copy", ".0f"),
+    ("clone_gbps", "clone GB/s", ".1f"),
+    ("pct_clone", "% of clone", ".0f"),
     ("eager_peak_mb", "eager peak MiB", ".0f"),
     ("compile_peak_mb", "compile peak MiB", ".0f"),
     ("fused_peak_mb", "fusedllm peak MiB", ".0f"),
@@ -122,11 +128,12 @@ def main(argv=None):
                 report.add(**row)
                 print(f"  {row['case']:<34} fused {row['fused_ms']:8.2f} ms  x{row['vs_eager']:.2f} eager  "
                       + (f"x{row['vs_compile']:.2f} compile  " if row["vs_compile"] else "")
-                      + f"{row['fused_gbps']:.1f} GB/s ({row['pct_copy']:.0f}% of copy at {row['copy_gbps']:.1f})")
+                      + f"{row['fused_gbps']:.1f} GB/s ({row['pct_copy']:.0f}% of copy at {row['copy_gbps']:.1f}, "
+                      f"{row['pct_clone']:.0f}% of clone)")
     # float32 only: this CPU has no bfloat16 matrix units, so bfloat16 GEMMs run a
     # slow fallback that would time the BLAS rather than the gating.
     for dtype in (torch.float32,) if device.type == "cpu" else (torch.float32, torch.bfloat16):
-        for row in bench_mlp(*mlp_shape, dtype, device, max(3, reps // 3), compile_):
+        for row in bench_mlp(*mlp_shape, dtype, device, max(5, reps // 2), compile_):
             report.add(**row)
             print(f"  {row['case']:<34} fused {row['fused_ms']:8.2f} ms  x{row['vs_eager']:.2f} eager  "
                   + (f"x{row['vs_compile']:.2f} compile  " if row["vs_compile"] else "")

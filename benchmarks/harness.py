@@ -101,6 +101,15 @@ def copy_candidate(nbytes: int, device: torch.device):
     return (lambda: dst.copy_(src)), 2 * src.numel() * 4
 
 
+def clone_candidate(nbytes: int, device: torch.device):
+    """`src.clone()` of nbytes: the same copy into freshly allocated memory, the
+    roofline for an op that returns a fresh output (on a CPU, writing fresh
+    pages first costs a page fault each). Returns the callable and the bytes it
+    moves per call (read + write)."""
+    src = torch.empty(max(1, nbytes // 4), dtype=torch.float32, device=device).uniform_()
+    return (lambda: src.clone()), 2 * src.numel() * 4
+
+
 def standard_arguments(doc: str, argv=None):
     """The options every benchmark script takes: --quick, --device, --no-compile, --reps."""
     import argparse

@@ -4,7 +4,6 @@
 #include <torch/library.h>
 
 #include "fusedllm/rms_norm_op.h"
-#include "memory.h"
 #include "rms_norm_kernel.h"
 
 namespace fusedllm::cpu {
@@ -19,8 +18,6 @@ int64_t row_stride_or_zero(const at::Tensor& t) { return t.defined() ? t.stride(
 
 struct CpuRmsNorm {
   static void forward(const RmsNormForwardPlan& p, double eps, double offset) {
-    advise_huge_pages(p.out);
-    if (p.residual_out.defined()) advise_huge_pages(p.residual_out);
     RmsNormForwardArgs a{};
     a.dtype = p.x.scalar_type();
     a.rows = p.x.size(0);
@@ -40,7 +37,6 @@ struct CpuRmsNorm {
   }
 
   static void backward(const RmsNormBackwardPlan& p, double offset) {
-    advise_huge_pages(p.grad_input);
     RmsNormBackwardArgs a{};
     a.dtype = p.x.scalar_type();
     a.rows = p.x.size(0);

@@ -4,7 +4,6 @@
 #include <torch/library.h>
 
 #include "fusedllm/rope_op.h"
-#include "memory.h"
 #include "rope_kernel.h"
 
 namespace fusedllm::cpu {
@@ -21,10 +20,6 @@ RopeTensorArgs tensor_args(const RopeOperand& o) {
 
 struct CpuRope {
   static void run(const RopePlan& p) {
-    if (!p.q.out.is_same(p.q.in)) {  // out of place: fresh outputs
-      advise_huge_pages(p.q.out);
-      advise_huge_pages(p.k.out);
-    }
     RopeArgs a{};
     a.dtype = p.q.in.scalar_type();
     a.batch = p.batch;

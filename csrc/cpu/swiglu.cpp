@@ -4,7 +4,6 @@
 #include <torch/library.h>
 
 #include "fusedllm/swiglu_op.h"
-#include "memory.h"
 #include "swiglu_kernel.h"
 
 namespace fusedllm::cpu {
@@ -29,7 +28,6 @@ SwigluArgs operands(const SwigluPlan& p) {
 
 struct CpuSwiglu {
   static void forward(const SwigluPlan& p) {
-    advise_huge_pages(p.out);
     SwigluArgs a = operands(p);
     a.out = p.out.data_ptr();
     a.out_stride = p.out.stride(0);
@@ -37,8 +35,6 @@ struct CpuSwiglu {
   }
 
   static void backward(const SwigluPlan& p) {
-    advise_huge_pages(p.grad_gate);
-    if (p.grad_up.storage().data() != p.grad_gate.storage().data()) advise_huge_pages(p.grad_up);
     SwigluArgs a = operands(p);
     a.grad_out = p.grad_out.data_ptr();
     a.grad_out_stride = p.grad_out.stride(0);

@@ -7,7 +7,7 @@
 #include "fusedllm/cpu_dispatch.h"
 
 TORCH_LIBRARY(fusedllm, m) {
-  // Fake (meta) kernels and autograd live in python/fusedllm/_ops.py.
+  // Fake (meta) kernels live in python/fusedllm/_ops.py, autograd in autograd.cpp.
   m.set_python_module("fusedllm._ops");
 
   // y = x * rstd * (offset + weight); also returns rstd per row (float32,

@@ -124,6 +124,21 @@ def test_rows_that_see_no_key_are_zero(device):
         assert_close(t.grad, ref, GRAD_TOL[torch.float32])
 
 
+@pytest.mark.parametrize("asks", ["q", "kv", "v"])
+def test_gradients_only_where_asked(device, asks):
+    """Inputs that ask for a gradient get the reference's; the others get none."""
+    q, k, v = make_qkv(1, 4, 2, 33, 33, 16, torch.float32, device)
+    grad_out = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_(name in asks) for name, t in zip("qkv", (q, k, v))]
+    fusedllm.attention(*leaves, causal=True).backward(grad_out)
+    _, _, ref_grads = reference_results(q, k, v, grad_out, True, None)
+    for name, t, ref in zip("qkv", leaves, ref_grads):
+        if name in asks:
+            assert_close(t.grad, ref, GRAD_TOL[torch.float32])
+        else:
+            assert t.grad is None
+
+
 def test_window_smaller_than_the_gap_leaves_keys_unseen(device):
     """Keys no query sees get zero gradients; non-causal windows bound only the left side."""
     q, k, v = make_qkv(1, 2, 1, 8, 64, 16, torch.float32, device, requires_grad=True)

@@ -37,6 +37,52 @@ def test_opcheck(device, requires_grad):
         torch.library.opcheck(op, args)
 
 
+@pytest.mark.parametrize("frozen", ["input", "weight", "residual"])
+def test_gradients_only_where_asked(device, frozen):
+    # The autograd kernels skip the weight's gradient when it is not wanted and
+    # give each input that asks exactly the reference's gradient.
+    from reference import fused_add_rms_norm as ref_fused_add
+
+    torch.manual_seed(0)
+    x, r = torch.randn(2, 7, 33, device=device), torch.randn(2, 7, 33, device=device)
+    w = torch.randn(33, device=device)
+    g = torch.randn_like(x)
+    leaves = {"input": x, "weight": w, "residual": r}
+    ours = {n: t.clone().requires_grad_(n != frozen) for n, t in leaves.items()}
+    refs = {n: t.clone().requires_grad_(n != frozen) for n, t in leaves.items()}
+    out, h = fusedllm.fused_add_rms_norm(ours["input"], ours["residual"], ours["weight"])
+    (out * g).sum().add_((h * g).sum()).backward()
+    ref_out, ref_h = ref_fused_add(refs["input"], refs["residual"], refs["weight"])
+    (ref_out * g).sum().add_((ref_h * g).sum()).backward()
+    for name in leaves:
+        if name == frozen:
+            assert ours[name].grad is None
+        else:
+            torch.testing.assert_close(ours[name].grad, refs[name].grad, atol=1e-5, rtol=1e-4)
+    assert fusedllm.rms_norm(ours["input"], ours["weight"]).requires_grad  # one of them asks
+    with torch.no_grad():
+        assert not fusedllm.rms_norm(ours["input"], ours["weight"]).requires_grad
+
+
+def test_second_derivatives_are_refused_with_a_clear_error(device):
+    x = torch.randn(3, 8, device=device, requires_grad=True)
+    w = torch.randn(8, device=device, requires_grad=True)
+    gate_up = torch.randn(3, 16, device=device, requires_grad=True)
+    q = torch.randn(1, 2, 5, 8, device=device, requires_grad=True)
+    for out, wrt in ((fusedllm.rms_norm(x, w), x), (fusedllm.swiglu(gate_up), gate_up),
+                     (fusedllm.attention(q, q[:, :1], q[:, :1]), q)):
+        with pytest.raises(RuntimeError, match="has no derivative: a second derivative"):
+            torch.autograd.grad((out * out).sum(), wrt, create_graph=True)
+    # RoPE's backward is RoPE itself, so second derivatives go through it:
+    # |R q|^2 = |q|^2 has gradient 2 q and second derivative 2.
+    cos, sin = fusedllm.rope_tables(8, 16, device=device)
+    qo, _ = fusedllm.apply_rope(q, q[:, :1], cos, sin)
+    (grad,) = torch.autograd.grad((qo * qo).sum(), q, create_graph=True)
+    torch.testing.assert_close(grad, 2 * q.detach())
+    grad.sum().backward()
+    torch.testing.assert_close(q.grad, torch.full_like(q, 2.0))
+
+
 def test_build_info_reports_the_build():
     info = fusedllm.build_info()
     assert fusedllm.backend() == "extension"

@@ -1,0 +1,287 @@
+// Autograd for the fusedllm operators, one kernel per op for every device. In
+// C++ rather than Python so that a call costs a few microseconds above the
+// kernel: a Python autograd kernel ran on every call, with or without grad.
+// Each forward calls the op below autograd; each backward calls the matching
+// backward op. The backward ops have no derivatives of their own: building a
+// graph through them (double backward) is an error rather than a silent zero.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/csrc/jit/runtime/operator.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+namespace fusedllm {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptTensor = std::optional<at::Tensor>;
+
+template <typename Fn>
+auto op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
+at::Tensor value_or_undefined(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
+OptTensor as_optional(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
+// --- rms_norm / fused_add_rms_norm ----------------------------------------------------
+
+using RmsNormBackwardFn = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, double,
+    c10::string_view, const OptTensor&, bool);
+
+// Shared by both norms: `x` is the normalized input (h for the fused add), and
+// the weight's gradient is computed only when asked for.
+std::tuple<at::Tensor, at::Tensor> rms_norm_grads(AutogradContext* ctx, const at::Tensor& grad_out,
+                                                  const at::Tensor& grad_residual,
+                                                  size_t weight_edge) {
+  const auto saved = ctx->get_saved_variables();
+  const at::Tensor& x = saved[0];
+  const at::Tensor& weight = saved[1];
+  const at::Tensor& rstd = saved[2];
+  const bool want_dw = weight.defined() && ctx->needs_input_grad(weight_edge);
+  static auto backward = op<RmsNormBackwardFn>("fusedllm::rms_norm_backward");
+  auto [grad_input, grad_weight] =
+      backward.call(grad_out, x, rstd, as_optional(weight), ctx->saved_data["offset"].toDouble(),
+                    ctx->saved_data["casting"].toStringRef(), as_optional(grad_residual), want_dw);
+  return {grad_input, want_dw ? grad_weight : at::Tensor()};
+}
+
+struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const OptTensor& weight,
+                               double eps, double offset, c10::string_view casting) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto fn = op<std::tuple<at::Tensor, at::Tensor>(
+        const at::Tensor&, const OptTensor&, double, double, c10::string_view)>("fusedllm::rms_norm");
+    auto [out, rstd] = fn.call(input, weight, eps, offset, casting);
+    ctx->save_for_backward({input, value_or_undefined(weight), rstd});
+    ctx->saved_data["offset"] = offset;
+    ctx->saved_data["casting"] = std::string(casting);
+    ctx->mark_non_differentiable({rstd});
+    return {out, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto [grad_input, grad_weight] = rms_norm_grads(ctx, grads[0], at::Tensor(), 1);
+    return {grad_input, grad_weight, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct FusedAddRmsNormFunction : torch::autograd::Function<FusedAddRmsNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& residual,
+                               const OptTensor& weight, double eps, double offset,
+                               c10::string_view casting) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto fn = op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const OptTensor&, double, double, c10::string_view)>(
+        "fusedllm::fused_add_rms_norm");
+    auto [out, residual_out, rstd] = fn.call(input, residual, weight, eps, offset, casting);
+    ctx->save_for_backward({residual_out, value_or_undefined(weight), rstd});
+    ctx->saved_data["offset"] = offset;
+    ctx->saved_data["casting"] = std::string(casting);
+    ctx->mark_non_differentiable({rstd});
+    return {out, residual_out, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // h = input + residual: both receive the gradient that reaches h.
+    auto [grad_h, grad_weight] = rms_norm_grads(ctx, grads[0], grads[1], 2);
+    return {grad_h, grad_h, grad_weight, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// --- swiglu ----------------------------------------------------------------------------
+
+// Only the inputs are saved: backward recomputes the activation.
+struct SwigluFunction : torch::autograd::Function<SwigluFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up,
+                            c10::string_view activation) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto fn = op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>(
+        "fusedllm::swiglu");
+    ctx->save_for_backward({gate, up});
+    ctx->saved_data["activation"] = std::string(activation);
+    return fn.call(gate, up, activation);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto fn = op<std::tuple<at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view)>(
+        "fusedllm::swiglu_backward");
+    const auto saved = ctx->get_saved_variables();
+    auto [grad_gate, grad_up] =
+        fn.call(grads[0], saved[0], saved[1], ctx->saved_data["activation"].toStringRef());
+    return {grad_gate, grad_up, at::Tensor()};
+  }
+};
+
+struct SwigluPackedFunction : torch::autograd::Function<SwigluPackedFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate_up, c10::string_view activation) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto fn = op<at::Tensor(const at::Tensor&, c10::string_view)>("fusedllm::swiglu_packed");
+    ctx->save_for_backward({gate_up});
+    ctx->saved_data["activation"] = std::string(activation);
+    return fn.call(gate_up, activation);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto fn = op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>(
+        "fusedllm::swiglu_packed_backward");
+    const auto saved = ctx->get_saved_variables();
+    return {fn.call(grads[0], saved[0], ctx->saved_data["activation"].toStringRef()), at::Tensor()};
+  }
+};
+
+// --- rope --------------------------------------------------------------------------------
+
+using RopeFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                  const at::Tensor&, const OptTensor&, int64_t, bool,
+                                                  int64_t, bool);
+
+// The tables are constants: the gradient of a rotation is the inverse rotation.
+struct RopeFunction : torch::autograd::Function<RopeFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& cos, const at::Tensor& sin,
+                               const OptTensor& position_ids, int64_t offset, bool interleaved,
+                               int64_t rotary_dim, bool inverse) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto fn = op<RopeFn>("fusedllm::rope");
+    auto [q_out, k_out] = fn.call(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse);
+    ctx->save_for_backward({cos, sin, value_or_undefined(position_ids)});
+    ctx->saved_data["offset"] = offset;
+    ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["rotary_dim"] = rotary_dim;
+    ctx->saved_data["inverse"] = inverse;
+    return {q_out, k_out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto fn = op<RopeFn>("fusedllm::rope");
+    const auto saved = ctx->get_saved_variables();
+    auto [grad_q, grad_k] =
+        fn.call(grads[0], grads[1], saved[0], saved[1], as_optional(saved[2]),
+                ctx->saved_data["offset"].toInt(), ctx->saved_data["interleaved"].toBool(),
+                ctx->saved_data["rotary_dim"].toInt(), !ctx->saved_data["inverse"].toBool());
+    variable_list out(9);
+    out[0] = grad_q;
+    out[1] = grad_k;
+    return out;
+  }
+};
+
+// --- attention ---------------------------------------------------------------------------
+
+struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const OptTensor& mask, double scale, bool causal,
+                               int64_t window, double dropout_p, const OptTensor& seed) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto fn = op<std::tuple<at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, double, bool,
+        int64_t, double, const OptTensor&)>("fusedllm::attention");
+    auto [out, lse] = fn.call(q, k, v, mask, scale, causal, window, dropout_p, seed);
+    ctx->save_for_backward({q, k, v, out, lse, value_or_undefined(mask), value_or_undefined(seed)});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window"] = window;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    // lse is returned for the backward op (and for inspection): no gradient.
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto fn = op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+        const at::Tensor&, const OptTensor&, double, bool, int64_t, double, const OptTensor&)>(
+        "fusedllm::attention_backward");
+    const auto s = ctx->get_saved_variables();
+    auto [grad_q, grad_k, grad_v] =
+        fn.call(grads[0], s[0], s[1], s[2], s[3], s[4], as_optional(s[5]),
+                ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(),
+                ctx->saved_data["window"].toInt(), ctx->saved_data["dropout_p"].toDouble(),
+                as_optional(s[6]));
+    variable_list out(9);
+    out[0] = ctx->needs_input_grad(0) ? grad_q : at::Tensor();
+    out[1] = ctx->needs_input_grad(1) ? grad_k : at::Tensor();
+    out[2] = ctx->needs_input_grad(2) ? grad_v : at::Tensor();
+    return out;
+  }
+};
+
+// --- registration ------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_autograd(const at::Tensor& input, const OptTensor& weight,
+                                                     double eps, double offset, c10::string_view casting) {
+  auto r = RmsNormFunction::apply(input, weight, eps, offset, casting);
+  return {r[0], r[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_add_rms_norm_autograd(
+    const at::Tensor& input, const at::Tensor& residual, const OptTensor& weight, double eps,
+    double offset, c10::string_view casting) {
+  auto r = FusedAddRmsNormFunction::apply(input, residual, weight, eps, offset, casting);
+  return {r[0], r[1], r[2]};
+}
+
+at::Tensor swiglu_autograd(const at::Tensor& gate, const at::Tensor& up, c10::string_view activation) {
+  return SwigluFunction::apply(gate, up, activation);
+}
+
+at::Tensor swiglu_packed_autograd(const at::Tensor& gate_up, c10::string_view activation) {
+  return SwigluPackedFunction::apply(gate_up, activation);
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_autograd(const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& cos, const at::Tensor& sin,
+                                                 const OptTensor& position_ids, int64_t offset,
+                                                 bool interleaved, int64_t rotary_dim, bool inverse) {
+  auto r = RopeFunction::apply(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse);
+  return {r[0], r[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v, const OptTensor& mask,
+                                                      double scale, bool causal, int64_t window,
+                                                      double dropout_p, const OptTensor& seed) {
+  auto r = AttentionFunction::apply(q, k, v, mask, scale, causal, window, dropout_p, seed);
+  return {r[0], r[1]};
+}
+
+// Autograd kernel of the backward ops: runs them, unless a graph would be built
+// through them.
+void refuse_double_backward(const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
+                            torch::jit::Stack* stack) {
+  const auto& schema = handle.schema();
+  if (at::GradMode::is_enabled()) {
+    for (const auto& arg : torch::jit::last(*stack, schema.arguments().size())) {
+      TORCH_CHECK(!(arg.isTensor() && arg.toTensor().requires_grad()), schema.name(),
+                  " has no derivative: a second derivative (create_graph=True, double backward) "
+                  "through fusedllm's ops is not supported");
+    }
+  }
+  at::AutoDispatchBelowADInplaceOrView guard;
+  handle.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusedllm, Autograd, m) {
+  for (const char* name : {"rms_norm_backward", "swiglu_backward", "swiglu_packed_backward",
+                           "attention_backward"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&refuse_double_backward>());
+  }
+  m.impl("rms_norm", &rms_norm_autograd);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm_autograd);
+  m.impl("swiglu", &swiglu_autograd);
+  m.impl("swiglu_packed", &swiglu_packed_autograd);
+  m.impl("rope", &rope_autograd);
+  m.impl("attention", &attention_autograd);
+}
+
+}  // namespace fusedllm

@@ -693,3 +693,10 @@ def test_reference_path_matches_reference():
         ref_out, ref_lse = ref_attention(q, k, v, causal=causal, scale=0.3, window=window)
         torch.testing.assert_close(out, ref_out)
         torch.testing.assert_close(lse, ref_lse)
+
+
+def test_second_derivatives_are_refused_with_a_clear_error(device):
+    q = torch.randn(1, 2, 5, 8, device=device, requires_grad=True)
+    out = fusedllm.attention(q, q[:, :1], q[:, :1])
+    with pytest.raises(RuntimeError, match="has no derivative: a second derivative"):
+        torch.autograd.grad((out * out).sum(), q, create_graph=True)

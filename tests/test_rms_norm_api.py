@@ -67,20 +67,9 @@ def test_gradients_only_where_asked(device, frozen):
 def test_second_derivatives_are_refused_with_a_clear_error(device):
     x = torch.randn(3, 8, device=device, requires_grad=True)
     w = torch.randn(8, device=device, requires_grad=True)
-    gate_up = torch.randn(3, 16, device=device, requires_grad=True)
-    q = torch.randn(1, 2, 5, 8, device=device, requires_grad=True)
-    for out, wrt in ((fusedllm.rms_norm(x, w), x), (fusedllm.swiglu(gate_up), gate_up),
-                     (fusedllm.attention(q, q[:, :1], q[:, :1]), q)):
-        with pytest.raises(RuntimeError, match="has no derivative: a second derivative"):
-            torch.autograd.grad((out * out).sum(), wrt, create_graph=True)
-    # RoPE's backward is RoPE itself, so second derivatives go through it:
-    # |R q|^2 = |q|^2 has gradient 2 q and second derivative 2.
-    cos, sin = fusedllm.rope_tables(8, 16, device=device)
-    qo, _ = fusedllm.apply_rope(q, q[:, :1], cos, sin)
-    (grad,) = torch.autograd.grad((qo * qo).sum(), q, create_graph=True)
-    torch.testing.assert_close(grad, 2 * q.detach())
-    grad.sum().backward()
-    torch.testing.assert_close(q.grad, torch.full_like(q, 2.0))
+    out = fusedllm.rms_norm(x, w)
+    with pytest.raises(RuntimeError, match="has no derivative: a second derivative"):
+        torch.autograd.grad((out * out).sum(), x, create_graph=True)
 
 
 def test_build_info_reports_the_build():

@@ -309,3 +309,15 @@ def test_in_place_refuses_autograd():
 def test_operator_rejects_bad_input_without_crashing(call):
     with pytest.raises((ValueError, RuntimeError), match="fusedllm"):
         call()
+
+
+def test_second_derivatives_go_through_rope(device):
+    # RoPE's backward is RoPE itself, so second derivatives go through it:
+    # |R q|^2 = |q|^2 has gradient 2 q and second derivative 2.
+    q = torch.randn(1, 2, 5, 8, device=device, requires_grad=True)
+    cos, sin = fusedllm.rope_tables(8, 16, device=device)
+    qo, _ = fusedllm.apply_rope(q, q[:, :1], cos, sin)
+    (grad,) = torch.autograd.grad((qo * qo).sum(), q, create_graph=True)
+    torch.testing.assert_close(grad, 2 * q.detach())
+    grad.sum().backward()
+    torch.testing.assert_close(q.grad, torch.full_like(q, 2.0))

@@ -265,3 +265,10 @@ def test_torch_compile_fullgraph_matches_eager(device):
     torch.testing.assert_close(out_c, out_e)
     for a, b in zip(grads_c, [x.grad] + [p.grad for p in mlp.parameters()]):
         torch.testing.assert_close(a, b)
+
+
+def test_second_derivatives_are_refused_with_a_clear_error(device):
+    gate_up = torch.randn(3, 16, device=device, requires_grad=True)
+    out = fusedllm.swiglu(gate_up)
+    with pytest.raises(RuntimeError, match="has no derivative: a second derivative"):
+        torch.autograd.grad((out * out).sum(), gate_up, create_graph=True)

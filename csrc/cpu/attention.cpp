@@ -22,8 +22,10 @@ AttentionOperand operand(const at::Tensor& t) {
   return o;
 }
 
-void fill_call_args(const AttentionParams& p, at::ScalarType dtype, AttentionCallArgs& a) {
-  a.dtype = dtype;
+// Plan: AttentionForwardPlan or AttentionBackwardPlan (both hold the checked q).
+template <typename Plan>
+void fill_call_args(const Plan& p, AttentionCallArgs& a) {
+  a.dtype = p.q.scalar_type();
   a.batch = p.shape.batch;
   a.q_heads = p.shape.q_heads;
   a.kv_heads = p.shape.kv_heads;
@@ -39,7 +41,7 @@ void fill_call_args(const AttentionParams& p, at::ScalarType dtype, AttentionCal
 struct CpuAttention {
   static void forward(const AttentionForwardPlan& p) {
     AttentionForwardArgs a{};
-    fill_call_args(p, p.q.scalar_type(), a);
+    fill_call_args(p, a);
     a.q = operand(p.q);
     a.k = operand(p.k);
     a.v = operand(p.v);
@@ -50,7 +52,7 @@ struct CpuAttention {
 
   static void backward(const AttentionBackwardPlan& p) {
     AttentionBackwardArgs a{};
-    fill_call_args(p, p.q.scalar_type(), a);
+    fill_call_args(p, a);
     a.grad_out = operand(p.grad_out);
     a.q = operand(p.q);
     a.k = operand(p.k);

@@ -777,12 +777,12 @@ struct BackwardKernel {
         const TileRows tile{b, g, group, p0, npos, j0, nk};
         apply_tensor_mask(w.s, ld, tile, a.tensor_mask);
         if (a.dropout.enabled) {
-          // z = 1 / (1 - p) where kept, else 0 (also in the padding columns).
+          // z = 1 / (1 - p) where kept, else 0; padding columns past the tile's rows 0.
           const acc_t kept = static_cast<acc_t>(a.dropout.scale);
-          std::fill(w.z, w.z + nk * ld, acc_t(0));
           for_each_dropout_draw(tile, hq, sq, t.sk, a.dropout, [&](int64_t j, int64_t col, bool keep) {
-            if (keep) w.z[j * ld + col] = kept;
+            w.z[j * ld + col] = keep ? kept : acc_t(0);
           });
+          for (int64_t j = 0; j < nk; ++j) std::fill(w.z + j * ld + tile.cols(), w.z + (j + 1) * ld, acc_t(0));
           probs_and_score_grads<true>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
         } else {
           probs_and_score_grads<false>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);

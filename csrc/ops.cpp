@@ -1,60 +1,16 @@
-// The fusedllm operator schemas (the only place they are defined) and the
+// The fusedllm operator library (schemas in fusedllm/schemas.h) and the
 // Python module `fusedllm._C`, which reports how the extension was built.
 #include <Python.h>
 #include <pybind11/pybind11.h>
 #include <torch/library.h>
 
 #include "fusedllm/cpu_dispatch.h"
+#include "fusedllm/schemas.h"
 
 TORCH_LIBRARY(fusedllm, m) {
   // Fake (meta) kernels live in python/fusedllm/_ops.py, autograd in autograd.cpp.
   m.set_python_module("fusedllm._ops");
-
-  // y = x * rstd * (offset + weight); also returns rstd per row (float32,
-  // float64 for float64 input) for the backward op.
-  m.def("rms_norm(Tensor input, Tensor? weight, float eps, float offset, str casting)"
-        " -> (Tensor out, Tensor rstd)");
-  // h = input + residual; y = rms_norm(h). Returns y, h and rstd.
-  m.def("fused_add_rms_norm(Tensor input, Tensor residual, Tensor? weight, float eps, "
-        "float offset, str casting) -> (Tensor out, Tensor residual_out, Tensor rstd)");
-  // Gradients of both ops in one pass: grad_input (plus grad_residual, the
-  // gradient reaching fused_add_rms_norm's residual_out) and grad_weight
-  // (an empty tensor unless compute_weight_grad and a weight is given).
-  m.def("rms_norm_backward(Tensor grad_out, Tensor input, Tensor rstd, Tensor? weight, "
-        "float offset, str casting, Tensor? grad_residual, bool compute_weight_grad)"
-        " -> (Tensor grad_input, Tensor grad_weight)");
-
-  // h = act(gate) * up with act in {"silu", "gelu_tanh"}; float32 math inside.
-  m.def("swiglu(Tensor gate, Tensor up, str activation) -> Tensor");
-  // The same from one [..., 2F] tensor laid out [gate | up] (one fused projection).
-  m.def("swiglu_packed(Tensor gate_up, str activation) -> Tensor");
-  // Backward ops recompute the activation from the inputs.
-  m.def("swiglu_backward(Tensor grad_out, Tensor gate, Tensor up, str activation)"
-        " -> (Tensor grad_gate, Tensor grad_up)");
-  m.def("swiglu_packed_backward(Tensor grad_out, Tensor gate_up, str activation) -> Tensor");
-
-  // Rotates q [B, Hq, S, D] and k [B, Hkv, S, D] by the angles of cos/sin tables
-  // ([positions, rotary_dim / 2] looked up at position_ids or offset + s, or
-  // per-token [B, S, rotary_dim / 2]); the first rotary_dim features rotate.
-  // inverse=True rotates back (the backward pass).
-  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? position_ids, int offset, "
-        "bool interleaved, int rotary_dim, bool inverse) -> (Tensor q_out, Tensor k_out)");
-  // The same, writing into q and k.
-  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, Tensor? position_ids, "
-        "int offset, bool interleaved, int rotary_dim, bool inverse) -> ()");
-
-  // Grouped-query flash attention: q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D]; causal is
-  // bottom-right aligned, window -1 means none. mask: bool keep-mask or additive
-  // float mask broadcastable to [B, Hq, Sq, Sk]. dropout_p > 0 drops probabilities
-  // with a counter-based RNG keyed by seed (int64 [1], on the CPU). Returns out and
-  // the per-row lse (of the probabilities before dropout).
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, "
-        "int window, float dropout_p, Tensor? seed) -> (Tensor out, Tensor lse)");
-  // Gradients of attention from the saved out and lse (probabilities and the
-  // dropout mask recomputed).
-  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
-        "Tensor lse, Tensor? mask, float scale, bool causal, int window, float dropout_p, "
-        "Tensor? seed) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  fusedllm::define_ops(m);
 }
 
 namespace py = pybind11;

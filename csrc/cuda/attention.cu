@@ -16,9 +16,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <limits>
@@ -528,14 +525,11 @@ void with_head_dim(int64_t d, F&& f) {
 // Lets `kernel` use `bytes` of dynamic shared memory (above the 48 KiB default).
 template <typename Kernel>
 void allow_shared_memory(Kernel kernel, size_t bytes) {
-  const auto* props = at::cuda::getCurrentDeviceProperties();
-  TORCH_CHECK(bytes <= props->sharedMemPerBlockOptin, "fusedllm.attention: this head_dim and dtype need ",
-              bytes, " bytes of shared memory per block; ", props->name, " allows ",
-              props->sharedMemPerBlockOptin);
-  if (bytes > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(bytes)));
-  }
+  const auto& props = device_properties();
+  TORCH_CHECK(bytes <= props.sharedMemPerBlockOptin, "fusedllm.attention: this head_dim and dtype need ",
+              bytes, " bytes of shared memory per block; ", props.name, " allows ",
+              props.sharedMemPerBlockOptin);
+  if (bytes > 48 * 1024) allow_dynamic_shared_memory(kernel, bytes);
 }
 
 ScoreExtras extras_of(const AttentionParams& p) {
@@ -556,10 +550,10 @@ void check_grid(const AttentionShape& s) {
 
 struct CudaAttention {
   static void forward(const AttentionForwardPlan& p) {
-    const c10::cuda::CUDAGuard guard(p.q.device());
+    const DeviceGuard guard(p.q.device());
     const AttentionShape& s = p.shape;
     check_grid(s);
-    auto stream = at::cuda::getCurrentCUDAStream();
+    const Stream stream = current_stream();
     const int64_t group = s.group();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.scalar_type(), "fusedllm_attention_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
@@ -570,21 +564,20 @@ struct CudaAttention {
         allow_shared_memory(kernel, C::fwd_smem());
         const dim3 grid(static_cast<unsigned>((s.sq * group + C::kFwdRows - 1) / C::kFwdRows),
                         static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
-        kernel<<<grid, C::kFwdWarps * kWarpSize, C::fwd_smem(), stream>>>(
-            p.q.const_data_ptr<scalar_t>(), strides_of(p.q), p.k.const_data_ptr<scalar_t>(),
+        launch("attention_forward_kernel", kernel, grid, C::kFwdWarps * kWarpSize, C::fwd_smem(),
+            stream, p.q.const_data_ptr<scalar_t>(), strides_of(p.q), p.k.const_data_ptr<scalar_t>(),
             strides_of(p.k), p.v.const_data_ptr<scalar_t>(), strides_of(p.v),
             p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), s.q_heads, group,
             s.sq, static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
   }
 
   static void backward(const AttentionBackwardPlan& p) {
-    const c10::cuda::CUDAGuard guard(p.q.device());
+    const DeviceGuard guard(p.q.device());
     const AttentionShape& s = p.shape;
     check_grid(s);
-    auto stream = at::cuda::getCurrentCUDAStream();
+    const Stream stream = current_stream();
     const int64_t group = s.group();
     const int64_t n_rows = s.batch * s.q_heads * s.sq;
     at::Tensor delta = at::empty({n_rows}, p.q.options().dtype(lse_dtype(p.q)));
@@ -593,11 +586,10 @@ struct CudaAttention {
       const int delta_threads = 256;
       const int64_t warps = delta_threads / kWarpSize;
       const int delta_blocks = static_cast<int>(std::min<int64_t>((n_rows + warps - 1) / warps, 65535));
-      attention_delta_kernel<scalar_t><<<delta_blocks, delta_threads, 0, stream>>>(
-          p.grad_out.const_data_ptr<scalar_t>(), strides_of(p.grad_out),
-          p.out.const_data_ptr<scalar_t>(), strides_of(p.out), delta.mutable_data_ptr<acc_t>(),
-          s.q_heads, s.sq, n_rows, static_cast<int>(s.head_dim));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch("attention_delta_kernel", attention_delta_kernel<scalar_t>, delta_blocks, delta_threads,
+             0, stream, p.grad_out.const_data_ptr<scalar_t>(), strides_of(p.grad_out),
+             p.out.const_data_ptr<scalar_t>(), strides_of(p.out), delta.mutable_data_ptr<acc_t>(),
+             s.q_heads, s.sq, n_rows, static_cast<int>(s.head_dim));
 
       with_head_dim(s.head_dim, [&](auto DL) {
         constexpr int kDL = decltype(DL)::value;
@@ -606,28 +598,26 @@ struct CudaAttention {
         allow_shared_memory(dq_kernel, C::dq_smem());
         const dim3 dq_grid(static_cast<unsigned>((s.sq * group + C::kDqRows - 1) / C::kDqRows),
                            static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
-        dq_kernel<<<dq_grid, C::kDqWarps * kWarpSize, C::dq_smem(), stream>>>(
-            p.grad_out.const_data_ptr<scalar_t>(), strides_of(p.grad_out),
+        launch("attention_dq_kernel", dq_kernel, dq_grid, C::kDqWarps * kWarpSize, C::dq_smem(),
+            stream, p.grad_out.const_data_ptr<scalar_t>(), strides_of(p.grad_out),
             p.q.const_data_ptr<scalar_t>(), strides_of(p.q), p.k.const_data_ptr<scalar_t>(),
             strides_of(p.k), p.v.const_data_ptr<scalar_t>(), strides_of(p.v),
             p.lse.const_data_ptr<acc_t>(), delta.const_data_ptr<acc_t>(),
             p.grad_q.mutable_data_ptr<scalar_t>(), s.q_heads, group, s.sq,
             static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
 
         auto kv_kernel = attention_dkdv_kernel<scalar_t, kDL>;
         allow_shared_memory(kv_kernel, C::kv_smem());
         const dim3 kv_grid(static_cast<unsigned>((s.sk + C::kKeys - 1) / C::kKeys),
                            static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
-        kv_kernel<<<kv_grid, C::kKvWarps * kWarpSize, C::kv_smem(), stream>>>(
-            p.grad_out.const_data_ptr<scalar_t>(), strides_of(p.grad_out),
+        launch("attention_dkdv_kernel", kv_kernel, kv_grid, C::kKvWarps * kWarpSize, C::kv_smem(),
+            stream, p.grad_out.const_data_ptr<scalar_t>(), strides_of(p.grad_out),
             p.q.const_data_ptr<scalar_t>(), strides_of(p.q), p.k.const_data_ptr<scalar_t>(),
             strides_of(p.k), p.v.const_data_ptr<scalar_t>(), strides_of(p.v),
             p.lse.const_data_ptr<acc_t>(), delta.const_data_ptr<acc_t>(),
             p.grad_k.mutable_data_ptr<scalar_t>(), p.grad_v.mutable_data_ptr<scalar_t>(), s.q_heads,
             s.kv_heads, group, s.sq, s.sk, static_cast<int>(s.head_dim),
             static_cast<acc_t>(p.scale), p.mask, extras_of(p));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
   }
@@ -635,6 +625,6 @@ struct CudaAttention {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fusedllm, CUDA, m) { FUSEDLLM_IMPL_ATTENTION_OPS(m, CudaAttention); }
+FUSEDLLM_CUDA_OPS_IMPL(m) { FUSEDLLM_IMPL_ATTENTION_OPS(m, CudaAttention); }
 
 }  // namespace fusedllm::cuda

@@ -3,11 +3,11 @@
 // wavefronts) or to emulate.
 #pragma once
 
-#include <cuda_runtime.h>
-
 #include <cstdint>
 #include <initializer_list>
 #include <utility>
+
+#include "runtime.cuh"
 
 namespace fusedllm::cuda {
 
@@ -88,8 +88,12 @@ inline int pack_width(int64_t n, std::initializer_list<std::pair<const void*, in
 // The block's dynamic shared memory as an array of T (size set at launch).
 template <typename T>
 __device__ __forceinline__ T* dynamic_shared() {
+#if defined(FUSEDLLM_SIMT)
+  return reinterpret_cast<T*>(simt::detail::dynamic_shared_base());
+#else
   extern __shared__ __align__(16) unsigned char fusedllm_dynamic_smem[];
   return reinterpret_cast<T*>(fusedllm_dynamic_smem);
+#endif
 }
 
 // Maximum over the warp, returned to every lane.

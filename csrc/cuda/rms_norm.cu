@@ -4,9 +4,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -171,7 +168,7 @@ int threads_for(int64_t n, int vec) {
 // Enough resident blocks to fill the device; backward uses fewer because
 // each of its blocks owns a float32 row of dw partial sums.
 int max_blocks(int per_sm) {
-  return at::cuda::getCurrentDeviceProperties()->multiProcessorCount * per_sm;
+  return device_properties().multiProcessorCount * per_sm;
 }
 
 // Calls `f(std::integral_constant<int, V>, std::bool_constant<W>, std::integral_constant<Casting, C>)`.
@@ -196,10 +193,10 @@ void with_variant(int vec, bool has_weight, Casting casting, F&& f) {
 
 struct CudaRmsNorm {
   static void forward(const RmsNormForwardPlan& p, double eps, double offset) {
-    const c10::cuda::CUDAGuard guard(p.x.device());
+    const DeviceGuard guard(p.x.device());
     const int64_t rows = p.x.size(0);
     const int64_t n = p.n;
-    auto stream = at::cuda::getCurrentCUDAStream();
+    const Stream stream = current_stream();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.x.scalar_type(), "fusedllm_rms_norm_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       const scalar_t* x = p.x.const_data_ptr<scalar_t>();
@@ -212,21 +209,21 @@ struct CudaRmsNorm {
       const int threads = threads_for(n, vec);
       const int blocks = static_cast<int>(std::min<int64_t>(rows, max_blocks(8)));
       with_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
-        rms_norm_forward_kernel<scalar_t, decltype(V)::value, decltype(W)::value, decltype(C)::value>
-            <<<blocks, threads, 0, stream>>>(
-                x, p.x.stride(0), res, res ? p.residual.stride(0) : 0, w,
-                p.out.mutable_data_ptr<scalar_t>(), h, p.rstd.mutable_data_ptr<acc_t>(), rows, n,
-                static_cast<acc_t>(eps), static_cast<acc_t>(offset));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch("rms_norm_forward_kernel",
+               rms_norm_forward_kernel<scalar_t, decltype(V)::value, decltype(W)::value,
+                                       decltype(C)::value>,
+               blocks, threads, 0, stream, x, p.x.stride(0), res, res ? p.residual.stride(0) : 0, w,
+               p.out.mutable_data_ptr<scalar_t>(), h, p.rstd.mutable_data_ptr<acc_t>(), rows, n,
+               static_cast<acc_t>(eps), static_cast<acc_t>(offset));
       });
     });
   }
 
   static void backward(const RmsNormBackwardPlan& p, double offset) {
-    const c10::cuda::CUDAGuard guard(p.x.device());
+    const DeviceGuard guard(p.x.device());
     const int64_t rows = p.x.size(0);
     const int64_t n = p.n;
-    auto stream = at::cuda::getCurrentCUDAStream();
+    const Stream stream = current_stream();
     const int blocks = static_cast<int>(std::min<int64_t>(rows, max_blocks(2)));
     at::Tensor partial;
     if (p.want_weight_grad) {
@@ -245,20 +242,20 @@ struct CudaRmsNorm {
       const int threads = threads_for(n, vec);
       acc_t* partial_ptr = partial.defined() ? partial.mutable_data_ptr<acc_t>() : nullptr;
       with_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
-        rms_norm_backward_kernel<scalar_t, decltype(V)::value, decltype(W)::value, decltype(C)::value>
-            <<<blocks, threads, 0, stream>>>(
-                g, p.grad_out.stride(0), x, p.x.stride(0), p.rstd.const_data_ptr<acc_t>(), w, gr,
-                gr ? p.grad_residual.stride(0) : 0, p.grad_input.mutable_data_ptr<scalar_t>(),
-                partial_ptr, rows, n, static_cast<acc_t>(offset));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch("rms_norm_backward_kernel",
+               rms_norm_backward_kernel<scalar_t, decltype(V)::value, decltype(W)::value,
+                                        decltype(C)::value>,
+               blocks, threads, 0, stream, g, p.grad_out.stride(0), x, p.x.stride(0),
+               p.rstd.const_data_ptr<acc_t>(), w, gr, gr ? p.grad_residual.stride(0) : 0,
+               p.grad_input.mutable_data_ptr<scalar_t>(), partial_ptr, rows, n,
+               static_cast<acc_t>(offset));
       });
       if (partial_ptr != nullptr) {
         const int threads_sum = 256;
         const int blocks_sum =
             static_cast<int>(std::min<int64_t>((n + threads_sum - 1) / threads_sum, 65535));
-        sum_partials_kernel<scalar_t><<<blocks_sum, threads_sum, 0, stream>>>(
-            partial_ptr, blocks, n, p.grad_weight.mutable_data_ptr<scalar_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch("sum_partials_kernel", sum_partials_kernel<scalar_t>, blocks_sum, threads_sum, 0,
+               stream, partial_ptr, blocks, n, p.grad_weight.mutable_data_ptr<scalar_t>());
       }
     });
   }
@@ -266,6 +263,6 @@ struct CudaRmsNorm {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fusedllm, CUDA, m) { FUSEDLLM_IMPL_RMS_NORM_OPS(m, CudaRmsNorm); }
+FUSEDLLM_CUDA_OPS_IMPL(m) { FUSEDLLM_IMPL_RMS_NORM_OPS(m, CudaRmsNorm); }
 
 }  // namespace fusedllm::cuda

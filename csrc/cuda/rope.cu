@@ -4,9 +4,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/macros/Macros.h>
 #include <torch/library.h>
 
@@ -75,30 +72,29 @@ RopeTensor tensor_args(const RopeOperand& o) {
 
 struct CudaRope {
   static void run(const RopePlan& p) {
-    const c10::cuda::CUDAGuard guard(p.q.in.device());
-    auto stream = at::cuda::getCurrentCUDAStream();
+    const DeviceGuard guard(p.q.in.device());
+    const Stream stream = current_stream();
     const int64_t copy_cols = p.q.in.data_ptr() != p.q.out.data_ptr() ? p.head_dim - p.rotary_dim : 0;
     const int64_t work = p.batch * p.seq * (p.q.in.size(1) + p.k.in.size(1)) * (p.rotary_dim / 2 + copy_cols);
     if (work == 0) return;
     constexpr int kThreads = 256;
     const int64_t max_blocks =
-        static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 16;
+        static_cast<int64_t>(device_properties().multiProcessorCount) * 16;
     const int blocks = static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, max_blocks));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.in.scalar_type(), "fusedllm_rope_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      rope_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+      launch("rope_kernel", rope_kernel<scalar_t>, blocks, kThreads, 0, stream,
           tensor_args(p.q), tensor_args(p.k), p.batch, p.seq, p.head_dim, p.rotary_dim,
           p.interleaved, p.inverse, p.cos.const_data_ptr<acc_t>(), p.sin.const_data_ptr<acc_t>(),
           p.cos.stride(0), p.cos.stride(1), p.cos.size(1),
           p.positions.defined() ? p.positions.const_data_ptr<int64_t>() : nullptr,
           p.positions.defined() ? p.positions.stride(0) : 0, p.offset);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
 };
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fusedllm, CUDA, m) { FUSEDLLM_IMPL_ROPE_OPS(m, CudaRope); }
+FUSEDLLM_CUDA_OPS_IMPL(m) { FUSEDLLM_IMPL_ROPE_OPS(m, CudaRope); }
 
 }  // namespace fusedllm::cuda

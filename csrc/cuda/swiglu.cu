@@ -4,9 +4,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -73,7 +70,7 @@ constexpr int kThreads = 256;
 int blocks_for(int64_t rows, int64_t n, int vec) {
   const int64_t work = rows * (n / vec);
   const int64_t max_blocks =
-      static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 16;
+      static_cast<int64_t>(device_properties().multiProcessorCount) * 16;
   return static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, max_blocks));
 }
 
@@ -97,8 +94,8 @@ void with_variant(int vec, Activation activation, F&& f) {
 
 struct CudaSwiglu {
   static void forward(const SwigluPlan& p) {
-    const c10::cuda::CUDAGuard guard(p.gate.device());
-    auto stream = at::cuda::getCurrentCUDAStream();
+    const DeviceGuard guard(p.gate.device());
+    const Stream stream = current_stream();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.gate.scalar_type(), "fusedllm_swiglu_cuda", [&] {
       const scalar_t* g = p.gate.const_data_ptr<scalar_t>();
       const scalar_t* u = p.up.const_data_ptr<scalar_t>();
@@ -106,17 +103,17 @@ struct CudaSwiglu {
       const int vec = pack_width<scalar_t>(
           p.n, {{g, p.gate.stride(0)}, {u, p.up.stride(0)}, {h, p.out.stride(0)}});
       with_variant<scalar_t>(vec, p.activation, [&](auto V, auto A) {
-        swiglu_forward_kernel<scalar_t, decltype(V)::value, decltype(A)::value>
-            <<<blocks_for(p.rows, p.n, vec), kThreads, 0, stream>>>(
-                g, p.gate.stride(0), u, p.up.stride(0), h, p.out.stride(0), p.rows, p.n);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch("swiglu_forward_kernel",
+               swiglu_forward_kernel<scalar_t, decltype(V)::value, decltype(A)::value>,
+               blocks_for(p.rows, p.n, vec), kThreads, 0, stream, g, p.gate.stride(0), u,
+               p.up.stride(0), h, p.out.stride(0), p.rows, p.n);
       });
     });
   }
 
   static void backward(const SwigluPlan& p) {
-    const c10::cuda::CUDAGuard guard(p.gate.device());
-    auto stream = at::cuda::getCurrentCUDAStream();
+    const DeviceGuard guard(p.gate.device());
+    const Stream stream = current_stream();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.gate.scalar_type(), "fusedllm_swiglu_backward_cuda", [&] {
       const scalar_t* dh = p.grad_out.const_data_ptr<scalar_t>();
       const scalar_t* g = p.gate.const_data_ptr<scalar_t>();
@@ -127,11 +124,11 @@ struct CudaSwiglu {
           p.n, {{dh, p.grad_out.stride(0)}, {g, p.gate.stride(0)}, {u, p.up.stride(0)},
                 {dg, p.grad_gate.stride(0)}, {du, p.grad_up.stride(0)}});
       with_variant<scalar_t>(vec, p.activation, [&](auto V, auto A) {
-        swiglu_backward_kernel<scalar_t, decltype(V)::value, decltype(A)::value>
-            <<<blocks_for(p.rows, p.n, vec), kThreads, 0, stream>>>(
-                dh, p.grad_out.stride(0), g, p.gate.stride(0), u, p.up.stride(0), dg,
-                p.grad_gate.stride(0), du, p.grad_up.stride(0), p.rows, p.n);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch("swiglu_backward_kernel",
+               swiglu_backward_kernel<scalar_t, decltype(V)::value, decltype(A)::value>,
+               blocks_for(p.rows, p.n, vec), kThreads, 0, stream, dh, p.grad_out.stride(0), g,
+               p.gate.stride(0), u, p.up.stride(0), dg, p.grad_gate.stride(0), du,
+               p.grad_up.stride(0), p.rows, p.n);
       });
     });
   }
@@ -139,6 +136,6 @@ struct CudaSwiglu {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fusedllm, CUDA, m) { FUSEDLLM_IMPL_SWIGLU_OPS(m, CudaSwiglu); }
+FUSEDLLM_CUDA_OPS_IMPL(m) { FUSEDLLM_IMPL_SWIGLU_OPS(m, CudaSwiglu); }
 
 }  // namespace fusedllm::cuda

@@ -89,7 +89,7 @@ template <typename acc_t>
 struct ScalarOps {
   FUSEDLLM_HOST_DEVICE static acc_t max(acc_t a, acc_t b) { return a > b ? a : b; }
   FUSEDLLM_HOST_DEVICE static acc_t exp(acc_t x) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) || defined(FUSEDLLM_SIMT)  // device code, run or emulated
     if constexpr (sizeof(acc_t) == 4) {
       return __expf(x);
     } else {

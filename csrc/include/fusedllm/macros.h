@@ -6,3 +6,9 @@
 #else
 #define FUSEDLLM_HOST_DEVICE inline
 #endif
+
+// The emulated build of the CUDA kernels gets the device math functions
+// (__expf ...) the GPU path of these headers calls.
+#if defined(FUSEDLLM_SIMT)
+#include "simt/device_math.h"
+#endif

@@ -1,0 +1,61 @@
+// fusedllm._simt: the emulated CUDA kernels as torch.ops.fusedllm_simt.<op>
+// (the schemas of torch.ops.fusedllm, on CPU tensors; the kernels register
+// from the csrc/cuda sources compiled with FUSEDLLM_SIMT) and the emulator's
+// settings and counters.
+#include <Python.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/library.h>
+
+#include "fusedllm/schemas.h"
+#include "simt/simt.h"
+
+TORCH_LIBRARY(fusedllm_simt, m) {
+  // Fake kernels: python/fusedllm/_ops.py registers them for both libraries.
+  m.set_python_module("fusedllm._ops");
+  fusedllm::define_ops(m);
+}
+
+namespace fusedllm::simt {
+std::vector<float> run_selftest(const std::string& name);  // selftest.cpp
+}
+
+namespace py = pybind11;
+namespace simt = fusedllm::simt;
+
+PYBIND11_MODULE(_simt, m) {
+  m.doc() = "fusedllm's CUDA kernels executed on the CPU by a SIMT emulator";
+  m.def("set_schedule", [](const std::string& name) {
+    simt::Schedule s;
+    TORCH_CHECK_VALUE(simt::parse_schedule(name, s), "fusedllm.simt: schedule must be one of ",
+                      "lockstep, reverse, random, warp, warp-reverse, warp-random; got '", name, "'");
+    simt::set_schedule(s);
+  });
+  m.def("schedule", [] { return std::string(simt::schedule_name(simt::schedule())); });
+  m.def("set_workers", &simt::set_workers);
+  m.def("workers", &simt::workers);
+  m.def("set_random_seed", &simt::set_random_seed);
+  m.def("stats", [] {
+    const simt::Stats s = simt::stats();
+    py::dict d;
+    d["launches"] = s.launches;
+    d["blocks"] = s.blocks;
+    d["threads"] = s.threads;
+    d["barriers"] = s.barriers;
+    d["collectives"] = s.collectives;
+    return d;
+  });
+  m.def("reset_stats", &simt::reset_stats);
+  m.def("run_selftest", &simt::run_selftest, "Runs one of the deliberately broken test kernels.");
+  m.def("device_properties", [] {
+    const simt::DeviceProperties& p = simt::device_properties();
+    py::dict d;
+    d["name"] = std::string(p.name);
+    d["multi_processor_count"] = p.multiProcessorCount;
+    d["shared_mem_per_block"] = p.sharedMemPerBlock;
+    d["shared_mem_per_block_optin"] = p.sharedMemPerBlockOptin;
+    d["max_threads_per_block"] = p.maxThreadsPerBlock;
+    d["warp_size"] = p.warpSize;
+    return d;
+  });
+}

@@ -1,0 +1,109 @@
+// Deliberately broken kernels (and one correct twin) that the tests run to show
+// the emulator catches what it claims: a missing barrier, shared memory read
+// past its end, divergent and mismatched barriers, a full-mask shuffle in a
+// partial warp, a shuffle waiting on lanes held at a barrier, a failed device
+// assert, and launches over the device's limits. Built only into fusedllm._simt.
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "primitives.cuh"
+
+namespace fusedllm::simt {
+namespace {
+
+using cuda::dynamic_shared;
+using cuda::kWarpSize;
+using cuda::warp_reduce_sum;
+
+// Each thread publishes a value, the warp meets in a reduction (a warp-level
+// sync point only), then every thread reads the next warp's value. Without the
+// barrier a warp can read before the next warp has written.
+__global__ void neighbour_warp_kernel(float* out, bool with_barrier) {
+  float* s = dynamic_shared<float>();
+  const int t = threadIdx.x;
+  s[t] = static_cast<float>(t);
+  const float one = warp_reduce_sum(1.0f) / kWarpSize;
+  if (with_barrier) __syncthreads();
+  out[t] = s[(t + kWarpSize) % blockDim.x] * one;
+}
+
+__global__ void shared_past_end_kernel(float* out) {
+  float* s = dynamic_shared<float>();
+  s[threadIdx.x] = 1.0f;
+  __syncthreads();
+  out[threadIdx.x] = s[threadIdx.x + 1];  // the last thread reads one past the end
+}
+
+__global__ void divergent_barrier_kernel(float* out) {
+  if (threadIdx.x < kWarpSize) __syncthreads();
+  out[threadIdx.x] = 1.0f;
+}
+
+__global__ void mismatched_barriers_kernel(float* out) {
+  if (threadIdx.x < kWarpSize) {
+    __syncthreads();
+  } else {
+    __syncthreads();
+  }
+  out[threadIdx.x] = 1.0f;
+}
+
+__global__ void partial_warp_shuffle_kernel(float* out) {
+  out[threadIdx.x] = warp_reduce_sum(1.0f);  // full mask, but the block ends mid-warp
+}
+
+__global__ void shuffle_waits_on_barrier_kernel(float* out) {
+  if (threadIdx.x % kWarpSize < 16) {
+    __syncthreads();
+  } else {
+    out[threadIdx.x] = __shfl_sync(0xffffffffu, 1.0f, 0);
+  }
+}
+
+__global__ void failed_assert_kernel(float* out, int limit) {
+  CUDA_KERNEL_ASSERT(static_cast<int>(threadIdx.x) < limit);
+  out[threadIdx.x] = 1.0f;
+}
+
+__global__ void plain_kernel(float* out) { out[threadIdx.x] = 1.0f; }
+
+}  // namespace
+
+// Runs self-test `name`; returns the block's output (64 floats).
+std::vector<float> run_selftest(const std::string& name) {
+  std::vector<float> out(1024, 0.0f);
+  float* o = out.data();
+  const cuda::Stream stream;
+  if (name == "neighbour_warp" || name == "neighbour_warp_with_barrier") {
+    cuda::launch("neighbour_warp_kernel", neighbour_warp_kernel, 1, 64, 64 * sizeof(float), stream, o,
+                 name == "neighbour_warp_with_barrier");
+  } else if (name == "shared_past_end") {
+    cuda::launch("shared_past_end_kernel", shared_past_end_kernel, 1, 64, 64 * sizeof(float), stream, o);
+  } else if (name == "divergent_barrier") {
+    cuda::launch("divergent_barrier_kernel", divergent_barrier_kernel, 1, 64, 0, stream, o);
+  } else if (name == "mismatched_barriers") {
+    cuda::launch("mismatched_barriers_kernel", mismatched_barriers_kernel, 1, 64, 0, stream, o);
+  } else if (name == "partial_warp_shuffle") {
+    cuda::launch("partial_warp_shuffle_kernel", partial_warp_shuffle_kernel, 1, 48, 0, stream, o);
+  } else if (name == "shuffle_waits_on_barrier") {
+    cuda::launch("shuffle_waits_on_barrier_kernel", shuffle_waits_on_barrier_kernel, 1, 64, 0, stream, o);
+  } else if (name == "failed_assert") {
+    cuda::launch("failed_assert_kernel", failed_assert_kernel, 2, 64, 0, stream, o, 40);
+  } else if (name == "too_many_threads") {
+    cuda::launch("plain_kernel", plain_kernel, 1, 1025, 0, stream, o);
+  } else if (name == "grid_too_large") {
+    cuda::launch("plain_kernel", plain_kernel, dim3(1, 65536), 32, 0, stream, o);
+  } else if (name == "shared_without_opt_in") {
+    cuda::launch("plain_kernel", plain_kernel, 1, 32, 64 * 1024, stream, o);
+  } else if (name == "shared_over_opt_in") {
+    cuda::allow_dynamic_shared_memory(plain_kernel, 1 << 20);
+  } else {
+    TORCH_CHECK_VALUE(false, "fusedllm.simt: no self-test named '", name, "'");
+  }
+  out.resize(64);
+  return out;
+}
+
+}  // namespace fusedllm::simt

@@ -1,0 +1,186 @@
+// The SIMT emulator: runs the __global__ kernels of csrc/cuda, compiled by the
+// host C++ compiler, on CPU memory. Each block's threads are fibers that run
+// until they reach a barrier or a warp collective; a scheduler on the calling
+// OS thread decides who runs next (FUSEDLLM_SIMT_SCHEDULE), so the same kernel
+// can be executed in several legal orders and its results compared.
+//
+// This header is what kernel code sees in the emulated build (through
+// csrc/cuda/runtime.cuh): the CUDA built-in variables, __syncthreads, the warp
+// collectives, dynamic shared memory, device math and CUDA_KERNEL_ASSERT. It is
+// included after the torch headers, so its macros cannot change them.
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/macros/Macros.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+
+struct uint3 {
+  unsigned x, y, z;
+};
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+namespace fusedllm::simt {
+
+constexpr int kWarpSize = 32;
+
+// Limits of the emulated device (an sm_80-class GPU); the SM count is small by
+// default (FUSEDLLM_SIMT_SMS) so grid-stride loops run more than once.
+struct DeviceProperties {
+  char name[256];
+  int multiProcessorCount;
+  size_t sharedMemPerBlock;       // without cudaFuncAttributeMaxDynamicSharedMemorySize
+  size_t sharedMemPerBlockOptin;  // the most a kernel may opt in to
+  int maxThreadsPerBlock;
+  int warpSize;
+  int major, minor;
+};
+const DeviceProperties& device_properties();
+
+// What one emulated thread is: its indices and its place in the scheduler.
+struct ThreadState;
+struct BlockState;
+
+namespace detail {
+ThreadState& current_thread();
+const uint3& thread_idx();
+const uint3& block_idx();
+const dim3& block_dim();
+const dim3& grid_dim();
+unsigned char* dynamic_shared_base();
+void syncthreads(const char* file, int line);
+
+enum class Collective : int { kShfl, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll, kSyncWarp };
+// Every lane of `mask` deposits `value` (up to 8 bytes) and `arg`; returns
+// this lane's result bits once all of them have arrived.
+uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg, int width,
+                         const char* file, int line);
+[[noreturn]] void kernel_assert_failed(const char* cond, const char* file, int line);
+
+template <typename T>
+uint64_t to_bits(T v) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8,
+                "warp shuffles move values of at most 8 bytes");
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  return bits;
+}
+
+template <typename T>
+T from_bits(uint64_t bits) {
+  T v;
+  std::memcpy(&v, &bits, sizeof(T));
+  return v;
+}
+
+template <typename T>
+T shuffle(Collective kind, unsigned mask, T v, int arg, int width, const char* file, int line) {
+  return from_bits<T>(warp_collective(kind, mask, to_bits(v), arg, width, file, line));
+}
+}  // namespace detail
+
+// Launch of `body` (the kernel applied to its arguments) on grid x block with
+// `dynamic_smem` bytes of dynamic shared memory; `kernel` identifies the
+// function for the shared-memory attribute. Throws a c10::Error naming the
+// kernel, block and thread when the launch or the kernel goes wrong.
+void launch(const char* name, const void* kernel, dim3 grid, dim3 block, size_t dynamic_smem,
+            const std::function<void()>& body);
+
+// cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes).
+void set_max_dynamic_shared_memory(const void* kernel, size_t bytes);
+
+// Scheduling orders; see README "Executing the CUDA kernels on the CPU".
+enum class Schedule : int { kLockstep, kReverse, kRandom, kWarp, kWarpReverse, kWarpRandom };
+void set_schedule(Schedule s);
+Schedule schedule();
+const char* schedule_name(Schedule s);
+bool parse_schedule(const std::string& name, Schedule& out);
+void set_workers(int workers);  // OS threads running blocks at once
+int workers();
+void set_random_seed(uint64_t seed);
+
+// Counters since the last reset, for tests and reports.
+struct Stats {
+  int64_t launches = 0, blocks = 0, threads = 0, barriers = 0, collectives = 0;
+};
+Stats stats();
+void reset_stats();
+
+}  // namespace fusedllm::simt
+
+// ---- What kernel sources see ------------------------------------------------
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+// One copy per OS thread; each block runs on one OS thread from start to end,
+// so its threads (fibers of that OS thread) share it, as a block's threads do.
+#define __shared__ static thread_local
+
+#define threadIdx (::fusedllm::simt::detail::thread_idx())
+#define blockIdx (::fusedllm::simt::detail::block_idx())
+#define blockDim (::fusedllm::simt::detail::block_dim())
+#define gridDim (::fusedllm::simt::detail::grid_dim())
+
+#define __syncthreads() ::fusedllm::simt::detail::syncthreads(__FILE__, __LINE__)
+#define __syncwarp(...) \
+  ::fusedllm::simt::detail::syncwarp_at(__FILE__, __LINE__ __VA_OPT__(, ) __VA_ARGS__)
+#define __shfl_sync(...) ::fusedllm::simt::detail::shfl_at(__FILE__, __LINE__, __VA_ARGS__)
+#define __shfl_up_sync(...) ::fusedllm::simt::detail::shfl_up_at(__FILE__, __LINE__, __VA_ARGS__)
+#define __shfl_down_sync(...) ::fusedllm::simt::detail::shfl_down_at(__FILE__, __LINE__, __VA_ARGS__)
+#define __shfl_xor_sync(...) ::fusedllm::simt::detail::shfl_xor_at(__FILE__, __LINE__, __VA_ARGS__)
+#define __ballot_sync(...) ::fusedllm::simt::detail::ballot_at(__FILE__, __LINE__, __VA_ARGS__)
+#define __any_sync(...) ::fusedllm::simt::detail::any_at(__FILE__, __LINE__, __VA_ARGS__)
+#define __all_sync(...) ::fusedllm::simt::detail::all_at(__FILE__, __LINE__, __VA_ARGS__)
+
+#undef CUDA_KERNEL_ASSERT
+#define CUDA_KERNEL_ASSERT(cond) \
+  ((cond) ? void(0) : ::fusedllm::simt::detail::kernel_assert_failed(#cond, __FILE__, __LINE__))
+
+namespace fusedllm::simt::detail {
+using C = Collective;
+inline void syncwarp_at(const char* f, int l, unsigned mask = 0xffffffffu) {
+  warp_collective(C::kSyncWarp, mask, 0, 0, kWarpSize, f, l);
+}
+template <typename T>
+T shfl_at(const char* f, int l, unsigned mask, T v, int src, int width = kWarpSize) {
+  return shuffle(C::kShfl, mask, v, src, width, f, l);
+}
+template <typename T>
+T shfl_up_at(const char* f, int l, unsigned mask, T v, unsigned delta, int width = kWarpSize) {
+  return shuffle(C::kShflUp, mask, v, static_cast<int>(delta), width, f, l);
+}
+template <typename T>
+T shfl_down_at(const char* f, int l, unsigned mask, T v, unsigned delta, int width = kWarpSize) {
+  return shuffle(C::kShflDown, mask, v, static_cast<int>(delta), width, f, l);
+}
+template <typename T>
+T shfl_xor_at(const char* f, int l, unsigned mask, T v, int lane_mask, int width = kWarpSize) {
+  return shuffle(C::kShflXor, mask, v, lane_mask, width, f, l);
+}
+inline unsigned ballot_at(const char* f, int l, unsigned mask, int pred) {
+  return static_cast<unsigned>(warp_collective(C::kBallot, mask, pred != 0, 0, kWarpSize, f, l));
+}
+inline int any_at(const char* f, int l, unsigned mask, int pred) {
+  return static_cast<int>(warp_collective(C::kAny, mask, pred != 0, 0, kWarpSize, f, l));
+}
+inline int all_at(const char* f, int l, unsigned mask, int pred) {
+  return static_cast<int>(warp_collective(C::kAll, mask, pred != 0, 0, kWarpSize, f, l));
+}
+}  // namespace fusedllm::simt::detail
+
+#include "simt/device_math.h"

@@ -26,12 +26,14 @@ $(VENV)/.deps-installed: requirements-dev.txt $(VENV)/.torch-installed
 	@touch $@
 
 # The verbose build log keeps nvcc's `ptxas -v` register and spill report.
+# FUSEDLLM_SIMT builds fusedllm._simt, the CUDA kernels emulated on the CPU.
 $(VENV)/.built: $(SOURCES) $(VENV)/.deps-installed
 	@mkdir -p build
 	@echo "building fusedllm (log: build/build.log)"
-	@$(BIN)/pip install -v --no-build-isolation --no-deps -e . > build/build.log 2>&1 \
+	@$(BIN)/pip install -v --no-build-isolation --no-deps -C cmake.define.FUSEDLLM_SIMT=ON -e . \
+	  > build/build.log 2>&1 \
 	  || { tail -n 60 build/build.log; exit 1; }
-	@grep -E "fusedllm: (CUDA|CPU|torch)" build/build.log | sed 's/^ *//' || true
+	@grep -E "fusedllm: (CUDA|CPU|torch|SIMT)" build/build.log | sed 's/^ *//' || true
 	@touch $@
 
 venv: $(BIN)/python

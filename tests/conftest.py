@@ -11,8 +11,14 @@ import fusedllm  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
+# "simt" and "simt-warp" run the CUDA kernels on the CPU through the SIMT
+# emulator (fusedllm.simt), under the round-robin and the warp-at-a-time
+# schedule; the tensors are CPU tensors.
+SIMT_SCHEDULES = {"simt": "lockstep", "simt-warp": "warp"}
+
 DEVICES = [
     "cpu",
+    *(pytest.param(name, marks=pytest.mark.simt) for name in SIMT_SCHEDULES),
     pytest.param("cuda", marks=[pytest.mark.cuda,
                                 pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]),
 ]
@@ -20,7 +26,15 @@ DEVICES = [
 
 @pytest.fixture(params=DEVICES)
 def device(request):
-    return request.param
+    if request.param not in SIMT_SCHEDULES:
+        yield request.param
+        return
+    import fusedllm.simt
+
+    with fusedllm.simt.kernels(schedule=SIMT_SCHEDULES[request.param]) as mode:
+        yield "cpu"
+    # A simt test that ran no fusedllm op would be a CPU test under another name.
+    assert mode.calls > 0, "this test ran no fusedllm op under the SIMT emulator"
 
 
 @pytest.fixture(autouse=True)

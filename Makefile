@@ -10,7 +10,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
 SOURCES := $(shell find csrc python -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
 
-.PHONY: all venv deps build test test-fast demo bench clean
+.PHONY: all venv deps build test test-fast test-simt sanitize demo bench clean
 
 all: build
 
@@ -46,6 +46,24 @@ test: build
 # Skips torch.compile and notebook runs.
 test-fast: build
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# Only the CUDA kernels, executed on the CPU by the SIMT emulator.
+test-simt: build
+	$(BIN)/python -m pytest -q -m simt
+
+# The emulated CUDA kernels built with AddressSanitizer and UBSan (out-of-bounds,
+# misaligned and undefined accesses that x86 would let pass), then their tests.
+SANITIZE_DIR := build/sanitize
+sanitize: build
+	@mkdir -p $(SANITIZE_DIR)
+	FUSEDLLM_CUDA=0 $(BIN)/cmake -S . -B $(SANITIZE_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_MAKE_PROGRAM=$(abspath $(BIN)/ninja) -DPython_EXECUTABLE=$(abspath $(BIN)/python) \
+	  -DFUSEDLLM_SIMT=ON -DFUSEDLLM_SIMT_SANITIZE=ON > $(SANITIZE_DIR)/configure.log
+	$(BIN)/cmake --build $(SANITIZE_DIR) --target _simt
+	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)" \
+	  ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0 UBSAN_OPTIONS=print_stacktrace=1 \
+	  FUSEDLLM_SIMT_LIBRARY="$$(ls $(SANITIZE_DIR)/_simt*.so)" \
+	  $(BIN)/python -m pytest -q -p no:cacheprovider -m "simt and not slow" -k "not simt-warp" $(SANITIZE_ARGS)
 
 demo: build
 	$(BIN)/python benchmarks/demo.py

@@ -78,10 +78,20 @@ def peak_memory_bytes(fn, device) -> int:
     return peak
 
 
+def emulated() -> bool:
+    """True inside the SIMT emulator's tests (device "simt", "simt-warp")."""
+    import sys
+
+    simt = sys.modules.get("fusedllm.simt")
+    return simt is not None and simt.active()
+
+
 def results_across_thread_counts(device, run):
     """run()'s results under 1, 2, 2 and 1 torch threads on a CPU (twice on a
-    GPU), the thread count restored after: for determinism tests."""
-    thread_counts = (1, 2, 2, 1) if torch.device(device).type == "cpu" else (None, None)
+    GPU or under the SIMT emulator, which does not use torch's threads), the
+    thread count restored after: for determinism tests."""
+    cpu_kernels = torch.device(device).type == "cpu" and not emulated()
+    thread_counts = (1, 2, 2, 1) if cpu_kernels else (None, None)
     results = []
     old = torch.get_num_threads()
     try:

@@ -12,7 +12,6 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -39,8 +38,9 @@
 namespace fusedllm::simt {
 
 // ---------------------------------------------------------------------------
-// Fibers: a saved stack pointer and a small context switch (x86-64 System V:
-// callee-saved registers, MXCSR and the x87 control word); ucontext elsewhere.
+// Fibers: a saved stack pointer and a small context switch (x86-64 System V
+// callee-saved registers; no kernel changes the floating-point control
+// registers, so they are not switched); ucontext elsewhere.
 // ---------------------------------------------------------------------------
 
 #if defined(__x86_64__)
@@ -59,14 +59,8 @@ fusedllm_simt_switch:
   pushq %r13
   pushq %r14
   pushq %r15
-  subq $8, %rsp
-  stmxcsr (%rsp)
-  fnstcw 4(%rsp)
   movq %rsp, (%rdi)
   movq %rsi, %rsp
-  ldmxcsr (%rsp)
-  fldcw 4(%rsp)
-  addq $8, %rsp
   popq %r15
   popq %r14
   popq %r13
@@ -103,8 +97,7 @@ void context_init(Context& c, char* top, void (*fn)(void*), void* arg) {
   slot[-4] = reinterpret_cast<uint64_t>(arg);      // r13
   slot[-5] = 0;                                    // r14
   slot[-6] = 0;                                    // r15
-  slot[-7] = 0x1F80ull | (0x037Full << 32);        // MXCSR, x87 control word
-  c.sp = &slot[-7];
+  c.sp = &slot[-6];
 }
 
 inline void context_switch(Context& from, Context& to) { fusedllm_simt_switch(&from.sp, to.sp); }
@@ -224,11 +217,43 @@ struct PendingCollective {
   int arg[kWarpSize];
 };
 
+// Ready threads in the order they will run, with room for every thread.
+struct ReadyQueue {
+  std::vector<int> buf;
+  int head = 0, size = 0;
+
+  void reset(int capacity) {
+    buf.assign(std::max(capacity, 1), 0);
+    head = size = 0;
+  }
+  bool empty() const { return size == 0; }
+  void push(int t) {
+    int i = head + size;
+    if (i >= static_cast<int>(buf.size())) i -= static_cast<int>(buf.size());
+    buf[i] = t;
+    ++size;
+  }
+  int pop_front() {
+    const int t = buf[head];
+    if (++head == static_cast<int>(buf.size())) head = 0;
+    --size;
+    return t;
+  }
+  // The i-th from the front (the front takes its place).
+  int take(int i) {
+    int pos = head + i;
+    if (pos >= static_cast<int>(buf.size())) pos -= static_cast<int>(buf.size());
+    std::swap(buf[pos], buf[head]);
+    return pop_front();
+  }
+};
+
 struct WarpState {
   int first = 0;
   unsigned existing = 0, exited = 0;
-  std::vector<PendingCollective> pending;
-  std::deque<int> ready;
+  unsigned active = 0;  // bit i: slots[i] holds a collective some lanes wait in
+  PendingCollective slots[kWarpSize];
+  ReadyQueue ready;
 };
 
 struct BlockState {
@@ -240,7 +265,7 @@ struct BlockState {
   int n = 0;
   std::vector<ThreadState> threads;
   std::vector<WarpState> warps;
-  std::deque<int> ready;  // non-warp schedules
+  ReadyQueue ready;  // non-warp schedules
   int current_warp = -1;
   std::mt19937_64 rng;
   unsigned char* smem = nullptr;
@@ -328,15 +353,36 @@ void set_error(BlockState& b, const std::string& msg) {
   if (b.error.empty()) b.error = msg;
 }
 
-inline void yield_to_scheduler(ThreadState& t) {
+int pick(BlockState& b);
+bool resolve_stall(BlockState& b);
+
+// Hands the OS thread from `t` (which has just blocked, exited or yielded) to
+// the next thread the schedule picks, directly, or back to the block's
+// scheduler when none can run (the block is done or failed). Returns when `t`
+// runs again.
+void switch_away(ThreadState& t) {
+  BlockState& b = *t.block;
+  ThreadState* next = nullptr;
+  if (b.error.empty()) {
+    int i = pick(b);
+    while (i < 0 && resolve_stall(b)) i = pick(b);
+    if (i >= 0) next = &b.threads[i];
+  }
+  if (next == &t) {
+    t.state = RunState::kRunning;
+    return;
+  }
+  if (next != nullptr) next->state = RunState::kRunning;
+  tl_thread = next;
 #if defined(FUSEDLLM_SIMT_ASAN)
   void* fake = nullptr;
   __sanitizer_start_switch_fiber(t.state == RunState::kExited ? nullptr : &fake,
-                                 t.block->scheduler_stack, t.block->scheduler_stack_size);
-  context_switch(t.ctx, t.block->scheduler);
+                                 next ? next->stack->usable : b.scheduler_stack,
+                                 next ? next->stack->usable_size : b.scheduler_stack_size);
+  context_switch(t.ctx, next ? next->ctx : b.scheduler);
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #else
-  context_switch(t.ctx, t.block->scheduler);
+  context_switch(t.ctx, next ? next->ctx : b.scheduler);
 #endif
 }
 
@@ -345,7 +391,7 @@ inline void yield_to_scheduler(ThreadState& t) {
   BlockState& b = *t.block;
   set_error(b, block_prefix(b) + ", thread " + describe_dim(t.idx) + ": " + msg);
   t.state = RunState::kExited;
-  yield_to_scheduler(t);
+  switch_away(t);
   std::abort();  // an aborted block is never resumed
 }
 
@@ -357,22 +403,14 @@ bool reverse_schedule(Schedule s) { return s == Schedule::kReverse || s == Sched
 void make_ready(BlockState& b, int t) {
   b.threads[t].state = RunState::kReady;
   if (warp_schedule(b.schedule)) {
-    b.warps[b.threads[t].warp].ready.push_back(t);
+    b.warps[b.threads[t].warp].ready.push(t);
   } else {
-    b.ready.push_back(t);
+    b.ready.push(t);
   }
 }
 
-int take(std::deque<int>& q, bool random, std::mt19937_64& rng) {
-  if (!random) {
-    const int t = q.front();
-    q.pop_front();
-    return t;
-  }
-  const size_t i = rng() % q.size();
-  const int t = q[i];
-  q.erase(q.begin() + static_cast<std::ptrdiff_t>(i));
-  return t;
+int take(ReadyQueue& q, bool random, std::mt19937_64& rng) {
+  return random ? q.take(static_cast<int>(rng() % static_cast<uint64_t>(q.size))) : q.pop_front();
 }
 
 // The next thread to run under the block's schedule, or -1 if none is ready.
@@ -384,30 +422,56 @@ int pick(BlockState& b) {
   const bool random = b.schedule == Schedule::kWarpRandom;
   // Warp at a time: the current warp runs until none of its lanes can.
   if (b.current_warp < 0 || b.warps[b.current_warp].ready.empty()) {
-    std::vector<int> candidates;
+    int count = 0, first = -1, last = -1;
     for (int w = 0; w < static_cast<int>(b.warps.size()); ++w) {
-      if (!b.warps[w].ready.empty()) candidates.push_back(w);
+      if (b.warps[w].ready.empty()) continue;
+      if (first < 0) first = w;
+      last = w;
+      ++count;
     }
-    if (candidates.empty()) return -1;
+    if (count == 0) return -1;
     if (random) {
-      b.current_warp = candidates[b.rng() % candidates.size()];
+      int k = static_cast<int>(b.rng() % static_cast<uint64_t>(count));
+      for (int w = first;; ++w) {
+        if (!b.warps[w].ready.empty() && k-- == 0) {
+          b.current_warp = w;
+          break;
+        }
+      }
     } else {
-      b.current_warp = b.schedule == Schedule::kWarpReverse ? candidates.back() : candidates.front();
+      b.current_warp = b.schedule == Schedule::kWarpReverse ? last : first;
     }
   }
   return take(b.warps[b.current_warp].ready, random, b.rng);
 }
 
-// Threads `ids` (in thread order) made ready, in the order the schedule wants.
-void release(BlockState& b, std::vector<int>& ids) {
-  if (reverse_schedule(b.schedule)) std::reverse(ids.begin(), ids.end());
-  for (int t : ids) make_ready(b, t);
+// Threads ids[0..n) (in thread order) made ready, in the order the schedule wants.
+void release(BlockState& b, const int* ids, int n) {
+  if (reverse_schedule(b.schedule)) {
+    for (int i = n - 1; i >= 0; --i) make_ready(b, ids[i]);
+  } else {
+    for (int i = 0; i < n; ++i) make_ready(b, ids[i]);
+  }
+}
+
+void release_all(BlockState& b) {
+  if (reverse_schedule(b.schedule)) {
+    for (int i = b.n - 1; i >= 0; --i) make_ready(b, i);
+  } else {
+    for (int i = 0; i < b.n; ++i) make_ready(b, i);
+  }
 }
 
 void fiber_entry(void* arg) {
   ThreadState& t = *static_cast<ThreadState*>(arg);
 #if defined(FUSEDLLM_SIMT_ASAN)
-  __sanitizer_finish_switch_fiber(nullptr, &t.block->scheduler_stack, &t.block->scheduler_stack_size);
+  // The first thread a block runs is entered from the scheduler: learn its stack.
+  if (t.block->scheduler_stack == nullptr) {
+    __sanitizer_finish_switch_fiber(nullptr, &t.block->scheduler_stack,
+                                    &t.block->scheduler_stack_size);
+  } else {
+    __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
+  }
 #endif
   // Leave the handler before leaving the fiber: the C++ runtime keeps caught
   // exceptions per OS thread.
@@ -424,7 +488,8 @@ void fiber_entry(void* arg) {
   WarpState& w = b.warps[t.warp];
   const unsigned bit = 1u << t.lane;
   w.exited |= bit;
-  for (const PendingCollective& p : w.pending) {
+  for (unsigned a = w.active; a != 0; a &= a - 1) {
+    const PendingCollective& p = w.slots[__builtin_ctz(a)];
     if (p.mask & bit) {
       fail(t, "exited while lanes " + hex_mask(p.arrived) + " of warp " + std::to_string(t.warp) +
                   " wait for it in " + collective_name(p.kind) + " at " + where(p.file, p.line) +
@@ -432,7 +497,7 @@ void fiber_entry(void* arg) {
     }
   }
   t.state = RunState::kExited;
-  yield_to_scheduler(t);
+  switch_away(t);
   std::abort();
 }
 
@@ -466,10 +531,8 @@ bool resolve_stall(BlockState& b) {
                        std::to_string(exited) + " threads of the block have exited");
       return false;
     }
-    std::vector<int> ids(b.n);
-    for (int i = 0; i < b.n; ++i) ids[i] = i;
     ++b.barriers;
-    release(b, ids);
+    release_all(b);
     return true;
   }
   // Deadlock: describe each group of threads waiting at the same place.
@@ -558,12 +621,12 @@ void fault_handler(int sig, siginfo_t* info, void* ctx) {
 
 void run_block(BlockState& b) {
   b.error.clear();
-  b.ready.clear();
+  b.ready.reset(b.n);
   b.current_warp = -1;
   for (WarpState& w : b.warps) {
     w.exited = 0;
-    w.pending.clear();
-    w.ready.clear();
+    w.active = 0;
+    w.ready.reset(kWarpSize);
   }
   tl_block = &b;
   if (sigsetjmp(b.fault_jump, 1) == 0) {
@@ -577,28 +640,20 @@ void run_block(BlockState& b) {
       context_init(t.ctx, t.stack->usable, t.stack->usable_size, fiber_entry, &t);
 #endif
     }
-    std::vector<int> ids(b.n);
-    for (int i = 0; i < b.n; ++i) ids[i] = i;
-    release(b, ids);
-    while (b.error.empty()) {
-      const int next = pick(b);
-      if (next < 0) {
-        if (!resolve_stall(b)) break;
-        continue;
-      }
-      ThreadState& t = b.threads[next];
-      t.state = RunState::kRunning;
-      tl_thread = &t;
+    release_all(b);
+    // The threads hand the OS thread to each other (switch_away); it comes
+    // back here when the block has finished or failed.
+    ThreadState& t = b.threads[pick(b)];
+    t.state = RunState::kRunning;
+    tl_thread = &t;
 #if defined(FUSEDLLM_SIMT_ASAN)
-      void* fake = nullptr;
-      __sanitizer_start_switch_fiber(&fake, t.stack->usable, t.stack->usable_size);
-      context_switch(b.scheduler, t.ctx);
-      __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+    void* fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, t.stack->usable, t.stack->usable_size);
+    context_switch(b.scheduler, t.ctx);
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #else
-      context_switch(b.scheduler, t.ctx);
+    context_switch(b.scheduler, t.ctx);
 #endif
-      tl_thread = nullptr;
-    }
   }
   tl_thread = nullptr;
   tl_block = nullptr;
@@ -644,7 +699,7 @@ void syncthreads(const char* file, int line) {
   t.state = RunState::kBarrier;
   t.file = file;
   t.line = line;
-  yield_to_scheduler(t);
+  switch_away(t);
 }
 
 void kernel_assert_failed(const char* cond, const char* file, int line) {
@@ -675,7 +730,8 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg
                 hex_mask(mask & w.exited) + ")");
   }
   PendingCollective* p = nullptr;
-  for (PendingCollective& q : w.pending) {
+  for (unsigned a = w.active; a != 0; a &= a - 1) {
+    PendingCollective& q = w.slots[__builtin_ctz(a)];
     if (q.mask & mask) {
       if (q.mask != mask) {
         fail(t, name() + " with mask " + hex_mask(mask) + " overlaps lanes waiting in " +
@@ -686,8 +742,15 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg
     }
   }
   if (p == nullptr) {
-    w.pending.push_back(PendingCollective{kind, mask, 0, width, file, line, {}, {}});
-    p = &w.pending.back();
+    const int slot = __builtin_ctz(~w.active);  // lanes in disjoint masks: at most 32 slots
+    w.active |= 1u << slot;
+    p = &w.slots[slot];
+    p->kind = kind;
+    p->mask = mask;
+    p->arrived = 0;
+    p->width = width;
+    p->file = file;
+    p->line = line;
   } else if (p->kind != kind || p->width != width) {
     fail(t, name() + " meets lanes waiting in " + collective_name(p->kind) + " at " +
                 where(p->file, p->line) + " (width " + std::to_string(p->width) + ")");
@@ -699,18 +762,19 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg
   t.line = line;
   if (p->arrived != mask) {
     t.state = RunState::kCollective;
-    yield_to_scheduler(t);
+    switch_away(t);
     return t.result;
   }
 
   // Everyone is here: compute each lane's result.
-  const PendingCollective done = *p;
-  w.pending.erase(w.pending.begin() + (p - w.pending.data()));
+  const PendingCollective& done = *p;
+  w.active &= ~(1u << (p - w.slots));
   uint64_t votes = 0;
   for (int l = 0; l < kWarpSize; ++l) {
     if ((done.mask >> l & 1u) && done.value[l] != 0) votes |= 1ull << l;
   }
-  std::vector<int> ids;
+  int ids[kWarpSize];
+  int n_ids = 0;
   for (int l = 0; l < kWarpSize; ++l) {
     if (!(done.mask >> l & 1u)) continue;
     ThreadState& lt = b.threads[w.first + l];  // waiting in this collective
@@ -740,11 +804,11 @@ uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg
       case Collective::kAll: lt.result = votes == (static_cast<uint64_t>(done.mask) & 0xffffffffull); break;
       case Collective::kSyncWarp: lt.result = 0; break;
     }
-    ids.push_back(w.first + l);
+    ids[n_ids++] = w.first + l;
   }
   ++b.collectives;
-  release(b, ids);
-  yield_to_scheduler(t);  // in lockstep with the others
+  release(b, ids, n_ids);
+  switch_away(t);  // in lockstep with the others
   return t.result;
 }
 

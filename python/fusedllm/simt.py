@@ -106,6 +106,14 @@ class _EmulatedKernels(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+_depth = 0
+
+
+def active() -> bool:
+    """Whether fusedllm ops are being sent to the emulated kernels (inside ``kernels()``)."""
+    return _depth > 0
+
+
 @contextlib.contextmanager
 def kernels(schedule: str | None = None, workers: int | None = None):
     """Within the block, fusedllm ops on CPU tensors run the emulated CUDA
@@ -116,7 +124,9 @@ def kernels(schedule: str | None = None, workers: int | None = None):
         raise ValueError(f"fusedllm.simt.kernels: schedule must be one of {SCHEDULES}, got {schedule!r}")
     if workers is not None and (not isinstance(workers, int) or workers < 1):
         raise ValueError(f"fusedllm.simt.kernels: workers must be an int >= 1, got {workers!r}")
+    global _depth
     old_schedule, old_workers = _simt.schedule(), _simt.workers()
+    _depth += 1
     try:
         if schedule is not None:
             _simt.set_schedule(schedule)
@@ -125,5 +135,6 @@ def kernels(schedule: str | None = None, workers: int | None = None):
         with _EmulatedKernels() as mode:
             yield mode
     finally:
+        _depth -= 1
         _simt.set_schedule(old_schedule)
         _simt.set_workers(old_workers)

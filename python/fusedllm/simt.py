@@ -91,12 +91,18 @@ class _EmulatedKernels(TorchDispatchMode):
     ``torch.ops.fusedllm_simt.*`` twin; other ops (and fake tensors, traced
     by torch.compile or opcheck) go on as they would."""
 
+    # Higher-order operators (auto_functionalized, which torch.compile and
+    # opcheck wrap around in-place ops) pass through to torch's own rules.
+    supports_higher_order_operators = True
+
     def __init__(self):
         super().__init__()
         self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
         if func.namespace == "fusedllm" and not any(
                 isinstance(a, FakeTensor) or (isinstance(a, torch.Tensor) and a.is_meta)
                 for a in tree_leaves((args, kwargs))):

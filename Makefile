@@ -61,7 +61,7 @@ sanitize: build
 	  -DFUSEDLLM_SIMT=ON -DFUSEDLLM_SIMT_SANITIZE=ON > $(SANITIZE_DIR)/configure.log
 	$(BIN)/cmake --build $(SANITIZE_DIR) --target _simt
 	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)" \
-	  ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  FUSEDLLM_SIMT_LIBRARY="$$(ls $(SANITIZE_DIR)/_simt*.so)" \
 	  $(BIN)/python -m pytest -q -p no:cacheprovider -m "simt and not slow" -k "not simt-warp" $(SANITIZE_ARGS)
 

@@ -28,6 +28,7 @@
 #endif
 #endif
 #if defined(FUSEDLLM_SIMT_ASAN)
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 
@@ -141,6 +142,11 @@ struct GuardedRegion {
   ~GuardedRegion() { release(); }
 
   void release() {
+#if defined(FUSEDLLM_SIMT_ASAN)
+    // Frames that never unwound leave poisoned shadow; whatever maps these
+    // addresses next must not inherit it.
+    if (map != nullptr) ASAN_UNPOISON_MEMORY_REGION(map, map_size);
+#endif
     if (map != nullptr) munmap(map, map_size);
     map = guard = usable = nullptr;
     map_size = usable_size = 0;
@@ -289,6 +295,14 @@ struct WorkerResources {
   size_t smem_bytes = SIZE_MAX;
   std::vector<char> signal_stack;
 
+  ~WorkerResources() {
+    if (!signal_stack.empty()) {
+      stack_t ss{};
+      ss.ss_flags = SS_DISABLE;
+      sigaltstack(&ss, nullptr);
+    }
+  }
+
   GuardedRegion* stack(int i) {
     while (static_cast<int>(stacks.size()) <= i) {
       stacks.push_back(std::make_unique<GuardedRegion>());
@@ -387,7 +401,7 @@ void switch_away(ThreadState& t) {
 }
 
 // Ends the calling thread's part in the block with an error; never returns.
-[[noreturn]] void fail(ThreadState& t, const std::string& msg) {
+FUSEDLLM_SIMT_NORETURN void fail(ThreadState& t, const std::string& msg) {
   BlockState& b = *t.block;
   set_error(b, block_prefix(b) + ", thread " + describe_dim(t.idx) + ": " + msg);
   t.state = RunState::kExited;
@@ -582,7 +596,12 @@ void install_fault_handler() {
     sigaction(SIGSEGV, &sa, &g_previous_segv);
     sigaction(SIGBUS, &sa, &g_previous_bus);
   });
-  if (tl_resources->signal_stack.empty()) {
+  // The handler must run off the faulting stack (a stack overflow); use the
+  // alternate stack this OS thread has (Python's faulthandler, a sanitizer),
+  // or install one.
+  stack_t current{};
+  if (tl_resources->signal_stack.empty() && sigaltstack(nullptr, &current) == 0 &&
+      (current.ss_flags & SS_DISABLE)) {
     tl_resources->signal_stack.resize(64 * 1024);
     stack_t ss{};
     ss.ss_sp = tl_resources->signal_stack.data();
@@ -655,6 +674,21 @@ void run_block(BlockState& b) {
     context_switch(b.scheduler, t.ctx);
 #endif
   }
+#if defined(FUSEDLLM_SIMT_ASAN)
+  else {
+    // Back from a fault on a thread's stack by siglongjmp, past the fiber
+    // switch annotations: tell AddressSanitizer which stack this is again.
+    __sanitizer_start_switch_fiber(nullptr, b.scheduler_stack, b.scheduler_stack_size);
+    __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
+  }
+  // A failed block's threads never unwound: clear what their frames left in
+  // the shadow memory before their stacks serve the next block.
+  if (!b.error.empty()) {
+    for (ThreadState& t : b.threads) {
+      ASAN_UNPOISON_MEMORY_REGION(t.stack->usable, t.stack->usable_size);
+    }
+  }
+#endif
   tl_thread = nullptr;
   tl_block = nullptr;
 }

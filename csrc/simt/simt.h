@@ -32,6 +32,14 @@ struct dim3 {
   constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 
+// Ends the calling emulated thread; it never returns. Not declared noreturn
+// under AddressSanitizer, whose no-return hook misreads a fiber's stack.
+#if defined(__SANITIZE_ADDRESS__)
+#define FUSEDLLM_SIMT_NORETURN
+#else
+#define FUSEDLLM_SIMT_NORETURN [[noreturn]]
+#endif
+
 namespace fusedllm::simt {
 
 constexpr int kWarpSize = 32;
@@ -67,7 +75,7 @@ enum class Collective : int { kShfl, kShflUp, kShflDown, kShflXor, kBallot, kAny
 // this lane's result bits once all of them have arrived.
 uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg, int width,
                          const char* file, int line);
-[[noreturn]] void kernel_assert_failed(const char* cond, const char* file, int line);
+FUSEDLLM_SIMT_NORETURN void kernel_assert_failed(const char* cond, const char* file, int line);
 
 template <typename T>
 uint64_t to_bits(T v) {

@@ -1,7 +1,7 @@
-"""Fake (meta) kernels for the ``torch.ops.fusedllm`` operators: the shapes and
-dtypes torch.compile traces with. The only module that calls
-``torch.library.register_fake``; the schemas are in ``csrc/include/fusedllm/schemas.h``, autograd in
-``csrc/autograd.cpp``.
+"""Fake (meta) kernels for the ``torch.ops.fusedllm`` operators (and their
+``fusedllm_simt`` twins): the shapes and dtypes torch.compile traces with. The
+only module that calls ``torch.library.register_fake``; the schemas are in
+``csrc/include/fusedllm/schemas.h``, autograd in ``csrc/autograd.cpp``.
 """
 
 from __future__ import annotations

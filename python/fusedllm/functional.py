@@ -218,7 +218,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         # Checked here only where it costs no device-to-host sync: on a GPU the
         # kernel's device-side assert catches positions past the table (as
         # torch's own embedding lookup does).
-        if position_ids.numel() and position_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        if (position_ids.numel() and position_ids.device.type == "cpu"
+                and not torch.compiler.is_compiling()):
             low, high = int(position_ids.min()), int(position_ids.max())
             if low < 0 or high >= cos.shape[0]:
                 raise ValueError(f"{op}: position_ids span {low}..{high} but the cos/sin table has "

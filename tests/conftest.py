@@ -30,8 +30,8 @@ def device(request):
         yield request.param
         return
     if request.node.get_closest_marker("slow"):
-        # torch.compile traces and 8k-token memory runs: the emulator (a few
-        # million emulated instructions a second) runs their kernels in the other tests.
+        # torch.compile traces and 8k-token memory runs, too large for the
+        # emulator; their kernels run under it in the other tests.
         pytest.skip("slow tests do not run under the SIMT emulator")
     import fusedllm.simt
 

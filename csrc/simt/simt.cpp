@@ -86,7 +86,7 @@ struct Context {
   void* sp = nullptr;
 };
 
-// A fresh context that calls fn(arg) on the stack [bottom, top) when first
+// A fresh context that calls fn(arg) on the stack below `top` when first
 // switched to. fn must never return.
 void context_init(Context& c, char* top, void (*fn)(void*), void* arg) {
   auto* slot = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(top) & ~uintptr_t(15)) - 8);
@@ -201,9 +201,12 @@ size_t stack_bytes() {
 
 enum class RunState : uint8_t { kReady, kRunning, kBarrier, kCollective, kExited };
 
+struct BlockState;
+
+// One emulated thread: its indices, where it waits, its fiber.
 struct ThreadState {
   uint3 idx{};
-  int linear = 0, lane = 0, warp = 0;
+  int lane = 0, warp = 0;
   RunState state = RunState::kReady;
   const char* file = nullptr;  // where it waits
   int line = 0;
@@ -553,29 +556,28 @@ bool resolve_stall(BlockState& b) {
   std::ostringstream msg;
   msg << block_prefix(b) << ": deadlock, no thread can go on:";
   std::string last;
-  int count = 0;
+  int count = 0, first = 0;
   auto flush = [&] {
-    if (count > 0) msg << " " << count << " thread" << (count > 1 ? "s " : " ") << last << ";";
+    if (count == 0) return;
+    msg << " " << count << " thread" << (count > 1 ? "s" : "") << " (from "
+        << describe_dim(b.threads[first].idx) << ") " << last << ";";
   };
   for (int i = 0; i < b.n; ++i) {
     const ThreadState& t = b.threads[i];
-    std::string what;
-    if (t.state == RunState::kExited) {
-      what = "exited";
-    } else if (t.state == RunState::kBarrier) {
+    std::string what = "exited";
+    if (t.state == RunState::kBarrier) {
       what = "at __syncthreads " + where(t.file, t.line);
-    } else {
+    } else if (t.state != RunState::kExited) {
       what = "in a warp collective at " + where(t.file, t.line);
     }
-    what = "(from " + describe_dim(t.idx) + ") " + what;
-    const std::string key = what.substr(what.find(')') + 2);
-    if (count > 0 && key == last.substr(last.find(')') + 2)) {
+    if (count > 0 && what == last) {
       ++count;
-    } else {
-      flush();
-      last = what;
-      count = 1;
+      continue;
     }
+    flush();
+    last = what;
+    first = i;
+    count = 1;
   }
   flush();
   set_error(b, msg.str());
@@ -721,7 +723,6 @@ void context_init(Context& c, char* bottom, size_t size, void (*fn)(void*), void
 
 namespace detail {
 
-ThreadState& current_thread() { return *tl_thread; }
 const uint3& thread_idx() { return tl_thread->idx; }
 const uint3& block_idx() { return tl_block->idx; }
 const dim3& block_dim() { return tl_block->block_dim; }
@@ -999,7 +1000,6 @@ void launch(const char* name, const void* kernel, dim3 grid, dim3 block, size_t 
     b->warps.resize((n + kWarpSize - 1) / kWarpSize);
     for (int i = 0; i < n; ++i) {
       ThreadState& t = b->threads[i];
-      t.linear = i;
       t.idx = uint3{i % block.x, (i / block.x) % block.y, i / (block.x * block.y)};
       t.lane = i % kWarpSize;
       t.warp = i / kWarpSize;

@@ -57,12 +57,7 @@ struct DeviceProperties {
 };
 const DeviceProperties& device_properties();
 
-// What one emulated thread is: its indices and its place in the scheduler.
-struct ThreadState;
-struct BlockState;
-
 namespace detail {
-ThreadState& current_thread();
 const uint3& thread_idx();
 const uint3& block_idx();
 const dim3& block_dim();

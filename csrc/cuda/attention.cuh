@@ -1,0 +1,207 @@
+// attention ops on CUDA: SIMT kernels with float32 (float64) accumulation.
+//
+// Rows of one (batch, kv head) pair are ordered (position, query head), as on
+// the CPU, so a block that loads a K/V tile into shared memory serves every
+// query head of the group. Scores: lane j of a warp owns key j of the tile and
+// computes q . k_j for the warp's rows from shared memory; softmax statistics
+// are warp reductions; for P V (and dS K) each lane owns head_dim entries
+// lane, lane + 32, ... and takes p_j from lane j by shuffle. The online-softmax
+// step, masks and score gradient come from fusedllm/attention.h, the code the
+// CPU kernels run too.
+//
+// Backward: delta = rowsum(dO * O) once; dQ by a kernel shaped like the
+// forward (one block per tile of rows, every key tile); dK/dV by a kernel with
+// one block per key tile that walks every query row of the group. Nothing is
+// accumulated with atomics, so the gradients are deterministic.
+//
+// This header is what the kernels share. Each kernel role is its own
+// translation unit, so that they compile in parallel: attention_forward.cu,
+// attention_dq.cu (delta and dQ), attention_dkdv.cu; attention.cu is the op
+// that launches them.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <type_traits>
+
+#include "fusedllm/attention.h"
+#include "fusedllm/attention_op.h"
+#include "fusedllm/dropout.h"
+#include "primitives.cuh"
+
+namespace fusedllm::cuda {
+
+// Each role's launches on `stream`, for the plan's dtype and head dim.
+void launch_attention_forward(const AttentionForwardPlan& p, Stream stream);
+// delta = rowsum(dO * O) into `delta`, then dQ.
+void launch_attention_dq(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
+void launch_attention_dkdv(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
+
+namespace {
+
+using attn::Mask;
+
+struct Strides {
+  int64_t b, h, s;
+};
+
+Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+// Tile shapes for head dims up to 32 * kDL, in accumulator type acc_t.
+template <typename acc_t, int kDL>
+struct Cfg {
+  static constexpr int kD = kWarpSize * kDL;                 // padded head dim
+  static constexpr int kVec = 16 / sizeof(acc_t);            // elements per 16-byte access
+  static constexpr int kLd = kD + kVec;                      // shared row stride: lanes reading
+                                                             // different rows hit different banks
+  static constexpr int kKeys = sizeof(acc_t) == 8 ? 16 : 32;  // keys per tile, one per lane
+  static constexpr bool kWide = sizeof(acc_t) == 8;
+
+  // forward: 4 warps, each owning kFwdRowsPerWarp rows
+  static constexpr int kFwdWarps = 4;
+  static constexpr int kFwdRowsPerWarp = kWide ? 2 : 4;
+  static constexpr int kFwdRows = kFwdWarps * kFwdRowsPerWarp;
+  static constexpr size_t fwd_smem() { return sizeof(acc_t) * kLd * (kFwdRows + 2 * kKeys); }
+
+  // dQ: like the forward with dO rows as well
+  static constexpr int kDqWarps = 4;
+  static constexpr int kDqRowsPerWarp = kWide ? 1 : 2;
+  static constexpr int kDqRows = kDqWarps * kDqRowsPerWarp;
+  static constexpr size_t dq_smem() { return sizeof(acc_t) * kLd * (2 * kDqRows + 2 * kKeys); }
+
+  // dK/dV: 8 warps, each owning kKeys / 8 keys; rows staged kChunk at a time
+  static constexpr int kKvWarps = 8;
+  static constexpr int kKeysPerWarp = kKeys / kKvWarps;
+  static constexpr int kChunk = kWide ? 4 : 8;
+  static constexpr size_t kv_smem() {
+    return sizeof(acc_t) * (kLd * (2 * kKeys + 2 * kChunk) + 2 * kChunk * kKeys + 2 * kChunk);
+  }
+};
+
+// Copies `n_rows` rows of head_dim d starting at row0 of the (position, head)
+// ordering of kv head g into shared rows of stride kLd, times `scale`; zeros
+// past d and past the last row.
+template <typename T, typename acc_t, int kD, int kLd>
+__device__ __forceinline__ void stage_rows(acc_t* dst, int n_rows, const T* base, Strides st,
+                                           int64_t g, int64_t group, int64_t row0, int64_t rows_total,
+                                           int d, acc_t scale) {
+  for (int idx = threadIdx.x; idx < n_rows * kD; idx += blockDim.x) {
+    const int r = idx / kD, c = idx % kD;
+    const int64_t row = row0 + r;
+    acc_t val = 0;
+    if (row < rows_total && c < d) {
+      const int64_t pos = row / group, h = g * group + row % group;
+      val = static_cast<acc_t>(base[h * st.h + pos * st.s + c]) * scale;
+    }
+    dst[r * kLd + c] = val;
+  }
+}
+
+// Copies keys [j0, j0 + kKeys) of one kv head (zeros past `end` and past d).
+template <typename T, typename acc_t, int kD, int kLd, int kKeys>
+__device__ __forceinline__ void stage_keys(acc_t* dst, const T* base, int64_t seq_stride, int64_t j0,
+                                           int64_t end, int d) {
+  for (int idx = threadIdx.x; idx < kKeys * kD; idx += blockDim.x) {
+    const int jj = idx / kD, c = idx % kD;
+    const int64_t key = j0 + jj;
+    dst[jj * kLd + c] = (key < end && c < d) ? static_cast<acc_t>(base[key * seq_stride + c]) : acc_t(0);
+  }
+}
+
+// a . b over the first n (a multiple of kVec) entries of two shared rows.
+template <typename acc_t, int kVec>
+__device__ __forceinline__ acc_t smem_dot(const acc_t* a, const acc_t* b, int n) {
+  acc_t sum = 0;
+#pragma unroll 4
+  for (int c = 0; c < n; c += kVec) {
+    const Pack<acc_t, kVec> x = load_pack<acc_t, kVec>(a + c);
+    const Pack<acc_t, kVec> y = load_pack<acc_t, kVec>(b + c);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) sum += x.v[e] * y.v[e];
+  }
+  return sum;
+}
+
+// What a score sees besides causal/window: the caller's mask (added, or -inf
+// where a bool mask is False) and the dropout of its probability.
+struct ScoreExtras {
+  attn::TensorMask mask;
+  dropout::Dropout drop;
+  int64_t q_heads = 0, sq = 0, sk = 0;
+
+  template <typename acc_t>
+  __device__ __forceinline__ acc_t masked(acc_t s, int64_t b, int64_t h, int64_t pos,
+                                          int64_t key) const {
+    if (!mask.present()) return s;
+    const int64_t off = mask.offset(b, h, pos) + key * mask.k_stride;
+    if (mask.kind == attn::MaskKind::kBool) {
+      return static_cast<const bool*>(mask.data)[off] ? s : -std::numeric_limits<acc_t>::infinity();
+    }
+    double x = 0;  // exact for every float mask dtype
+    switch (mask.kind) {
+      case attn::MaskKind::kFloat: x = static_cast<const float*>(mask.data)[off]; break;
+      case attn::MaskKind::kDouble: x = static_cast<const double*>(mask.data)[off]; break;
+      case attn::MaskKind::kBFloat16:
+        x = static_cast<float>(static_cast<const c10::BFloat16*>(mask.data)[off]);
+        break;
+      case attn::MaskKind::kHalf: x = static_cast<float>(static_cast<const c10::Half*>(mask.data)[off]); break;
+      default: break;
+    }
+    // The dtype's most negative finite value means "masked" (see attention.h).
+    return x <= attn::mask_lowest(mask.kind) ? -std::numeric_limits<acc_t>::infinity()
+                                             : s + static_cast<acc_t>(x);
+  }
+
+  // 1 / (1 - p) where probability (b, h, pos, key) is kept, else 0; 1 without dropout.
+  template <typename acc_t>
+  __device__ __forceinline__ acc_t keep_factor(int64_t b, int64_t h, int64_t pos, int64_t key) const {
+    if (!drop.enabled) return acc_t(1);
+    const uint64_t n = static_cast<uint64_t>(((b * q_heads + h) * sq + pos) * sk + key);
+    return dropout::keep(drop.seed, n, drop.threshold) ? static_cast<acc_t>(drop.scale) : acc_t(0);
+  }
+};
+
+// Every kernel declares one resident block per SM as its minimum, so ptxas
+// may use the registers the unrolled row/column arrays need instead of
+// spilling them to reach a higher occupancy target.
+
+// Calls f(std::integral_constant<int, kDL>) for the smallest 32 * kDL >= d.
+template <typename F>
+void with_head_dim(int64_t d, F&& f) {
+  if (d <= 32) {
+    f(std::integral_constant<int, 1>{});
+  } else if (d <= 64) {
+    f(std::integral_constant<int, 2>{});
+  } else if (d <= 128) {
+    f(std::integral_constant<int, 4>{});
+  } else {
+    f(std::integral_constant<int, 8>{});
+  }
+}
+
+// Lets `kernel` use `bytes` of dynamic shared memory (above the 48 KiB default).
+template <typename Kernel>
+void allow_shared_memory(Kernel kernel, size_t bytes) {
+  const auto& props = device_properties();
+  TORCH_CHECK(bytes <= props.sharedMemPerBlockOptin, "fusedllm.attention: this head_dim and dtype need ",
+              bytes, " bytes of shared memory per block; ", props.name, " allows ",
+              props.sharedMemPerBlockOptin);
+  if (bytes > 48 * 1024) allow_dynamic_shared_memory(kernel, bytes);
+}
+
+ScoreExtras extras_of(const AttentionParams& p) {
+  ScoreExtras e;
+  e.mask = p.tensor_mask;
+  e.drop = p.dropout;
+  e.q_heads = p.shape.q_heads;
+  e.sq = p.shape.sq;
+  e.sk = p.shape.sk;
+  return e;
+}
+
+}  // namespace
+}  // namespace fusedllm::cuda

@@ -1,0 +1,162 @@
+// attention backward on CUDA, first part: delta = rowsum(dO * O), then dQ.
+#include "attention.cuh"
+
+namespace fusedllm::cuda {
+namespace {
+
+// delta[row] = sum(dO * O) over head_dim, one warp per row of [B, Hq, Sq].
+template <typename T>
+__global__ void attention_delta_kernel(const T* __restrict__ grad_out, Strides gs,
+                                       const T* __restrict__ out, Strides os,
+                                       at::opmath_type<T>* __restrict__ delta, int64_t q_heads,
+                                       int64_t sq, int64_t n_rows, int d) {
+  using acc_t = at::opmath_type<T>;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t warps_per_block = blockDim.x / kWarpSize;
+  for (int64_t row = blockIdx.x * warps_per_block + threadIdx.x / kWarpSize; row < n_rows;
+       row += static_cast<int64_t>(gridDim.x) * warps_per_block) {
+    const int64_t pos = row % sq, bh = row / sq;
+    const int64_t h = bh % q_heads, b = bh / q_heads;
+    const T* g = grad_out + b * gs.b + h * gs.h + pos * gs.s;
+    const T* o = out + b * os.b + h * os.h + pos * os.s;
+    acc_t sum = 0;
+    for (int c = lane; c < d; c += kWarpSize) sum += static_cast<acc_t>(g[c]) * static_cast<acc_t>(o[c]);
+    sum = warp_reduce_sum(sum);
+    if (lane == 0) delta[row] = sum;
+  }
+}
+
+// dQ for a tile of rows (position, head) of kv head g over every key they see.
+template <typename T, int kDL>
+__global__ void __launch_bounds__(Cfg<at::opmath_type<T>, kDL>::kDqWarps * kWarpSize, 1)
+attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restrict__ q, Strides qs,
+                    const T* __restrict__ k, Strides ks, const T* __restrict__ v, Strides vs,
+                    const at::opmath_type<T>* __restrict__ lse,
+                    const at::opmath_type<T>* __restrict__ delta, T* __restrict__ grad_q,
+                    int64_t q_heads, int64_t group, int64_t sq, int d, at::opmath_type<T> scale,
+                    Mask mask, ScoreExtras extras) {
+  using acc_t = at::opmath_type<T>;
+  using C = Cfg<acc_t, kDL>;
+  using Ops = attn::ScalarOps<acc_t>;
+  constexpr int RW = C::kDqRowsPerWarp;
+  acc_t* q_s = dynamic_shared<acc_t>();
+  acc_t* do_s = q_s + C::kDqRows * C::kLd;
+  acc_t* k_s = do_s + C::kDqRows * C::kLd;
+  acc_t* v_s = k_s + C::kKeys * C::kLd;
+
+  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int64_t rows_total = sq * group;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * C::kDqRows;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int d_vec = (d + C::kVec - 1) / C::kVec * C::kVec;
+  const T* kb_ptr = k + b * ks.b + g * ks.h;
+  const T* vb_ptr = v + b * vs.b + g * vs.h;
+
+  stage_rows<T, acc_t, C::kD, C::kLd>(q_s, C::kDqRows, q + b * qs.b, qs, g, group, row0, rows_total,
+                                       d, scale);
+  stage_rows<T, acc_t, C::kD, C::kLd>(do_s, C::kDqRows, grad_out + b * gs.b, gs, g, group, row0,
+                                       rows_total, d, acc_t(1));
+
+  acc_t dq[RW][kDL], shift[RW], dlt[RW];
+  int64_t lo[RW], hi[RW];
+#pragma unroll
+  for (int r = 0; r < RW; ++r) {
+    const int64_t row = row0 + warp * RW + r;
+    const bool valid = row < rows_total;
+    const int64_t lrow = valid ? (b * q_heads + g * group + row % group) * sq + row / group : 0;
+#pragma unroll
+    for (int t = 0; t < kDL; ++t) dq[r][t] = 0;
+    shift[r] = valid ? Ops::finite_or_zero(lse[lrow]) : acc_t(0);
+    dlt[r] = valid ? delta[lrow] : acc_t(0);
+    lo[r] = valid ? attn::key_begin(mask, row / group) : 0;
+    hi[r] = valid ? attn::key_end(mask, row / group) : 0;
+  }
+  const int64_t last_row = (row0 + C::kDqRows < rows_total ? row0 + C::kDqRows : rows_total) - 1;
+  const int64_t key_lo = attn::key_begin(mask, row0 / group);
+  const int64_t key_hi = attn::key_end(mask, last_row / group);
+
+  for (int64_t j0 = key_lo; j0 < key_hi; j0 += C::kKeys) {
+    __syncthreads();
+    stage_keys<T, acc_t, C::kD, C::kLd, C::kKeys>(k_s, kb_ptr, ks.s, j0, key_hi, d);
+    stage_keys<T, acc_t, C::kD, C::kLd, C::kKeys>(v_s, vb_ptr, vs.s, j0, key_hi, d);
+    __syncthreads();
+
+    const int64_t key = j0 + lane;
+    acc_t ds[RW];
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+      const bool visible = lane < C::kKeys && key >= lo[r] && key < hi[r];
+      acc_t p = 0, dp = 0;
+      if (visible) {
+        const int64_t row = row0 + warp * RW + r;
+        const int64_t h = g * group + row % group, pos = row / group;
+        const acc_t s = extras.masked(
+            smem_dot<acc_t, C::kVec>(q_s + (warp * RW + r) * C::kLd, k_s + lane * C::kLd, d_vec), b,
+            h, pos, key);
+        dp = smem_dot<acc_t, C::kVec>(do_s + (warp * RW + r) * C::kLd, v_s + lane * C::kLd, d_vec) *
+             extras.keep_factor<acc_t>(b, h, pos, key);
+        p = Ops::exp(s - shift[r]);
+      }
+      ds[r] = attn::score_grad(p, dp, dlt[r]);
+    }
+    for (int jj = 0; jj < C::kKeys; ++jj) {
+      acc_t kj[kDL];
+#pragma unroll
+      for (int t = 0; t < kDL; ++t) kj[t] = k_s[jj * C::kLd + lane + kWarpSize * t];
+#pragma unroll
+      for (int r = 0; r < RW; ++r) {
+        const acc_t dsj = warp_broadcast(ds[r], jj);
+#pragma unroll
+        for (int t = 0; t < kDL; ++t) dq[r][t] += dsj * kj[t];
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < RW; ++r) {
+    const int64_t row = row0 + warp * RW + r;
+    if (row >= rows_total) continue;
+    const int64_t out_row = (b * q_heads + g * group + row % group) * sq + row / group;
+#pragma unroll
+    for (int t = 0; t < kDL; ++t) {
+      const int c = lane + kWarpSize * t;
+      if (c < d) grad_q[out_row * d + c] = static_cast<T>(dq[r][t] * scale);
+    }
+  }
+}
+
+}  // namespace
+
+void launch_attention_dq(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream) {
+  const AttentionShape& s = p.shape;
+  const int64_t group = s.group();
+  const int64_t n_rows = s.batch * s.q_heads * s.sq;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.scalar_type(), "fusedllm_attention_dq_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const int delta_threads = 256;
+    const int64_t warps = delta_threads / kWarpSize;
+    const int delta_blocks = static_cast<int>(std::min<int64_t>((n_rows + warps - 1) / warps, 65535));
+    launch("attention_delta_kernel", attention_delta_kernel<scalar_t>, delta_blocks, delta_threads,
+           0, stream, p.grad_out.const_data_ptr<scalar_t>(), strides_of(p.grad_out),
+           p.out.const_data_ptr<scalar_t>(), strides_of(p.out), delta.mutable_data_ptr<acc_t>(),
+           s.q_heads, s.sq, n_rows, static_cast<int>(s.head_dim));
+
+    with_head_dim(s.head_dim, [&](auto DL) {
+      constexpr int kDL = decltype(DL)::value;
+      using C = Cfg<acc_t, kDL>;
+      auto dq_kernel = attention_dq_kernel<scalar_t, kDL>;
+      allow_shared_memory(dq_kernel, C::dq_smem());
+      const dim3 dq_grid(static_cast<unsigned>((s.sq * group + C::kDqRows - 1) / C::kDqRows),
+                         static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+      launch("attention_dq_kernel", dq_kernel, dq_grid, C::kDqWarps * kWarpSize, C::dq_smem(),
+          stream, p.grad_out.const_data_ptr<scalar_t>(), strides_of(p.grad_out),
+          p.q.const_data_ptr<scalar_t>(), strides_of(p.q), p.k.const_data_ptr<scalar_t>(),
+          strides_of(p.k), p.v.const_data_ptr<scalar_t>(), strides_of(p.v),
+          p.lse.const_data_ptr<acc_t>(), delta.const_data_ptr<acc_t>(),
+          p.grad_q.mutable_data_ptr<scalar_t>(), s.q_heads, group, s.sq,
+          static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p));
+    });
+  });
+}
+
+}  // namespace fusedllm::cuda

@@ -1,16 +1,20 @@
 # Set-up from nothing, incremental afterwards:
-#   make demo   venv + torch + dependencies + build, then the demo
-#   make test   the same set-up, then the whole test suite
+#   make demo     venv + torch + dependencies + build, then the demo
+#   make test     the same set-up, then the whole test suite
+#   make jupyter  the same set-up, then a Jupyter kernel named fusedllm for this user
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# On x86-64 this is the CUDA 13.0 build: with nvcc present the CUDA kernels compile too.
+# On x86-64 this is the CUDA 13.0 build. The CUDA kernels compile for the GPUs
+# torch sees; FUSEDLLM_CUDA=1 (as CI runs) compiles them for every default
+# architecture where no GPU is visible, FUSEDLLM_CUDA=0 never (CMakeLists.txt).
 TORCH_SPEC ?= torch==2.14.1
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-SOURCES := $(shell find csrc python -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
+SOURCES := $(shell find csrc python build_support -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
 
-.PHONY: all venv deps build test test-fast test-simt sanitize demo bench clean
+.PHONY: all venv deps build test test-fast test-simt sanitize demo jupyter bench clean
 
 all: build
 
@@ -25,15 +29,16 @@ $(VENV)/.deps-installed: requirements-dev.txt $(VENV)/.torch-installed
 	$(BIN)/pip install -r requirements-dev.txt "$(TORCH_SPEC)"
 	@touch $@
 
-# The verbose build log keeps nvcc's `ptxas -v` register and spill report.
+# The verbose build log keeps nvcc's `ptxas -v` register and spill report; the
+# terminal shows what is configured and each compile step as it starts.
 # FUSEDLLM_SIMT builds fusedllm._simt, the CUDA kernels emulated on the CPU.
 $(VENV)/.built: $(SOURCES) $(VENV)/.deps-installed
 	@mkdir -p build
-	@echo "building fusedllm (log: build/build.log)"
-	@$(BIN)/pip install -v --no-build-isolation --no-deps -C cmake.define.FUSEDLLM_SIMT=ON -e . \
-	  > build/build.log 2>&1 \
+	@echo "building fusedllm (full log: build/build.log)"
+	@set -o pipefail; $(BIN)/pip install -v --no-build-isolation --no-deps -C cmake.define.FUSEDLLM_SIMT=ON -e . 2>&1 \
+	  | tee build/build.log \
+	  | sed -unE 's/^ *-- (fusedllm: .*)/  \1/p; s/^\*\*\* (.*)/  \1/p; s|.*\[([0-9]+/[0-9]+)\] Building [A-Z]+ object CMakeFiles/([^/]+)\.dir/(.*)\.o$$|  [\1] \3 (\2)|p' \
 	  || { tail -n 60 build/build.log; exit 1; }
-	@grep -E "fusedllm: (CUDA|CPU|torch|SIMT)" build/build.log | sed 's/^ *//' || true
 	@touch $@
 
 venv: $(BIN)/python
@@ -71,6 +76,10 @@ sanitize: build
 
 demo: build
 	$(BIN)/python benchmarks/demo.py
+
+# A kernel named "fusedllm" for this user's Jupyter (any Jupyter, not only this venv's).
+jupyter: build
+	$(BIN)/python -m ipykernel install --user --name fusedllm --display-name "Python (fusedllm)"
 
 bench: build
 	$(BIN)/python benchmarks/bench_rms_norm.py

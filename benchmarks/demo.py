@@ -14,7 +14,7 @@
    kernels give from what the cache gives.
 3. Each fused op at the model's sizes against the notebook's eager code (and
    torch's own function where there is one), forward+backward.
-4. A plot of the speedups: benchmarks/results/demo.png.
+4. A plot of the speedups: build/demo.png (untracked; --out PATH elsewhere).
 
 Times are medians of interleaved repetitions (harness.interleaved_medians).
 The demo runs torch on one thread unless OMP_NUM_THREADS is set: on a shared
@@ -25,6 +25,7 @@ mostly measure waits for descheduled threads.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -37,7 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 import fusedllm  # noqa: E402
 from bench_attention import notebook_core  # noqa: E402
 from bench_model import CachedLLaMA, generate_without_cache, notebook_models  # noqa: E402
-from harness import RESULTS_DIR, interleaved_medians, machine_description  # noqa: E402
+from harness import interleaved_medians, machine_description  # noqa: E402
 from notebook_models import nb003, rotate_pairs  # noqa: E402
 
 SIZE = dict(vocab=1024, hidden=256, intermediate=704, layers=4, heads=8, kv_heads=2)
@@ -220,6 +221,10 @@ def plot(ops, step, gen, path):
 
 
 def main():
+    parser = argparse.ArgumentParser(description="fusedllm demo on a tiny notebook-003 LLaMA")
+    parser.add_argument("--out", default=os.path.join(HERE, "..", "build", "demo.png"),
+                        help="where the plot goes (default: build/demo.png)")
+    args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
@@ -236,7 +241,8 @@ def main():
     step = model_step(eager, fused, device)
     gen = generation(eager, fused, device)
     ops = per_op(eager, fused, device)
-    path = os.path.join(RESULTS_DIR, "demo.png")
+    path = args.out
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     plot(ops, step, gen, path)
     print(f"\nwrote {os.path.relpath(path)}")
     print("full tables: `make bench` (benchmarks/bench_model.py: training step with AdamW, peak memory, "

@@ -1,9 +1,10 @@
 """Loads the compiled extension ``fusedllm._C`` and decides which path is live.
 
 Order of checks, before any native code is loaded:
-1. ``_build_config.py`` (written by the build) names the torch version the
-   extension was compiled against; a different running torch is an ImportError
-   that says how to rebuild, because loading would fail or misbehave.
+1. ``_build_config.py`` (written by the build) names the torch release the
+   extension was compiled against and, when it has CUDA kernels, torch's CUDA
+   version; a running torch that differs is an ImportError that says what to
+   do, because loading would fail or misbehave.
 2. If the extension is missing or cannot load, fusedllm warns once and runs the
    plain-PyTorch reference path, unless ``FUSEDLLM_REQUIRE_EXTENSION=1``.
 ``FUSEDLLM_DISABLE_EXTENSION=1`` selects the reference path on purpose.
@@ -16,7 +17,10 @@ import warnings
 
 import torch
 
-REBUILD_COMMAND = "pip install --no-build-isolation -e .  (or `make build` in the fusedllm checkout)"
+REBUILD_COMMAND = (
+    "`make build` in a fusedllm checkout, or pip install --no-build-isolation --force-reinstall "
+    "<fusedllm checkout or sdist>"
+)
 
 _C = None
 _build_config = None
@@ -32,6 +36,19 @@ def _torch_release(version: str) -> str:
     return version.split("+")[0]
 
 
+def _torch_mismatch(config) -> str | None:
+    built, running = config.TORCH_VERSION, torch.__version__
+    if _torch_release(built) != _torch_release(running):
+        return f"fusedllm was built against torch {built} but torch {running} is running"
+    # CUDA kernels link the CUDA runtime torch was built with (same major version).
+    running_cuda = torch.version.cuda or ""
+    if config.CUDA_KERNELS and running_cuda.split(".")[0] != config.TORCH_CUDA.split(".")[0]:
+        return (f"fusedllm's CUDA kernels were built against torch {built} with CUDA "
+                f"{config.TORCH_CUDA} but the running torch {running} has "
+                f"{'CUDA ' + running_cuda if running_cuda else 'no CUDA'}")
+    return None
+
+
 def _load() -> None:
     global _C, _build_config, _load_error
     if _env_flag("FUSEDLLM_DISABLE_EXTENSION"):
@@ -43,10 +60,14 @@ def _load() -> None:
         _load_error = f"fusedllm was not built ({exc})"
         return
     _build_config = config
-    if _torch_release(config.TORCH_VERSION) != _torch_release(torch.__version__):
+    mismatch = _torch_mismatch(config)
+    if mismatch:
         raise ImportError(
-            f"fusedllm was built against torch {config.TORCH_VERSION} but torch "
-            f"{torch.__version__} is running. Rebuild fusedllm against this torch: {REBUILD_COMMAND}"
+            f"{mismatch}. Either install the torch fusedllm was built against "
+            f"(pip install torch=={_torch_release(config.TORCH_VERSION)}, the CUDA {config.TORCH_CUDA} "
+            f"build where it has CUDA kernels), or rebuild fusedllm against the running torch: "
+            f"{REBUILD_COMMAND}. FUSEDLLM_DISABLE_EXTENSION=1 imports fusedllm without its "
+            f"kernels (the plain-PyTorch path)."
         )
     try:
         from . import _C as ext

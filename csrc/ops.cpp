@@ -44,6 +44,10 @@ PYBIND11_MODULE(_C, m) {
     info["cuda_archs"] = split_list(FUSEDLLM_CUDA_ARCHS);
     info["cpu_isas"] = split_list(FUSEDLLM_CPU_ISA_LIST);
     info["cpu_isa_active"] = fusedllm::cpu::isa_name(fusedllm::cpu::active_isa());
+    py::dict ran;
+    for (const auto& [table, isa] : fusedllm::cpu::kernels_ran()) ran[py::str(table)] = isa;
+    info["cpu_kernels_ran"] = ran;
     return info;
-  }, "How this extension was built: torch version, CUDA kernels and architectures, CPU variants.");
+  }, "How this extension was built: torch version, CUDA kernels and architectures, CPU variants "
+     "(compiled, active, and the one each CPU kernel called so far in this process ran).");
 }

@@ -33,20 +33,53 @@ def assert_close(actual, expected, tol, what="", upcast=False):
                                msg=(lambda m: f"{what}: {m}") if what else None)
 
 
-def runnable_cpu_isas():
-    """The compiled CPU variants this machine can execute."""
-    import os
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
 
+
+# What csrc/cpu/dispatch.cpp asks of the CPU before it runs a variant.
+_ISA_FLAGS = {
+    "DEFAULT": set(),
+    "AVX2": {"avx2", "fma", "bmi2"},
+    "AVX512": {"avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
+}
+
+
+def compiled_cpu_isas():
+    """The CPU variants the extension was built with (DEFAULT, AVX2, AVX512)."""
     import fusedllm
 
-    info = fusedllm.build_info()
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    runnable = ["DEFAULT"]
-    if "AVX2" in info["cpu_isas"] and " avx2" in flags:
-        runnable.append("AVX2")
-    if "AVX512" in info["cpu_isas"] and " avx512bw" in flags and " avx512vl" in flags:
-        runnable.append("AVX512")
-    return runnable
+    return list(fusedllm.build_info().get("cpu_isas", []))
+
+
+def runnable_cpu_isas():
+    """The compiled CPU variants this machine can execute."""
+    flags = _cpu_flags()
+    return [isa for isa in compiled_cpu_isas() if _ISA_FLAGS.get(isa, {"?"}) <= flags]
+
+
+def run_python(*parts, timeout=300, **env_overrides):
+    """Runs the code pieces (each dedented on its own) in a new interpreter, in
+    the repository root with tests/ importable, without the fusedllm and torch
+    variables of this process unless given again."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    code = "\n".join(textwrap.dedent(part) for part in parts)
+    env = dict(os.environ)
+    for name in ("FUSEDLLM_REQUIRE_EXTENSION", "FUSEDLLM_DISABLE_EXTENSION", "ATEN_CPU_CAPABILITY"):
+        env.pop(name, None)
+    env.update(env_overrides)
+    env["PYTHONPATH"] = tests_dir + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=os.path.dirname(tests_dir))
 
 
 def peak_memory_bytes(fn, device) -> int:

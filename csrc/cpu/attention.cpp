@@ -8,8 +8,8 @@
 
 namespace fusedllm::cpu {
 
-KernelTable<AttentionForwardFn> attention_forward_kernels{};
-KernelTable<AttentionBackwardFn> attention_backward_kernels{};
+FUSEDLLM_DEFINE_CPU_KERNEL_TABLE(AttentionForwardFn, attention_forward_kernels, "attention_forward");
+FUSEDLLM_DEFINE_CPU_KERNEL_TABLE(AttentionBackwardFn, attention_backward_kernels, "attention_backward");
 
 namespace {
 

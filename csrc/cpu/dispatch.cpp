@@ -26,6 +26,34 @@ Isa active_isa() {
   return isa;
 }
 
+namespace {
+
+struct ListedTable {
+  const char* name;
+  const std::atomic<int>* ran;
+};
+
+std::vector<ListedTable>& listed_tables() {
+  static std::vector<ListedTable> tables;  // filled by static initialisers
+  return tables;
+}
+
+}  // namespace
+
+bool list_kernel_table(const char* name, const std::atomic<int>* ran) {
+  listed_tables().push_back({name, ran});
+  return true;
+}
+
+std::vector<std::pair<std::string, std::string>> kernels_ran() {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& t : listed_tables()) {
+    const int ran = t.ran->load(std::memory_order_relaxed);
+    if (ran >= 0) out.emplace_back(t.name, isa_name(static_cast<Isa>(ran)));
+  }
+  return out;
+}
+
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::kAvx512: return "AVX512";

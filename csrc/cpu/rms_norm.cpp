@@ -8,8 +8,8 @@
 
 namespace fusedllm::cpu {
 
-KernelTable<RmsNormForwardFn> rms_norm_forward_kernels{};
-KernelTable<RmsNormBackwardFn> rms_norm_backward_kernels{};
+FUSEDLLM_DEFINE_CPU_KERNEL_TABLE(RmsNormForwardFn, rms_norm_forward_kernels, "rms_norm_forward");
+FUSEDLLM_DEFINE_CPU_KERNEL_TABLE(RmsNormBackwardFn, rms_norm_backward_kernels, "rms_norm_backward");
 
 namespace {
 

@@ -8,7 +8,7 @@
 
 namespace fusedllm::cpu {
 
-KernelTable<RopeFn> rope_kernels{};
+FUSEDLLM_DEFINE_CPU_KERNEL_TABLE(RopeFn, rope_kernels, "rope");
 
 namespace {
 

@@ -8,8 +8,8 @@
 
 namespace fusedllm::cpu {
 
-KernelTable<SwigluFn> swiglu_forward_kernels{};
-KernelTable<SwigluFn> swiglu_backward_kernels{};
+FUSEDLLM_DEFINE_CPU_KERNEL_TABLE(SwigluFn, swiglu_forward_kernels, "swiglu_forward");
+FUSEDLLM_DEFINE_CPU_KERNEL_TABLE(SwigluFn, swiglu_backward_kernels, "swiglu_backward");
 
 namespace {
 

@@ -2,7 +2,10 @@
 // set (CMakeLists.txt compiles csrc/cpu/*_kernel.cpp once per ISA).
 #pragma once
 
+#include <atomic>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace fusedllm::cpu {
 
@@ -14,19 +17,32 @@ constexpr int kNumIsas = 3;
 Isa active_isa();
 const char* isa_name(Isa isa);
 
-// A per-op table of kernel variants. Zero-initialised at compile time, so the
-// kernel files can fill it from static initialisers in any order.
+// A per-op table of kernel variants. Constant-initialised, so the kernel files
+// can fill it from static initialisers in any order. `ran` is the variant the
+// last call ran (-1 before the first), which build_info reports: a test that
+// asks for a variant can see that it executed, not only that it was chosen.
 template <typename Fn>
 struct KernelTable {
+  const char* name;
   Fn variants[kNumIsas];
+  mutable std::atomic<int> ran{-1};
 
   Fn get() const {
     for (int i = static_cast<int>(active_isa()); i >= 0; --i) {
-      if (variants[i] != nullptr) return variants[i];
+      if (variants[i] != nullptr) {
+        // Written only when it changes: no shared cache line written per call.
+        if (ran.load(std::memory_order_relaxed) != i) ran.store(i, std::memory_order_relaxed);
+        return variants[i];
+      }
     }
     return nullptr;
   }
 };
+
+// Lists a table for kernels_ran(); see FUSEDLLM_DEFINE_CPU_KERNEL_TABLE.
+bool list_kernel_table(const char* name, const std::atomic<int>* ran);
+// (table name, ISA name) for every listed table that has run.
+std::vector<std::pair<std::string, std::string>> kernels_ran();
 
 }  // namespace fusedllm::cpu
 
@@ -40,6 +56,13 @@ struct KernelTable {
 
 #define FUSEDLLM_CONCAT_INNER(a, b) a##b
 #define FUSEDLLM_CONCAT(a, b) FUSEDLLM_CONCAT_INNER(a, b)
+
+// In an op's .cpp: define the kernel table `table` of function type `Fn`,
+// reported by build_info as `name`.
+#define FUSEDLLM_DEFINE_CPU_KERNEL_TABLE(Fn, table, name)                             \
+  constinit KernelTable<Fn> table{name};                                               \
+  static const bool FUSEDLLM_CONCAT(fusedllm_listed_, __COUNTER__) =                   \
+      ::fusedllm::cpu::list_kernel_table(name, &(table).ran)
 
 // In a *_kernel.cpp: put `fn` into `table` for the ISA this file is compiled for.
 #define FUSEDLLM_REGISTER_CPU_KERNEL(table, fn)                                        \

@@ -1,12 +1,17 @@
 """rope (rotary position embedding): kernels, tables, the module, Hugging Face parity."""
 
+import copy
+import re
+
 import pytest
 import torch
+from torch import nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fusedllm
-from checks import FORWARD_TOL, GRAD_TOL, assert_close
+import fusedllm.compat.nb000  # noqa: F401
+from checks import FORWARD_TOL, GRAD_TOL, assert_close, run_python
 from reference import NotebookRotaryEmbedding, rope as ref_rope
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -216,6 +221,15 @@ def test_module_matches_the_notebook_rotary_embedding():
         assert_close(got[1], expected[1], FORWARD_TOL[torch.float32])
 
 
+def test_module_built_on_meta_gets_its_tables_when_materialised():
+    with torch.device("meta"):
+        attention = fusedllm.nn.GQAttention(64, 2, max_positions=64)
+    attention.to_empty(device="cpu")
+    fresh_cos, fresh_sin = fusedllm.rope_tables(32, 64)
+    assert torch.equal(attention.rotary.cos_cached, fresh_cos)
+    assert torch.equal(attention.rotary.sin_cached, fresh_sin)
+
+
 def test_module_tables_grow_instead_of_failing():
     small = fusedllm.nn.RotaryEmbedding(32, max_positions=16)
     big = fusedllm.nn.RotaryEmbedding(32, max_positions=64)
@@ -228,11 +242,45 @@ def test_module_tables_grow_instead_of_failing():
     assert small.max_positions > 900
 
 
-def test_module_keeps_float32_tables_under_dtype_moves():
-    rotary = fusedllm.nn.RotaryEmbedding(32, max_positions=8).to(torch.bfloat16)
-    assert rotary.cos_cached.dtype == torch.float32
-    q, k = make_qk(1, 2, 1, 4, 32, torch.bfloat16, "cpu")
-    assert rotary(q, k)[0].dtype == torch.bfloat16
+# Modules holding rope tables, and how to reach the RotaryEmbedding inside.
+ROPE_MODULES = {
+    "RotaryEmbedding": (lambda: fusedllm.nn.RotaryEmbedding(32, max_positions=64), lambda m: m),
+    "GQAttention": (lambda: fusedllm.nn.GQAttention(64, 2, max_positions=64), lambda m: m.rotary),
+    "nb000.RotaryPositionalEmbedding": (
+        lambda: fusedllm.compat.nb000.RotaryPositionalEmbedding(32, max_len=64), lambda m: m),
+}
+CASTS = {
+    "to(bfloat16)": lambda m: m.to(torch.bfloat16),
+    "half()": lambda m: m.half(),
+    "bfloat16()": lambda m: m.bfloat16(),
+    "to(float64)": lambda m: m.to(torch.float64),
+    "double()": lambda m: m.double(),
+    "to(cpu, float16)": lambda m: m.to("cpu", torch.float16),
+    "to(device=cpu, dtype=bfloat16)": lambda m: m.to(device="cpu", dtype=torch.bfloat16),
+    "to(cpu)": lambda m: m.to("cpu"),
+    "to(bfloat16).float()": lambda m: m.to(torch.bfloat16).float(),
+}
+
+
+@pytest.mark.parametrize("cast", list(CASTS))
+@pytest.mark.parametrize("module", list(ROPE_MODULES))
+def test_module_casts_keep_the_tables_exact(module, cast):
+    make, rotary_of = ROPE_MODULES[module]
+    fresh_cos, fresh_sin = fusedllm.rope_tables(32, 64)
+    m = CASTS[cast](make())
+    rotary = rotary_of(m)
+    for got in (rotary, copy.deepcopy(rotary)):
+        assert got.cos_cached.dtype == torch.float32 and got.sin_cached.dtype == torch.float32
+        assert torch.equal(got.cos_cached, fresh_cos), (got.cos_cached - fresh_cos).abs().max()
+        assert torch.equal(got.sin_cached, fresh_sin), (got.sin_cached - fresh_sin).abs().max()
+    m.load_state_dict(make().state_dict())  # nb000 saves its tables
+    assert torch.equal(rotary.cos_cached, fresh_cos) and rotary.cos_cached.dtype == torch.float32
+    dtype = CASTS[cast](nn.Linear(1, 1)).weight.dtype
+    assert all(p.dtype == dtype for p in m.parameters())  # the rest did follow the cast
+    q, k = make_qk(1, 2, 1, 4, 32, dtype, "cpu")
+    got = rotary(q, k)
+    expected = fusedllm.apply_rope(q, k, fresh_cos, fresh_sin)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
 @pytest.mark.slow
@@ -266,15 +314,20 @@ def _bad(**overrides):
 
 
 BAD_CALLS = [
-    ("rotary_dim must be a positive even number", _bad(rotary_dim=7)),
-    ("rotary_dim 32 is larger than the head dim 16", _bad(rotary_dim=32)),
+    ("rotary_dim must be a positive even number at most the head dim 16, got 7", _bad(rotary_dim=7)),
+    ("rotary_dim must be a positive even number at most the head dim 16, got 32", _bad(rotary_dim=32)),
+    ("rotary_dim must be a positive even number at most the head dim 16, got 0", _bad(rotary_dim=0)),
     ("q and k must have the same head dim", _bad(k=torch.randn(2, 2, 5, 8))),
     ("position_ids must be \\[S\\] or \\[B, S\\]", _bad(position_ids=torch.zeros(3, 5, dtype=torch.long))),
     ("position_ids span 0..8 but the cos/sin table has 8 positions",
      _bad(position_ids=torch.tensor([0, 1, 2, 3, 8]))),
     ("positions 6..10 are past the cos/sin table of 8 positions", _bad(offset=6)),
     ("q and k must be \\[B, H, S, D\\]", _bad(q=torch.randn(2, 5, 16))),
-    ("cos and sin must have last dim 8", _bad(cos=torch.randn(8, 5), sin=torch.randn(8, 5))),
+    ("cos and sin do not fit rotary_dim=16", _bad(cos=torch.randn(8, 5), sin=torch.randn(8, 5))),
+    # a 2-D table of width rotary_dim: ours built for twice the dim, or a full-width one?
+    ("cos and sin do not fit rotary_dim=16", _bad(cos=torch.randn(8, 16), sin=torch.randn(8, 16))),
+    ("per-token cos and sin are ambiguous",
+     _bad(cos=torch.randn(2, 5, 8), sin=torch.randn(2, 5, 8))),
     ("k has dtype", _bad(k=torch.randn(2, 2, 5, 16).double())),
     ("position_ids must be int64 or int32", _bad(position_ids=torch.zeros(5))),
     ("offset must be an int >= 0", _bad(offset=-1)),
@@ -285,6 +338,80 @@ BAD_CALLS = [
 def test_bad_input_is_a_clear_error(message, call):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_a_table_for_another_head_dim_is_refused_not_misread():
+    q, k = make_qk(1, 2, 5, 5, 32, torch.float32, "cpu")
+    cos, sin = fusedllm.rope_tables(64, 64)  # [64, 32]: half-width tables for head dim 64
+    with pytest.raises(ValueError) as error:
+        fusedllm.apply_rope(q, k, cos, sin)
+    message = str(error.value)
+    for part in ("cos and sin", "[64, 32]", "[1, 2, 5, 32]", "rotary_dim=32",
+                 "half-width table [positions, rotary_dim / 2]", "need last dim 16",
+                 "Hugging Face's full-width duplicated-halves layout [B, S, rotary_dim]"):
+        assert part in message, message
+
+
+def _hf_layout(table, interleaved):
+    """Our half-width table as Hugging Face's per-token full-width one [1, S, R]."""
+    full = table.repeat_interleave(2, dim=-1) if interleaved else torch.cat([table, table], dim=-1)
+    return full[None]
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_every_table_layout_reads_the_same_angles(interleaved):
+    q, k = make_qk(2, 2, 1, 5, 16, torch.float32, "cpu")
+    positions = torch.arange(5).expand(2, 5)
+    for rotary_dim in (16, 8):
+        cos, sin = fusedllm.rope_tables(rotary_dim, 5)
+        expected = ref_rope(q, cos, sin, positions, interleaved, rotary_dim)
+        layouts = {"table": (cos, sin), "ours per token": (cos[None].expand(2, 5, -1), sin[None]),
+                   "Hugging Face per token": (_hf_layout(cos, interleaved), _hf_layout(sin, interleaved))}
+        for name, (c, s) in layouts.items():
+            if name == "ours per token":
+                s = s.expand(2, 5, -1)
+            got, _ = fusedllm.apply_rope(q, k, c, s, interleaved=interleaved, rotary_dim=rotary_dim)
+            assert_close(got, expected, FORWARD_TOL[torch.float32], what=f"{name}, rotary_dim {rotary_dim}")
+    # without rotary_dim: a table or Hugging Face's tables for the whole head
+    cos, sin = fusedllm.rope_tables(16, 5)
+    expected = ref_rope(q, cos, sin, positions, interleaved)
+    for c, s in ((cos, sin), (_hf_layout(cos, interleaved), _hf_layout(sin, interleaved))):
+        assert_close(fusedllm.apply_rope(q, k, c, s, interleaved=interleaved)[0], expected,
+                     FORWARD_TOL[torch.float32])
+
+
+def test_rotary_dim_rule_is_the_same_on_every_path():
+    """The op (C++), apply_rope on it, and apply_rope on the plain path refuse
+    the same values with the same words."""
+    rule = "rotary_dim must be a positive even number at most the head dim 8, got {}"
+    bad = (0, -2, 7, 10)
+    code = f"""
+        import torch, fusedllm
+        assert fusedllm.backend() == "reference"
+        q = torch.randn(1, 1, 4, 8); cos, sin = fusedllm.rope_tables(8, 4)
+        for rotary_dim in {bad!r}:
+            try:
+                fusedllm.apply_rope(q, q, cos, sin, rotary_dim=rotary_dim)
+            except ValueError as error:
+                print("ERROR", error)
+    """
+    res = run_python(code, FUSEDLLM_DISABLE_EXTENSION="1")
+    plain = [line[len("ERROR "):] for line in res.stdout.splitlines() if line.startswith("ERROR ")]
+    assert res.returncode == 0 and len(plain) == len(bad), res.stdout + res.stderr
+    q = torch.randn(1, 1, 4, 8)
+    cos, sin = fusedllm.rope_tables(8, 4)
+    for rotary_dim, plain_error in zip(bad, plain):
+        expected = rule.format(rotary_dim)
+        assert plain_error == "fusedllm.apply_rope: " + expected
+        with pytest.raises(ValueError) as error:
+            fusedllm.apply_rope(q, q, cos, sin, rotary_dim=rotary_dim)
+        assert str(error.value) == plain_error
+        # the op itself, with tables that fit any rotary_dim the check would let through
+        width = max(rotary_dim, 0) // 2
+        with pytest.raises(ValueError, match="^" + re.escape("fusedllm.rope: " + expected) + "$"):
+            ops.rope(q, q, cos[:, :width], sin[:, :width], None, 0, False, rotary_dim, False)
+    with pytest.raises(ValueError, match="^fusedllm.nn.RotaryEmbedding: rotary_dim must be a positive even"):
+        fusedllm.nn.RotaryEmbedding(8, rotary_dim=0)
 
 
 def test_in_place_refuses_autograd():

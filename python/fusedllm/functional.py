@@ -137,6 +137,48 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str =
     return _fallback.swiglu(gate, up, activation)
 
 
+def check_rotary_dim(op: str, rotary_dim, head_dim: int) -> int:
+    """The rotary_dim rule, for every path (the rope operators check the same
+    in C++): None means the whole head, else a positive even int <= head_dim."""
+    if rotary_dim is None:
+        rotary_dim = head_dim
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+        raise ValueError(f"{op}: rotary_dim must be an int, got {rotary_dim!r}")
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(f"{op}: rotary_dim must be a positive even number at most the head dim "
+                         f"{head_dim}, got {rotary_dim}")
+    return rotary_dim
+
+
+def _hf_table_layout(op: str, cos: torch.Tensor, q: torch.Tensor, rotary_dim: int,
+                     rotary_dim_given: bool) -> bool:
+    """Whether cos/sin are Hugging Face's full-width tables (True) or ours (False).
+
+    Ours are half-width: ``[positions, rotary_dim / 2]`` or per token
+    ``[B, S, rotary_dim / 2]``. Hugging Face's are full-width ``[B, S, rotary_dim]``
+    with duplicated halves, read per token only (what its rotary module returns):
+    a 2-D table of width rotary_dim is as likely ours built for twice the dim,
+    so it is refused rather than guessed. Per token, width head_dim / 2 without
+    rotary_dim is our full rotation or Hugging Face's rotation of half the head:
+    refused too.
+    """
+    width, half = cos.shape[-1], rotary_dim // 2
+    shapes = f"cos and sin have shape {list(cos.shape)}, q has shape {list(q.shape)}"
+    if cos.dim() == 3 and width == half and not rotary_dim_given:
+        raise ValueError(f"{op}: per-token cos and sin are ambiguous ({shapes}): last dim {width} reads "
+                         f"as fusedllm's half-width table for rotary_dim={rotary_dim} or as Hugging "
+                         f"Face's full-width one for rotary_dim={width}; pass rotary_dim")
+    if width == half:
+        return False
+    if cos.dim() == 3 and width == rotary_dim:
+        return True
+    raise ValueError(f"{op}: cos and sin do not fit rotary_dim={rotary_dim} ({shapes}): read as "
+                     f"fusedllm's half-width table [positions, rotary_dim / 2] (or per token "
+                     f"[B, S, rotary_dim / 2]) they need last dim {half}; Hugging Face's full-width "
+                     f"duplicated-halves layout [B, S, rotary_dim] (last dim {rotary_dim}) is read "
+                     f"per token only")
+
+
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                position_ids: torch.Tensor | None = None, offset: int = 0, interleaved: bool = False,
                rotary_dim: int | None = None, inplace: bool = False):
@@ -148,6 +190,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     per-token ``[B, S, rotary_dim]`` tables with duplicated halves (what its
     rotary embedding module returns), so this stands in for HF's
     ``apply_rotary_pos_emb``. Tables are used in float32 whatever q's dtype.
+    A table whose width fits neither reading, or (per token, without
+    ``rotary_dim``) both, is an error.
 
     ``interleaved=False`` pairs feature ``i`` with ``i + rotary_dim / 2`` (NeoX,
     Llama); ``True`` pairs ``2i`` with ``2i + 1`` (GPT-J). Only the first
@@ -169,14 +213,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         raise ValueError(f"{op}: q and k must have the same batch and sequence sizes, "
                          f"got {list(q.shape)} and {list(k.shape)}")
     head_dim, batch, seq = q.shape[-1], q.shape[0], q.shape[2]
-    if rotary_dim is None:
-        rotary_dim = head_dim
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
-        raise ValueError(f"{op}: rotary_dim must be an int, got {rotary_dim!r}")
-    if rotary_dim > head_dim:
-        raise ValueError(f"{op}: rotary_dim {rotary_dim} is larger than the head dim {head_dim}")
-    if rotary_dim <= 0 or rotary_dim % 2:
-        raise ValueError(f"{op}: rotary_dim must be a positive even number, got {rotary_dim}")
+    rotary_dim_given = rotary_dim is not None
+    rotary_dim = check_rotary_dim(op, rotary_dim, head_dim)
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise ValueError(f"{op}: offset must be an int >= 0, got {offset!r}")
     if cos.shape != sin.shape:
@@ -189,14 +227,10 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if cos.dim() not in (2, 3):
         raise ValueError(f"{op}: cos and sin must be [positions, rotary_dim / 2] or per-token "
                          f"[B, S, rotary_dim], got {list(cos.shape)}")
-    half = rotary_dim // 2
-    if cos.shape[-1] == rotary_dim and cos.shape[-1] != half:
-        # Hugging Face layout: both members of a pair carry the angle
-        pick = slice(0, None, 2) if interleaved else slice(0, half)
+    if _hf_table_layout(op, cos, q, rotary_dim, rotary_dim_given):
+        # both members of a pair carry the angle: keep one of each pair
+        pick = slice(0, None, 2) if interleaved else slice(0, rotary_dim // 2)
         cos, sin = cos[..., pick], sin[..., pick]
-    elif cos.shape[-1] != half:
-        raise ValueError(f"{op}: cos and sin must have last dim {half} (rotary_dim / 2) or "
-                         f"{rotary_dim} (Hugging Face layout), got {cos.shape[-1]}")
     if cos.dim() == 3:
         if position_ids is not None or offset:
             raise ValueError(f"{op}: per-token cos/sin [B, S, ...] are already indexed by position; "

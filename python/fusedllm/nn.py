@@ -156,12 +156,9 @@ class RotaryEmbedding(nn.Module):
                  scaling: dict | None = None, interleaved: bool = False, rotary_dim: int | None = None,
                  device=None):
         super().__init__()
-        rotary_dim = dim if rotary_dim is None else rotary_dim
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
             raise ValueError(f"fusedllm.nn.RotaryEmbedding: dim must be an int >= 2, got {dim!r}")
-        if not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2 or rotary_dim > dim:
-            raise ValueError(f"fusedllm.nn.RotaryEmbedding: rotary_dim must be even and at most dim={dim}, "
-                             f"got {rotary_dim!r}")
+        rotary_dim = F.check_rotary_dim("fusedllm.nn.RotaryEmbedding", rotary_dim, dim)
         self.dim = dim
         self.rotary_dim = rotary_dim
         self.base = float(base)
@@ -175,11 +172,27 @@ class RotaryEmbedding(nn.Module):
     def max_positions(self) -> int:
         return self.cos_cached.shape[0]
 
+    _TABLES = ("cos_cached", "sin_cached")
+
     def _apply(self, fn, *args, **kwargs):
-        # Follow device moves, but keep the angle tables in float32.
-        super()._apply(fn, *args, **kwargs)
-        self.cos_cached = self.cos_cached.float()
-        self.sin_cached = self.sin_cached.float()
+        # The tables follow device moves but not dtype casts: cast there and back,
+        # the angles would come back rounded to the cast dtype.
+        tables = {name: self._buffers[name] for name in self._TABLES}
+        for name in self._TABLES:
+            self._buffers[name] = None  # nn.Module._apply skips None buffers
+        try:
+            super()._apply(fn, *args, **kwargs)
+        finally:
+            self._buffers.update(tables)
+        for name, table in tables.items():
+            moved = fn(table)
+            if moved.dtype != table.dtype:  # a cast: take only its device, from the unrounded table
+                moved = table.to(moved.device)
+            self._buffers[name] = moved
+        if tables["cos_cached"].is_meta and not self.cos_cached.is_meta:
+            # materialised from the meta device (to_empty): the tables hold no angles yet
+            self.cos_cached, self.sin_cached = rope_tables(
+                self.rotary_dim, self.max_positions, self.base, self.scaling, device=self.cos_cached.device)
         return self
 
     def _grow(self, positions_needed: int) -> None:

@@ -47,12 +47,14 @@ inline RopePlan plan_rope(const char* op, const at::Tensor& q, const at::Tensor&
   p.batch = q.size(0);
   p.seq = q.size(2);
   p.head_dim = q.size(3);
-  p.rotary_dim = rotary_dim < 0 ? p.head_dim : rotary_dim;
+  // -1 means the whole head. The rule, and its words, are those of
+  // fusedllm.functional.check_rotary_dim (the plain path has no C++).
+  p.rotary_dim = rotary_dim == -1 ? p.head_dim : rotary_dim;
   p.interleaved = interleaved;
   p.inverse = inverse;
-  TORCH_CHECK_VALUE(p.rotary_dim >= 0 && p.rotary_dim <= p.head_dim && p.rotary_dim % 2 == 0, op,
-                    ": rotary_dim must be even and at most the head dim ", p.head_dim, ", got ",
-                    p.rotary_dim);
+  TORCH_CHECK_VALUE(p.rotary_dim > 0 && p.rotary_dim <= p.head_dim && p.rotary_dim % 2 == 0, op,
+                    ": rotary_dim must be a positive even number at most the head dim ",
+                    p.head_dim, ", got ", p.rotary_dim);
   TORCH_CHECK_VALUE(offset >= 0, op, ": offset must be >= 0, got ", offset);
 
   // Tables.

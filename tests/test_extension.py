@@ -3,6 +3,7 @@
 Each case runs in a fresh interpreter, since the loader runs once at import.
 """
 
+import fusedllm
 from checks import run_python
 
 CHECK_AGAINST_REFERENCE = """
@@ -20,15 +21,18 @@ CHECK_AGAINST_REFERENCE = """
 """
 
 
-def test_torch_version_mismatch_names_the_rebuild_command():
+def test_torch_version_mismatch_says_which_torch_or_how_to_rebuild():
     res = run_python("""
         import torch
         torch.__version__ = "1.0.0"
         import fusedllm
     """)
     assert res.returncode != 0
-    assert "was built against torch" in res.stderr
-    assert "pip install --no-build-isolation -e ." in res.stderr
+    assert "was built against torch" in res.stderr and "but torch 1.0.0 is running" in res.stderr
+    built = fusedllm.build_info()["torch_version"].split("+")[0]
+    assert f"pip install torch=={built}" in res.stderr
+    assert "pip install --no-build-isolation --force-reinstall" in res.stderr
+    assert "FUSEDLLM_DISABLE_EXTENSION=1" in res.stderr
 
 
 BLOCK_EXTENSION = """

@@ -88,18 +88,3 @@ def test_loader_names_the_mismatch(monkeypatch, built, cuda, kernels, running_cu
     monkeypatch.setattr(torch.version, "cuda", running_cuda)
     reason = _extension._torch_mismatch(config(built or torch.__version__, cuda, kernels))
     assert reason is not None and expected in reason
-
-
-def test_loader_error_tells_a_wheel_user_what_to_do(monkeypatch):
-    import fusedllm
-
-    fake = config("2.0.0", "", False)
-    monkeypatch.setattr(_extension, "_build_config", _extension._build_config)
-    monkeypatch.setitem(sys.modules, "fusedllm._build_config", fake)
-    monkeypatch.setattr(fusedllm, "_build_config", fake, raising=False)
-    with pytest.raises(ImportError) as info:
-        _extension._load()
-    message = str(info.value)
-    assert "pip install torch==2.0.0" in message
-    assert "pip install --no-build-isolation --force-reinstall" in message
-    assert "FUSEDLLM_DISABLE_EXTENSION=1" in message

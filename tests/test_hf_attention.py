@@ -215,6 +215,45 @@ def test_import_fusedllm_does_not_import_transformers():
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
+# `import fusedllm` alone (never fusedllm.hf) in a fresh interpreter, transformers imported
+# after it or before it: a Llama built with attn_implementation="fusedllm" runs fusedllm's
+# attention with transformers' masks, and a left-padded batch matches the eager model on
+# the real tokens (without the registered mask builder the padding would be ignored).
+PLAIN_IMPORT_FIRST = "import sys, fusedllm; assert 'transformers' not in sys.modules\nimport transformers"
+PLAIN_IMPORT_LAST = ("import sys, transformers, transformers.modeling_utils, fusedllm\n"
+                     "assert 'fusedllm.hf' in sys.modules")
+PLAIN_IMPORT_MODEL = """
+    import copy, sys, torch
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      attn_implementation="fusedllm")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert model.config._attn_implementation == "fusedllm"
+    assert transformers.AttentionInterface._global_mapping["fusedllm"] is sys.modules["fusedllm.hf"].attention_forward
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    ids = torch.randint(3, 128, (2, 11))
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        fused, reference = (m(ids, attention_mask=mask).logits for m in (model, eager))
+    real = mask.bool()
+    torch.testing.assert_close(fused[real], reference[real], rtol=1e-4, atol=1e-4)
+    print("max diff", (fused[real] - reference[real]).abs().max().item())
+"""
+
+
+@pytest.mark.parametrize("imports", [PLAIN_IMPORT_FIRST, PLAIN_IMPORT_LAST], ids=["transformers_after",
+                                                                                 "transformers_before"])
+def test_plain_import_fusedllm_registers_the_backend(imports):
+    from checks import run_python
+
+    res = run_python(imports, PLAIN_IMPORT_MODEL, FUSEDLLM_REQUIRE_EXTENSION="1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "max diff" in res.stdout
+
+
 # --- the attention function against SDPA ------------------------------------------------------
 
 class Module(torch.nn.Module):

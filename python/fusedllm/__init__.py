@@ -6,6 +6,11 @@ from .functional import apply_rope, attention, fused_add_rms_norm, rms_norm, swi
 from .rope_scaling import rope_tables
 from . import nn
 from .patch import patch, unpatch
+from . import _transformers_hook
+
+# attn_implementation="fusedllm" in transformers without importing it here
+# (importing transformers takes seconds): registered when its modeling code loads.
+_transformers_hook.install()
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
 """Plain-PyTorch formulas the fused ops are tested against, written to be read.
 
-Each follows the op contract in DESIGN.md step by step, in float32
+Each follows the op's contract as README.md states it ("Using it") step by step, in float32
 (float64 for float64 inputs), with the casts where the contract puts them.
 """
 

@@ -12,7 +12,10 @@ custom backend, so padding would be ignored)::
 
 Works with Llama-family decoders that go through ``AttentionInterface``
 (Llama, Mistral, Qwen2, ...): padding masks, sliding windows, KV caches,
-dropout in training. ``import fusedllm`` itself never imports transformers.
+dropout in training. ``import fusedllm`` itself never imports transformers,
+but it imports this module as soon as transformers' modeling code is
+imported (``fusedllm._transformers_hook``), so after a plain
+``import fusedllm`` the name works too.
 """
 
 from __future__ import annotations

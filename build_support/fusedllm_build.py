@@ -132,10 +132,25 @@ def build_sdist(sdist_directory, config_settings=None):
     return _skbuild().build_sdist(sdist_directory, config_settings)
 
 
-def dynamic_metadata(settings=None, project=None):
-    """Metadata provider ([[tool.dynamic-metadata]] in pyproject.toml): the torch pin.
+# Metadata provider ([[tool.dynamic-metadata]] in pyproject.toml), the hooks
+# scikit-build-core calls on it.
+_build_state = None
 
-    torch promises its C++ ABI only to extensions built against the same
-    release (torchvision pins the same way); "+cu130"-style labels are left out
-    so that PyPI's torch, which has none, matches."""
+
+def build_state(state):
+    global _build_state
+    _build_state = state
+
+
+def dynamic_wheel(settings=None):
+    # A source distribution's dependency is settled where it is compiled.
+    return {"dependencies": True}
+
+
+def dynamic_metadata(settings=None, project=None):
+    """The torch pin. torch promises its C++ ABI only to extensions built
+    against the same release (torchvision pins the same way); "+cu130"-style
+    labels are left out so that PyPI's torch, which has none, matches."""
+    if _build_state == "sdist":
+        return {"dependencies": ["torch"]}
     return {"dependencies": [f"torch=={_torch().__version__.split('+')[0]}"]}

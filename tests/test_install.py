@@ -88,3 +88,16 @@ def test_loader_names_the_mismatch(monkeypatch, built, cuda, kernels, running_cu
     monkeypatch.setattr(torch.version, "cuda", running_cuda)
     reason = _extension._torch_mismatch(config(built or torch.__version__, cuda, kernels))
     assert reason is not None and expected in reason
+
+
+def test_sdist_builds_without_torch_and_leaves_the_pin_to_the_wheel(tmp_path):
+    import tarfile
+
+    res = run_backend(f"print(fusedllm_build.build_sdist({str(tmp_path)!r}))", hide=("torch",))
+    assert res.returncode == 0, res.stderr
+    with tarfile.open(tmp_path / res.stdout.strip().splitlines()[-1]) as sdist:
+        names = sdist.getnames()
+        info = sdist.extractfile("fusedllm-0.1.0/PKG-INFO").read().decode()
+    assert "fusedllm-0.1.0/build_support/fusedllm_build.py" in names
+    assert "fusedllm-0.1.0/LICENSE" in names
+    assert "Dynamic: Requires-Dist" in info and "Requires-Dist: torch\n" in info

@@ -9,23 +9,26 @@ GFLOP/s counts the useful matrix products only: a causal forward is
 4*B*Hq*S*S*D / 2 FLOPs (QK^T and PV over the visible half), forward+backward
 three times that (the backward's four products; recomputation not counted), the
 same figure for every candidate. Peak memory is what torch allocates during
-one call beyond the inputs (see harness.peak_memory_bytes).
+one call beyond the inputs (see testkit.memory.peak_memory_bytes).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import os
 import sys
 
-import torch
-import torch.nn.functional as F
+if not __package__:  # run as a file: import from the repository root, as `python -m` does
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness import Benchmark, dtype_name, interleaved_medians, roofline_row, run  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
 import fusedllm  # noqa: E402
-from harness import Report, interleaved_medians, machine_description, peak_memory_bytes  # noqa: E402
+from testkit.memory import peak_memory_bytes  # noqa: E402
 
 
 def notebook_core(q, k, v):
@@ -137,7 +140,7 @@ def bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cor
             peaks[n] = peak_memory_bytes(fn, device)
         fused_t = times["fusedllm"]
         row = dict(
-            case=f"S={seq} {str(dtype).replace('torch.', '')} {mode}",
+            case=f"S={seq} {dtype_name(dtype)} {mode}",
             seq=seq, dtype=str(dtype), mode=mode,
             shape=dict(batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim),
             ms={n: t * 1e3 for n, t in times.items()},
@@ -152,8 +155,8 @@ def bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cor
             row[f"{n}_mb"] = peaks[n] / 2**20
             if n != "fusedllm":
                 row[f"vs_{n}"] = times[n] / fused_t
-        row["fused_gflops"] = flops / fused_t / 1e9
-        row["sdpa_gflops"] = flops / times["sdpa"] / 1e9
+        row.update(roofline_row(flops, times, key="fused", unit="gflops"))
+        row.update(roofline_row(flops, times, subject="sdpa", key="sdpa", unit="gflops"))
         rows.append(row)
     return rows
 
@@ -178,43 +181,40 @@ COLUMNS = [
 ]
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+def options(parser):
     parser.add_argument("--seqs", type=int, nargs="*", default=None)
     parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--max-call-seconds", type=float, default=40.0,
                         help="skip a baseline whose call is predicted to take longer")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
 
+
+def cases(args, device):
     seqs = args.seqs or ([256, 512] if args.quick else [512, 2048, 4096])
     batch, q_heads, kv_heads, head_dim = 1, 32, 8, 128
-    print(f"fusedllm {fusedllm.backend()} on {machine_description(device)}")
-    report = Report("attention", machine_description(device))
-    for dtype_name in args.dtypes:
-        dtype = getattr(torch, dtype_name)
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
         history = {}
         for seq in seqs:
             reps = args.reps or (3 if args.quick else (5 if seq <= 2048 else 3))
             cores = candidates(not args.no_compile)
-            for row in bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cores,
-                                  history, args.max_call_seconds):
-                report.add(**row)
-                ratios = "   ".join(f"x{row['vs_' + n]:.2f} {n}" for n in cores
-                                    if "vs_" + n in row)
-                print(f"  {row['case']:<26} fusedllm {row['fusedllm_ms']:9.1f} ms "
-                      f"({row['fused_gflops']:.0f} GFLOP/s, {row['fusedllm_mb']:.0f} MB)   {ratios}"
-                      + (f"   skipped {row['skipped']}" if row["skipped"] else "")
-                      + f"   max|diff| vs SDPA {row['max_abs_diff_vs_sdpa']:.1e}", flush=True)
-    paths = report.write(COLUMNS, "vs_sdpa", "speedup over F.scaled_dot_product_attention",
-                         suffix="_quick" if args.quick else "")
-    print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}\n")
-    print(paths["table"])
-    return report
+            yield from bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cores,
+                                  history, args.max_call_seconds)
+
+
+def describe(row):
+    ratios = "   ".join(f"x{value:.2f} {key[3:]}" for key, value in row.items() if key.startswith("vs_"))
+    return (f"{row['case']:<26} fusedllm {row['fusedllm_ms']:9.1f} ms "
+            f"({row['fused_gflops']:.0f} GFLOP/s, {row['fusedllm_mb']:.0f} MB)   {ratios}"
+            + (f"   skipped {row['skipped']}" if row["skipped"] else "")
+            + f"   max|diff| vs SDPA {row['max_abs_diff_vs_sdpa']:.1e}")
+
+
+BENCHMARK = Benchmark("attention", __doc__, cases, COLUMNS, "vs_sdpa",
+                      "speedup over F.scaled_dot_product_attention", describe=describe, options=options)
+
+
+def main(argv=None):
+    return run(BENCHMARK, argv)
 
 
 if __name__ == "__main__":

@@ -25,13 +25,15 @@ import gc
 import os
 import sys
 
-import torch
+if not __package__:  # run as a file: import from the repository root, as `python -m` does
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fusedllm  # noqa: E402
-import fusedllm.hf  # noqa: E402,F401  (registers "fusedllm" with transformers)
-from harness import (Report, interleaved_medians, machine_description, peak_memory_bytes,  # noqa: E402
-                     standard_arguments, time_once)
+from benchmarks.harness import Benchmark, interleaved_medians, run, time_once  # noqa: E402
+
+import torch  # noqa: E402
+
+import fusedllm  # noqa: E402,F401  (registers "fusedllm" with transformers once its models load)
+from testkit.memory import peak_memory_bytes  # noqa: E402
 
 BACKENDS = ("eager", "sdpa", "fusedllm")
 
@@ -157,12 +159,8 @@ COLUMNS = [
 ]
 
 
-def main(argv=None):
-    args = standard_arguments(__doc__, argv)
-    device = torch.device(args.device)
+def cases(args, device):
     models = tiny_llama(device, torch.float32)
-    print(f"fusedllm {fusedllm.backend()} on {machine_description(device)}")
-    report = Report("decode", machine_description(device))
     if args.quick:
         decode_cases = [(1, 64, (0,), 16), (4, 64, (0, 8, 16, 24), 16)]
         prefill_case = (4, 128, (0, 16, 32, 48))
@@ -171,22 +169,27 @@ def main(argv=None):
         prefill_case = (4, 512, (0, 64, 128, 192))
     reps = args.reps or (3 if args.quick else 7)
     for batch, prompt, pads, new_tokens in decode_cases:
-        row = bench_decode(models, batch, prompt, pads, new_tokens, reps, device)
-        report.add(**row)
-        print(f"  {row['case']:<36} tok/s eager {row['eager_tok_s']:7.0f}  sdpa {row['sdpa_tok_s']:7.0f}  "
-              f"fusedllm {row['fusedllm_tok_s']:7.0f}   x{row['vs_eager']:.2f} eager  x{row['vs_sdpa']:.2f} sdpa"
-              f"   tokens agree: {row['tokens_agree']}", flush=True)
-    row = bench_prefill(models, *prefill_case, reps, device)
-    report.add(**row)
-    print(f"  {row['case']:<36} ms eager {row['eager_ms']:7.1f}  sdpa {row['sdpa_ms']:7.1f}  "
-          f"fusedllm {row['fusedllm_ms']:7.1f}   x{row['vs_eager']:.2f} eager  x{row['vs_sdpa']:.2f} sdpa   "
-          f"peak MB {row['eager_mb']:.0f}/{row['sdpa_mb']:.0f}/{row['fusedllm_mb']:.0f}   "
-          f"max|diff| {row['max_abs_diff_vs_eager']:.1e}", flush=True)
-    paths = report.write(COLUMNS, "vs_sdpa", "speedup over HF sdpa attention",
-                         suffix="_quick" if args.quick else "")
-    print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}\n")
-    print(paths["table"])
-    return report
+        yield bench_decode(models, batch, prompt, pads, new_tokens, reps, device)
+    yield bench_prefill(models, *prefill_case, reps, device)
+
+
+def describe(row):
+    if row["kind"] == "decode":
+        return (f"{row['case']:<36} tok/s eager {row['eager_tok_s']:7.0f}  sdpa {row['sdpa_tok_s']:7.0f}  "
+                f"fusedllm {row['fusedllm_tok_s']:7.0f}   x{row['vs_eager']:.2f} eager  x{row['vs_sdpa']:.2f} sdpa"
+                f"   tokens agree: {row['tokens_agree']}")
+    return (f"{row['case']:<36} ms eager {row['eager_ms']:7.1f}  sdpa {row['sdpa_ms']:7.1f}  "
+            f"fusedllm {row['fusedllm_ms']:7.1f}   x{row['vs_eager']:.2f} eager  x{row['vs_sdpa']:.2f} sdpa   "
+            f"peak MB {row['eager_mb']:.0f}/{row['sdpa_mb']:.0f}/{row['fusedllm_mb']:.0f}   "
+            f"max|diff| {row['max_abs_diff_vs_eager']:.1e}")
+
+
+BENCHMARK = Benchmark("decode", __doc__, cases, COLUMNS, "vs_sdpa", "speedup over HF sdpa attention",
+                      describe=describe)
+
+
+def main(argv=None):
+    return run(BENCHMARK, argv)
 
 
 if __name__ == "__main__":

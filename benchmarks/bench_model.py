@@ -6,7 +6,7 @@ torch.compile and fusedllm, for two model families of the same size.
     OMP_NUM_THREADS=1 python benchmarks/bench_model.py   # one thread: steadier on a shared machine
 
 (a) notebook 003's LLaMA ("From GPT-2 to LLaMA"), in float32:
-    - "notebook eager": the plain-PyTorch classes of tests/notebook_models.py
+    - "notebook eager": the plain-PyTorch classes of testkit/notebook_models.py
       (per-head attention loop, complex-number RoPE, unfused RMSNorm / SwiGLU);
     - "notebook compile": torch.compile of that model;
     - "fusedllm compat": fusedllm.compat.nb003.LLaMAModel loading the same
@@ -22,7 +22,7 @@ Training step: forward on a [batch, seq] batch of token ids, cross-entropy
 against the next tokens, backward, AdamW step, gradients set to None. All
 candidates are timed in one process, interleaved, medians of the
 repetitions. Peak memory: what torch allocates during one step above what
-was live before it (harness.peak_memory_bytes; parameters, AdamW state and
+was live before it (testkit.memory.peak_memory_bytes; parameters, AdamW state and
 the batch are already live). Every candidate starts from the same weights;
 "max |Δlogits|" and "max |Δgrad|" compare its first forward / backward with
 its family's eager model (the HF eager model for (b)).
@@ -46,16 +46,18 @@ import os
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
+if not __package__:  # run as a file: import from the repository root, as `python -m` does
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
+from benchmarks.harness import Benchmark, interleaved_medians, run  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
 import fusedllm  # noqa: E402
 import fusedllm.compat.nb003 as compat  # noqa: E402
-from harness import (Report, interleaved_medians, machine_description, peak_memory_bytes,  # noqa: E402
-                     standard_arguments)
-from notebook_models import nb003  # noqa: E402
+from testkit.memory import peak_memory_bytes  # noqa: E402
+from testkit.notebook_models import nb003  # noqa: E402
 
 FULL = dict(vocab=8192, hidden=512, intermediate=1408, layers=4, heads=8, kv_heads=2, batch=4, seq=256,
             prompt=64, new=32)
@@ -340,7 +342,7 @@ COLUMNS = [
 ]
 
 
-def plot(rows, path, title):
+def plot(rows, path, machine):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -362,7 +364,7 @@ def plot(rows, path, title):
         ax.set_xticks(range(len(values)))
         ax.set_xticklabels([r["case"] for r in subset], rotation=40, ha="right", fontsize=7)
         ax.set_title(label, fontsize=9)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(f"whole models, float32, {machine}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -385,14 +387,11 @@ def targets(rows):
     return lines
 
 
-def main(argv=None):
-    args = standard_arguments(__doc__, argv)
-    device = torch.device(args.device)
+def cases(args, device):
     size = QUICK if args.quick else FULL
     reps = args.reps or (3 if args.quick else 7)
-    print(f"fusedllm {fusedllm.backend()} on {machine_description(device)}, float32")
     print(f"model: vocab {size['vocab']}, hidden {size['hidden']}, intermediate {size['intermediate']}, "
-          f"{size['layers']} layers, {size['heads']} heads, {size['kv_heads']} kv heads; training batch "
+          f"{size['layers']} layers, {size['heads']} heads, {size['kv_heads']} kv heads; float32; training batch "
           f"{size['batch']} x {size['seq']} tokens; decode batch 1, prompt {size['prompt']}, {size['new']} new tokens")
     with torch.device(device):
         candidates = build_candidates(size, not args.no_compile)
@@ -429,20 +428,16 @@ def main(argv=None):
             r["peak_vs_notebook"] = r["peak_mb"] / nb_eager["peak_mb"]
             r["peak_vs_sdpa"] = r["peak_mb"] / sdpa["peak_mb"]
         r.update(size={k: v for k, v in size.items()}, reps=reps)
-    report = Report("model", machine_description(device))
-    for r in rows:
-        report.add(**r)
-    suffix = "_quick" if args.quick else ""
-    paths = report.write(COLUMNS, "train_vs_notebook", "training step speedup over notebook eager",
-                         suffix=suffix)
-    plot(rows, paths["png"], f"whole models, float32, {machine_description(device)}")
-    verdict = targets(rows)
-    with open(paths["md"], "a") as f:
-        f.write("\n" + "\n".join(f"- {line}" for line in verdict) + "\n")
-    print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}\n")
-    print(paths["table"])
-    print("\n".join(verdict))
-    return report
+    print()
+    yield from rows
+
+
+BENCHMARK = Benchmark("model", __doc__, cases, COLUMNS, "train_vs_notebook",
+                      "training step speedup over notebook eager", plot=plot, notes=targets)
+
+
+def main(argv=None):
+    return run(BENCHMARK, argv)
 
 
 if __name__ == "__main__":

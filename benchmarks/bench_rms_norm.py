@@ -1,7 +1,7 @@
 """RMSNorm: notebook-style eager module vs F.rms_norm vs torch.compile vs fusedllm.
 
     python benchmarks/bench_rms_norm.py            # full table -> benchmarks/results/
-    python benchmarks/bench_rms_norm.py --quick    # small sizes (used by `make demo`)
+    python benchmarks/bench_rms_norm.py --quick    # small sizes
 """
 
 from __future__ import annotations
@@ -9,18 +9,19 @@ from __future__ import annotations
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
-# harness before torch: with --thp it configures torch's allocator
-from harness import (Report, clone_candidate, copy_candidate, forward_backward, forward_only,
-                     interleaved_medians, machine_description, standard_arguments)
+if not __package__:  # run as a file: import from the repository root, as `python -m` does
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+# harness before torch: with --thp it configures torch's allocator
+from benchmarks.harness import (Benchmark, Roofline, dtype_name, forward_backward, forward_only,  # noqa: E402
+                                interleaved_medians, roofline_row, run)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 import fusedllm  # noqa: E402
-from reference import NotebookRMSNorm  # noqa: E402  (the notebooks' eager module)
+from testkit.notebook_models import NotebookRMSNorm  # noqa: E402  (the notebooks' eager module)
 
 
 class TorchRMSNorm(nn.Module):
@@ -51,8 +52,7 @@ def make_candidates(dim, dtype, device, with_compile):
 
 def bench_case(rows, dim, dtype, device, reps, with_compile):
     x = torch.randn(rows, dim, dtype=dtype, device=device)
-    copy_fn, copy_bytes = copy_candidate(x.numel() * x.element_size(), device)
-    clone_fn, clone_bytes = clone_candidate(x.numel() * x.element_size(), device)
+    roofline = Roofline(x.numel() * x.element_size(), device)
     g = torch.randn_like(x)
     modules = make_candidates(dim, dtype, device, with_compile)
 
@@ -65,22 +65,19 @@ def bench_case(rows, dim, dtype, device, reps, with_compile):
     max_diff = (ye.float() - yf.float()).abs().max().item()
     grad_diff = (xe.grad.float() - xf.grad.float()).abs().max().item()
 
-    results = []
     for mode in ("forward", "forward+backward"):
-        xr = x.clone().requires_grad_(mode != "forward")
-
         if mode == "forward":
             candidates = {k: forward_only(m, x) for k, m in modules.items()}
         else:
+            xr = x.clone().requires_grad_()
             candidates = {k: forward_backward(m, [xr], g) for k, m in modules.items()}
-        candidates["clone"] = clone_fn
-        candidates["copy"] = copy_fn
+        candidates.update(roofline.calls)
         times = interleaved_medians(candidates, device, reps)
-        copy_bps = copy_bytes / times["copy"]
+        # forward reads x, writes y; backward reads x, dy (and rstd), writes dx
         moved = (2 if mode == "forward" else 5) * x.numel() * x.element_size()
         fused_t = times["fusedllm"]
-        row = dict(
-            case=f"{rows}x{dim} {str(dtype).replace('torch.', '')} {'fwd' if mode == 'forward' else 'fwd+bwd'}",
+        yield dict(
+            case=f"{rows}x{dim} {dtype_name(dtype)} {'fwd' if mode == 'forward' else 'fwd+bwd'}",
             shape=[rows, dim], dtype=str(dtype), mode=mode,
             ms={k: v * 1e3 for k, v in times.items()},
             eager_ms=times["eager"] * 1e3, torch_ms=times["F.rms_norm"] * 1e3,
@@ -88,14 +85,25 @@ def bench_case(rows, dim, dtype, device, reps, with_compile):
             fused_ms=fused_t * 1e3,
             vs_eager=times["eager"] / fused_t, vs_torch=times["F.rms_norm"] / fused_t,
             vs_compile=times["compile"] / fused_t if "compile" in times else None,
-            fused_gbps=moved / fused_t / 1e9, copy_gbps=copy_bps / 1e9,
-            pct_copy=100 * (moved / fused_t) / copy_bps,
-            clone_gbps=clone_bytes / times["clone"] / 1e9,
-            pct_clone=100 * (moved / fused_t) / (clone_bytes / times["clone"]),
+            **roofline_row(moved, times, roofline.work),
             max_abs_diff=max_diff, max_grad_diff=grad_diff,
         )
-        results.append(row)
-    return results
+
+
+def cases(args, device):
+    shapes = [(2048, 1024)] if args.quick else [(4096, 4096), (16384, 1024)]
+    reps = args.reps or (15 if args.quick else 40)
+    for rows, dim in shapes:
+        for dtype in (torch.float32, torch.bfloat16):
+            yield from bench_case(rows, dim, dtype, device, reps, not args.no_compile)
+
+
+def describe(row):
+    return (f"{row['case']:<28} fused {row['fused_ms']:8.3f} ms   "
+            f"x{row['vs_eager']:.2f} eager   x{row['vs_torch']:.2f} F.rms_norm   "
+            + (f"x{row['vs_compile']:.2f} compile   " if row['vs_compile'] else "")
+            + f"{row['fused_gbps']:.1f} GB/s ({row['pct_copy']:.0f}% of copy at {row['copy_gbps']:.1f})   "
+            f"max|diff| {row['max_abs_diff']:.2e}")
 
 
 COLUMNS = [
@@ -114,32 +122,12 @@ COLUMNS = [
     ("pct_clone", "% of clone", ".0f"),
 ]
 
+BENCHMARK = Benchmark("rms_norm", __doc__, cases, COLUMNS, "vs_eager", "speedup over the eager module",
+                      describe=describe)
+
 
 def main(argv=None):
-    args = standard_arguments(__doc__, argv)
-    device = torch.device(args.device)
-    torch.manual_seed(0)
-
-    shapes = [(2048, 1024)] if args.quick else [(4096, 4096), (16384, 1024)]
-    dtypes = [torch.float32, torch.bfloat16]
-    reps = args.reps or (15 if args.quick else 40)
-    print(f"fusedllm {fusedllm.backend()} on {machine_description(device)}")
-
-    report = Report("rms_norm", machine_description(device))
-    for rows, dim in shapes:
-        for dtype in dtypes:
-            for row in bench_case(rows, dim, dtype, device, reps, not args.no_compile):
-                report.add(**row)
-                print(f"  {row['case']:<28} fused {row['fused_ms']:8.3f} ms   "
-                      f"x{row['vs_eager']:.2f} eager   x{row['vs_torch']:.2f} F.rms_norm   "
-                      + (f"x{row['vs_compile']:.2f} compile   " if row['vs_compile'] else "")
-                      + f"{row['fused_gbps']:.1f} GB/s ({row['pct_copy']:.0f}% of copy at {row['copy_gbps']:.1f})   "
-                      f"max|diff| {row['max_abs_diff']:.2e}")
-    paths = report.write(COLUMNS, "vs_eager", "speedup over the eager module",
-                         suffix="_quick" if args.quick else "")
-    print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}\n")
-    print(paths["table"])
-    return report
+    return run(BENCHMARK, argv)
 
 
 if __name__ == "__main__":

@@ -10,16 +10,17 @@ from __future__ import annotations
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
-# harness before torch: with --thp it configures torch's allocator
-from harness import (Report, clone_candidate, copy_candidate, forward_only,
-                     interleaved_medians, machine_description, standard_arguments)
+if not __package__:  # run as a file: import from the repository root, as `python -m` does
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch
+# harness before torch: with --thp it configures torch's allocator
+from benchmarks.harness import (Benchmark, Roofline, dtype_name, forward_only, interleaved_medians,  # noqa: E402
+                                roofline_row, run)
+
+import torch  # noqa: E402
 
 import fusedllm  # noqa: E402
-from reference import NotebookRotaryEmbedding  # noqa: E402  (the notebook's eager module)
+from testkit.notebook_models import NotebookRotaryEmbedding  # noqa: E402  (the notebook's eager module)
 
 
 def rotate_half(x):
@@ -66,9 +67,7 @@ def bench_case(batch, hq, hkv, seq, dim, dtype, device, reps, with_compile):
     max_diff = max((ref[0].float() - got[0].float()).abs().max().item(),
                    (ref[1].float() - got[1].float()).abs().max().item())
     size = (q.numel() + k.numel()) * q.element_size()
-    copy_fn, copy_bytes = copy_candidate(size, device)
-    clone_fn, clone_bytes = clone_candidate(size, device)
-    rows = []
+    roofline = Roofline(size, device)
     for mode in ("forward", "forward+backward"):
         if mode == "forward":
             candidates = {n: forward_only(f, q, k) for n, f in fns.items()}
@@ -87,25 +86,24 @@ def bench_case(batch, hq, hkv, seq, dim, dtype, device, reps, with_compile):
                                          False, -1, inverse[0])
                 inverse[0] = not inverse[0]
             candidates["in_place"] = in_place
-        candidates["copy"] = copy_fn
-        candidates["clone"] = clone_fn
+        candidates.update(roofline.calls)
         times = interleaved_medians(candidates, device, reps)
-        copy_bps = copy_bytes / times["copy"]
-        clone_bps = clone_bytes / times["clone"]
         t = times["fusedllm"]
-        rows.append(dict(
-            case=f"{batch}x{hq}/{hkv}x{seq}x{dim} {str(dtype).replace('torch.', '')} {'fwd' if mode == 'forward' else 'fwd+bwd'}",
+        in_place = {}
+        if "in_place" in times:
+            in_place = roofline_row(moved, times, roofline.work, subject="in_place", key="in_place",
+                                    pct_prefix="in_place_")
+        yield dict(
+            case=f"{batch}x{hq}/{hkv}x{seq}x{dim} {dtype_name(dtype)} {'fwd' if mode == 'forward' else 'fwd+bwd'}",
             mode=mode, dtype=str(dtype),
             notebook_ms=times["notebook"] * 1e3, hf_ms=times["hf"] * 1e3,
             compile_ms=times["compile"] * 1e3 if "compile" in times else None, fused_ms=t * 1e3,
             vs_notebook=times["notebook"] / t, vs_hf=times["hf"] / t,
             vs_compile=times["compile"] / t if "compile" in times else None,
-            fused_gbps=moved / t / 1e9, copy_gbps=copy_bps / 1e9, pct_copy=100 * moved / t / copy_bps,
-            clone_gbps=clone_bps / 1e9, pct_clone=100 * moved / t / clone_bps,
+            **roofline_row(moved, times, roofline.work),
             in_place_ms=times["in_place"] * 1e3 if "in_place" in times else None,
-            in_place_pct_copy=100 * moved / times["in_place"] / copy_bps if "in_place" in times else None,
-            max_abs_diff=max_diff))
-    return rows
+            in_place_pct_copy=in_place.get("in_place_pct_copy"),
+            max_abs_diff=max_diff)
 
 
 COLUMNS = [
@@ -127,24 +125,26 @@ COLUMNS = [
 ]
 
 
-def main(argv=None):
-    args = standard_arguments(__doc__, argv)
-    device = torch.device(args.device)
-    torch.manual_seed(0)
+def cases(args, device):
     shape = (1, 32, 8, 256, 128) if args.quick else (4, 32, 8, 2048, 128)
     reps = args.reps or (10 if args.quick else 15)
-    print(f"fusedllm {fusedllm.backend()} on {machine_description(device)}")
-    report = Report("rope", machine_description(device))
     for dtype in (torch.float32, torch.bfloat16):
-        for row in bench_case(*shape, dtype, device, reps, not args.no_compile):
-            report.add(**row)
-            print(f"  {row['case']:<34} fused {row['fused_ms']:8.2f} ms  x{row['vs_notebook']:.2f} notebook  "
-                  f"x{row['vs_hf']:.2f} HF  " + (f"x{row['vs_compile']:.2f} compile  " if row["vs_compile"] else "")
-                  + f"{row['fused_gbps']:.1f} GB/s ({row['pct_copy']:.0f}% of copy, {row['pct_clone']:.0f}% of clone)  max|diff| {row['max_abs_diff']:.1e}")
-    paths = report.write(COLUMNS, "vs_notebook", "speedup over the notebook module",
-                         suffix="_quick" if args.quick else "")
-    print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}\n")
-    print(paths["table"])
+        yield from bench_case(*shape, dtype, device, reps, not args.no_compile)
+
+
+def describe(row):
+    return (f"{row['case']:<34} fused {row['fused_ms']:8.2f} ms  x{row['vs_notebook']:.2f} notebook  "
+            f"x{row['vs_hf']:.2f} HF  " + (f"x{row['vs_compile']:.2f} compile  " if row["vs_compile"] else "")
+            + f"{row['fused_gbps']:.1f} GB/s ({row['pct_copy']:.0f}% of copy, {row['pct_clone']:.0f}% of clone)  "
+            f"max|diff| {row['max_abs_diff']:.1e}")
+
+
+BENCHMARK = Benchmark("rope", __doc__, cases, COLUMNS, "vs_notebook", "speedup over the notebook module",
+                      describe=describe)
+
+
+def main(argv=None):
+    return run(BENCHMARK, argv)
 
 
 if __name__ == "__main__":

@@ -10,18 +10,19 @@ from __future__ import annotations
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
-# harness before torch: with --thp it configures torch's allocator
-from harness import (Report, clone_candidate, copy_candidate, forward_backward, forward_only,
-                     interleaved_medians, machine_description, peak_memory_bytes,
-                     standard_arguments)
+if not __package__:  # run as a file: import from the repository root, as `python -m` does
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch
-import torch.nn.functional as F
+# harness before torch: with --thp it configures torch's allocator
+from benchmarks.harness import (Benchmark, Roofline, dtype_name, forward_backward, forward_only,  # noqa: E402
+                                interleaved_medians, roofline_row, run)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import fusedllm  # noqa: E402
-from reference import NotebookSwiGLU  # noqa: E402  (the notebook's eager module)
+from testkit.memory import peak_memory_bytes  # noqa: E402
+from testkit.notebook_models import NotebookSwiGLU  # noqa: E402  (the notebook's eager module)
 
 
 def eager_gate(g, u):
@@ -33,13 +34,11 @@ def bench_op(rows, features, dtype, device, reps, with_compile):
     u = torch.randn_like(g)
     dh = torch.randn_like(g)
     size = g.numel() * g.element_size()
-    copy_fn, copy_bytes = copy_candidate(size, device)
-    clone_fn, clone_bytes = clone_candidate(size, device)
+    roofline = Roofline(size, device)
     fns = {"eager": eager_gate, "fusedllm": fusedllm.swiglu}
     if with_compile:
         fns["compile"] = torch.compile(eager_gate, fullgraph=True)
     max_diff = (fns["eager"](g, u).float() - fusedllm.swiglu(g, u).float()).abs().max().item()
-    rows_out = []
     for mode in ("forward", "forward+backward"):
         if mode == "forward":
             candidates = {k: forward_only(f, g, u) for k, f in fns.items()}
@@ -48,22 +47,17 @@ def bench_op(rows, features, dtype, device, reps, with_compile):
             gr, ur = g.clone().requires_grad_(), u.clone().requires_grad_()
             candidates = {k: forward_backward(f, [gr, ur], dh) for k, f in fns.items()}
             moved = 8 * size  # forward 3, backward reads dh, gate, up and writes two grads
-        candidates["copy"] = copy_fn
-        candidates["clone"] = clone_fn
+        candidates.update(roofline.calls)
         times = interleaved_medians(candidates, device, reps)
-        copy_bps = copy_bytes / times["copy"]
-        clone_bps = clone_bytes / times["clone"]
         t = times["fusedllm"]
-        rows_out.append(dict(
-            case=f"{rows}x{features} {str(dtype).replace('torch.', '')} {'fwd' if mode == 'forward' else 'fwd+bwd'}",
+        yield dict(
+            case=f"{rows}x{features} {dtype_name(dtype)} {'fwd' if mode == 'forward' else 'fwd+bwd'}",
             kind="op", mode=mode, dtype=str(dtype), shape=[rows, features],
             eager_ms=times["eager"] * 1e3, compile_ms=times["compile"] * 1e3 if "compile" in times else None,
             fused_ms=t * 1e3, vs_eager=times["eager"] / t,
             vs_compile=times["compile"] / t if "compile" in times else None,
-            fused_gbps=moved / t / 1e9, copy_gbps=copy_bps / 1e9, pct_copy=100 * moved / t / copy_bps,
-            clone_gbps=clone_bps / 1e9, pct_clone=100 * moved / t / clone_bps,
-            max_abs_diff=max_diff))
-    return rows_out
+            **roofline_row(moved, times, roofline.work),
+            max_abs_diff=max_diff)
 
 
 def bench_mlp(tokens, hidden, intermediate, dtype, device, reps, with_compile):
@@ -82,15 +76,40 @@ def bench_mlp(tokens, hidden, intermediate, dtype, device, reps, with_compile):
     times = interleaved_medians(candidates, device, reps, warmup=2)
     peaks = {k: peak_memory_bytes(fn, device) for k, fn in candidates.items()}
     t = times["fusedllm"]
-    return [dict(
-        case=f"MLP {tokens}x{hidden}->{intermediate} {str(dtype).replace('torch.', '')} fwd+bwd",
+    return dict(
+        case=f"MLP {tokens}x{hidden}->{intermediate} {dtype_name(dtype)} fwd+bwd",
         kind="mlp", mode="forward+backward", dtype=str(dtype),
         eager_ms=times["eager"] * 1e3, compile_ms=times["compile"] * 1e3 if "compile" in times else None,
         fused_ms=t * 1e3, vs_eager=times["eager"] / t,
         vs_compile=times["compile"] / t if "compile" in times else None,
         eager_peak_mb=peaks["eager"] / 2**20, fused_peak_mb=peaks["fusedllm"] / 2**20,
         compile_peak_mb=peaks["compile"] / 2**20 if "compile" in peaks else None,
-        max_abs_diff=max_diff)]
+        max_abs_diff=max_diff)
+
+
+def cases(args, device):
+    compile_ = not args.no_compile
+    if args.quick:
+        op_shapes, mlp_shape, reps = [(1024, 2816)], (512, 256, 704), args.reps or 10
+    else:
+        op_shapes, mlp_shape, reps = [(4096, 11008), (16384, 2816)], (4096, 1024, 2816), args.reps or 15
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, features in op_shapes:
+            yield from bench_op(rows, features, dtype, device, reps, compile_)
+    # float32 only: this CPU has no bfloat16 matrix units, so bfloat16 GEMMs run a
+    # slow fallback that would time the BLAS rather than the gating.
+    for dtype in (torch.float32,) if device.type == "cpu" else (torch.float32, torch.bfloat16):
+        yield bench_mlp(*mlp_shape, dtype, device, max(5, reps // 2), compile_)
+
+
+def describe(row):
+    text = (f"{row['case']:<34} fused {row['fused_ms']:8.2f} ms  x{row['vs_eager']:.2f} eager  "
+            + (f"x{row['vs_compile']:.2f} compile  " if row["vs_compile"] else ""))
+    if row["kind"] == "op":
+        return text + (f"{row['fused_gbps']:.1f} GB/s ({row['pct_copy']:.0f}% of copy at {row['copy_gbps']:.1f}, "
+                       f"{row['pct_clone']:.0f}% of clone)")
+    return text + (f"peak MiB eager {row['eager_peak_mb']:.0f} fused {row['fused_peak_mb']:.0f}"
+                   + (f" compile {row['compile_peak_mb']:.0f}" if row["compile_peak_mb"] is not None else ""))
 
 
 COLUMNS = [
@@ -109,39 +128,11 @@ COLUMNS = [
     ("fused_peak_mb", "fusedllm peak MiB", ".0f"),
 ]
 
+BENCHMARK = Benchmark("swiglu", __doc__, cases, COLUMNS, "vs_eager", "speedup over eager", describe=describe)
+
 
 def main(argv=None):
-    args = standard_arguments(__doc__, argv)
-    device = torch.device(args.device)
-    torch.manual_seed(0)
-    compile_ = not args.no_compile
-    if args.quick:
-        op_shapes, mlp_shape, reps = [(1024, 2816)], (512, 256, 704), args.reps or 10
-    else:
-        op_shapes, mlp_shape, reps = [(4096, 11008), (16384, 2816)], (4096, 1024, 2816), args.reps or 15
-
-    print(f"fusedllm {fusedllm.backend()} on {machine_description(device)}")
-    report = Report("swiglu", machine_description(device))
-    for dtype in (torch.float32, torch.bfloat16):
-        for rows, features in op_shapes:
-            for row in bench_op(rows, features, dtype, device, reps, compile_):
-                report.add(**row)
-                print(f"  {row['case']:<34} fused {row['fused_ms']:8.2f} ms  x{row['vs_eager']:.2f} eager  "
-                      + (f"x{row['vs_compile']:.2f} compile  " if row["vs_compile"] else "")
-                      + f"{row['fused_gbps']:.1f} GB/s ({row['pct_copy']:.0f}% of copy at {row['copy_gbps']:.1f}, "
-                      f"{row['pct_clone']:.0f}% of clone)")
-    # float32 only: this CPU has no bfloat16 matrix units, so bfloat16 GEMMs run a
-    # slow fallback that would time the BLAS rather than the gating.
-    for dtype in (torch.float32,) if device.type == "cpu" else (torch.float32, torch.bfloat16):
-        for row in bench_mlp(*mlp_shape, dtype, device, max(5, reps // 2), compile_):
-            report.add(**row)
-            print(f"  {row['case']:<34} fused {row['fused_ms']:8.2f} ms  x{row['vs_eager']:.2f} eager  "
-                  + (f"x{row['vs_compile']:.2f} compile  " if row["vs_compile"] else "")
-                  + f"peak MiB eager {row['eager_peak_mb']:.0f} fused {row['fused_peak_mb']:.0f}"
-                  + (f" compile {row['compile_peak_mb']:.0f}" if row["compile_peak_mb"] is not None else ""))
-    paths = report.write(COLUMNS, "vs_eager", "speedup over eager", suffix="_quick" if args.quick else "")
-    print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}\n")
-    print(paths["table"])
+    return run(BENCHMARK, argv)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 ("From GPT-2 to LLaMA") builds it. Run with `make demo`.
 
 1. The same weights in two models: the eager plain-PyTorch notebook model
-   (tests/notebook_models.py) and fusedllm.compat.nb003.LLaMAModel (fused
+   (testkit/notebook_models.py) and fusedllm.compat.nb003.LLaMAModel (fused
    RMSNorm with the residual add, SwiGLU, RoPE and attention). One batch
    through both, forward and backward: largest differences of the logits and
    of every parameter's gradient, and the time of a forward+backward step.
@@ -30,16 +30,17 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
+if not __package__:  # run as a file: import from the repository root, as `python -m` does
+    sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fusedllm  # noqa: E402
-from bench_attention import notebook_core  # noqa: E402
-from bench_model import CachedLLaMA, generate_without_cache, notebook_models  # noqa: E402
-from harness import interleaved_medians, machine_description  # noqa: E402
-from notebook_models import nb003, rotate_pairs  # noqa: E402
+from benchmarks.bench_attention import notebook_core  # noqa: E402
+from benchmarks.bench_model import CachedLLaMA, generate_without_cache, notebook_models  # noqa: E402
+from benchmarks.harness import interleaved_medians, machine_description  # noqa: E402
+from testkit.notebook_models import rotate_pairs  # noqa: E402
 
 SIZE = dict(vocab=1024, hidden=256, intermediate=704, layers=4, heads=8, kv_heads=2)
 BATCH, SEQ = 4, 128            # training batch

@@ -1,20 +1,30 @@
-"""Timing and reporting shared by the benchmark scripts.
+"""Timing, rooflines, reporting and the command line shared by the benchmark scripts.
 
 Candidates are timed in one process, interleaved (each repetition runs every
 candidate once, in turn), after warm-up; we report medians, ratios and the
 achieved bandwidth against a copy timed among them. On a GPU the same
 code times with CUDA events.
+
+A script declares a :class:`Benchmark` (its cases, table columns and plot) and
+calls :func:`run`, which parses the options every script takes, describes the
+machine, runs the cases and writes ``results/<name>.json``, ``.md`` (the table
+that ``readme_tables.py`` copies between README.md's ``<!-- bench:<name> -->``
+markers) and ``.png``; ``--quick`` runs small sizes and writes
+``results/<name>_quick.*`` instead, which git ignores.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 if "--thp" in sys.argv:
     # Read by torch's CPU allocator at its first allocation, so this module is
@@ -24,11 +34,7 @@ if "--thp" in sys.argv:
 
 import torch  # noqa: E402
 
-# peak_memory_bytes is shared with the tests
-_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
-if _TESTS not in sys.path:
-    sys.path.append(_TESTS)
-from checks import peak_memory_bytes  # noqa: E402,F401
+import fusedllm  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -110,10 +116,49 @@ def clone_candidate(nbytes: int, device: torch.device):
     return (lambda: src.clone()), 2 * src.numel() * 4
 
 
-def standard_arguments(doc: str, argv=None):
-    """The options every benchmark script takes: --quick, --device, --no-compile, --reps."""
-    import argparse
+class Roofline:
+    """Memory-bandwidth rooflines timed among an op's candidates, as candidates
+    themselves so that they see the same machine load.
 
+    "copy" is ``dst.copy_(src)`` of ``nbytes`` between preallocated buffers;
+    "clone" the same copy into freshly allocated memory (what any op returning a
+    new tensor pays: on a CPU each fresh page faults the first time it is
+    written). ``calls`` maps each name to its zero-argument callable, ``work``
+    to the bytes one call moves (read + write)."""
+
+    MAKERS = {"copy": copy_candidate, "clone": clone_candidate}
+
+    def __init__(self, nbytes: int, device: torch.device, kinds=("copy", "clone")):
+        self.calls, self.work = {}, {}
+        for kind in kinds:
+            self.calls[kind], self.work[kind] = self.MAKERS[kind](nbytes, device)
+
+
+def roofline_row(work: float, times: dict, roofs: dict | None = None, subject: str = "fusedllm",
+                 key: str = "fused", unit: str = "gbps", pct_prefix: str = "") -> dict:
+    """Table fields for `work` units (bytes moved, or FLOPs) per call of
+    candidate `subject`, from the median seconds in `times`:
+    ``{key}_{unit}``, its rate in G units per second (GB/s, GFLOP/s); and for
+    each measured roof in `roofs` (name -> work per call, timed under that
+    name in `times`): ``{name}_{unit}``, the roof's own rate, and
+    ``{pct_prefix}pct_{name}``, `subject`'s rate as a percentage of it."""
+    rate = work / times[subject]
+    row = {f"{key}_{unit}": rate / 1e9}
+    for name, roof_work in (roofs or {}).items():
+        roof_rate = roof_work / times[name]
+        row[f"{name}_{unit}"] = roof_rate / 1e9
+        row[f"{pct_prefix}pct_{name}"] = 100 * rate / roof_rate
+    return row
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """float32, bfloat16, ...: how the case labels write a dtype."""
+    return str(dtype).replace("torch.", "")
+
+
+def standard_arguments(doc: str, argv=None, options: Callable | None = None):
+    """The options every benchmark script takes (--quick, --device, --no-compile,
+    --reps, --thp), plus those `options(parser)` adds."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -121,7 +166,9 @@ def standard_arguments(doc: str, argv=None):
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per candidate")
     parser.add_argument("--thp", action="store_true",
                         help="THP_MEM_ALLOC_ENABLE=1: 2 MB pages for large CPU tensors "
-                             "(read before torch allocates; the scripts check sys.argv early)")
+                             "(read before torch allocates; harness checks sys.argv when imported)")
+    if options is not None:
+        options(parser)
     return parser.parse_args(argv)
 
 
@@ -129,10 +176,29 @@ def thp_enabled() -> bool:
     return os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
 
 
+def cpu_model() -> str:
+    """The processor's marketing name where the system gives one (Linux
+    /proc/cpuinfo, macOS sysctl), else the architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model", "Hardware")) and ":" in line:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                                  text=True, timeout=5).stdout.strip() or platform.machine()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine()
+
+
 def machine_description(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    text = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    text = f"{cpu_model()} ({platform.machine()}), {torch.get_num_threads()} threads"
     return text + (", THP_MEM_ALLOC_ENABLE=1" if thp_enabled() else "")
 
 
@@ -148,8 +214,11 @@ class Report:
         self.rows.append(row)
 
     def write(self, columns: list[tuple[str, str, str]], plot_key: str, plot_label: str,
-              results_dir: str = RESULTS_DIR, suffix: str = "") -> dict:
-        """columns: (key, header, format). Returns the paths written."""
+              results_dir: str = RESULTS_DIR, suffix: str = "", plot: Callable | None = None,
+              notes: list[str] = ()) -> dict:
+        """columns: (key, header, format). `plot(rows, path, device)` replaces
+        the bar chart of `plot_key`; `notes` become a list under the table. Returns
+        the paths written and the table."""
         os.makedirs(results_dir, exist_ok=True)
         base = os.path.join(results_dir, f"{self.name}{suffix}{'_thp' if thp_enabled() else ''}")
         meta = {
@@ -172,7 +241,12 @@ class Report:
         with open(base + ".md", "w") as f:
             f.write(f"{self.name} on {self.device}, torch {torch.__version__}, {meta['date']}\n\n")
             f.write(table)
-        self._plot(base + ".png", plot_key, plot_label)
+            if notes:
+                f.write("\n" + "\n".join(f"- {line}" for line in notes) + "\n")
+        if plot is None:
+            self._plot(base + ".png", plot_key, plot_label)
+        else:
+            plot(self.rows, base + ".png", self.device)
         return {"json": base + ".json", "md": base + ".md", "png": base + ".png", "table": table}
 
     def _plot(self, path: str, key: str, label: str) -> None:
@@ -193,3 +267,51 @@ class Report:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
+
+
+@dataclass
+class Benchmark:
+    """What a benchmark script declares; :func:`run` does the rest.
+
+    cases(args, device) yields the table's rows (dicts with a "case" label),
+    measuring as it goes; args holds the standard options (args.quick,
+    args.reps, args.no_compile, ...) and those `options(parser)` adds.
+    columns: (row key, header, format) of the markdown table. The PNG is a bar
+    chart of `plot_key` per case unless `plot(rows, path, device)` draws it
+    (device: the machine's description);
+    `notes(rows)` gives lines listed under the table. `describe(row)` is the
+    line printed as each row arrives."""
+
+    name: str
+    doc: str
+    cases: Callable[[argparse.Namespace, torch.device], Iterable[dict]]
+    columns: list
+    plot_key: str
+    plot_label: str
+    describe: Callable[[dict], str] | None = None
+    options: Callable[[argparse.ArgumentParser], None] | None = None
+    plot: Callable | None = None
+    notes: Callable[[list], list] | None = None
+
+
+def run(bench: Benchmark, argv=None) -> Report:
+    """Parse the command line, run the cases, write results/<name>[_quick].*
+    and print the table."""
+    args = standard_arguments(bench.doc, argv, bench.options)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    machine = machine_description(device)
+    print(f"fusedllm {fusedllm.backend()} on {machine}", flush=True)
+    report = Report(bench.name, machine)
+    for row in bench.cases(args, device):
+        report.add(**row)
+        if bench.describe is not None:
+            print(f"  {bench.describe(row)}", flush=True)
+    notes = bench.notes(report.rows) if bench.notes is not None else []
+    paths = report.write(bench.columns, bench.plot_key, bench.plot_label,
+                         suffix="_quick" if args.quick else "", plot=bench.plot, notes=notes)
+    print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}\n")
+    print(paths["table"])
+    if notes:
+        print("\n".join(notes))
+    return report

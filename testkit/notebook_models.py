@@ -442,3 +442,10 @@ def tiny_llama_config(cfg_cls, **overrides):
     for name, value in sizes.items():
         setattr(cfg, name, value)
     return cfg
+
+
+# --- the eager modules the op benchmarks time and the state-dict tests load from ---------
+
+NotebookRMSNorm = nb002.RMSNorm  # float32 statistics, cast back, scale
+NotebookSwiGLU = nb000.SwiGLU
+NotebookRotaryEmbedding = nb000.RotaryPositionalEmbedding  # chunk / cat rotate_half

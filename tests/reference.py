@@ -8,8 +8,6 @@ import math
 
 import torch
 
-import notebook_models as _notebooks
-
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -81,15 +79,6 @@ def rope(x, cos, sin, positions, interleaved=False, rotary_dim=None):
     else:
         rotated = torch.cat((turned.real, turned.imag), dim=-1)
     return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
-
-
-# --- eager modules as the notebooks write them (tests/notebook_models.py) -------------
-# the baselines of the benchmarks and the originals of the state-dict tests
-
-
-NotebookRMSNorm = _notebooks.nb002.RMSNorm  # float32 statistics, cast back, scale
-NotebookSwiGLU = _notebooks.nb000.SwiGLU
-NotebookRotaryEmbedding = _notebooks.nb000.RotaryPositionalEmbedding  # chunk / cat rotate_half
 
 
 def attention(q, k, v, causal=False, scale=None, window=None, mask=None, keep=None, dropout_p=0.0):

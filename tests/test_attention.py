@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import checks
 import fusedllm
-from checks import FORWARD_TOL, GRAD_TOL, peak_memory_bytes, results_across_thread_counts
+from checks import FORWARD_TOL, GRAD_TOL, results_across_thread_counts
+from testkit.memory import peak_memory_bytes
 from reference import attention as ref_attention
 
 ops = torch.ops.fusedllm

@@ -1,5 +1,5 @@
 """fusedllm.compat: each notebook class against a plain re-implementation of it
-(tests/notebook_models.py). A state dict saved from the plain class loads into
+(testkit/notebook_models.py). A state dict saved from the plain class loads into
 ours unchanged, and in eval mode outputs and gradients agree in float32."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from fusedllm.compat import nb000, nb001, nb002, nb003
 
-import notebook_models as plain
+from testkit import notebook_models as plain
 from checks import FORWARD_TOL, GRAD_TOL, assert_close
 
 F32 = (FORWARD_TOL[torch.float32], GRAD_TOL[torch.float32])

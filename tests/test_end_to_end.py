@@ -14,7 +14,7 @@ from torch.nn import functional as F
 import fusedllm
 from fusedllm.compat import nb003
 
-import notebook_models as plain
+from testkit import notebook_models as plain
 from checks import FORWARD_TOL, GRAD_TOL, assert_close
 
 STEPS = 30

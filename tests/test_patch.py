@@ -1,4 +1,4 @@
-"""fusedllm.patch / unpatch on notebook-style models (tests/notebook_models.py)
+"""fusedllm.patch / unpatch on notebook-style models (testkit/notebook_models.py)
 and on tiny Hugging Face models built from configs."""
 
 import copy
@@ -11,7 +11,7 @@ import fusedllm
 from fusedllm.compat import nb000 as c000, nb003 as c003
 from fusedllm.patch import PackedGatedMLP
 
-import notebook_models as plain
+from testkit import notebook_models as plain
 from checks import FORWARD_TOL, GRAD_TOL, assert_close
 
 

@@ -6,7 +6,8 @@ from torch import nn
 
 import fusedllm
 from checks import FORWARD_TOL
-from reference import NotebookRMSNorm, rms_norm as ref_rms_norm
+from reference import rms_norm as ref_rms_norm
+from testkit.notebook_models import NotebookRMSNorm
 
 ops = torch.ops.fusedllm
 

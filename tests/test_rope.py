@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 import fusedllm
 import fusedllm.compat.nb000  # noqa: F401
 from checks import FORWARD_TOL, GRAD_TOL, assert_close, run_python
-from reference import NotebookRotaryEmbedding, rope as ref_rope
+from reference import rope as ref_rope
+from testkit.notebook_models import NotebookRotaryEmbedding
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 ops = torch.ops.fusedllm

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 import fusedllm
 from checks import FORWARD_TOL, GRAD_TOL, assert_close
-from reference import NotebookSwiGLU, swiglu as ref_swiglu
+from reference import swiglu as ref_swiglu
+from testkit.notebook_models import NotebookSwiGLU
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 ACTIVATIONS = ["silu", "gelu_tanh"]

@@ -1,0 +1,11 @@
+"""Code the tests and the benchmarks share; not part of the installed package.
+
+- ``testkit.notebook_models``: the notebooks' plain-PyTorch models, the
+  oracle of the compat and patch tests and the eager baselines of the benchmarks.
+- ``testkit.memory``: ``peak_memory_bytes``, the peak memory torch
+  allocates during a call, on a CPU or a GPU.
+
+Importable from the repository root: pytest puts the root on ``sys.path``
+(``pythonpath`` in pyproject.toml), ``python -m benchmarks.<script>`` runs from
+it, and the benchmark scripts run as files put it there themselves.
+"""

@@ -14,10 +14,9 @@
 // one block per key tile that walks every query row of the group. Nothing is
 // accumulated with atomics, so the gradients are deterministic.
 //
-// This header is what the kernels share. Each kernel role is its own
-// translation unit, so that they compile in parallel: attention_forward.cu,
-// attention_dq.cu (delta and dQ), attention_dkdv.cu; attention.cu is the op
-// that launches them.
+// This header is what the kernels share. The op and the forward kernel
+// (attention.cu), delta and dQ (attention_dq.cu), and dK/dV (attention_dkdv.cu)
+// are separate translation units, so that nvcc compiles them in parallel.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -35,9 +34,8 @@
 
 namespace fusedllm::cuda {
 
-// Each role's launches on `stream`, for the plan's dtype and head dim.
-void launch_attention_forward(const AttentionForwardPlan& p, Stream stream);
-// delta = rowsum(dO * O) into `delta`, then dQ.
+// The backward kernels' launches on `stream`, for the plan's dtype and head
+// dim: delta = rowsum(dO * O) into `delta`, then dQ; then dK and dV.
 void launch_attention_dq(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 void launch_attention_dkdv(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 

@@ -64,8 +64,9 @@ def _load() -> None:
     if mismatch:
         raise ImportError(
             f"{mismatch}. Either install the torch fusedllm was built against "
-            f"(pip install torch=={_torch_release(config.TORCH_VERSION)}, the CUDA {config.TORCH_CUDA} "
-            f"build where it has CUDA kernels), or rebuild fusedllm against the running torch: "
+            f"(pip install torch=={_torch_release(config.TORCH_VERSION)}"
+            f"{f', a build for CUDA {config.TORCH_CUDA}' if config.CUDA_KERNELS else ''}), "
+            f"or rebuild fusedllm against the running torch: "
             f"{REBUILD_COMMAND}. FUSEDLLM_DISABLE_EXTENSION=1 imports fusedllm without its "
             f"kernels (the plain-PyTorch path)."
         )

@@ -7,8 +7,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # On x86-64 this is the CUDA 13.0 build. The CUDA kernels compile for the GPUs
-# torch sees; FUSEDLLM_CUDA=1 (as CI runs) compiles them for every default
-# architecture where no GPU is visible, FUSEDLLM_CUDA=0 never (CMakeLists.txt).
+# torch sees, as sm_80 PTX where none is visible; FUSEDLLM_CUDA=1 (as CI runs)
+# for every default architecture, FUSEDLLM_CUDA=0 never (CMakeLists.txt).
 TORCH_SPEC ?= torch==2.14.1
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 

@@ -10,7 +10,8 @@ calls :func:`run`, which parses the options every script takes, describes the
 machine, runs the cases and writes ``results/<name>.json``, ``.md`` (the table
 that ``readme_tables.py`` copies between README.md's ``<!-- bench:<name> -->``
 markers) and ``.png``; ``--quick`` runs small sizes and writes
-``results/<name>_quick.*`` instead, which git ignores.
+``results/<name>_quick.*`` instead, which git ignores. On a GPU the names
+take ``_cuda`` (``results/<name>_cuda.md``), beside the CPU results.
 """
 
 from __future__ import annotations
@@ -295,7 +296,7 @@ class Benchmark:
 
 
 def run(bench: Benchmark, argv=None) -> Report:
-    """Parse the command line, run the cases, write results/<name>[_quick].*
+    """Parse the command line, run the cases, write results/<name>[_cuda][_quick].*
     and print the table."""
     args = standard_arguments(bench.doc, argv, bench.options)
     device = torch.device(args.device)
@@ -308,8 +309,10 @@ def run(bench: Benchmark, argv=None) -> Report:
         if bench.describe is not None:
             print(f"  {bench.describe(row)}", flush=True)
     notes = bench.notes(report.rows) if bench.notes is not None else []
+    # GPU results sit beside the CPU ones: <name>_cuda.md
+    suffix = ("_cuda" if device.type == "cuda" else "") + ("_quick" if args.quick else "")
     paths = report.write(bench.columns, bench.plot_key, bench.plot_label,
-                         suffix="_quick" if args.quick else "", plot=bench.plot, notes=notes)
+                         suffix=suffix, plot=bench.plot, notes=notes)
     print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}\n")
     print(paths["table"])
     if notes:

@@ -27,10 +27,11 @@ class PlainGQAttention(nn.Module):
 
     def rotate(self, x, positions):
         half = self.head_dim // 2
-        inv_freq = 1.0 / self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=positions.device) / self.head_dim
+        inv_freq = 1.0 / self.base ** exponents
         angles = positions.double()[:, None] * inv_freq[None]
-        cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.device)
-        sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.device)
+        cos = torch.cat([angles.cos(), angles.cos()], -1)
+        sin = torch.cat([angles.sin(), angles.sin()], -1)
         xd = x.double()
         rotated_half = torch.cat([-xd[..., half:], xd[..., :half]], -1)
         return (xd * cos + rotated_half * sin).to(x.dtype)

@@ -1,7 +1,7 @@
 # Set-up from nothing, incremental afterwards:
-#   make demo     venv + torch + dependencies + build, then the demo
-#   make test     the same set-up, then the whole test suite
-#   make jupyter  the same set-up, then a Jupyter kernel named fusedllm for this user
+#   make demo     venv + torch + build tools + build, then the demo
+#   make test     the same, plus the test dependencies and the CUDA emulator, then the whole test suite
+#   make jupyter  the demo's set-up plus Jupyter, then a Jupyter kernel named fusedllm for this user
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -25,25 +25,40 @@ $(VENV)/.torch-installed: | $(BIN)/python
 	$(BIN)/pip install "$(TORCH_SPEC)"
 	@echo "$(TORCH_SPEC)" > $@
 
-$(VENV)/.deps-installed: requirements-dev.txt $(VENV)/.torch-installed
+# What building and the demo need (requirements.txt), then what the tests,
+# benchmarks and Jupyter add (requirements-dev.txt): make demo installs the first only.
+$(VENV)/.deps-installed: requirements.txt $(VENV)/.torch-installed
+	$(BIN)/pip install -r requirements.txt "$(TORCH_SPEC)"
+	@touch $@
+
+$(VENV)/.dev-deps-installed: requirements-dev.txt $(VENV)/.deps-installed
 	$(BIN)/pip install -r requirements-dev.txt "$(TORCH_SPEC)"
 	@touch $@
 
 # The verbose build log keeps nvcc's `ptxas -v` register and spill report; the
 # terminal shows what is configured and each compile step as it starts.
-# FUSEDLLM_SIMT builds fusedllm._simt, the CUDA kernels emulated on the CPU.
-$(VENV)/.built: $(SOURCES) $(VENV)/.deps-installed
+# FUSEDLLM_SIMT=ON also builds fusedllm._simt, the CUDA kernels emulated on the
+# CPU, which the tests need and the demo does not; once it has been built,
+# every rebuild keeps it (.built-simt), so that it never goes stale.
+define build_extension
 	@mkdir -p build
-	@echo "building fusedllm (full log: build/build.log)"
-	@set -o pipefail; $(BIN)/pip install -v --no-build-isolation --no-deps -C cmake.define.FUSEDLLM_SIMT=ON -e . 2>&1 \
+	@echo "building fusedllm$(if $(filter ON,$(1)), and its CUDA emulator,) (full log: build/build.log)"
+	@set -o pipefail; $(BIN)/pip install -v --no-build-isolation --no-deps -C cmake.define.FUSEDLLM_SIMT=$(1) -e . 2>&1 \
 	  | tee build/build.log \
 	  | sed -unE 's/^ *-- (fusedllm: .*)/  \1/p; s/^\*\*\* (.*)/  \1/p; s|.*\[([0-9]+/[0-9]+)\] Building [A-Z]+ object CMakeFiles/([^/]+)\.dir/(.*)\.o$$|  [\1] \3 (\2)|p' \
 	  || { tail -n 60 build/build.log; exit 1; }
-	@touch $@
+	@touch $(VENV)/.built $(if $(filter ON,$(1)),$(VENV)/.built-simt)
+endef
+
+$(VENV)/.built: $(SOURCES) $(VENV)/.deps-installed
+	$(call build_extension,$(if $(wildcard $(VENV)/.built-simt),ON,OFF))
+
+$(VENV)/.built-simt: $(SOURCES) $(VENV)/.deps-installed
+	$(call build_extension,ON)
 
 venv: $(BIN)/python
-deps: $(VENV)/.deps-installed
-build: $(VENV)/.built
+deps: $(VENV)/.dev-deps-installed
+build: $(VENV)/.built-simt $(VENV)/.dev-deps-installed
 
 test: build
 	$(BIN)/python -m pytest -q
@@ -74,14 +89,14 @@ sanitize: build
 	  $(BIN)/python -m pytest -q -p no:cacheprovider --capture=sys -m "simt and not slow" \
 	  -k "$(SANITIZE_TESTS)"
 
-demo: build
+demo: $(VENV)/.built
 	$(BIN)/python benchmarks/demo.py
 
 # A kernel named "fusedllm" for this user's Jupyter (any Jupyter, not only this venv's).
-jupyter: build
+jupyter: $(VENV)/.built $(VENV)/.dev-deps-installed
 	$(BIN)/python -m ipykernel install --user --name fusedllm --display-name "Python (fusedllm)"
 
-bench: build
+bench: $(VENV)/.built $(VENV)/.dev-deps-installed
 	$(BIN)/python benchmarks/bench_rms_norm.py
 	$(BIN)/python benchmarks/bench_swiglu.py
 	$(BIN)/python benchmarks/bench_rope.py
@@ -90,4 +105,4 @@ bench: build
 	$(BIN)/python benchmarks/bench_model.py
 
 clean:
-	rm -rf build $(VENV)/.built
+	rm -rf build $(VENV)/.built $(VENV)/.built-simt

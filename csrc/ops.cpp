@@ -8,8 +8,8 @@
 #include "fusedllm/schemas.h"
 
 TORCH_LIBRARY(fusedllm, m) {
-  // Fake (meta) kernels live in python/fusedllm/_ops.py, autograd in autograd.cpp.
-  m.set_python_module("fusedllm._ops");
+  // Fake (meta) kernels live in python/fusedllm/_fake.py, autograd in autograd.cpp.
+  m.set_python_module("fusedllm._fake");
   fusedllm::define_ops(m);
 }
 

@@ -3,8 +3,8 @@ import os
 import pytest
 import torch
 
-# The suite tests the compiled kernels; CI also sets this so the reference
-# fallback can never stand in for a broken build.
+# The suite tests the compiled kernels; CI also sets this so the plain-PyTorch
+# path can never stand in for a broken build.
 os.environ.setdefault("FUSEDLLM_REQUIRE_EXTENSION", "1")
 
 import fusedllm  # noqa: E402

@@ -125,13 +125,13 @@ BAD_CALLS = [
      lambda: fusedllm.rms_norm(torch.randn(4, 16), torch.randn(16, device="meta"))),
     ("input must be float32, float64, bfloat16 or float16, got torch.int64",
      lambda: fusedllm.rms_norm(torch.ones(4, 16, dtype=torch.long))),
-    ("eps must be >= 0", lambda: fusedllm.rms_norm(torch.randn(4, 16), eps=-1e-6)),
+    ("eps must be a finite number >= 0, got -1e-06", lambda: fusedllm.rms_norm(torch.randn(4, 16), eps=-1e-6)),
     ("eps must be a finite number", lambda: fusedllm.rms_norm(torch.randn(4, 16), eps=float("nan"))),
     ("residual must have the shape of input",
      lambda: fusedllm.fused_add_rms_norm(torch.randn(4, 16), torch.randn(4, 8))),
     ("residual has dtype", lambda: fusedllm.fused_add_rms_norm(torch.randn(4, 16), torch.randn(4, 16).double())),
     ("casting must be 'llama' or 'gemma'", lambda: fusedllm.rms_norm(torch.randn(4, 16), casting="t5")),
-    ("offset=1.0 needs a weight", lambda: fusedllm.rms_norm(torch.randn(4, 16), offset=1.0)),
+    ("offset=1 needs a weight", lambda: fusedllm.rms_norm(torch.randn(4, 16), offset=1.0)),
     ("at least one dimension", lambda: fusedllm.rms_norm(torch.tensor(1.0))),
 ]
 

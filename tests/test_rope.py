@@ -320,8 +320,10 @@ BAD_CALLS = [
     ("rotary_dim must be a positive even number at most the head dim 16, got 0", _bad(rotary_dim=0)),
     ("q and k must have the same head dim", _bad(k=torch.randn(2, 2, 5, 8))),
     ("position_ids must be \\[S\\] or \\[B, S\\]", _bad(position_ids=torch.zeros(3, 5, dtype=torch.long))),
-    ("position_ids span 0..8 but the cos/sin table has 8 positions",
+    ("position 8 is outside the cos/sin table of 8 positions",
      _bad(position_ids=torch.tensor([0, 1, 2, 3, 8]))),
+    ("position -1 is outside the cos/sin table of 8 positions",
+     _bad(position_ids=torch.tensor([[0, 1, 2, 3, 4], [0, 1, -1, 3, 4]]))),
     ("positions 6..10 are past the cos/sin table of 8 positions", _bad(offset=6)),
     ("q and k must be \\[B, H, S, D\\]", _bad(q=torch.randn(2, 5, 16))),
     ("cos and sin do not fit rotary_dim=16", _bad(cos=torch.randn(8, 5), sin=torch.randn(8, 5))),
@@ -331,7 +333,8 @@ BAD_CALLS = [
      _bad(cos=torch.randn(2, 5, 8), sin=torch.randn(2, 5, 8))),
     ("k has dtype", _bad(k=torch.randn(2, 2, 5, 16).double())),
     ("position_ids must be int64 or int32", _bad(position_ids=torch.zeros(5))),
-    ("offset must be an int >= 0", _bad(offset=-1)),
+    ("offset must be >= 0, got -1", _bad(offset=-1)),
+    ("offset must be an int, got 1.5", _bad(offset=1.5)),
 ]
 
 

@@ -139,15 +139,18 @@ def test_extreme_inputs_stay_finite():
 
 BAD_CALLS = [
     ("gate and up must have the same shape", lambda: fusedllm.swiglu(torch.randn(4, 8), torch.randn(4, 9))),
-    ("last dim is not even", lambda: fusedllm.swiglu(torch.randn(4, 7))),
+    ("gate_up must be packed \\[..., 2 \\* F\\] as \\[gate \\| up\\]; its last dim 7 is odd",
+     lambda: fusedllm.swiglu(torch.randn(4, 7))),
     ("activation must be 'silu' or 'gelu_tanh'",
      lambda: fusedllm.swiglu(torch.randn(4, 8), torch.randn(4, 8), activation="relu")),
     ("up has dtype torch.float16 but gate has dtype torch.float32",
      lambda: fusedllm.swiglu(torch.randn(4, 8), torch.randn(4, 8).half())),
     ("up is on meta but gate is on cpu",
      lambda: fusedllm.swiglu(torch.randn(4, 8), torch.randn(4, 8, device="meta"))),
-    ("gate must be float32, float64, bfloat16 or float16",
+    ("gate_up must be float32, float64, bfloat16 or float16, got torch.int32",
      lambda: fusedllm.swiglu(torch.ones(4, 8, dtype=torch.int32))),
+    ("gate must be float32, float64, bfloat16 or float16, got torch.int32",
+     lambda: fusedllm.swiglu(torch.ones(4, 8, dtype=torch.int32), torch.ones(4, 8, dtype=torch.int32))),
 ]
 
 

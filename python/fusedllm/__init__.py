@@ -1,7 +1,7 @@
 """fusedllm: fused CPU and CUDA kernels for transformer building blocks."""
 
 from ._extension import backend, build_info
-from . import _ops  # noqa: F401  (registers the fake kernels)
+from . import _fake  # noqa: F401  (registers the fake kernels)
 from .functional import apply_rope, attention, fused_add_rms_norm, rms_norm, swiglu
 from .rope_scaling import rope_tables
 from . import nn

@@ -1,18 +1,22 @@
-"""One function per fused op: checks arguments (errors name the argument),
-then calls ``torch.ops.fusedllm`` or, without the extension, the plain path."""
+"""One function per fused op. The ops check their own arguments (the C++
+operators, or the plain path's twins of those checks) and their messages name
+the argument; here only what they cannot say: Python types, devices (the
+dispatcher picks a kernel by device before any check runs), the arguments
+this layer adds (``None`` defaults, rope table layouts, the dropout seed)."""
 
 from __future__ import annotations
 
-import math
 from numbers import Integral, Real
 
 import torch
 
-from . import _fallback
+from . import _plain
 from ._extension import has_extension
+from ._limits import check_rotary_dim
 
-_FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_CASTINGS = ("llama", "gemma")
+# The implementation, chosen once: the compiled operators, or the plain path
+# (same names and signatures) when the extension is not loaded.
+_impl = torch.ops.fusedllm if has_extension() else _plain
 
 
 def _require_tensor(op: str, name: str, value) -> None:
@@ -20,48 +24,15 @@ def _require_tensor(op: str, name: str, value) -> None:
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
 
 
-def _require_float(op: str, name: str, t: torch.Tensor) -> None:
-    if t.dtype not in _FLOAT_DTYPES:
-        raise ValueError(
-            f"{op}: {name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
-
-
-def _require_like(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    if t.dtype != ref.dtype:
-        raise ValueError(
-            f"{op}: {name} has dtype {t.dtype} but {ref_name} has dtype {ref.dtype}; "
-            f"cast one of them (e.g. {name}.to({ref_name}.dtype))")
-    if t.device != ref.device:
-        raise ValueError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")
-
-
-def _require_number(op: str, name: str, value, minimum=None) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
-        raise ValueError(f"{op}: {name} must be a finite number, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{op}: {name} must be >= {minimum}, got {value!r}")
-    return float(value)
-
-
-def _check_rms_norm(op, x, weight, eps, offset, casting):
-    _require_tensor(op, "input", x)
-    _require_float(op, "input", x)
-    if x.dim() < 1:
-        raise ValueError(f"{op}: input must have at least one dimension, got a 0-d tensor")
-    if weight is not None:
-        _require_tensor(op, "weight", weight)
-        _require_like(op, "weight", weight, "input", x)
-        if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-            raise ValueError(
-                f"{op}: weight must have shape [{x.shape[-1]}] (the last dim of input "
-                f"{list(x.shape)}), got {list(weight.shape)}")
-    eps = _require_number(op, "eps", eps, minimum=0.0)
-    offset = _require_number(op, "offset", offset)
-    if weight is None and offset != 0.0:
-        raise ValueError(f"{op}: offset={offset} needs a weight (y = x * rstd * (offset + weight))")
-    if casting not in _CASTINGS:
-        raise ValueError(f"{op}: casting must be 'llama' or 'gemma', got {casting!r}")
-    return eps, offset
+def _require_tensors(op: str, ref_name: str, ref, **others) -> None:
+    """Tensors (None allowed among ``others``) on the device of ``ref``."""
+    _require_tensor(op, ref_name, ref)
+    for name, t in others.items():
+        if t is None:
+            continue
+        _require_tensor(op, name, t)
+        if t.device != ref.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -73,10 +44,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     ``x.dtype`` before multiplying by the weight (Llama, Mistral, Qwen);
     ``"gemma"`` multiplies in float32 and casts last (Gemma, with ``offset=1``).
     """
-    op = "fusedllm.rms_norm"
-    eps, offset = _check_rms_norm(op, x, weight, eps, offset, casting)
-    impl = torch.ops.fusedllm.rms_norm if has_extension() else _fallback.rms_norm
-    out, _rstd = impl(x, weight, eps, offset, casting)
+    _require_tensors("fusedllm.rms_norm", "input", x, weight=weight)
+    out, _rstd = _impl.rms_norm(x, weight, eps, offset, casting)
     return out
 
 
@@ -86,19 +55,9 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
     ``h`` (rounded to ``x.dtype``) is the new residual stream of a pre-norm block.
     """
-    op = "fusedllm.fused_add_rms_norm"
-    eps, offset = _check_rms_norm(op, x, weight, eps, offset, casting)
-    _require_tensor(op, "residual", residual)
-    _require_like(op, "residual", residual, "input", x)
-    if residual.shape != x.shape:
-        raise ValueError(
-            f"{op}: residual must have the shape of input {list(x.shape)}, got {list(residual.shape)}")
-    impl = torch.ops.fusedllm.fused_add_rms_norm if has_extension() else _fallback.fused_add_rms_norm
-    out, residual_out, _rstd = impl(x, residual, weight, eps, offset, casting)
+    _require_tensors("fusedllm.fused_add_rms_norm", "input", x, residual=residual, weight=weight)
+    out, residual_out, _rstd = _impl.fused_add_rms_norm(x, residual, weight, eps, offset, casting)
     return out, residual_out
-
-
-_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
@@ -110,44 +69,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str =
     fused projection) and the result is ``[..., F]``. Backward recomputes the
     activation from the inputs, so nothing else is kept for it.
     """
-    op = "fusedllm.swiglu"
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"{op}: activation must be 'silu' or 'gelu_tanh', got {activation!r}")
+    _require_tensors("fusedllm.swiglu", "gate", gate, up=up)
     if up is None:
-        _require_tensor(op, "gate", gate)
-        _require_float(op, "gate", gate)
-        if gate.dim() < 1 or gate.shape[-1] % 2 != 0:
-            raise ValueError(
-                f"{op}: with up=None, gate must be packed [..., 2 * F] as [gate | up]; "
-                f"got shape {list(gate.shape)} whose last dim is not even")
-        if has_extension():
-            return torch.ops.fusedllm.swiglu_packed(gate, activation)
-        return _fallback.swiglu_packed(gate, activation)
-    _require_tensor(op, "gate", gate)
-    _require_tensor(op, "up", up)
-    _require_float(op, "gate", gate)
-    _require_like(op, "up", up, "gate", gate)
-    if gate.shape != up.shape:
-        raise ValueError(
-            f"{op}: gate and up must have the same shape, got {list(gate.shape)} and {list(up.shape)}")
-    if gate.dim() < 1:
-        raise ValueError(f"{op}: gate must have at least one dimension, got a 0-d tensor")
-    if has_extension():
-        return torch.ops.fusedllm.swiglu(gate, up, activation)
-    return _fallback.swiglu(gate, up, activation)
-
-
-def check_rotary_dim(op: str, rotary_dim, head_dim: int) -> int:
-    """The rotary_dim rule, for every path (the rope operators check the same
-    in C++): None means the whole head, else a positive even int <= head_dim."""
-    if rotary_dim is None:
-        rotary_dim = head_dim
-    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
-        raise ValueError(f"{op}: rotary_dim must be an int, got {rotary_dim!r}")
-    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
-        raise ValueError(f"{op}: rotary_dim must be a positive even number at most the head dim "
-                         f"{head_dim}, got {rotary_dim}")
-    return rotary_dim
+        return _impl.swiglu_packed(gate, activation)
+    return _impl.swiglu(gate, up, activation)
 
 
 def _hf_table_layout(op: str, cos: torch.Tensor, q: torch.Tensor, rotary_dim: int,
@@ -201,152 +126,48 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     (inference only: no autograd).
     """
     op = "fusedllm.apply_rope"
-    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        _require_tensor(op, name, t)
-    _require_float(op, "q", q)
-    _require_like(op, "k", k, "q", q)
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"{op}: q and k must be [B, H, S, D], got {list(q.shape)} and {list(k.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"{op}: q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
-    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"{op}: q and k must have the same batch and sequence sizes, "
-                         f"got {list(q.shape)} and {list(k.shape)}")
-    head_dim, batch, seq = q.shape[-1], q.shape[0], q.shape[2]
+    _require_tensors(op, "q", q, k=k, cos=cos, sin=sin, position_ids=position_ids)
     rotary_dim_given = rotary_dim is not None
-    rotary_dim = check_rotary_dim(op, rotary_dim, head_dim)
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"{op}: offset must be an int >= 0, got {offset!r}")
-    if cos.shape != sin.shape:
-        raise ValueError(f"{op}: cos and sin must have the same shape, got {list(cos.shape)} and {list(sin.shape)}")
-    if cos.device != q.device or sin.device != q.device:
-        raise ValueError(f"{op}: cos and sin are on {cos.device} but q is on {q.device}")
-    _require_float(op, "cos", cos)
+    rotary_dim = check_rotary_dim(op, rotary_dim, q.shape[-1] if q.dim() else 0)
+    if isinstance(offset, bool) or not isinstance(offset, Integral):
+        raise ValueError(f"{op}: offset must be an int, got {offset!r}")
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise ValueError(f"{op}: cos and sin are constants here; gradients to them are not computed")
-    if cos.dim() not in (2, 3):
-        raise ValueError(f"{op}: cos and sin must be [positions, rotary_dim / 2] or per-token "
-                         f"[B, S, rotary_dim], got {list(cos.shape)}")
-    if _hf_table_layout(op, cos, q, rotary_dim, rotary_dim_given):
+    if cos.dim() in (2, 3) and _hf_table_layout(op, cos, q, rotary_dim, rotary_dim_given):
         # both members of a pair carry the angle: keep one of each pair
         pick = slice(0, None, 2) if interleaved else slice(0, rotary_dim // 2)
         cos, sin = cos[..., pick], sin[..., pick]
-    if cos.dim() == 3:
-        if position_ids is not None or offset:
-            raise ValueError(f"{op}: per-token cos/sin [B, S, ...] are already indexed by position; "
-                             f"pass position_ids or offset only with a [positions, ...] table")
-        if cos.shape[0] not in (1, batch) or cos.shape[1] != seq:
-            raise ValueError(f"{op}: per-token cos/sin must be [{batch} or 1, {seq}, ...], got {list(cos.shape)}")
-    elif position_ids is not None:
-        _require_tensor(op, "position_ids", position_ids)
-        if position_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"{op}: position_ids must be int64 or int32, got {position_ids.dtype}")
-        if position_ids.device != q.device:
-            raise ValueError(f"{op}: position_ids is on {position_ids.device} but q is on {q.device}")
-        if not (tuple(position_ids.shape) == (seq,) or
-                (position_ids.dim() == 2 and position_ids.shape[0] in (1, batch) and position_ids.shape[1] == seq)):
-            raise ValueError(f"{op}: position_ids must be [S] or [B, S] = [{batch}, {seq}], "
-                             f"got {list(position_ids.shape)}")
-        if offset:
-            raise ValueError(f"{op}: pass either position_ids or offset, not both")
-        # Checked here only where it costs no device-to-host sync: on a GPU the
-        # kernel's device-side assert catches positions past the table (as
-        # torch's own embedding lookup does).
-        if (position_ids.numel() and position_ids.device.type == "cpu"
-                and not torch.compiler.is_compiling()):
-            low, high = int(position_ids.min()), int(position_ids.max())
-            if low < 0 or high >= cos.shape[0]:
-                raise ValueError(f"{op}: position_ids span {low}..{high} but the cos/sin table has "
-                                 f"{cos.shape[0]} positions")
-    elif offset + seq > cos.shape[0]:
-        raise ValueError(f"{op}: positions {offset}..{offset + seq - 1} are past the cos/sin table "
-                         f"of {cos.shape[0]} positions")
     if inplace:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
             raise ValueError(f"{op}: inplace=True has no autograd; use inplace=False for training")
-        if has_extension():
-            torch.ops.fusedllm.rope_(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, False)
-        else:
-            rq, rk = _fallback.rope(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, False)
-            q.copy_(rq)
-            k.copy_(rk)
+        _impl.rope_(q, k, cos, sin, position_ids, int(offset), interleaved, rotary_dim, False)
         return q, k
-    impl = torch.ops.fusedllm.rope if has_extension() else _fallback.rope
-    return impl(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, False)
-
-_MAX_HEAD_DIM = 256
+    return _impl.rope(q, k, cos, sin, position_ids, int(offset), interleaved, rotary_dim, False)
 
 
-def _check_attention(op, q, k, v, causal, scale, window, kernel=True):
-    """Checked (scale, window); `kernel=False` (the plain path) lifts the head_dim limit."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _require_tensor(op, name, t)
-    _require_float(op, "q", q)
-    _require_like(op, "k", k, "q", q)
-    _require_like(op, "v", v, "q", q)
-    for name, t, heads, length in (("q", q, "q_heads", "q_len"), ("k", k, "kv_heads", "kv_len"),
-                                   ("v", v, "kv_heads", "kv_len")):
-        if t.dim() != 4:
-            raise ValueError(f"{op}: {name} must be 4-D [batch, {heads}, {length}, head_dim], "
-                             f"got shape {list(t.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"{op}: k and v must have the same shape, got {list(k.shape)} and "
-                         f"{list(v.shape)}")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"{op}: q and k/v must have the same batch size, got {q.shape[0]} and "
-                         f"{k.shape[0]}")
-    if k.shape[3] != q.shape[3]:
-        raise ValueError(f"{op}: q and k/v must have the same head_dim, got {q.shape[3]} and "
-                         f"{k.shape[3]}")
-    q_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[3]
-    if (q_heads % kv_heads != 0) if kv_heads else q_heads != 0:
-        raise ValueError(f"{op}: the number of query heads ({q_heads}) must be a multiple of the "
-                         f"number of key/value heads ({kv_heads})")
-    if head_dim < 1 or (kernel and head_dim > _MAX_HEAD_DIM):
-        raise ValueError(f"{op}: head_dim must be between 1 and {_MAX_HEAD_DIM}, got {head_dim}")
+def _attention_args(op, q, k, v, causal, scale, window, mask, dropout_p):
+    """The arguments this layer adds, checked: (scale, window, mask, dropout_p, seed)."""
+    _require_tensors(op, "q", q, k=k, v=v, mask=mask)
     if not isinstance(causal, bool):
         raise ValueError(f"{op}: causal must be True or False, got {causal!r}")
-    scale = head_dim ** -0.5 if scale is None else _require_number(op, "scale", scale)
+    if scale is None:  # a q the op refuses gets any scale: its error comes first
+        scale = q.shape[-1] ** -0.5 if q.dim() and q.shape[-1] else 1.0
     if window is None:
         window = -1
     elif isinstance(window, bool) or not isinstance(window, Integral) or window < 1:
         raise ValueError(f"{op}: window must be None or an int >= 1 (the number of keys a query "
                          f"sees, itself included), got {window!r}")
-    return scale, int(window)
-
-
-def _check_attention_mask(op, mask, q, k):
-    if mask is None:
-        return None
-    _require_tensor(op, "mask", mask)
-    if mask.dtype != torch.bool and mask.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{op}: mask must be a bool keep-mask (True attends) or a float32, "
-                         f"float64, bfloat16 or float16 additive mask, got {mask.dtype}")
-    if mask.device != q.device:
-        raise ValueError(f"{op}: mask is on {mask.device} but q is on {q.device}")
-    if mask.requires_grad:
+    if mask is not None and mask.requires_grad:
         raise ValueError(f"{op}: mask requires grad, but no gradient flows to the mask; "
                          f"pass mask.detach()")
-    target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    try:
-        ok = mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, target) == target
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"{op}: mask of shape {list(mask.shape)} does not broadcast to "
-                         f"[batch, q_heads, q_len, kv_len] = {list(target)}")
-    return mask
-
-
-def _dropout_seed(op, dropout_p):
-    """The dropout probability, checked, and a seed drawn from torch's default
-    generator (so torch.manual_seed repeats it); None when there is no dropout."""
-    dropout_p = _require_number(op, "dropout_p", dropout_p, minimum=0.0)
+    # The seed is drawn here, from torch's default generator (so torch.manual_seed
+    # repeats it), and only for a probability that needs one.
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real) or not dropout_p >= 0.0:
+        raise ValueError(f"{op}: dropout_p must be >= 0, got {dropout_p!r}")
     if dropout_p >= 1.0:
         raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p!r}")
-    if dropout_p == 0.0:
-        return 0.0, None
-    return dropout_p, torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if dropout_p > 0 else None
+    return scale, int(window), mask, float(dropout_p), seed
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -389,12 +210,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     float64); memory grows linearly with the sequence lengths, never with
     ``q_len * kv_len``. Differentiable in ``q``, ``k`` and ``v``.
     """
-    op = "fusedllm.attention"
-    scale, window = _check_attention(op, q, k, v, causal, scale, window)
-    mask = _check_attention_mask(op, mask, q, k)
-    dropout_p, seed = _dropout_seed(op, dropout_p)
-    impl = torch.ops.fusedllm.attention if has_extension() else _fallback.attention
-    out, _lse = impl(q, k, v, mask, scale, causal, window, dropout_p, seed)
+    scale, window, mask, dropout_p, seed = _attention_args(
+        "fusedllm.attention", q, k, v, causal, scale, window, mask, dropout_p)
+    out, _lse = _impl.attention(q, k, v, mask, scale, causal, window, dropout_p, seed)
     return out
 
 
@@ -410,9 +228,9 @@ def attention_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     weights and a zero output. Same arguments, checks and conventions as
     :func:`attention`, without its head_dim limit; differentiable in q, k and v."""
     op = "fusedllm.attention_with_weights"
-    scale, window = _check_attention(op, q, k, v, causal, scale, window, kernel=False)
-    mask = _check_attention_mask(op, mask, q, k)
-    dropout_p, seed = _dropout_seed(op, dropout_p)
-    out, _lse, probs = _fallback.attention_with_probs(q, k, v, mask, scale, causal, window,
-                                                      dropout_p, seed)
+    scale, window, mask, dropout_p, seed = _attention_args(op, q, k, v, causal, scale, window, mask,
+                                                           dropout_p)
+    _plain.check_attention(op, q, k, v, mask, scale, window, dropout_p, max_head_dim=None)
+    out, _lse, probs = _plain.attention_with_probs(q, k, v, mask, scale, causal, window,
+                                                   dropout_p, seed)
     return out, probs.to(q.dtype)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import torch.nn.functional as torch_F
+import torch.nn.functional as F
 
-from . import functional as F
+from . import functional as FF
+from ._limits import ACTIVATIONS, CASTINGS, check_rotary_dim
 from .rope_scaling import rope_tables
 
 # Hugging Face `hidden_act` names and the gated activation they mean.
@@ -38,10 +39,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise ValueError(f"fusedllm.nn.RMSNorm: dim must be a positive int, got {dim!r}")
-        if casting not in ("llama", "gemma"):
-            raise ValueError(f"fusedllm.nn.RMSNorm: casting must be 'llama' or 'gemma', got {casting!r}")
-        if eps < 0:
-            raise ValueError(f"fusedllm.nn.RMSNorm: eps must be >= 0, got {eps!r}")
+        if casting not in CASTINGS:
+            raise ValueError(f"fusedllm.nn.RMSNorm: casting must be one of {CASTINGS}, got {casting!r}")
         if offset != 0.0 and not elementwise_affine:
             raise ValueError("fusedllm.nn.RMSNorm: offset needs elementwise_affine=True")
         self.dim = dim
@@ -55,8 +54,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return F.rms_norm(x, self.weight, self.eps, self.offset, self.casting)
-        return F.fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset, self.casting)
+            return FF.rms_norm(x, self.weight, self.eps, self.offset, self.casting)
+        return FF.fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset, self.casting)
 
     def extra_repr(self) -> str:
         text = f"{self.dim}, eps={self.eps}"
@@ -85,9 +84,9 @@ class GatedMLP(nn.Module):
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"fusedllm.nn.{type(self).__name__}: {name} must be a positive int, got {value!r}")
-        if activation not in ("silu", "gelu_tanh"):
+        if activation not in ACTIVATIONS:
             raise ValueError(
-                f"fusedllm.nn.{type(self).__name__}: activation must be 'silu' or 'gelu_tanh', got {activation!r}")
+                f"fusedllm.nn.{type(self).__name__}: activation must be one of {ACTIVATIONS}, got {activation!r}")
         factory = {"device": device, "dtype": dtype}
         self.activation = activation
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **factory)
@@ -123,10 +122,10 @@ def gated_projection(x: torch.Tensor, gate: nn.Linear, up: nn.Linear, activation
     at call time (the parameters stay separate ``nn.Linear`` objects)."""
     tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if tokens < _PACKED_MIN_TOKENS:
-        return F.swiglu(gate(x), up(x), activation=activation)
+        return FF.swiglu(gate(x), up(x), activation=activation)
     weight = torch.cat([gate.weight, up.weight], dim=0)
     bias = None if gate.bias is None else torch.cat([gate.bias, up.bias], dim=0)
-    return F.swiglu(torch_F.linear(x, weight, bias), activation=activation)
+    return FF.swiglu(F.linear(x, weight, bias), activation=activation)
 
 
 class SwiGLU(GatedMLP):
@@ -158,7 +157,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2:
             raise ValueError(f"fusedllm.nn.RotaryEmbedding: dim must be an int >= 2, got {dim!r}")
-        rotary_dim = F.check_rotary_dim("fusedllm.nn.RotaryEmbedding", rotary_dim, dim)
+        rotary_dim = check_rotary_dim("fusedllm.nn.RotaryEmbedding", rotary_dim, dim)
         self.dim = dim
         self.rotary_dim = rotary_dim
         self.base = float(base)
@@ -209,7 +208,7 @@ class RotaryEmbedding(nn.Module):
                 needed = position_offset + q.shape[2]
             if needed > self.max_positions:
                 self._grow(needed)
-        return F.apply_rope(q, k, self.cos_cached, self.sin_cached, position_ids, position_offset,
+        return FF.apply_rope(q, k, self.cos_cached, self.sin_cached, position_ids, position_offset,
                             self.interleaved, self.rotary_dim)
 
     def extra_repr(self) -> str:
@@ -446,10 +445,10 @@ class GQAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         weights = None
         if return_weights:
-            out, weights = F.attention_with_weights(q, k, v, causal=True, window=self.window, mask=mask,
+            out, weights = FF.attention_with_weights(q, k, v, causal=True, window=self.window, mask=mask,
                                                     dropout_p=dropout_p)
         else:
-            out = F.attention(q, k, v, causal=True, window=self.window, mask=mask, dropout_p=dropout_p)
+            out = FF.attention(q, k, v, causal=True, window=self.window, mask=mask, dropout_p=dropout_p)
         out = self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
         return (out, weights) if return_weights else out
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import functional as F
+from . import functional as FF
 from . import nn as fnn
 
 __all__ = ["patch", "unpatch", "PatchReport", "PackedGatedMLP"]
@@ -53,7 +53,7 @@ class PackedGatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.swiglu(self.gate_up_proj(x), activation=self.activation))
+        return self.down_proj(FF.swiglu(self.gate_up_proj(x), activation=self.activation))
 
 
 @dataclass

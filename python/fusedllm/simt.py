@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from . import _ops
+from . import _fake
 
 SCHEDULES = ("lockstep", "reverse", "random", "warp", "warp-reverse", "warp-random")
 
@@ -62,7 +62,7 @@ def _load():
 
 
 _simt = _load()
-_ops.register_fakes("fusedllm_simt")
+_fake.register_fakes("fusedllm_simt")
 if os.environ.get("FUSEDLLM_SIMT_SEED"):
     _simt.set_random_seed(int(os.environ["FUSEDLLM_SIMT_SEED"]))
 

@@ -15,6 +15,7 @@
 
 namespace fusedllm {
 
+// fusedllm._limits.MAX_HEAD_DIM (tests/test_limits.py).
 constexpr int64_t kAttentionMaxHeadDim = 256;
 
 struct AttentionShape {
@@ -33,6 +34,8 @@ inline AttentionShape check_attention_args(const char* op, const at::Tensor& q, 
   check_float_tensor(q, op, "q");
   check_same(q, "q", k, "k", op);
   check_same(q, "q", v, "v", op);
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(),
+                    " and ", v.sizes());
   AttentionShape s;
   s.batch = q.size(0);
   s.q_heads = q.size(1);
@@ -40,16 +43,10 @@ inline AttentionShape check_attention_args(const char* op, const at::Tensor& q, 
   s.head_dim = q.size(3);
   s.kv_heads = k.size(1);
   s.sk = k.size(2);
-  TORCH_CHECK_VALUE(k.size(0) == s.batch && v.size(0) == s.batch, op,
-                    ": q, k and v must have the same batch size, got ", s.batch, ", ", k.size(0),
-                    " and ", v.size(0));
-  TORCH_CHECK_VALUE(k.size(3) == s.head_dim && v.size(3) == s.head_dim, op,
-                    ": q, k and v must have the same head_dim, got ", s.head_dim, ", ", k.size(3),
-                    " and ", v.size(3));
-  TORCH_CHECK_VALUE(v.size(1) == s.kv_heads, op, ": k and v must have the same number of heads, got ",
-                    s.kv_heads, " and ", v.size(1));
-  TORCH_CHECK_VALUE(v.size(2) == s.sk, op, ": k and v must have the same length, got ", s.sk, " and ",
-                    v.size(2));
+  TORCH_CHECK_VALUE(k.size(0) == s.batch, op, ": q and k/v must have the same batch size, got ",
+                    s.batch, " and ", k.size(0));
+  TORCH_CHECK_VALUE(k.size(3) == s.head_dim, op, ": q and k/v must have the same head_dim, got ",
+                    s.head_dim, " and ", k.size(3));
   TORCH_CHECK_VALUE(s.kv_heads > 0 ? s.q_heads % s.kv_heads == 0 : s.q_heads == 0, op,
                     ": the number of query heads (", s.q_heads,
                     ") must be a multiple of the number of key/value heads (", s.kv_heads, ")");
@@ -97,7 +94,7 @@ inline attn::TensorMask check_tensor_mask(const char* op, const c10::optional<at
     case at::kHalf: m.kind = attn::MaskKind::kHalf; break;
     default:
       TORCH_CHECK_VALUE(false, op, ": mask must be a bool keep-mask or a float32, float64, "
-                        "bfloat16 or float16 additive mask, got ", t.scalar_type());
+                        "bfloat16 or float16 additive mask, got ", dtype_name(t.scalar_type()));
   }
   const std::vector<int64_t> target{s.batch, s.q_heads, s.sq, s.sk};
   bool ok = t.dim() <= 4;
@@ -213,9 +210,10 @@ inline AttentionBackwardPlan plan_attention_backward(const at::Tensor& grad_out,
   TORCH_CHECK_VALUE(lse.scalar_type() == lse_dtype(q) && lse.device() == q.device() &&
                         lse.dim() == 3 && lse.size(0) == p.shape.batch &&
                         lse.size(1) == p.shape.q_heads && lse.size(2) == p.shape.sq,
-                    op, ": lse must be the ", lse_dtype(q), " [batch, q_heads, q_len] = [",
+                    op, ": lse must be the ", dtype_name(lse_dtype(q)), " [batch, q_heads, q_len] = [",
                     p.shape.batch, ", ", p.shape.q_heads, ", ", p.shape.sq,
-                    "] tensor returned by the forward op, got ", lse.scalar_type(), " ", lse.sizes());
+                    "] tensor returned by the forward op, got ", dtype_name(lse.scalar_type()), " ",
+                    lse.sizes());
   const auto contiguous = q.options().memory_format(at::MemoryFormat::Contiguous);
   p.grad_q = at::empty(q.sizes(), contiguous);
   p.grad_k = at::empty(k.sizes(), contiguous);

@@ -4,18 +4,28 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+
 namespace fusedllm {
 
+// "torch.float16", as Python users spell a dtype (c10 prints "Half").
+inline std::string dtype_name(at::ScalarType dt) {
+  return "torch." + std::string(c10::getDtypeNames(dt).first);
+}
+
+// The dtypes every op takes: fusedllm._limits.FLOAT_DTYPES (tests/test_limits.py).
 inline void check_float_tensor(const at::Tensor& t, const char* op, const char* name) {
   auto dt = t.scalar_type();
   TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf,
-                    op, ": ", name, " must be float32, float64, bfloat16 or float16, got ", dt);
+                    op, ": ", name, " must be float32, float64, bfloat16 or float16, got ",
+                    dtype_name(dt));
 }
 
 inline void check_same(const at::Tensor& ref, const char* ref_name, const at::Tensor& t,
                        const char* name, const char* op) {
   TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), op, ": ", name, " has dtype ",
-                    t.scalar_type(), " but ", ref_name, " has dtype ", ref.scalar_type());
+                    dtype_name(t.scalar_type()), " but ", ref_name, " has dtype ",
+                    dtype_name(ref.scalar_type()));
   TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ",
                     ref_name, " is on ", ref.device());
 }

@@ -1,5 +1,5 @@
 // Attention dropout shared by the CPU and CUDA kernels (and mirrored by
-// fusedllm/_fallback.py): Philox-4x32-10, a counter-based generator, so the
+// fusedllm/_plain.py): Philox-4x32-10, a counter-based generator, so the
 // decision for probability (b, h, i, j) is a pure function of the seed and that
 // index. Forward and backward regenerate the same pattern without storing it,
 // on any thread layout.

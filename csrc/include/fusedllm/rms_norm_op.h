@@ -15,11 +15,12 @@
 
 namespace fusedllm {
 
-inline rms::Casting parse_casting(std::string_view casting) {
+// The castings: fusedllm._limits.CASTINGS (tests/test_limits.py).
+inline rms::Casting parse_casting(std::string_view casting, const char* op) {
   if (casting == "llama") return rms::Casting::kLlama;
   if (casting == "gemma") return rms::Casting::kGemma;
-  TORCH_CHECK_VALUE(false, "fusedllm.rms_norm: casting must be 'llama' or 'gemma', got '",
-                    std::string(casting), "'");
+  TORCH_CHECK_VALUE(false, op, ": casting must be 'llama' or 'gemma', got '", std::string(casting),
+                    "'");
 }
 
 // Checks shared by every rms_norm op; returns the hidden size.
@@ -71,7 +72,7 @@ inline RmsNormForwardPlan plan_rms_norm_forward(const char* op, const at::Tensor
                                                 std::string_view casting) {
   RmsNormForwardPlan p;
   p.n = check_rms_norm_args(op, input, weight, eps, offset);
-  p.casting = parse_casting(casting);
+  p.casting = parse_casting(casting, op);
   if (residual) {
     check_same(input, "input", *residual, "residual", op);
     TORCH_CHECK_VALUE(residual->sizes() == input.sizes(), op,
@@ -108,7 +109,7 @@ inline RmsNormBackwardPlan plan_rms_norm_backward(
   const char* op = "fusedllm.rms_norm_backward";
   RmsNormBackwardPlan p;
   p.n = check_rms_norm_args(op, input, weight, 0.0, offset);
-  p.casting = parse_casting(casting);
+  p.casting = parse_casting(casting, op);
   check_same(input, "input", grad_out, "grad_out", op);
   TORCH_CHECK_VALUE(grad_out.sizes() == input.sizes(), op, ": grad_out must have the shape of input");
   TORCH_CHECK_VALUE(rstd.scalar_type() == rstd_dtype(input) && rstd.device() == input.device() &&

@@ -48,7 +48,7 @@ inline RopePlan plan_rope(const char* op, const at::Tensor& q, const at::Tensor&
   p.seq = q.size(2);
   p.head_dim = q.size(3);
   // -1 means the whole head. The rule, and its words, are those of
-  // fusedllm.functional.check_rotary_dim (the plain path has no C++).
+  // fusedllm._limits.check_rotary_dim (tests/test_limits.py).
   p.rotary_dim = rotary_dim == -1 ? p.head_dim : rotary_dim;
   p.interleaved = interleaved;
   p.inverse = inverse;
@@ -99,7 +99,7 @@ inline RopePlan plan_rope(const char* op, const at::Tensor& q, const at::Tensor&
   if (position_ids.has_value()) {
     const at::Tensor& pos = *position_ids;
     TORCH_CHECK_VALUE(pos.scalar_type() == at::kLong || pos.scalar_type() == at::kInt, op,
-                      ": position_ids must be int64 or int32, got ", pos.scalar_type());
+                      ": position_ids must be int64 or int32, got ", dtype_name(pos.scalar_type()));
     TORCH_CHECK_VALUE(pos.device() == q.device(), op, ": position_ids is on ", pos.device(),
                       " but q is on ", q.device());
     const bool ok = (pos.dim() == 1 && pos.size(0) == p.seq) ||

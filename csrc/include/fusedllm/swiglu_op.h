@@ -13,6 +13,7 @@
 
 namespace fusedllm {
 
+// The activations: fusedllm._limits.ACTIVATIONS (tests/test_limits.py).
 inline act::Activation parse_activation(std::string_view activation, const char* op) {
   if (activation == "silu") return act::Activation::kSilu;
   if (activation == "gelu_tanh") return act::Activation::kGeluTanh;

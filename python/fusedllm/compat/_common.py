@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import functional as F
+from .. import functional as FF
 
 
 def keep_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -32,10 +32,10 @@ def attention_with_weights(q, k, v, keep=None, causal=False, scale=None, dropout
     ``nn.Dropout`` module. A query that sees no key gets zero weights and a zero
     output (not NaN, and not the uniform weights a ``-1e9`` fill gives)."""
     p = dropout_p(dropout) if dropout is not None else 0.0
-    return F.attention_with_weights(q, k, v, causal=causal, scale=scale, mask=keep, dropout_p=p)
+    return FF.attention_with_weights(q, k, v, causal=causal, scale=scale, mask=keep, dropout_p=p)
 
 
 def fused_attention(q, k, v, keep=None, causal=False, scale=None, dropout: nn.Dropout | None = None):
     """:func:`fusedllm.attention` with the dropout of an ``nn.Dropout`` module."""
     p = dropout_p(dropout) if dropout is not None else 0.0
-    return F.attention(q, k, v, causal=causal, scale=scale, mask=keep, dropout_p=p)
+    return FF.attention(q, k, v, causal=causal, scale=scale, mask=keep, dropout_p=p)

@@ -16,12 +16,10 @@ import torch
 from torch import nn
 
 from .. import nn as fnn
+from .._limits import MAX_HEAD_DIM
 from ._common import attention_with_weights, fused_attention
 
 __all__ = ["RMSNorm", "SimpleAttention", "PreNormBlock", "PostNormBlock"]
-
-# The largest head size the fused attention kernel accepts.
-_MAX_FUSED_HEAD_DIM = 256
 
 
 class RMSNorm(fnn.RMSNorm):
@@ -49,7 +47,7 @@ class SimpleAttention(nn.Module):
         batch, seq, dim = x.shape
         # [3, batch, 1 head, seq, dim] views of the projection, not copies
         q, k, v = self.qkv(x).view(batch, seq, 3, 1, dim).permute(2, 0, 3, 1, 4)
-        if dim <= _MAX_FUSED_HEAD_DIM:
+        if dim <= MAX_HEAD_DIM:
             out = fused_attention(q, k, v, scale=self.scale)
         else:
             out, _ = attention_with_weights(q, k, v, scale=self.scale)

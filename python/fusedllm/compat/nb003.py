@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import functional as F
+from .. import functional as FF
 from .. import nn as fnn
 
 __all__ = ["LLaMAConfig", "RMSNorm", "RotaryEmbedding", "apply_rotary_embeddings",
@@ -111,7 +111,7 @@ def apply_rotary_embeddings(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         raise ValueError(f"apply_rotary_embeddings: cos and sin must be [seq, {2 * half}] or "
                          f"[seq, {half}], got {list(cos.shape)}")
     cos, sin = cos[:, :half].float(), sin[:, :half].float()
-    q, k = F.apply_rope(q, k, cos, sin, interleaved=True)
+    q, k = FF.apply_rope(q, k, cos, sin, interleaved=True)
     return (q.squeeze(1), k.squeeze(1)) if three_d else (q, k)
 
 
@@ -148,9 +148,9 @@ class LLaMAGroupQueryAttention(nn.Module):
         k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = self.rope.tables(seq, x.device)
-        q, k = F.apply_rope(q, k, cos, sin, interleaved=True)
+        q, k = FF.apply_rope(q, k, cos, sin, interleaved=True)
         mask = None if attention_mask is None else attention_mask.detach()
-        out = F.attention(q, k, v, causal=True, mask=mask)
+        out = FF.attention(q, k, v, causal=True, mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
 
 

@@ -1,0 +1,25 @@
+"""The limits of the ops' arguments, for the Python side: the plain path's
+checks, the modules' constructors and the reading of rope tables. The C++
+checks (``csrc/include/fusedllm/*_op.h``, ``checks.h``) enforce the same;
+``tests/test_limits.py`` calls both at the boundaries and compares."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+CASTINGS = ("llama", "gemma")
+ACTIVATIONS = ("silu", "gelu_tanh")
+MAX_HEAD_DIM = 256  # the attention kernels' largest head dim
+
+
+def check_rotary_dim(op: str, rotary_dim, head_dim: int) -> int:
+    """None means the whole head, else a positive even int at most head_dim."""
+    if rotary_dim is None:
+        rotary_dim = head_dim
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+        raise ValueError(f"{op}: rotary_dim must be an int, got {rotary_dim!r}")
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(f"{op}: rotary_dim must be a positive even number at most the head dim "
+                         f"{head_dim}, got {rotary_dim}")
+    return rotary_dim

@@ -1,0 +1,333 @@
+"""The plain-PyTorch implementation of the ops: what runs when the compiled
+extension is not loaded (see ``fusedllm.backend()``), and the attention that
+also returns its probabilities. Same signatures, checks and results as the
+``torch.ops.fusedllm`` operators; autograd comes from PyTorch itself."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._limits import ACTIVATIONS, CASTINGS, FLOAT_DTYPES, MAX_HEAD_DIM, check_rotary_dim
+
+# --- argument checks: the words of csrc/include/fusedllm/*_op.h, numbers printed as C++ does
+
+
+def _fail(op: str, message: str):
+    raise ValueError(f"{op}: {message}")
+
+
+def _check_float(op, name, t):
+    if t.dtype not in FLOAT_DTYPES:
+        _fail(op, f"{name} must be float32, float64, bfloat16 or float16, got {t.dtype}")
+
+
+def _check_same(op, ref_name, ref, name, t):
+    if t.dtype != ref.dtype:
+        _fail(op, f"{name} has dtype {t.dtype} but {ref_name} has dtype {ref.dtype}")
+    if t.device != ref.device:
+        _fail(op, f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
+def _check_rms_norm(op, input, residual, weight, eps, offset, casting):
+    if input.dim() < 1:
+        _fail(op, "input must have at least one dimension")
+    _check_float(op, "input", input)
+    if not (math.isfinite(eps) and eps >= 0):
+        _fail(op, f"eps must be a finite number >= 0, got {eps:g}")
+    if not math.isfinite(offset):
+        _fail(op, f"offset must be finite, got {offset:g}")
+    n = input.shape[-1]
+    if weight is not None:
+        _check_same(op, "input", input, "weight", weight)
+        if weight.dim() != 1 or weight.shape[0] != n:
+            _fail(op, f"weight must have shape [{n}] (the last dim of input), got {list(weight.shape)}")
+    elif offset != 0.0:
+        _fail(op, f"offset={offset:g} needs a weight (y = x * rstd * (offset + weight))")
+    if casting not in CASTINGS:
+        _fail(op, f"casting must be 'llama' or 'gemma', got '{casting}'")
+    if residual is not None:
+        _check_same(op, "input", input, "residual", residual)
+        if residual.shape != input.shape:
+            _fail(op, f"residual must have the shape of input {list(input.shape)}, got {list(residual.shape)}")
+
+
+def _check_activation(op, activation):
+    if activation not in ACTIVATIONS:
+        _fail(op, f"activation must be 'silu' or 'gelu_tanh', got '{activation}'")
+
+
+def _check_rope(op, q, k, cos, sin, position_ids, offset, rotary_dim):
+    _check_float(op, "q", q)
+    _check_same(op, "q", q, "k", k)
+    if q.dim() != 4 or k.dim() != 4:
+        _fail(op, f"q and k must be [B, H, S, D], got {list(q.shape)} and {list(k.shape)}")
+    batch, seq, head_dim = q.shape[0], q.shape[2], q.shape[3]
+    if k.shape[0] != batch or k.shape[2] != seq:
+        _fail(op, f"q and k must have the same batch and sequence sizes, got {list(q.shape)} and "
+                  f"{list(k.shape)}")
+    if k.shape[3] != head_dim:
+        _fail(op, f"q and k must have the same head dim, got {head_dim} and {k.shape[3]}")
+    rotary_dim = check_rotary_dim(op, None if rotary_dim == -1 else rotary_dim, head_dim)
+    if offset < 0:
+        _fail(op, f"offset must be >= 0, got {offset}")
+    if cos.shape != sin.shape:
+        _fail(op, f"cos and sin must have the same shape, got {list(cos.shape)} and {list(sin.shape)}")
+    _check_float(op, "cos", cos)
+    if cos.device != q.device or sin.device != q.device:
+        _fail(op, f"cos and sin must be on {q.device} like q")
+    if cos.dim() not in (2, 3):
+        _fail(op, f"cos and sin must be [positions, rotary_dim / 2] or [B, S, rotary_dim / 2], got "
+                  f"{list(cos.shape)}")
+    if cos.shape[-1] != rotary_dim // 2:
+        _fail(op, f"cos and sin must have last dim {rotary_dim // 2} (rotary_dim / 2), got {cos.shape[-1]}")
+    if cos.dim() == 3:
+        if cos.shape[0] not in (1, batch) or cos.shape[1] != seq:
+            _fail(op, f"per-token cos/sin must be [{batch} or 1, {seq}, rotary_dim / 2], got {list(cos.shape)}")
+        if position_ids is not None or offset:
+            _fail(op, "per-token cos/sin [B, S, rotary_dim / 2] are already indexed by position; pass "
+                      "position_ids or offset only with a [positions, rotary_dim / 2] table")
+        return rotary_dim
+    rows = cos.shape[0]
+    if position_ids is None:
+        if offset + seq > rows:
+            _fail(op, f"positions {offset}..{offset + seq - 1} are past the cos/sin table of {rows} positions")
+        return rotary_dim
+    if position_ids.dtype not in (torch.int64, torch.int32):
+        _fail(op, f"position_ids must be int64 or int32, got {position_ids.dtype}")
+    if position_ids.device != q.device:
+        _fail(op, f"position_ids is on {position_ids.device} but q is on {q.device}")
+    if not (tuple(position_ids.shape) == (seq,) or (position_ids.dim() == 2 and position_ids.shape[0]
+                                                    in (1, batch) and position_ids.shape[1] == seq)):
+        _fail(op, f"position_ids must be [S] or [B, S] = [{batch}, {seq}], got {list(position_ids.shape)}")
+    if offset:
+        _fail(op, "pass either position_ids or offset, not both")
+    # A host read: this path is a reference, not a fast one; indexing would wrap negatives.
+    outside = position_ids[(position_ids < 0) | (position_ids >= rows)]
+    if outside.numel():
+        _fail(op, f"position {int(outside[0])} is outside the cos/sin table of {rows} positions")
+    return rotary_dim
+
+
+def check_attention(op, q, k, v, mask, scale, window, dropout_p, max_head_dim=MAX_HEAD_DIM):
+    """The attention op's checks; ``max_head_dim=None`` lifts the kernels' head_dim limit."""
+    for name, t, heads, length in (("q", q, "q_heads", "q_len"), ("k", k, "kv_heads", "kv_len"),
+                                   ("v", v, "kv_heads", "kv_len")):
+        if t.dim() != 4:
+            _fail(op, f"{name} must be 4-D [batch, {heads}, {length}, head_dim], got shape {list(t.shape)}")
+    _check_float(op, "q", q)
+    _check_same(op, "q", q, "k", k)
+    _check_same(op, "q", q, "v", v)
+    if k.shape != v.shape:
+        _fail(op, f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        _fail(op, f"q and k/v must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if k.shape[3] != q.shape[3]:
+        _fail(op, f"q and k/v must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
+    q_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    if (q_heads % kv_heads != 0) if kv_heads else q_heads != 0:
+        _fail(op, f"the number of query heads ({q_heads}) must be a multiple of the number of key/value "
+                  f"heads ({kv_heads})")
+    if max_head_dim is not None and not 1 <= head_dim <= max_head_dim:
+        _fail(op, f"head_dim must be between 1 and {max_head_dim}, got {head_dim}")
+    if head_dim < 1:
+        _fail(op, f"head_dim must be at least 1, got {head_dim}")
+    if not math.isfinite(scale):
+        _fail(op, f"scale must be a finite number, got {scale:g}")
+    if window != -1 and window < 1:
+        _fail(op, f"window must be -1 (no window) or a number of keys >= 1, got {window}")
+    if mask is not None:
+        if mask.device != q.device:
+            _fail(op, f"mask is on {mask.device} but q is on {q.device}")
+        if mask.dtype != torch.bool and mask.dtype not in FLOAT_DTYPES:
+            _fail(op, f"mask must be a bool keep-mask or a float32, float64, bfloat16 or float16 additive "
+                      f"mask, got {mask.dtype}")
+        target = [q.shape[0], q_heads, q.shape[2], k.shape[2]]
+        if mask.dim() > 4 or any(m not in (1, t) for m, t in zip(reversed(mask.shape), reversed(target))):
+            _fail(op, f"mask of shape {list(mask.shape)} does not broadcast to [batch, q_heads, q_len, "
+                      f"kv_len] = {target}")
+    if not 0.0 <= dropout_p < 1.0:
+        _fail(op, f"dropout_p must be in [0, 1), got {dropout_p:g}")
+
+
+# --- the ops --------------------------------------------------------------------------
+
+
+def _rms_scale(h: torch.Tensor, weight, eps: float, offset: float, casting: str):
+    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    hf = h.to(acc)
+    rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    normed = hf * rstd
+    if weight is None:
+        out = normed.to(h.dtype)
+    elif casting == "llama":
+        out = (normed.to(h.dtype).to(acc) * (weight.to(acc) + offset)).to(h.dtype)
+    else:
+        out = (normed * (weight.to(acc) + offset)).to(h.dtype)
+    return out, rstd.squeeze(-1).detach()
+
+
+def rms_norm(input, weight, eps, offset, casting):
+    _check_rms_norm("fusedllm.rms_norm", input, None, weight, eps, offset, casting)
+    return _rms_scale(input, weight, eps, offset, casting)
+
+
+def fused_add_rms_norm(input, residual, weight, eps, offset, casting):
+    _check_rms_norm("fusedllm.fused_add_rms_norm", input, residual, weight, eps, offset, casting)
+    h = input + residual
+    out, rstd = _rms_scale(h, weight, eps, offset, casting)
+    return out, h, rstd
+
+
+def _activation(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return torch.nn.functional.silu(x)
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def _gated(gate, up, activation):
+    acc = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    return (_activation(gate.to(acc), activation) * up.to(acc)).to(gate.dtype)
+
+
+def swiglu(gate, up, activation):
+    op = "fusedllm.swiglu"
+    _check_float(op, "gate", gate)
+    _check_same(op, "gate", gate, "up", up)
+    if gate.shape != up.shape:
+        _fail(op, f"gate and up must have the same shape, got {list(gate.shape)} and {list(up.shape)}")
+    if gate.dim() < 1:
+        _fail(op, "gate must have at least one dimension")
+    _check_activation(op, activation)
+    return _gated(gate, up, activation)
+
+
+def swiglu_packed(gate_up, activation):
+    op = "fusedllm.swiglu_packed"
+    _check_float(op, "gate_up", gate_up)
+    if gate_up.dim() < 1:
+        _fail(op, "gate_up must have at least one dimension")
+    if gate_up.shape[-1] % 2:
+        _fail(op, f"gate_up must be packed [..., 2 * F] as [gate | up]; its last dim {gate_up.shape[-1]} is odd")
+    _check_activation(op, activation)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return _gated(gate, up, activation)
+
+
+def _rotate(x, cos, sin, interleaved, rotary_dim, inverse):
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xr = x[..., :rotary_dim].to(acc)
+    if interleaved:
+        x0, x1 = xr[..., 0::2], xr[..., 1::2]
+    else:
+        x0, x1 = xr.chunk(2, dim=-1)
+    c, s = cos.to(acc), (-sin if inverse else sin).to(acc)
+    r0, r1 = x0 * c - x1 * s, x1 * c + x0 * s
+    rotated = torch.stack((r0, r1), dim=-1).flatten(-2) if interleaved else torch.cat((r0, r1), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+
+def _rope(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse):
+    if cos.dim() == 3:  # per token [B, S, R/2]
+        c, s = cos[:, None], sin[:, None]
+    elif position_ids is not None:
+        c, s = cos[position_ids], sin[position_ids]
+        if c.dim() == 3:
+            c, s = c[:, None], s[:, None]
+    else:
+        c, s = cos[offset:offset + q.shape[2]], sin[offset:offset + q.shape[2]]
+    return (_rotate(q, c, s, interleaved, rotary_dim, inverse),
+            _rotate(k, c, s, interleaved, rotary_dim, inverse))
+
+
+def rope(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse):
+    rotary_dim = _check_rope("fusedllm.rope", q, k, cos, sin, position_ids, offset, rotary_dim)
+    return _rope(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse)
+
+
+def rope_(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse):
+    rotary_dim = _check_rope("fusedllm.rope_", q, k, cos, sin, position_ids, offset, rotary_dim)
+    rq, rk = _rope(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse)
+    q.copy_(rq)
+    k.copy_(rk)
+
+# Philox-4x32-10, the counter-based generator of fusedllm/dropout.h, on int64
+# tensors holding 32-bit words (products split in 16-bit halves: no overflow).
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+_U32 = 0xFFFFFFFF
+
+
+def _mulhilo(a: int, b: torch.Tensor):
+    low, high = a * (b & 0xFFFF), a * (b >> 16)
+    return (high + (low >> 16)) >> 16, ((high << 16) + low) & _U32
+
+
+def philox_words(seed: int, counter: torch.Tensor) -> torch.Tensor:
+    """The four 32-bit outputs (last dim) of Philox-4x32-10 for 64-bit counters
+    (int64 tensor, high words zero) under a 64-bit key."""
+    k0, k1 = seed & _U32, (seed >> 32) & _U32
+    c0, c1 = counter & _U32, (counter >> 32) & _U32
+    c2, c3 = torch.zeros_like(c0), torch.zeros_like(c0)
+    for r in range(10):
+        hi0, lo0 = _mulhilo(_PHILOX_M[0], c0)
+        hi1, lo1 = _mulhilo(_PHILOX_M[1], c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _PHILOX_W[0]) & _U32, (k1 + _PHILOX_W[1]) & _U32
+    return torch.stack((c0, c1, c2, c3), dim=-1)
+
+
+def dropout_keep(seed: int, shape, dropout_p: float, device=None) -> torch.Tensor:
+    """Boolean [B, Hq, Sq, Sk] mask of the attention probabilities the kernels
+    keep: element n (row-major index) draws word n % 4 of Philox(n // 4)."""
+    n = torch.arange(math.prod(shape), dtype=torch.int64, device=device)
+    words = philox_words(seed, n >> 2).gather(-1, (n & 3).unsqueeze(-1)).squeeze(-1)
+    return ((words >> 8) >= dropout_threshold(dropout_p)).reshape(shape)
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """A 24-bit draw is kept when it is >= this (so P(drop) = dropout_p to 2^-24)."""
+    return math.ceil(dropout_p * (1 << 24))
+
+
+def attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed):
+    """softmax(q k^T * scale + mask) v with K/V repeated per query group, in
+    float32 (float64 for float64 inputs), dropout as the kernels draw it;
+    returns (out, lse, probabilities after dropout). Builds the whole [Sq, Sk]
+    score matrix: a reference, not a fast path."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = q.shape[1] // k.shape[1] if k.shape[1] else 1
+    kf = k.to(acc).repeat_interleave(group, dim=1)
+    vf = v.to(acc).repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.to(acc), kf.transpose(-1, -2)) * scale
+    sq, sk = q.shape[2], k.shape[2]
+    pos = torch.arange(sq, device=q.device).unsqueeze(1) + (sk - sq)
+    key = torch.arange(sk, device=q.device).unsqueeze(0)
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= key <= pos
+    if window >= 1:
+        visible &= key > pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            # The dtype's most negative finite value means "masked" (as -inf).
+            scores = (scores + mask.to(acc)).masked_fill(mask <= torch.finfo(mask.dtype).min,
+                                                         float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
+    if dropout_p > 0:
+        keep = dropout_keep(int(seed.item()), probs.shape, dropout_p, q.device)
+        probs = probs * keep / (1.0 - dropout_p)
+    out = torch.matmul(probs, vf).to(q.dtype)
+    return out, lse.detach(), probs
+
+
+def attention(q, k, v, mask, scale, causal, window, dropout_p, seed):
+    """The attention op: (out, lse)."""
+    check_attention("fusedllm.attention", q, k, v, mask, scale, window, dropout_p)
+    out, lse, _ = attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed)
+    return out, lse

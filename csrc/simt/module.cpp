@@ -5,7 +5,6 @@
 #include <Python.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include "fusedllm/schemas.h"
@@ -19,7 +18,6 @@ TORCH_LIBRARY(fusedllm_simt, m) {
 
 namespace fusedllm::simt {
 std::vector<float> run_selftest(const std::string& name);  // selftest.cpp
-at::Tensor mma_tile(const at::Tensor& a, const at::Tensor& b, bool b_rows_are_n);  // selftest.cpp
 }
 
 namespace py = pybind11;
@@ -49,8 +47,6 @@ PYBIND11_MODULE(_simt, m) {
   });
   m.def("reset_stats", &simt::reset_stats);
   m.def("run_selftest", &simt::run_selftest, "Runs one of the deliberately broken test kernels.");
-  m.def("mma_tile", &simt::mma_tile, py::arg("a"), py::arg("b"), py::arg("b_rows_are_n"),
-        "The tensor-core check tile: a [64, 64] times b ([n, k] or [k, n]), float32 out.");
   m.def("device_properties", [] {
     const simt::DeviceProperties& p = simt::device_properties();
     py::dict d;

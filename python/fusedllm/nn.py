@@ -148,7 +148,9 @@ class RotaryEmbedding(nn.Module):
     position_ids=None)`` rotates positions ``position_offset + s`` (a KV cache's
     length) or ``position_ids``; asked for positions past the tables, it rebuilds
     them at least twice as long instead of failing (dynamic NTK frequencies are
-    then those of the longer context, as in transformers).
+    then those of the longer context, as in transformers). ``position_ids`` on
+    a GPU are not read on the host (that would wait for the GPU), so there
+    they must lie within ``max_positions``: the kernel asserts it.
     """
 
     def __init__(self, dim: int, max_positions: int = 8192, base: float = 10000.0,
@@ -202,10 +204,12 @@ class RotaryEmbedding(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, position_offset: int = 0,
                 position_ids: torch.Tensor | None = None):
         if not torch.compiler.is_compiling():
-            if position_ids is not None:
-                needed = int(position_ids.max()) + 1 if position_ids.numel() else 0
-            else:
+            if position_ids is None:
                 needed = position_offset + q.shape[2]
+            elif position_ids.device.type == "cpu" and position_ids.numel():
+                needed = int(position_ids.max()) + 1
+            else:  # reading a GPU tensor's values would wait for the GPU: the kernel checks them
+                needed = 0
             if needed > self.max_positions:
                 self._grow(needed)
         return FF.apply_rope(q, k, self.cos_cached, self.sin_cached, position_ids, position_offset,

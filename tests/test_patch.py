@@ -9,7 +9,7 @@ from torch import nn
 
 import fusedllm
 from fusedllm.compat import nb000 as c000, nb003 as c003
-from fusedllm.patch import PackedGatedMLP
+from fusedllm.nn import PackedGatedMLP
 
 from testkit import notebook_models as plain
 from checks import FORWARD_TOL, GRAD_TOL, assert_close
@@ -207,7 +207,7 @@ def _hf(kind):
 EXPECTED_HF = {
     "llama": ("fusedllm.nn.GatedMLP", "silu", None),
     "gemma": ("fusedllm.nn.GatedMLP", "gelu_tanh", "gemma"),
-    "phi3": ("fusedllm.patch.PackedGatedMLP", "silu", None),
+    "phi3": ("fusedllm.nn.PackedGatedMLP", "silu", None),
     "mistral": ("fusedllm.nn.GatedMLP", "silu", None),
     "qwen2": ("fusedllm.nn.GatedMLP", "silu", None),
 }

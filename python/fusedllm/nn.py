@@ -110,6 +110,25 @@ class GatedMLP(nn.Module):
         return self.down_proj(gated_projection(x, self.gate_proj, self.up_proj, self.activation))
 
 
+class PackedGatedMLP(nn.Module):
+    """``down_proj(act(gate) * up)`` where ``gate_up_proj`` produces the packed
+    ``[gate | up]`` (Phi-3's MLP): the fused op reads the packed projection as
+    it is, with no chunk and no copies."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu",
+                 bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"fusedllm.nn.PackedGatedMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.activation = activation
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(FF.swiglu(self.gate_up_proj(x), activation=self.activation))
+
+
 # Below this many tokens the gate and up projections run as two matrix
 # multiplies: concatenating their weights would copy more bytes than the
 # products read from the activations (a decoding step), so it cannot pay off.

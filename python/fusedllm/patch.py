@@ -23,37 +23,19 @@ before patching keeps training them and ``state_dict()`` keys do not change.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from . import functional as FF
 from . import nn as fnn
+from .compat import nb000, nb001, nb002, nb003
+from .compat._common import eps_of, gated_linears, is_linear, norm_weight, shell
 
-__all__ = ["patch", "unpatch", "PatchReport", "PackedGatedMLP"]
+__all__ = ["patch", "unpatch", "PatchReport"]
 
 _REGISTRY_ATTR = "_fusedllm_patches"
 _ATTN_ATTR = "_fusedllm_previous_attn_implementation"
-
-
-class PackedGatedMLP(nn.Module):
-    """``down_proj(act(gate) * up)`` where ``gate_up_proj`` produces the packed
-    ``[gate | up]`` (Phi-3's MLP): the fused op reads the packed projection as
-    it is, with no chunk and no copies."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu",
-                 bias: bool = False, device=None, dtype=None):
-        super().__init__()
-        if activation not in ("silu", "gelu_tanh"):
-            raise ValueError(f"PackedGatedMLP: activation must be 'silu' or 'gelu_tanh', got {activation!r}")
-        self.activation = activation
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, device=device, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, device=device, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(FF.swiglu(self.gate_up_proj(x), activation=self.activation))
 
 
 @dataclass
@@ -101,39 +83,6 @@ class PatchReport:
 
 # --- recognising modules --------------------------------------------------------------
 
-def _is_linear(m, in_features=None, out_features=None) -> bool:
-    return (isinstance(m, nn.Linear) and (in_features is None or m.in_features == in_features)
-            and (out_features is None or m.out_features == out_features))
-
-
-def _norm_weight(module) -> torch.Tensor | None:
-    w = module._parameters.get("weight")
-    if not isinstance(w, nn.Parameter) or w.dim() != 1:
-        return None
-    if len(module._parameters) != 1 or len(module._modules) != 0:
-        return None
-    return w
-
-
-def _eps_of(module, *names):
-    for name in names:
-        value = getattr(module, name, None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
-            return float(value)
-    return None
-
-
-def _gated_linears(module, gate, up, down):
-    g, u, d = (getattr(module, n, None) for n in (gate, up, down))
-    if not (_is_linear(g) and _is_linear(u) and _is_linear(d)):
-        return None
-    if g.weight.shape != u.weight.shape or d.in_features != g.out_features or d.out_features != g.in_features:
-        return None
-    if (g.bias is None) != (u.bias is None):
-        return None
-    return g, u, d
-
-
 def _hf_activation(act) -> str | None:
     """The fused activation equal to a Hugging Face ``act_fn`` module, if any."""
     name = type(act).__name__
@@ -146,172 +95,9 @@ def _hf_activation(act) -> str | None:
     return None
 
 
-def _shell(cls, *args, **kwargs):
-    """Build a replacement without allocating its parameters; the original's
-    parameters and submodules are attached right after."""
-    with torch.device("meta"):
-        return cls(*args, **kwargs)
+# --- notebook classes: each compat module builds its drop-ins -------------------------
 
-
-def _attach_rope_tables(new_rope, old_rope, names):
-    for name in names:
-        setattr(new_rope, name, getattr(old_rope, name))
-
-
-# --- notebook classes -----------------------------------------------------------------
-
-def _nb_rms_norm(m):
-    w, eps = _norm_weight(m), _eps_of(m, "eps")
-    if w is None or eps is None:
-        return "expected one 1-D `weight` parameter and a numeric `eps`"
-    new = _shell(fnn.RMSNorm, w.shape[0], eps=eps)
-    new.weight = w
-    return new
-
-
-def _nb_swiglu(m):
-    linears = _gated_linears(m, "gate_proj", "up_proj", "down_proj")
-    if linears is None:
-        return "expected nn.Linear gate_proj / up_proj / down_proj of matching shapes"
-    g, u, d = linears
-    new = _shell(fnn.SwiGLU, g.in_features, g.out_features, bias=g.bias is not None)
-    new.gate_proj, new.up_proj, new.down_proj = g, u, d
-    return new
-
-
-def _nb_llama_swiglu(m):
-    from .compat import nb003
-    # w3 gates in that notebook: w2(w1(x) * silu(w3(x)))
-    linears = _gated_linears(m, "w3", "w1", "w2")
-    if linears is None or any(lin.bias is not None for lin in linears):
-        return "expected bias-free nn.Linear w1 / w2 / w3 of matching shapes"
-    w3, w1, w2 = linears
-    new = _shell(nb003.LLaMASwiGLU, nb003.LLaMAConfig(hidden_size=w1.in_features,
-                                                      intermediate_size=w1.out_features))
-    new.w1, new.w2, new.w3 = w1, w2, w3
-    return new
-
-
-def _nb_rope_tables_ok(rope) -> bool:
-    cos, sin = getattr(rope, "cos_cached", None), getattr(rope, "sin_cached", None)
-    return (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.dim() == 2
-            and cos.shape == sin.shape)
-
-
-def _nb_rope(m):
-    from .compat import nb000
-    if not _nb_rope_tables_ok(m):
-        return "expected cos_cached / sin_cached buffers [max_len, d_model / 2]"
-    positions, half = m.cos_cached.shape
-    new = _shell(nb000.RotaryPositionalEmbedding, 2 * half, positions, float(getattr(m, "base", 10000.0)))
-    _attach_rope_tables(new, m, ("cos_cached", "sin_cached"))
-    return new
-
-
-def _heads_ok(d_model, heads) -> bool:
-    return isinstance(heads, int) and heads >= 1 and d_model % heads == 0
-
-
-def _dropout_p(m, name="dropout") -> float | None:
-    d = getattr(m, name, None)
-    return d.p if isinstance(d, nn.Dropout) else None
-
-
-def _nb_rope_attention(m):
-    from .compat import nb000
-    names = ("w_q", "w_k", "w_v", "w_o")
-    linears = [getattr(m, n, None) for n in names]
-    if not all(_is_linear(lin) and lin.bias is None for lin in linears):
-        return "expected bias-free nn.Linear w_q / w_k / w_v / w_o"
-    d_model = linears[0].in_features
-    heads, rope, p = getattr(m, "n_heads", None), getattr(m, "rope", None), _dropout_p(m)
-    if not _heads_ok(d_model, heads) or p is None or rope is None or not _nb_rope_tables_ok(rope):
-        return "expected n_heads, a `dropout` nn.Dropout and a `rope` with cos_cached / sin_cached"
-    if 2 * rope.cos_cached.shape[1] != d_model // heads:
-        return "rope tables do not match the head size"
-    new = _shell(nb000.RoPEAttention, d_model, heads, rope.cos_cached.shape[0], p)
-    for name, lin in zip(names, linears):
-        setattr(new, name, lin)
-    new.rope = _nb_rope(rope)
-    return new
-
-
-def _nb_original_mha(m):
-    from .compat import nb001
-    names = ("W_q", "W_k", "W_v", "W_o")
-    linears = [getattr(m, n, None) for n in names]
-    if not all(_is_linear(lin) and lin.bias is not None for lin in linears):
-        return "expected biased nn.Linear W_q / W_k / W_v / W_o"
-    d_model, heads, p = linears[0].in_features, getattr(m, "num_heads", None), _dropout_p(m)
-    if not _heads_ok(d_model, heads) or p is None:
-        return "expected num_heads dividing d_model and a `dropout` nn.Dropout"
-    new = _shell(nb001.OriginalMultiHeadAttention, d_model, heads, p)
-    for name, lin in zip(names, linears):
-        setattr(new, name, lin)
-    return new
-
-
-def _nb_modern_mha(m):
-    from .compat import nb001
-    qkv, proj = getattr(m, "qkv", None), getattr(m, "proj", None)
-    if not (_is_linear(qkv) and _is_linear(proj) and qkv.out_features == 3 * qkv.in_features):
-        return "expected nn.Linear qkv (d -> 3d) and proj"
-    d_model, heads = qkv.in_features, getattr(m, "num_heads", None)
-    p, p2 = _dropout_p(m, "attn_dropout"), _dropout_p(m, "proj_dropout")
-    if not _heads_ok(d_model, heads) or p is None or p2 != p:
-        return "expected num_heads and attn_dropout / proj_dropout of the same p"
-    new = _shell(nb001.ModernMultiHeadAttention, d_model, heads, p, bias=qkv.bias is not None)
-    new.qkv, new.proj = qkv, proj
-    return new
-
-
-def _nb_simple_attention(m):
-    from .compat import nb002
-    qkv, out = getattr(m, "qkv", None), getattr(m, "out", None)
-    if not (_is_linear(qkv) and _is_linear(out) and qkv.out_features == 3 * qkv.in_features):
-        return "expected nn.Linear qkv (d -> 3d) and out"
-    dim = qkv.in_features
-    if not math.isclose(float(getattr(m, "scale", -1.0)), dim ** -0.5):
-        return "expected scale == dim ** -0.5"
-    new = _shell(nb002.SimpleAttention, dim)
-    new.qkv, new.out = qkv, out
-    return new
-
-
-def _nb_gqa(m):
-    from .compat import nb003
-    names = ("q_proj", "k_proj", "v_proj", "o_proj")
-    linears = [getattr(m, n, None) for n in names]
-    if not all(_is_linear(lin) and lin.bias is None for lin in linears):
-        return "expected bias-free nn.Linear q_proj / k_proj / v_proj / o_proj"
-    heads, kv_heads, head_dim = (getattr(m, n, None) for n in ("n_heads", "n_kv_heads", "head_dim"))
-    rope = getattr(m, "rope", None)
-    inv_freq = getattr(rope, "inv_freq", None)
-    if not (all(isinstance(v, int) and v >= 1 for v in (heads, kv_heads, head_dim)) and heads % kv_heads == 0
-            and isinstance(inv_freq, torch.Tensor) and inv_freq.shape == (head_dim // 2,)
-            and linears[0].out_features == heads * head_dim and linears[1].out_features == kv_heads * head_dim):
-        return "expected n_heads / n_kv_heads / head_dim matching the projections and rope.inv_freq"
-    cfg = nb003.LLaMAConfig(hidden_size=linears[0].in_features, n_heads=heads, n_kv_heads=kv_heads,
-                            head_dim=head_dim, max_position_embeddings=int(getattr(rope, "max_position", 2048)))
-    new = _shell(nb003.LLaMAGroupQueryAttention, cfg)
-    for name, lin in zip(names, linears):
-        setattr(new, name, lin)
-    new.rope.inv_freq = inv_freq
-    return new
-
-
-# class name -> (flag, builder, probe kind)
-_NOTEBOOK_RULES = {
-    "RMSNorm": ("rms_norm", _nb_rms_norm, "hidden"),
-    "SwiGLU": ("swiglu", _nb_swiglu, "hidden"),
-    "LLaMASwiGLU": ("swiglu", _nb_llama_swiglu, "hidden"),
-    "RotaryPositionalEmbedding": ("rope", _nb_rope, "rope"),
-    "RoPEAttention": ("attention", _nb_rope_attention, "hidden"),
-    "OriginalMultiHeadAttention": ("attention", _nb_original_mha, "qkv"),
-    "ModernMultiHeadAttention": ("attention", _nb_modern_mha, "hidden"),
-    "SimpleAttention": ("attention", _nb_simple_attention, "hidden"),
-    "LLaMAGroupQueryAttention": ("attention", _nb_gqa, "hidden"),
-}
+_NOTEBOOK_RULES = {**nb000.PATCH_RULES, **nb001.PATCH_RULES, **nb002.PATCH_RULES, **nb003.PATCH_RULES}
 
 
 # --- Hugging Face modules -------------------------------------------------------------
@@ -327,39 +113,39 @@ _HF_ATTENTION_MODELS = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma"}
 
 
 def _hf_norm(m, gemma):
-    w, eps = _norm_weight(m), _eps_of(m, "eps", "variance_epsilon")
+    w, eps = norm_weight(m), eps_of(m, "eps", "variance_epsilon")
     if w is None or eps is None:
         return "expected one 1-D `weight` parameter and a numeric eps"
     if gemma:
-        new = _shell(fnn.RMSNorm, w.shape[0], eps=eps, offset=1.0, casting="gemma")
+        new = shell(fnn.RMSNorm, w.shape[0], eps=eps, offset=1.0, casting="gemma")
     else:
-        new = _shell(fnn.RMSNorm, w.shape[0], eps=eps)
+        new = shell(fnn.RMSNorm, w.shape[0], eps=eps)
     new.weight = w
     return new
 
 
 def _hf_gated_mlp(m):
-    linears = _gated_linears(m, "gate_proj", "up_proj", "down_proj")
+    linears = gated_linears(m, "gate_proj", "up_proj", "down_proj")
     if linears is None:
         return "expected nn.Linear gate_proj / up_proj / down_proj of matching shapes"
     activation = _hf_activation(getattr(m, "act_fn", None))
     if activation is None:
         return f"activation {type(getattr(m, 'act_fn', None)).__name__} has no fused kernel"
     g, u, d = linears
-    new = _shell(fnn.GatedMLP, g.in_features, g.out_features, bias=g.bias is not None, activation=activation)
+    new = shell(fnn.GatedMLP, g.in_features, g.out_features, bias=g.bias is not None, activation=activation)
     new.gate_proj, new.up_proj, new.down_proj = g, u, d
     return new
 
 
 def _hf_packed_mlp(m):
     gate_up, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
-    if not (_is_linear(gate_up) and _is_linear(down) and gate_up.out_features == 2 * down.in_features
+    if not (is_linear(gate_up) and is_linear(down) and gate_up.out_features == 2 * down.in_features
             and down.out_features == gate_up.in_features):
         return "expected nn.Linear gate_up_proj (h -> 2f) and down_proj (f -> h)"
     activation = _hf_activation(getattr(m, "activation_fn", None))
     if activation is None:
         return f"activation {type(getattr(m, 'activation_fn', None)).__name__} has no fused kernel"
-    new = _shell(PackedGatedMLP, gate_up.in_features, down.in_features, activation=activation,
+    new = shell(fnn.PackedGatedMLP, gate_up.in_features, down.in_features, activation=activation,
                  bias=gate_up.bias is not None)
     new.gate_up_proj, new.down_proj = gate_up, down
     return new

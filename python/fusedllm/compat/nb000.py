@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from .. import nn as fnn
-from ._common import attention_with_weights, fused_attention, keep_mask
+from ._common import (attention_with_weights, dropout_of, eps_of, fused_attention, gated_linears, heads_ok,
+                      is_linear, keep_mask, norm_weight, shell)
 
 __all__ = ["RMSNorm", "SwiGLU", "ModernFeedForward", "RotaryPositionalEmbedding", "RoPEAttention",
            "PreNormTransformerBlock", "PostNormTransformerBlock", "ModernTransformerBlock",
@@ -301,3 +302,66 @@ class ModernTransformer(nn.Module):
                      "lm_head": 0 if self._tied_weights else count(self.lm_head)}
         breakdown["total"] = sum(breakdown.values())
         return breakdown
+
+
+# --- built from the notebook's own modules, for fusedllm.patch ------------------------
+
+def _build_rms_norm(m):
+    w, eps = norm_weight(m), eps_of(m, "eps")
+    if w is None or eps is None:
+        return "expected one 1-D `weight` parameter and a numeric `eps`"
+    new = shell(fnn.RMSNorm, w.shape[0], eps=eps)
+    new.weight = w
+    return new
+
+
+def _build_swiglu(m):
+    linears = gated_linears(m, "gate_proj", "up_proj", "down_proj")
+    if linears is None:
+        return "expected nn.Linear gate_proj / up_proj / down_proj of matching shapes"
+    g, u, d = linears
+    new = shell(fnn.SwiGLU, g.in_features, g.out_features, bias=g.bias is not None)
+    new.gate_proj, new.up_proj, new.down_proj = g, u, d
+    return new
+
+
+def _rope_tables_ok(rope) -> bool:
+    cos, sin = getattr(rope, "cos_cached", None), getattr(rope, "sin_cached", None)
+    return (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.dim() == 2
+            and cos.shape == sin.shape)
+
+
+def _build_rope(m):
+    if not _rope_tables_ok(m):
+        return "expected cos_cached / sin_cached buffers [max_len, d_model / 2]"
+    positions, half = m.cos_cached.shape
+    new = shell(RotaryPositionalEmbedding, 2 * half, positions, float(getattr(m, "base", 10000.0)))
+    new.cos_cached, new.sin_cached = m.cos_cached, m.sin_cached
+    return new
+
+
+def _build_rope_attention(m):
+    names = ("w_q", "w_k", "w_v", "w_o")
+    linears = [getattr(m, n, None) for n in names]
+    if not all(is_linear(lin) and lin.bias is None for lin in linears):
+        return "expected bias-free nn.Linear w_q / w_k / w_v / w_o"
+    d_model = linears[0].in_features
+    heads, rope, p = getattr(m, "n_heads", None), getattr(m, "rope", None), dropout_of(m)
+    if not heads_ok(d_model, heads) or p is None or rope is None or not _rope_tables_ok(rope):
+        return "expected n_heads, a `dropout` nn.Dropout and a `rope` with cos_cached / sin_cached"
+    if 2 * rope.cos_cached.shape[1] != d_model // heads:
+        return "rope tables do not match the head size"
+    new = shell(RoPEAttention, d_model, heads, rope.cos_cached.shape[0], p)
+    for name, lin in zip(names, linears):
+        setattr(new, name, lin)
+    new.rope = _build_rope(rope)
+    return new
+
+
+# class name -> (fusedllm.patch flag, builder, probe input kind)
+PATCH_RULES = {
+    "RMSNorm": ("rms_norm", _build_rms_norm, "hidden"),
+    "SwiGLU": ("swiglu", _build_swiglu, "hidden"),
+    "RotaryPositionalEmbedding": ("rope", _build_rope, "rope"),
+    "RoPEAttention": ("attention", _build_rope_attention, "hidden"),
+}

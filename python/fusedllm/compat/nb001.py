@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._common import attention_with_weights, fused_attention, keep_mask
+from ._common import attention_with_weights, dropout_of, fused_attention, heads_ok, is_linear, keep_mask, shell
 
 __all__ = ["OriginalMultiHeadAttention", "ModernMultiHeadAttention", "OriginalTransformerBlock",
            "ModernTransformerBlock"]
@@ -142,3 +142,39 @@ class ModernTransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         x = x + self.attention(self.norm1(x), mask)
         return x + self.ffn(self.norm2(x))
+
+
+# --- built from the notebook's own modules, for fusedllm.patch ------------------------
+
+def _build_original_mha(m):
+    names = ("W_q", "W_k", "W_v", "W_o")
+    linears = [getattr(m, n, None) for n in names]
+    if not all(is_linear(lin) and lin.bias is not None for lin in linears):
+        return "expected biased nn.Linear W_q / W_k / W_v / W_o"
+    d_model, heads, p = linears[0].in_features, getattr(m, "num_heads", None), dropout_of(m)
+    if not heads_ok(d_model, heads) or p is None:
+        return "expected num_heads dividing d_model and a `dropout` nn.Dropout"
+    new = shell(OriginalMultiHeadAttention, d_model, heads, p)
+    for name, lin in zip(names, linears):
+        setattr(new, name, lin)
+    return new
+
+
+def _build_modern_mha(m):
+    qkv, proj = getattr(m, "qkv", None), getattr(m, "proj", None)
+    if not (is_linear(qkv) and is_linear(proj) and qkv.out_features == 3 * qkv.in_features):
+        return "expected nn.Linear qkv (d -> 3d) and proj"
+    d_model, heads = qkv.in_features, getattr(m, "num_heads", None)
+    p, p2 = dropout_of(m, "attn_dropout"), dropout_of(m, "proj_dropout")
+    if not heads_ok(d_model, heads) or p is None or p2 != p:
+        return "expected num_heads and attn_dropout / proj_dropout of the same p"
+    new = shell(ModernMultiHeadAttention, d_model, heads, p, bias=qkv.bias is not None)
+    new.qkv, new.proj = qkv, proj
+    return new
+
+
+# class name -> (fusedllm.patch flag, builder, probe input kind)
+PATCH_RULES = {
+    "OriginalMultiHeadAttention": ("attention", _build_original_mha, "qkv"),
+    "ModernMultiHeadAttention": ("attention", _build_modern_mha, "hidden"),
+}

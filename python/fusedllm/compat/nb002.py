@@ -12,12 +12,14 @@ plain softmax path with the same result.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from .. import nn as fnn
 from .._limits import MAX_HEAD_DIM
-from ._common import attention_with_weights, fused_attention
+from ._common import attention_with_weights, fused_attention, is_linear, shell
 
 __all__ = ["RMSNorm", "SimpleAttention", "PreNormBlock", "PostNormBlock"]
 
@@ -89,3 +91,23 @@ class PreNormBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed, x = self.ln2(self.attention(self.ln1(x)), x)
         return x + self.ffn(normed)
+
+
+# --- built from the notebook's own modules, for fusedllm.patch ------------------------
+
+def _build_simple_attention(m):
+    qkv, out = getattr(m, "qkv", None), getattr(m, "out", None)
+    if not (is_linear(qkv) and is_linear(out) and qkv.out_features == 3 * qkv.in_features):
+        return "expected nn.Linear qkv (d -> 3d) and out"
+    dim = qkv.in_features
+    if not math.isclose(float(getattr(m, "scale", -1.0)), dim ** -0.5):
+        return "expected scale == dim ** -0.5"
+    new = shell(SimpleAttention, dim)
+    new.qkv, new.out = qkv, out
+    return new
+
+
+# class name -> (fusedllm.patch flag, builder, probe input kind)
+PATCH_RULES = {
+    "SimpleAttention": ("attention", _build_simple_attention, "hidden"),
+}

@@ -38,6 +38,7 @@ from torch import nn
 
 from .. import functional as FF
 from .. import nn as fnn
+from ._common import gated_linears, is_linear, shell
 
 __all__ = ["LLaMAConfig", "RMSNorm", "RotaryEmbedding", "apply_rotary_embeddings",
            "LLaMAGroupQueryAttention", "LLaMASwiGLU", "LLaMABlock", "LLaMAModel"]
@@ -220,3 +221,44 @@ class LLaMAModel(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.lm_head(self.norm(h))
+
+
+# --- built from the notebook's own modules, for fusedllm.patch ------------------------
+
+def _build_llama_swiglu(m):
+    # w3 gates in that notebook: w2(w1(x) * silu(w3(x)))
+    linears = gated_linears(m, "w3", "w1", "w2")
+    if linears is None or any(lin.bias is not None for lin in linears):
+        return "expected bias-free nn.Linear w1 / w2 / w3 of matching shapes"
+    w3, w1, w2 = linears
+    new = shell(LLaMASwiGLU, LLaMAConfig(hidden_size=w1.in_features, intermediate_size=w1.out_features))
+    new.w1, new.w2, new.w3 = w1, w2, w3
+    return new
+
+
+def _build_gqa(m):
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    linears = [getattr(m, n, None) for n in names]
+    if not all(is_linear(lin) and lin.bias is None for lin in linears):
+        return "expected bias-free nn.Linear q_proj / k_proj / v_proj / o_proj"
+    heads, kv_heads, head_dim = (getattr(m, n, None) for n in ("n_heads", "n_kv_heads", "head_dim"))
+    rope = getattr(m, "rope", None)
+    inv_freq = getattr(rope, "inv_freq", None)
+    if not (all(isinstance(v, int) and v >= 1 for v in (heads, kv_heads, head_dim)) and heads % kv_heads == 0
+            and isinstance(inv_freq, torch.Tensor) and inv_freq.shape == (head_dim // 2,)
+            and linears[0].out_features == heads * head_dim and linears[1].out_features == kv_heads * head_dim):
+        return "expected n_heads / n_kv_heads / head_dim matching the projections and rope.inv_freq"
+    cfg = LLaMAConfig(hidden_size=linears[0].in_features, n_heads=heads, n_kv_heads=kv_heads,
+                      head_dim=head_dim, max_position_embeddings=int(getattr(rope, "max_position", 2048)))
+    new = shell(LLaMAGroupQueryAttention, cfg)
+    for name, lin in zip(names, linears):
+        setattr(new, name, lin)
+    new.rope.inv_freq = inv_freq
+    return new
+
+
+# class name -> (fusedllm.patch flag, builder, probe input kind)
+PATCH_RULES = {
+    "LLaMASwiGLU": ("swiglu", _build_llama_swiglu, "hidden"),
+    "LLaMAGroupQueryAttention": ("attention", _build_gqa, "hidden"),
+}

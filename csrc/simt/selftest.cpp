@@ -2,12 +2,15 @@
 // the emulator catches what it claims: a missing barrier, shared memory read
 // past its end, divergent and mismatched barriers, a full-mask shuffle in a
 // partial warp, a shuffle waiting on lanes held at a barrier, a failed device
-// assert, and launches over the device's limits. Built only into fusedllm._simt.
+// assert, and launches over the device's limits. Also the tensor-core check tile
+// (mma_check.cuh) on CPU tensors. Built only into fusedllm._simt.
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <string>
 #include <vector>
 
+#include "mma_check.cuh"
 #include "primitives.cuh"
 
 namespace fusedllm::simt {
@@ -106,4 +109,39 @@ std::vector<float> run_selftest(const std::string& name) {
   return out;
 }
 
+namespace {
+
+// The tensor-core check tile (mma_check.cuh): a [64, 64] times b, b given as
+// [n, k] (b_rows_are_n) or [k, n]; bfloat16 or float16 CPU tensors.
+at::Tensor mma_tile(const at::Tensor& a, const at::Tensor& b, bool b_rows_are_n) {
+  const int64_t d = cuda::mma::kCheckDim;
+  TORCH_CHECK_VALUE(a.device().is_cpu() && b.device().is_cpu(), "mma_tile: a and b must be CPU tensors");
+  TORCH_CHECK_VALUE(a.sizes() == at::IntArrayRef({d, d}) && b.sizes() == at::IntArrayRef({d, d}),
+                    "mma_tile: a and b must be [64, 64], got ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK_VALUE(a.scalar_type() == b.scalar_type() &&
+                        (a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf),
+                    "mma_tile: a and b must both be bfloat16 or both float16, got ", a.scalar_type(),
+                    " and ", b.scalar_type());
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  at::Tensor c = at::empty({d, d}, a.options().dtype(at::kFloat));
+  const cuda::Stream stream;
+  if (a.scalar_type() == at::kBFloat16) {
+    cuda::mma::launch_mma_tile(ac.const_data_ptr<at::BFloat16>(), bc.const_data_ptr<at::BFloat16>(),
+                               c.data_ptr<float>(), b_rows_are_n, /*portable=*/true, stream);
+  } else {
+    cuda::mma::launch_mma_tile(ac.const_data_ptr<at::Half>(), bc.const_data_ptr<at::Half>(),
+                               c.data_ptr<float>(), b_rows_are_n, /*portable=*/true, stream);
+  }
+  return c;
+}
+
+}  // namespace
+
 }  // namespace fusedllm::simt
+
+// torch.ops.fusedllm_simt_selftest: checks of the emulated primitives, apart
+// from the fusedllm_simt ops (whose schemas are fusedllm's).
+TORCH_LIBRARY(fusedllm_simt_selftest, m) {
+  m.def("mma_tile(Tensor a, Tensor b, bool b_rows_are_n) -> Tensor");
+  m.impl("mma_tile", c10::DispatchKey::CPU, &fusedllm::simt::mma_tile);
+}

@@ -1,0 +1,123 @@
+"""The tensor-core building blocks of csrc/cuda/mma.cuh (mma.sync m16n8k16,
+ldmatrix with and without .trans, cp.async), through the 64x64x64 check tile of
+csrc/cuda/mma_check.cuh: under the emulator (their portable forms, through
+torch.ops.fusedllm_simt_selftest.mma_tile), compiled for
+sm_80 and sm_90 (the instructions they become), and on a GPU (the hardware
+instructions and the portable forms on the same inputs)."""
+
+import glob
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from checks import assert_close
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA_SOURCES = os.path.join(ROOT, "csrc", "cuda")
+DTYPES = [torch.bfloat16, torch.float16]
+LAYOUTS = {"b_is_n_by_k": True, "b_is_k_by_n": False}
+
+
+def operands(dtype, exact, b_rows_are_n, device="cpu"):
+    """a, b and the float64 product. `exact`: small integers, so that every
+    product and partial sum is exact in float32 and any fragment-layout mistake
+    shows as a wrong value, whatever the summation order."""
+    g = torch.Generator().manual_seed(7 + 2 * exact + b_rows_are_n)
+    if exact:
+        a, b = (torch.randint(-4, 5, (64, 64), generator=g).to(dtype) for _ in range(2))
+    else:
+        a, b = (torch.randn(64, 64, generator=g).to(dtype) for _ in range(2))
+    expected = a.double() @ (b.double().T if b_rows_are_n else b.double())
+    return a.to(device), b.to(device), expected.to(device)
+
+
+def check(c, expected, exact):
+    if exact:
+        assert torch.equal(c, expected.float()), (c - expected.float()).abs().max()
+    else:
+        assert_close(c, expected, (1e-5, 1e-5), upcast=True)
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("exact", [True, False], ids=["integers", "random"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_check_tile_under_the_emulator(dtype, layout, exact):
+    import fusedllm.simt  # noqa: F401  (loads fusedllm._simt or says how to build it)
+
+    a, b, expected = operands(dtype, exact, LAYOUTS[layout])
+    check(torch.ops.fusedllm_simt_selftest.mma_tile(a, b, LAYOUTS[layout]), expected, exact)
+
+
+def _cuda_include_dirs():
+    """torch's headers, and the CUDA library headers its nvidia-* wheels ship
+    (searched after the toolkit's, as the build does)."""
+    torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
+    wheels = glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "*", "include"))
+    return ["-I", CUDA_SOURCES, "-I", os.path.join(ROOT, "csrc", "include"), "-isystem", torch_include,
+            *(f"-Xcompiler=-idirafter,{d}" for d in wheels)]
+
+
+def _cuobjdump():
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return bundled if os.path.exists(bundled) else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_primitives_compile_to_tensor_core_instructions(tmp_path, arch):
+    """Evidence without a GPU: the check tile's machine code holds HMMA (mma.sync),
+    LDSM and LDSM .MT (ldmatrix, ldmatrix .trans) and LDGSTS (cp.async)."""
+    cuobjdump = _cuobjdump()
+    assert cuobjdump, "nvcc is here but cuobjdump is not (the CUDA toolkit's, or triton's copy)"
+    probe = tmp_path / "probe.cu"
+    instances = [f"template __global__ void fusedllm::cuda::mma::mma_tile_kernel<{t}, {rows}, false>"
+                 f"(const {t}*, const {t}*, float*);"
+                 for t in ("c10::BFloat16", "c10::Half") for rows in ("true", "false")]
+    probe.write_text('#include "mma_check.cuh"\n' + "\n".join(instances) + "\n")
+    cubin = tmp_path / "probe.cubin"
+    subprocess.run(["nvcc", "-std=c++20", f"-arch={arch}", "--expt-relaxed-constexpr", "-cubin",
+                    *_cuda_include_dirs(), str(probe), "-o", str(cubin)], check=True, capture_output=True)
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True,
+                          text=True).stdout
+    for instruction in ("HMMA.16816.F32.BF16", "HMMA.16816.F32 ", "LDSM.16.M88.4", "LDSM.16.MT88.4",
+                        "LDGSTS.E.BYPASS.128"):
+        assert instruction in sass, f"{instruction.strip()} not in the {arch} machine code"
+
+
+@pytest.fixture(scope="module")
+def gpu_check_tile():
+    from torch.utils.cpp_extension import load
+
+    return load(name="fusedllm_tensor_core_check", sources=[os.path.join(ROOT, "tests", "tensor_core_check.cu")],
+                extra_include_paths=[CUDA_SOURCES, os.path.join(ROOT, "csrc", "include")],
+                extra_cuda_cflags=["-O3", "-std=c++20", "--expt-relaxed-constexpr"],
+                extra_cflags=["-std=c++20"], verbose=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("exact", [True, False], ids=["integers", "random"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_check_tile_on_a_gpu_hardware_and_portable_forms_agree(gpu_check_tile, dtype, layout, exact):
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("mma.sync m16n8k16 with bfloat16 needs sm_80")
+    a, b, expected = operands(dtype, exact, LAYOUTS[layout], device="cuda")
+    hardware = gpu_check_tile.mma_tile(a, b, LAYOUTS[layout], False)
+    portable = gpu_check_tile.mma_tile(a, b, LAYOUTS[layout], True)
+    check(hardware, expected, exact)
+    check(portable, expected, exact)
+    if exact:
+        assert torch.equal(hardware, portable)

@@ -42,14 +42,17 @@ def check(c, expected, exact):
 
 
 @pytest.mark.simt
+@pytest.mark.parametrize("schedule", ["lockstep", "warp-random"])
 @pytest.mark.parametrize("exact", [True, False], ids=["integers", "random"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_check_tile_under_the_emulator(dtype, layout, exact):
-    import fusedllm.simt  # noqa: F401  (loads fusedllm._simt or says how to build it)
+def test_check_tile_under_the_emulator(dtype, layout, exact, schedule):
+    import fusedllm.simt  # loads fusedllm._simt or says how to build it
 
     a, b, expected = operands(dtype, exact, LAYOUTS[layout])
-    check(torch.ops.fusedllm_simt_selftest.mma_tile(a, b, LAYOUTS[layout]), expected, exact)
+    with fusedllm.simt.kernels(schedule=schedule):
+        c = torch.ops.fusedllm_simt_selftest.mma_tile(a, b, LAYOUTS[layout])
+    check(c, expected, exact)
 
 
 def _cuda_include_dirs():

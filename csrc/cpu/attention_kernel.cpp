@@ -50,40 +50,43 @@ inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 // A(i, k) is a[i * lda + k] (row-major) or a[k * lda + i] (column-major, how
 // the kernels read P and dS out of the transposed score tile); B is row-major
 // with leading dimension ldb and N a multiple of the vector width (callers
-// pad). The micro-kernel keeps an MR x (NV vectors) block of C in registers
-// across the whole K loop: per k it loads NV vectors of B and broadcasts MR
-// values of A, for MR * NV fused multiply-adds.
+// pad). The micro-kernel keeps an MR x (NV vectors) block of C in registers:
+// per k it loads NV vectors of B and broadcasts MR values of A, for MR * NV
+// fused multiply-adds.
+//
+// The K loop runs in chunks of kKC: each chunk sums from zero in registers
+// and is then added to C (the previous chunks, or the rescaled old C). One
+// sequential chain of fused multiply-adds over the whole K rounds every term
+// at the size of the running sum: over a 256-wide head dim that made the
+// scores, and through them outputs and gradients, 2-3x less accurate than
+// SDPA's; starting from the old C did the same to dK/dV sums over many query
+// tiles. Chunking costs an add per accumulator per kKC steps (with AVX-512's
+// 32 registers; a load and store of the C block with fewer).
 // ---------------------------------------------------------------------------
 
 enum class ALayout { kRowMajor, kColMajor };
 
-constexpr int kMR = 6;  // rows per micro-kernel
-constexpr int kNV = 2;  // vectors of columns per micro-kernel
+constexpr int kMR = 6;         // rows per micro-kernel
+constexpr int kNV = 2;         // vectors of columns per micro-kernel
+constexpr int64_t kKC = 32;    // terms summed in registers before they join C
 
-// C[MR x NV*W] = (kLoadC ? diag(row_scale) C : 0) + A[MR x K] B[K x NV*W]
-// (row_scale may be null: no rescale).
-template <typename acc_t, int MR, int NV, ALayout kA, bool kLoadC>
-inline void micro_kernel(int64_t K, const acc_t* __restrict a, int64_t lda,
-                         const acc_t* __restrict b, int64_t ldb, acc_t* __restrict c, int64_t ldc,
-                         const acc_t* __restrict row_scale) {
+// acc[i][v] += sum over k in [k0, k0 + n) of A(i, k) B(k, v), from zero
+// (kN > 0: n is the constant kN, so the loop unrolls without a remainder).
+template <typename acc_t, int MR, int NV, ALayout kA, int kN>
+inline void chunk_sum(Vectorized<acc_t> (&acc)[MR][NV], int64_t k0, int64_t n,
+                      const acc_t* __restrict a, int64_t lda, const acc_t* __restrict b,
+                      int64_t ldb) {
   using V = Vectorized<acc_t>;
   constexpr int W = V::size();
-  V acc[MR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
-    const V scale_i = (kLoadC && row_scale != nullptr) ? V(row_scale[i]) : V(acc_t(1));
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) {
-      if constexpr (kLoadC) {
-        acc[i][v] = V::loadu(c + i * ldc + v * W);
-        if (row_scale != nullptr) acc[i][v] = acc[i][v] * scale_i;
-      } else {
-        acc[i][v] = V(acc_t(0));
-      }
-    }
+    for (int v = 0; v < NV; ++v) acc[i][v] = V(acc_t(0));
   }
+  const int64_t count = kN > 0 ? kN : n;
 #pragma GCC unroll 4
-  for (int64_t k = 0; k < K; ++k) {
+  for (int64_t kk = 0; kk < count; ++kk) {
+    const int64_t k = k0 + kk;
     V bv[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) bv[v] = V::loadu(b + k * ldb + v * W);
@@ -94,10 +97,64 @@ inline void micro_kernel(int64_t K, const acc_t* __restrict a, int64_t lda,
       for (int v = 0; v < NV; ++v) acc[i][v] = at::vec::fmadd(ai, bv[v], acc[i][v]);
     }
   }
+}
+
+// C[MR x NV*W] = (kLoadC ? diag(row_scale) C : 0) + A[MR x K] B[K x NV*W]
+// (row_scale may be null: no rescale). The chunks' sums are added up in
+// registers where the ISA has enough of them (AVX-512's 32), else in C.
+template <typename acc_t, int MR, int NV, ALayout kA, bool kLoadC>
+inline void micro_kernel(int64_t K, const acc_t* __restrict a, int64_t lda,
+                         const acc_t* __restrict b, int64_t ldb, acc_t* __restrict c, int64_t ldc,
+                         const acc_t* __restrict row_scale) {
+  using V = Vectorized<acc_t>;
+  constexpr int W = V::size();
+  constexpr bool kTotalsInRegisters = W * sizeof(acc_t) == 64;
+  V total[MR][NV], part[MR][NV];
+  // First chunk (possibly short): from zero, plus the rescaled old C.
+  const int64_t first = std::min(K, kKC);
+  chunk_sum<acc_t, MR, NV, kA, 0>(total, 0, first, a, lda, b, ldb);
+  if constexpr (kLoadC) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const V scale_i = row_scale != nullptr ? V(row_scale[i]) : V(acc_t(1));
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) {
+        total[i][v] = at::vec::fmadd(V::loadu(c + i * ldc + v * W), scale_i, total[i][v]);
+      }
+    }
+  }
+  if (K > first) {
+    if constexpr (!kTotalsInRegisters) {
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) total[i][v].store(c + i * ldc + v * W);
+      }
+    }
+    for (int64_t k0 = first; k0 < K; k0 += kKC) {
+      if (k0 + kKC <= K) {
+        chunk_sum<acc_t, MR, NV, kA, kKC>(part, k0, kKC, a, lda, b, ldb);
+      } else {
+        chunk_sum<acc_t, MR, NV, kA, 0>(part, k0, K - k0, a, lda, b, ldb);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) {
+          if constexpr (kTotalsInRegisters) {
+            total[i][v] = total[i][v] + part[i][v];
+          } else {
+            (V::loadu(c + i * ldc + v * W) + part[i][v]).store(c + i * ldc + v * W);
+          }
+        }
+      }
+    }
+    if constexpr (!kTotalsInRegisters) return;
+  }
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[i][v].store(c + i * ldc + v * W);
+    for (int v = 0; v < NV; ++v) total[i][v].store(c + i * ldc + v * W);
   }
 }
 

@@ -54,7 +54,7 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restric
     __syncthreads();
 
     const int64_t key = j0 + lane;
-    acc_t p[RW];
+    acc_t p[RW], alpha[RW];
 #pragma unroll
     for (int r = 0; r < RW; ++r) {
       acc_t s = lane < C::kKeys ? smem_dot<acc_t, C::kVec>(q_s + (warp * RW + r) * C::kLd,
@@ -65,13 +65,18 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restric
       const int64_t h = g * group + row % group, pos = row / group;
       s = visible ? extras.masked(s, b, h, pos, key) : -std::numeric_limits<acc_t>::infinity();
       acc_t shift;
-      const acc_t alpha = attn::online_softmax_step(m[r], warp_reduce_max(s), shift, Ops{});
+      alpha[r] = attn::online_softmax_step(m[r], warp_reduce_max(s), shift, Ops{});
       p[r] = visible ? Ops::exp(s - shift) : acc_t(0);
       // The row sum (and so the lse) is that of the probabilities before dropout.
-      l[r] = l[r] * alpha + warp_reduce_sum(p[r]);
+      l[r] = l[r] * alpha[r] + warp_reduce_sum(p[r]);
       if (visible) p[r] *= extras.keep_factor<acc_t>(b, h, pos, key);
+    }
+    // This tile's P V from zero, then O = alpha O + P V (see kSumChunk).
+    acc_t pv[RW][kDL];
 #pragma unroll
-      for (int t = 0; t < kDL; ++t) o[r][t] *= alpha;
+    for (int r = 0; r < RW; ++r) {
+#pragma unroll
+      for (int t = 0; t < kDL; ++t) pv[r][t] = 0;
     }
     for (int jj = 0; jj < C::kKeys; ++jj) {
       acc_t vj[kDL];
@@ -81,8 +86,13 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restric
       for (int r = 0; r < RW; ++r) {
         const acc_t pj = warp_broadcast(p[r], jj);
 #pragma unroll
-        for (int t = 0; t < kDL; ++t) o[r][t] += pj * vj[t];
+        for (int t = 0; t < kDL; ++t) pv[r][t] += pj * vj[t];
       }
+    }
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+#pragma unroll
+      for (int t = 0; t < kDL; ++t) o[r][t] = o[r][t] * alpha[r] + pv[r][t];
     }
   }
 

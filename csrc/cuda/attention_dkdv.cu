@@ -38,12 +38,26 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
   stage_keys<T, acc_t, C::kD, C::kLd, C::kKeys>(k_s, k + b * ks.b + g * ks.h, ks.s, j0, j_end, d);
   stage_keys<T, acc_t, C::kD, C::kLd, C::kKeys>(v_s, v + b * vs.b + g * vs.h, vs.s, j0, j_end, d);
 
-  acc_t dk[KW][kDL], dv[KW][kDL];
+  // Totals, and the sums of the latest kSumChunk rows, added to them when full.
+  acc_t dk[KW][kDL], dv[KW][kDL], dk_part[KW][kDL], dv_part[KW][kDL];
 #pragma unroll
   for (int kk = 0; kk < KW; ++kk) {
 #pragma unroll
-    for (int t = 0; t < kDL; ++t) dk[kk][t] = dv[kk][t] = 0;
+    for (int t = 0; t < kDL; ++t) dk[kk][t] = dv[kk][t] = dk_part[kk][t] = dv_part[kk][t] = 0;
   }
+  const auto fold = [&] {
+#pragma unroll
+    for (int kk = 0; kk < KW; ++kk) {
+#pragma unroll
+      for (int t = 0; t < kDL; ++t) {
+        dk[kk][t] += dk_part[kk][t];
+        dv[kk][t] += dv_part[kk][t];
+        dk_part[kk][t] = dv_part[kk][t] = 0;
+      }
+    }
+  };
+  constexpr int kChunksPerSum = kSumChunk / RC > 0 ? kSumChunk / RC : 1;
+  int chunks_in_sum = 0;
 
   // Rows (position, head) of the positions that see any key of this tile.
   const int64_t rows_begin = attn::query_begin(mask, j0, sq) * group;
@@ -105,12 +119,17 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
         const acc_t ds = ds_s[r * C::kKeys + warp * KW + kk];
 #pragma unroll
         for (int t = 0; t < kDL; ++t) {
-          dv[kk][t] += p * dor[t];
-          dk[kk][t] += ds * qr[t];
+          dv_part[kk][t] += p * dor[t];
+          dk_part[kk][t] += ds * qr[t];
         }
       }
     }
+    if (++chunks_in_sum == kChunksPerSum) {
+      fold();
+      chunks_in_sum = 0;
+    }
   }
+  fold();
 
   const int64_t kv_row0 = (b * kv_heads + g) * sk;
 #pragma unroll

@@ -99,6 +99,13 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
       }
       ds[r] = attn::score_grad(p, dp, dlt[r]);
     }
+    // This tile's dS K from zero, then added to dQ (see kSumChunk).
+    acc_t dq_tile[RW][kDL];
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+#pragma unroll
+      for (int t = 0; t < kDL; ++t) dq_tile[r][t] = 0;
+    }
     for (int jj = 0; jj < C::kKeys; ++jj) {
       acc_t kj[kDL];
 #pragma unroll
@@ -107,8 +114,13 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
       for (int r = 0; r < RW; ++r) {
         const acc_t dsj = warp_broadcast(ds[r], jj);
 #pragma unroll
-        for (int t = 0; t < kDL; ++t) dq[r][t] += dsj * kj[t];
+        for (int t = 0; t < kDL; ++t) dq_tile[r][t] += dsj * kj[t];
       }
+    }
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+#pragma unroll
+      for (int t = 0; t < kDL; ++t) dq[r][t] += dq_tile[r][t];
     }
   }
 

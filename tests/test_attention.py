@@ -474,9 +474,9 @@ def test_masks_combine_with_causal_and_window(device):
 
 
 def _dropout_reference(q, k, v, seed, p, **kw):
-    from fusedllm import _fallback
+    from fusedllm import _plain
     b, hq, sq, _ = q.shape
-    keep = _fallback.dropout_keep(seed, (b, hq, sq, k.shape[2]), p, q.device)
+    keep = _plain.dropout_keep(seed, (b, hq, sq, k.shape[2]), p, q.device)
     return ref_attention(q, k, v, keep=keep, dropout_p=p, **kw)
 
 
@@ -518,8 +518,8 @@ def test_dropout_keeps_the_expected_fraction_and_the_mean(device):
     v = torch.ones_like(k)
     out = fusedllm.attention(q, k, v, dropout_p=p)
     assert abs(out.mean().item() - 1.0) < 0.02
-    from fusedllm import _fallback
-    keep = _fallback.dropout_keep(123, (4, 8, 64, 256), p)
+    from fusedllm import _plain
+    keep = _plain.dropout_keep(123, (4, 8, 64, 256), p)
     assert abs(keep.float().mean().item() - (1 - p)) < 0.005
 
 
@@ -684,10 +684,10 @@ def test_operator_rejects_bad_input_without_crashing(call):
 
 def test_reference_path_matches_reference():
     """The plain-PyTorch path used without the extension computes the same thing."""
-    from fusedllm import _fallback
+    from fusedllm import _plain
     q, k, v = make_qkv(1, 6, 2, 30, 45, 16, torch.float64, "cpu")
     for causal, window in MASKS:
-        out, lse = _fallback.attention(q, k, v, None, 0.3, causal, -1 if window is None else window,
+        out, lse = _plain.attention(q, k, v, None, 0.3, causal, -1 if window is None else window,
                                        0.0, None)
         ref_out, ref_lse = ref_attention(q, k, v, causal=causal, scale=0.3, window=window)
         torch.testing.assert_close(out, ref_out)

@@ -1,8 +1,9 @@
 // Attention math shared by the CPU kernels (scalar and Vectorized<float/double>
-// lanes) and the CUDA kernels: which keys a query sees, the online-softmax
-// update, the log-sum-exp of a finished row, merging partial results and the
-// score gradient. Functions templated on `V` take an `Ops` policy for max /
-// exp / select, so the CPU kernels can run them on whole vectors of rows.
+// lanes) and the CUDA kernels: where a query row lives, which keys a query
+// sees, the online-softmax update, the log-sum-exp of a finished row, merging
+// partial results and the score gradient. Functions templated on `V` take an
+// `Ops` policy for max / exp / select, so the CPU kernels can run them on whole
+// vectors of rows.
 #pragma once
 
 #include <cmath>
@@ -12,6 +13,37 @@
 #include "fusedllm/macros.h"
 
 namespace fusedllm::attn {
+
+// Where a query row lives. The [B, Hq, Sq] rows (outputs, log-sum-exp, delta,
+// dropout draws) are numbered row-major; the kernels walk the rows of one
+// (batch, kv head g) pair in (position, query head) order, so one K/V tile
+// serves the whole group: group row r is position r / group of query head
+// g * group + r % group. Query head h reads kv head h / group (GQA).
+struct QueryRows {
+  int64_t q_heads = 0;
+  int64_t group = 1;  // query heads per kv head
+  int64_t sq = 0;
+
+  // Flat [B, Hq, Sq] row of (batch b, query head h, position pos), and back.
+  FUSEDLLM_HOST_DEVICE int64_t row(int64_t b, int64_t h, int64_t pos) const {
+    return (b * q_heads + h) * sq + pos;
+  }
+  FUSEDLLM_HOST_DEVICE int64_t batch(int64_t row) const { return row / sq / q_heads; }
+  FUSEDLLM_HOST_DEVICE int64_t head(int64_t row) const { return row / sq % q_heads; }
+  FUSEDLLM_HOST_DEVICE int64_t pos(int64_t row) const { return row % sq; }
+  FUSEDLLM_HOST_DEVICE int64_t kv_head(int64_t h) const { return h / group; }
+
+  // Rows of one (batch, kv head) pair: sq positions times the group's heads.
+  FUSEDLLM_HOST_DEVICE int64_t group_rows() const { return sq * group; }
+  FUSEDLLM_HOST_DEVICE int64_t group_pos(int64_t r) const { return r / group; }
+  FUSEDLLM_HOST_DEVICE int64_t group_head(int64_t g, int64_t r) const { return g * group + r % group; }
+  // First group row of position pos (its rows are [pos * group, (pos + 1) * group)).
+  FUSEDLLM_HOST_DEVICE int64_t group_row(int64_t pos) const { return pos * group; }
+  // Flat row of group row r of kv head g in batch b.
+  FUSEDLLM_HOST_DEVICE int64_t row_of_group_row(int64_t b, int64_t g, int64_t r) const {
+    return row(b, group_head(g, r), group_pos(r));
+  }
+};
 
 // Visibility of key j to query i. Query i sits at absolute position
 // p = i + offset with offset = Sk - Sq (queries are the last Sq positions of

@@ -45,6 +45,10 @@ FUSEDLLM_HOST_DEVICE Words philox(uint64_t seed, uint64_t ctr) {
 // A 24-bit draw is kept when it is >= this threshold: P(drop) = p up to 2^-24.
 inline uint32_t keep_threshold(double p) { return static_cast<uint32_t>(std::ceil(p * 16777216.0)); }
 
+// The keep rule, given a probability's random word: its top 24 bits reach the
+// threshold (as dropout_keep in fusedllm/_plain.py).
+FUSEDLLM_HOST_DEVICE bool kept(uint32_t word, uint32_t threshold) { return (word >> 8) >= threshold; }
+
 // Element n of the [B, Hq, Sq, Sk] probabilities (row-major index) uses word
 // n % 4 of Philox(n / 4).
 FUSEDLLM_HOST_DEVICE bool keep(uint64_t seed, uint64_t n, uint32_t threshold) {
@@ -52,7 +56,7 @@ FUSEDLLM_HOST_DEVICE bool keep(uint64_t seed, uint64_t n, uint32_t threshold) {
   const uint32_t lane = static_cast<uint32_t>(n & 3);
   // Selects rather than r.w[lane]: a dynamic index would put r in local memory on GPUs.
   const uint32_t word = lane == 0 ? r.w[0] : lane == 1 ? r.w[1] : lane == 2 ? r.w[2] : r.w[3];
-  return (word >> 8) >= threshold;
+  return kept(word, threshold);
 }
 
 // What the kernels need: seed, threshold and the scale of kept probabilities.

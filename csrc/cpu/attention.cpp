@@ -22,6 +22,13 @@ AttentionOperand operand(const at::Tensor& t) {
   return o;
 }
 
+// Scratch of one kernel call as the variant describes it.
+at::Tensor allocate(const AttentionWorkspace& w) {
+  at::Tensor t = at::empty({w.bytes}, at::TensorOptions(at::kByte));
+  if (w.zeroed > 0) t.narrow(0, 0, w.zeroed).zero_();
+  return t;
+}
+
 // Plan: AttentionForwardPlan or AttentionBackwardPlan (both hold the checked q).
 template <typename Plan>
 void fill_call_args(const Plan& p, AttentionCallArgs& a) {
@@ -47,7 +54,10 @@ struct CpuAttention {
     a.v = operand(p.v);
     a.out = p.out.data_ptr();
     a.lse = p.lse.data_ptr();
-    attention_forward_kernels.get()(a);
+    const AttentionForwardKernel* kernel = attention_forward_kernels.get();
+    const at::Tensor workspace = allocate(kernel->workspace(a));
+    a.workspace = workspace.data_ptr();
+    kernel->run(a);
   }
 
   static void backward(const AttentionBackwardPlan& p) {
@@ -62,7 +72,10 @@ struct CpuAttention {
     a.grad_q = p.grad_q.data_ptr();
     a.grad_k = p.grad_k.data_ptr();
     a.grad_v = p.grad_v.data_ptr();
-    attention_backward_kernels.get()(a);
+    const AttentionBackwardKernel* kernel = attention_backward_kernels.get();
+    const at::Tensor workspace = allocate(kernel->workspace(a));
+    a.workspace = workspace.data_ptr();
+    kernel->run(a);
   }
 };
 

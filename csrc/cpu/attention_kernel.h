@@ -1,5 +1,25 @@
 // The interface between the attention ops (attention.cpp) and their per-ISA
-// kernels (attention_kernel.cpp). Plain pointers and strides, no tensors.
+// kernels. Plain pointers and strides, no tensors.
+//
+// The kernels: attention_forward_kernel.cpp and attention_backward_kernel.cpp
+// on the micro-GEMM of attention_gemm.h and the tile helpers of
+// attention_tile.h (masks and the transpose in attention_tile_kernel.cpp).
+//
+// Layout of the work. A task owns one (batch, kv head) pair and a tile of
+// query positions; its rows are the `group` query heads of that kv head at
+// each position of the tile, ordered (position, head), so K/V tiles are read
+// once for the whole group. Scores are computed transposed, S^T = K Q^T
+// (keys x rows), so the per-row softmax statistics are vectors across rows
+// and need no horizontal reductions. Both products (K Q^T and P V) run on a
+// register-blocked micro-kernel over float32 (float64) tiles; bfloat16 and
+// float16 operands are converted to float32 tiles once per tile.
+//
+// Backward: a task owns the dK/dV rows of one (batch, kv head) pair (or of a
+// strided subset of its key tiles when there are few pairs) and walks every
+// query tile of the group, recomputing P from the saved log-sum-exp. dQ of a
+// query tile is complete when its task has seen every key tile; with several
+// key subsets each writes a partial dQ that is summed in a fixed order after
+// the tasks, so the result never depends on the thread count or schedule.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -26,6 +46,14 @@ struct AttentionCallArgs {
   attn::Mask mask;
   attn::TensorMask tensor_mask;
   dropout::Dropout dropout;
+  // The scratch of the call, `bytes` of the variant's AttentionWorkspace.
+  void* workspace;
+};
+
+// Scratch memory a call needs, 64-byte aligned: the first `zeroed` bytes
+// must be zero on entry, the rest may hold anything.
+struct AttentionWorkspace {
+  int64_t zeroed = 0, bytes = 0;
 };
 
 struct AttentionForwardArgs : AttentionCallArgs {
@@ -42,8 +70,17 @@ struct AttentionBackwardArgs : AttentionCallArgs {
   void* grad_v;     // contiguous [B, Hkv, Sk, D]
 };
 
-using AttentionForwardFn = void (*)(const AttentionForwardArgs&);
-using AttentionBackwardFn = void (*)(const AttentionBackwardArgs&);
+// A variant: the workspace a call needs (a function of the arguments and
+// the thread count), and the call on that workspace.
+template <typename Args>
+struct AttentionKernel {
+  AttentionWorkspace (*workspace)(const Args&);
+  void (*run)(const Args&);
+};
+using AttentionForwardKernel = AttentionKernel<AttentionForwardArgs>;
+using AttentionBackwardKernel = AttentionKernel<AttentionBackwardArgs>;
+using AttentionForwardFn = const AttentionForwardKernel*;
+using AttentionBackwardFn = const AttentionBackwardKernel*;
 
 extern KernelTable<AttentionForwardFn> attention_forward_kernels;
 extern KernelTable<AttentionBackwardFn> attention_backward_kernels;

@@ -1,0 +1,330 @@
+// Flash attention backward on CPU, compiled once per instruction set (see
+// CMakeLists.txt; the layout of the work is described in attention_kernel.h).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "attention_gemm.h"
+#include "attention_kernel.h"
+#include "attention_tile.h"
+
+namespace fusedllm::cpu {
+inline namespace CPU_CAPABILITY {
+namespace flash {
+namespace {
+
+// Per-slot scratch of the backward pass.
+template <typename acc_t>
+struct BackwardScratch {
+  acc_t *qt, *dot, *qs, *dor, *dq, *s, *dp, *kbuf, *vbuf, *shift, *delta, *z;
+  BackwardScratch(const Tiling<acc_t>& t, Arena& m)
+      : qt(m.take<acc_t>(t.d * t.rows_pad)),
+        dot(m.take<acc_t>(t.d * t.rows_pad)),
+        qs(m.take<acc_t>(t.rows_pad * t.d_pad)),
+        dor(m.take<acc_t>(t.rows_pad * t.d_pad)),
+        dq(m.take<acc_t>(t.rows_pad * t.d_pad)),
+        s(m.take<acc_t>(t.block_k * t.rows_pad)),
+        dp(m.take<acc_t>(t.block_k * t.rows_pad)),
+        kbuf(m.take<acc_t>(t.block_k * t.d_pad)),
+        vbuf(m.take<acc_t>(t.block_k * t.d_pad)),
+        shift(m.take<acc_t>(t.rows_pad)),
+        delta(m.take<acc_t>(t.rows_pad)),
+        z(m.take<acc_t>(t.block_k * t.rows_pad)) {}
+  static int64_t bytes(const Tiling<acc_t>& t) {
+    Arena m;
+    static_cast<void>(BackwardScratch(t, m));
+    return m.bytes();
+  }
+};
+
+// How a call is cut into tasks: a function of the shape and thread count.
+template <typename T>
+struct BackwardPlan {
+  using acc_t = typename VecIO<T>::acc_t;
+  Tiling<acc_t> t;
+  int64_t pairs, n_q_rows, kv_rows, chunks = 1, n_tasks, slots;
+  // dK/dV accumulate in the accumulator type with rows padded to d_pad;
+  // when that is exactly the output layout they accumulate in place.
+  bool in_place;
+
+  explicit BackwardPlan(const AttentionBackwardArgs& a)
+      : t(a.batch, a.q_heads, a.kv_heads, a.sq, a.sk, a.head_dim) {
+    pairs = t.batch * t.kv_heads;
+    n_q_rows = t.batch * a.q_heads * t.sq;
+    kv_rows = pairs * t.sk;
+    // Few (batch, kv head) pairs: split each pair's key tiles into chunks
+    // (a function of the shape only), each with its own partial dQ.
+    const int64_t work = t.batch * a.q_heads * t.sq * t.sk * t.d;
+    if (pairs < kMinTasks && t.k_tiles > 1 && work >= kMinParallelWork) {
+      chunks = std::min(ceil_div(kMinTasks, pairs), t.k_tiles);
+      const int64_t per_chunk = n_q_rows * t.d_pad * int64_t(sizeof(acc_t));
+      chunks = std::max<int64_t>(1, std::min(chunks, kMaxPartialBytes / std::max<int64_t>(per_chunk, 1)));
+    }
+    in_place = std::is_same_v<T, acc_t> && t.d == t.d_pad;
+    n_tasks = pairs * chunks;
+    slots = work_slots(n_tasks, work);
+  }
+};
+
+// The call's workspace: delta per query row; dK/dV rows unless they
+// accumulate in place; with chunks, every chunk's partial dQ; a
+// BackwardScratch per slot.
+template <typename T>
+struct BackwardWorkspace {
+  using acc_t = typename VecIO<T>::acc_t;
+  acc_t *delta, *dk, *dv, *dq_partial;
+  int64_t scratch_stride;  // bytes
+  char* scratch;
+
+  BackwardWorkspace(const BackwardPlan<T>& p, Arena& zeroed, Arena& plain)
+      : delta(plain.take<acc_t>(p.n_q_rows)),
+        dk(p.in_place ? nullptr : zeroed.take<acc_t>(p.kv_rows * p.t.d_pad)),
+        dv(p.in_place ? nullptr : zeroed.take<acc_t>(p.kv_rows * p.t.d_pad)),
+        dq_partial(p.chunks > 1 ? zeroed.take<acc_t>(p.chunks * p.n_q_rows * p.t.d_pad) : nullptr),
+        scratch_stride(BackwardScratch<acc_t>::bytes(p.t)),
+        scratch(zeroed.take<char>(p.slots * scratch_stride)) {}
+
+  BackwardScratch<acc_t> slot(const Tiling<acc_t>& t, int64_t i) const {
+    Arena m(scratch + i * scratch_stride);
+    return BackwardScratch<acc_t>(t, m);
+  }
+};
+
+template <bool kDropout, typename acc_t>
+void probs_and_score_grads(acc_t* s, acc_t* dp, const acc_t* z, int64_t ld, int64_t nk,
+                           const acc_t* shift, const acc_t* delta) {
+  using V = Vectorized<acc_t>;
+  constexpr int64_t W = V::size();
+  const VecOps<acc_t> ops;
+  for (int64_t c = 0; c < ld; c += W) {
+    const V sh = V::loadu(shift + c);
+    const V de = V::loadu(delta + c);
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t e = j * ld + c;
+      const V p = ops.exp(V::loadu(s + e) - sh);
+      if constexpr (kDropout) {
+        const V zz = V::loadu(z + e);
+        attn::score_grad(p, V::loadu(dp + e) * zz, de).store(dp + e);
+        (p * zz).store(s + e);
+      } else {
+        attn::score_grad(p, V::loadu(dp + e), de).store(dp + e);
+        p.store(s + e);
+      }
+    }
+  }
+}
+
+template <typename T>
+struct BackwardKernel {
+  using acc_t = typename VecIO<T>::acc_t;
+
+  // delta[row] = sum(dO * O) over head_dim, rows of [B, Hq, Sq].
+  static void compute_delta(const AttentionBackwardArgs& a, acc_t* delta) {
+    using IO = VecIO<T>;
+    using AV = typename IO::AV;
+    const int64_t n_rows = a.batch * a.q_heads * a.sq;
+    const int64_t d = a.head_dim;
+    at::parallel_for(0, n_rows, std::max<int64_t>(1, 8192 / d), [&](int64_t begin, int64_t end) {
+      const T* go = static_cast<const T*>(a.grad_out.data);
+      const T* out = static_cast<const T*>(a.out.data);
+      const AttentionOperand g_op = a.grad_out, o_op = a.out;
+      const int64_t hq = a.q_heads, sq = a.sq;
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t pos = row % sq, bh = row / sq;
+        const int64_t h = bh % hq, b = bh / hq;
+        const T* gr = go + b * g_op.batch_stride + h * g_op.head_stride + pos * g_op.seq_stride;
+        const T* orow = out + b * o_op.batch_stride + h * o_op.head_stride + pos * o_op.seq_stride;
+        delta[row] = row_sum<IO>(d, [=](int64_t j, int64_t c, AV(&acc)[IO::kParts]) {
+          AV x[IO::kParts], y[IO::kParts];
+          load_step<IO>(gr + j, c, x);
+          load_step<IO>(orow + j, c, y);
+          for (int q = 0; q < IO::kParts; ++q) acc[q] = at::vec::fmadd(x[q], y[q], acc[q]);
+        });
+      }
+    });
+  }
+
+  // One task: kv head g of batch b, key tiles chunk, chunk + chunks, ...;
+  // accumulates dK (already scaled) and dV rows into dk/dv (leading dim d_pad)
+  // and writes dQ of every query tile (scaled into grad_q when chunks == 1,
+  // else unscaled into this chunk's partial rows).
+  static void task(const AttentionBackwardArgs& a, const Tiling<acc_t>& t, BackwardScratch<acc_t> w,
+                   int64_t b, int64_t g, int64_t chunk, int64_t chunks, const acc_t* delta_all,
+                   acc_t* dk, acc_t* dv, acc_t* dq_partial) {
+    const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride;
+    const T* go = static_cast<const T*>(a.grad_out.data) + b * a.grad_out.batch_stride;
+    const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + g * a.k.head_stride;
+    const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + g * a.v.head_stride;
+    const acc_t* lse = static_cast<const acc_t*>(a.lse);
+    const int64_t kss = a.k.seq_stride, vss = a.v.seq_stride;
+    const Mask mask = a.mask;
+    const acc_t scale = static_cast<acc_t>(a.scale);
+    const int64_t d = t.d, d_pad = t.d_pad, sq = t.sq;
+    const int64_t group = t.group, hq = a.q_heads;
+
+    for (int64_t qt = 0; qt < t.q_tiles; ++qt) {
+      const int64_t p0 = qt * t.block_q;
+      const int64_t npos = std::min(t.block_q, sq - p0);
+      const int64_t rows = npos * group;
+      const int64_t ld = round_up(rows, Vectorized<acc_t>::size());
+      // With several chunks each owns the global key tiles chunk, chunk + chunks, ...
+      const KeyTiles tiles(mask, p0, p0 + npos, t.block_k, chunks > 1);
+      int64_t i0 = 0;
+      if (chunks > 1) i0 = ((chunk - tiles.first % chunks) % chunks + chunks) % chunks;
+      const bool any = i0 < tiles.count;
+      if (!any && chunks > 1) continue;  // the partial rows stay zero
+
+      std::fill(w.dq, w.dq + rows * d_pad, acc_t(0));
+      if (any) {
+        gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, scale, w.qs, w.qt);
+        gather_both(go, a.grad_out.head_stride, a.grad_out.seq_stride, t, g, p0, rows, ld, acc_t(1),
+                    w.dor, w.dot);
+        for (int64_t i = 0; i < ld; ++i) {
+          if (i < rows) {
+            const int64_t row = (b * hq + t.head_of(g, i)) * sq + t.pos_of(p0, i);
+            w.shift[i] = attn::ScalarOps<acc_t>::finite_or_zero(lse[row]);
+            w.delta[i] = delta_all[row];
+          } else {
+            w.shift[i] = 0;
+            w.delta[i] = 0;
+          }
+        }
+      }
+
+      for (int64_t i = i0; i < tiles.count; i += chunks) {
+        const int64_t j0 = tiles.start(i);
+        const int64_t nk = tiles.stop(i) - j0;
+        int64_t k_ld, v_ld;
+        const acc_t* kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, w.kbuf, k_ld);
+        const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
+        // S^T = K (Q * scale)^T and dP^T = V dO^T: keys x rows.
+        gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
+        gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, vp, v_ld, w.dot, ld, w.dp, ld);
+        if (!tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
+          mask_tile(w.s, ld, nk, j0, p0, npos, group, mask);
+        }
+        const TileRows tile{b, g, group, p0, npos, j0, nk};
+        apply_tensor_mask(w.s, ld, tile, a.tensor_mask);
+        if (a.dropout.enabled) {
+          // z = 1 / (1 - p) where kept, else 0; padding columns past the tile's rows 0.
+          const acc_t kept = static_cast<acc_t>(a.dropout.scale);
+          for_each_dropout_draw(tile, hq, sq, t.sk, a.dropout, [&](int64_t j, int64_t col, bool keep) {
+            w.z[j * ld + col] = keep ? kept : acc_t(0);
+          });
+          for (int64_t j = 0; j < nk; ++j) std::fill(w.z + j * ld + tile.cols(), w.z + (j + 1) * ld, acc_t(0));
+          probs_and_score_grads<true>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
+        } else {
+          probs_and_score_grads<false>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
+        }
+        // dV += P^T dO, dK += dS^T (Q * scale): the sum over the group's rows
+        // is the inner dimension of these products.
+        acc_t* dv_rows = dv + j0 * d_pad;
+        acc_t* dk_rows = dk + j0 * d_pad;
+        gemm<acc_t, ALayout::kRowMajor, true>(nk, d_pad, rows, w.s, ld, w.dor, d_pad, dv_rows, d_pad);
+        gemm<acc_t, ALayout::kRowMajor, true>(nk, d_pad, rows, w.dp, ld, w.qs, d_pad, dk_rows, d_pad);
+        // dQ (unscaled) += dS K, dS read column-major out of the transposed tile.
+        gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.dp, ld, kp, k_ld, w.dq, d_pad);
+      }
+
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t row = (b * hq + t.head_of(g, i)) * sq + t.pos_of(p0, i);
+        if (chunks == 1) {
+          store_row<T>(w.dq + i * d_pad, d, scale, static_cast<T*>(a.grad_q) + row * d);
+        } else {
+          std::memcpy(dq_partial + row * d_pad, w.dq + i * d_pad, sizeof(acc_t) * d);
+        }
+      }
+    }
+  }
+
+  static AttentionWorkspace workspace(const AttentionBackwardArgs& a) {
+    return measure<BackwardWorkspace<T>>(BackwardPlan<T>(a));
+  }
+
+  static void run(const AttentionBackwardArgs& a) {
+    const BackwardPlan<T> p(a);
+    const auto ws = place<BackwardWorkspace<T>>(a.workspace, measure<BackwardWorkspace<T>>(p), p);
+    const Tiling<acc_t>& t = p.t;
+    const int64_t n_q_rows = p.n_q_rows, kv_rows = p.kv_rows, chunks = p.chunks;
+    const bool in_place = p.in_place;
+
+    compute_delta(a, ws.delta);
+
+    acc_t* dk = ws.dk;
+    acc_t* dv = ws.dv;
+    if (in_place) {
+      dk = reinterpret_cast<acc_t*>(a.grad_k);
+      dv = reinterpret_cast<acc_t*>(a.grad_v);
+      at::parallel_for(0, kv_rows, 1024, [&](int64_t begin, int64_t end) {
+        std::fill(dk + begin * t.d_pad, dk + end * t.d_pad, acc_t(0));
+        std::fill(dv + begin * t.d_pad, dv + end * t.d_pad, acc_t(0));
+      });
+    }
+    acc_t* dq_p = ws.dq_partial;
+    const acc_t* delta_p = ws.delta;
+
+    run_tasks(p.n_tasks, p.slots, [&](int64_t task_index, int64_t slot) {
+      const int64_t chunk = task_index % chunks;
+      const int64_t pair = task_index / chunks;
+      const int64_t b = pair / t.kv_heads, g = pair % t.kv_heads;
+      const BackwardScratch<acc_t> w = ws.slot(t, slot);
+      acc_t* dq_rows = dq_p != nullptr ? dq_p + chunk * n_q_rows * t.d_pad : nullptr;
+      task(a, t, w, b, g, chunk, chunks, delta_p, dk + pair * t.sk * t.d_pad,
+           dv + pair * t.sk * t.d_pad, dq_rows);
+    });
+
+    if (!in_place) {
+      at::parallel_for(0, kv_rows, std::max<int64_t>(1, 4096 / t.d_pad), [&](int64_t begin, int64_t end) {
+        T* gk = static_cast<T*>(a.grad_k);
+        T* gv = static_cast<T*>(a.grad_v);
+        for (int64_t r = begin; r < end; ++r) {
+          store_row<T>(dk + r * t.d_pad, t.d, acc_t(1), gk + r * t.d);
+          store_row<T>(dv + r * t.d_pad, t.d, acc_t(1), gv + r * t.d);
+        }
+      });
+    }
+    if (chunks > 1) {
+      // dQ = scale * sum of the chunks' partials, in chunk order.
+      at::parallel_for(0, n_q_rows, std::max<int64_t>(1, 4096 / t.d_pad), [&](int64_t begin, int64_t end) {
+        std::vector<acc_t> acc(t.d_pad);
+        T* gq = static_cast<T*>(a.grad_q);
+        for (int64_t r = begin; r < end; ++r) {
+          std::fill(acc.begin(), acc.end(), acc_t(0));
+          for (int64_t c = 0; c < chunks; ++c) {
+            const acc_t* src = dq_p + (c * n_q_rows + r) * t.d_pad;
+            for (int64_t j = 0; j < t.d; ++j) acc[j] += src[j];
+          }
+          store_row<T>(acc.data(), t.d, static_cast<acc_t>(a.scale), gq + r * t.d);
+        }
+      });
+    }
+  }
+};
+
+void attention_backward(const AttentionBackwardArgs& a) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.dtype, "fusedllm_attention_backward_cpu", [&] {
+    BackwardKernel<scalar_t>::run(a);
+  });
+}
+
+AttentionWorkspace attention_backward_workspace(const AttentionBackwardArgs& a) {
+  AttentionWorkspace w;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.dtype, "fusedllm_attention_backward_cpu", [&] {
+    w = BackwardKernel<scalar_t>::workspace(a);
+  });
+  return w;
+}
+
+constexpr AttentionBackwardKernel kBackward{&attention_backward_workspace, &attention_backward};
+
+}  // namespace
+}  // namespace flash
+
+FUSEDLLM_REGISTER_CPU_KERNEL(attention_backward_kernels, &flash::kBackward);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace fusedllm::cpu

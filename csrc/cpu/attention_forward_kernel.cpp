@@ -1,0 +1,278 @@
+// Flash attention forward on CPU, compiled once per instruction set (see
+// CMakeLists.txt; the layout of the work is described in attention_kernel.h).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "attention_gemm.h"
+#include "attention_kernel.h"
+#include "attention_tile.h"
+
+namespace fusedllm::cpu {
+inline namespace CPU_CAPABILITY {
+namespace flash {
+namespace {
+
+// Per-slot scratch of the forward pass.
+template <typename acc_t>
+struct ForwardScratch {
+  acc_t *qt, *s, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha;
+  ForwardScratch(const Tiling<acc_t>& t, Arena& m)
+      : qt(m.take<acc_t>(t.d * t.rows_pad)),
+        s(m.take<acc_t>(t.block_k * t.rows_pad)),
+        o(m.take<acc_t>(t.rows_pad * t.d_pad)),
+        kbuf(m.take<acc_t>(t.block_k * t.d_pad)),
+        vbuf(m.take<acc_t>(t.block_k * t.d_pad)),
+        row_max(m.take<acc_t>(t.rows_pad)),
+        row_sum(m.take<acc_t>(t.rows_pad)),
+        alpha(m.take<acc_t>(t.rows_pad)) {}
+  static int64_t bytes(const Tiling<acc_t>& t) {
+    Arena m;
+    static_cast<void>(ForwardScratch(t, m));
+    return m.bytes();
+  }
+};
+
+// How a call is cut into tasks: a function of the shape and thread count.
+template <typename acc_t>
+struct ForwardPlan {
+  Tiling<acc_t> t;
+  int64_t pairs, n_rows, splits = 1, n_tasks, slots;
+
+  explicit ForwardPlan(const AttentionForwardArgs& a)
+      : t(a.batch, a.q_heads, a.kv_heads, a.sq, a.sk, a.head_dim) {
+    pairs = t.batch * t.kv_heads;
+    n_rows = t.batch * a.q_heads * t.sq;
+    const int64_t base_tasks = pairs * t.q_tiles;
+    // Few tasks (decoding, small batch): also split the keys; each split
+    // writes normalized partial rows and their log-sum-exp, merged after.
+    const int64_t work = t.batch * a.q_heads * t.sq * t.sk * t.d;
+    if (base_tasks < kMinTasks && t.k_tiles > 1 && work >= kMinParallelWork) {
+      splits = std::min(ceil_div(kMinTasks, base_tasks), t.k_tiles);
+      const int64_t per_split = t.batch * a.q_heads * t.sq * (t.d_pad + 1) * int64_t(sizeof(acc_t));
+      splits = std::max<int64_t>(1, std::min(splits, kMaxPartialBytes / std::max<int64_t>(per_split, 1)));
+    }
+    n_tasks = base_tasks * splits;
+    slots = work_slots(n_tasks, work);
+  }
+};
+
+// The call's workspace: a ForwardScratch per slot; per slot the task's
+// output rows in the accumulator type (before the cast to T) and their lse;
+// with splits, every split's rows and lse.
+template <typename acc_t>
+struct ForwardWorkspace {
+  int64_t scratch_stride, rows_stride;  // bytes, elements
+  char* scratch;
+  acc_t *rows, *partial_o, *partial_lse;
+
+  ForwardWorkspace(const ForwardPlan<acc_t>& p, Arena& zeroed, Arena& plain)
+      : scratch_stride(ForwardScratch<acc_t>::bytes(p.t)),
+        rows_stride(p.t.rows_pad * p.t.d_pad + p.t.rows_pad),
+        scratch(zeroed.take<char>(p.slots * scratch_stride)),
+        rows(plain.take<acc_t>(p.slots * rows_stride)),
+        partial_o(p.splits > 1 ? plain.take<acc_t>(p.splits * p.n_rows * p.t.d_pad) : nullptr),
+        partial_lse(p.splits > 1 ? plain.take<acc_t>(p.splits * p.n_rows) : nullptr) {}
+
+  ForwardScratch<acc_t> slot(const Tiling<acc_t>& t, int64_t i) const {
+    Arena m(scratch + i * scratch_stride);
+    return ForwardScratch<acc_t>(t, m);
+  }
+};
+
+// Online softmax over one transposed score tile s[j * ld + col] (nk keys,
+// ld columns): turns scores into exp(score - shift) in place and updates the
+// per-row running max and sum; alpha[col] rescales the output rows.
+template <typename acc_t>
+void softmax_tile(acc_t* s, int64_t ld, int64_t nk, acc_t* row_max, acc_t* row_sum, acc_t* alpha) {
+  using V = Vectorized<acc_t>;
+  constexpr int64_t W = V::size();
+  const VecOps<acc_t> ops;
+  for (int64_t c = 0; c < ld; c += W) {
+    acc_t* col = s + c;
+    V tile_max(kNegInf<acc_t>);
+    for (int64_t j = 0; j < nk; ++j) tile_max = ops.max(tile_max, V::loadu(col + j * ld));
+    V running_max = V::loadu(row_max + c);
+    V shift;
+    const V a = attn::online_softmax_step(running_max, tile_max, shift, ops);
+    V sum0(acc_t(0)), sum1(acc_t(0));
+    int64_t j = 0;
+    for (; j + 2 <= nk; j += 2) {
+      const V p0 = ops.exp(V::loadu(col + j * ld) - shift);
+      const V p1 = ops.exp(V::loadu(col + (j + 1) * ld) - shift);
+      p0.store(col + j * ld);
+      p1.store(col + (j + 1) * ld);
+      sum0 = sum0 + p0;
+      sum1 = sum1 + p1;
+    }
+    if (j < nk) {
+      const V p0 = ops.exp(V::loadu(col + j * ld) - shift);
+      p0.store(col + j * ld);
+      sum0 = sum0 + p0;
+    }
+    (V::loadu(row_sum + c) * a + (sum0 + sum1)).store(row_sum + c);
+    running_max.store(row_max + c);
+    a.store(alpha + c);
+  }
+}
+
+template <typename T>
+struct ForwardKernel {
+  using acc_t = typename VecIO<T>::acc_t;
+
+  // Output rows (normalized) and log-sum-exp of one task: the tile of
+  // positions [p0, p0 + npos) of kv head g in batch b, over its key tiles
+  // split, split + splits, ...
+  static void task(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w,
+                   int64_t b, int64_t g, int64_t p0, int64_t npos, int64_t split, int64_t splits,
+                   acc_t* o_out, int64_t o_ld, acc_t* lse_out) {
+    const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride;
+    const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + g * a.k.head_stride;
+    const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + g * a.v.head_stride;
+    const int64_t kss = a.k.seq_stride, vss = a.v.seq_stride;
+    const Mask mask = a.mask;
+    const int64_t d = t.d, d_pad = t.d_pad, group = t.group;
+    const int64_t rows = npos * group;
+    const int64_t ld = round_up(rows, Vectorized<acc_t>::size());
+
+    // (Q * scale)^T, staged row-major in the output buffer first.
+    gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, static_cast<acc_t>(a.scale),
+                w.o, w.qt);
+    std::fill(w.o, w.o + ld * d_pad, acc_t(0));
+    std::fill(w.row_max, w.row_max + ld, kNegInf<acc_t>);
+    std::fill(w.row_sum, w.row_sum + ld, acc_t(0));
+
+    const KeyTiles tiles(mask, p0, p0 + npos, t.block_k, false);
+    for (int64_t i = split; i < tiles.count; i += splits) {
+      const int64_t j0 = tiles.start(i);
+      const int64_t nk = tiles.stop(i) - j0;
+      int64_t k_ld, v_ld;
+      const acc_t* kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, w.kbuf, k_ld);
+      // S^T = K (Q * scale)^T: keys x rows.
+      gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
+      if (!tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
+        mask_tile(w.s, ld, nk, j0, p0, npos, group, mask);
+      }
+      const TileRows tile{b, g, group, p0, npos, j0, nk};
+      apply_tensor_mask(w.s, ld, tile, a.tensor_mask);
+      // The row sums (and so the lse) are those of the probabilities before dropout.
+      softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
+      if (a.dropout.enabled) {
+        // P = P z in place, z = 1 / (1 - p) where kept, else 0.
+        const acc_t kept = static_cast<acc_t>(a.dropout.scale);
+        for_each_dropout_draw(tile, a.q_heads, t.sq, t.sk, a.dropout, [&](int64_t j, int64_t col, bool keep) {
+          acc_t& p = w.s[j * ld + col];
+          p = keep ? p * kept : acc_t(0);
+        });
+      }
+      const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
+      // O = diag(alpha) O + P V, P read column-major out of the transposed tile.
+      gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.s, ld, vp, v_ld, w.o, d_pad,
+                                            w.alpha);
+    }
+
+    for (int64_t i = 0; i < rows; ++i) {
+      const acc_t inv = attn::row_inv_sum(w.row_sum[i]);
+      const acc_t* src = w.o + i * d_pad;
+      acc_t* dst = o_out + i * o_ld;
+      for (int64_t c = 0; c < d; ++c) dst[c] = src[c] * inv;
+      lse_out[i] = attn::row_lse(w.row_max[i], w.row_sum[i]);
+    }
+  }
+
+  static AttentionWorkspace workspace(const AttentionForwardArgs& a) {
+    return measure<ForwardWorkspace<acc_t>>(ForwardPlan<acc_t>(a));
+  }
+
+  static void run(const AttentionForwardArgs& a) {
+    const ForwardPlan<acc_t> p(a);
+    const auto ws = place<ForwardWorkspace<acc_t>>(a.workspace, measure<ForwardWorkspace<acc_t>>(p), p);
+    const Tiling<acc_t>& t = p.t;
+    const int64_t pairs = p.pairs, splits = p.splits;
+    acc_t* po = ws.partial_o;
+    acc_t* pl = ws.partial_lse;
+
+    run_tasks(p.n_tasks, p.slots, [&](int64_t index, int64_t slot) {
+      // Latest query tiles first: under a causal mask they see the most keys.
+      const int64_t split = index % splits;
+      const int64_t rest = index / splits;
+      const int64_t pair = rest % pairs;
+      const int64_t qt = t.q_tiles - 1 - rest / pairs;
+      const int64_t b = pair / t.kv_heads, g = pair % t.kv_heads;
+      const int64_t p0 = qt * t.block_q;
+      const int64_t npos = std::min(t.block_q, t.sq - p0);
+      const int64_t rows = npos * t.group;
+      const ForwardScratch<acc_t> w = ws.slot(t, slot);
+      acc_t* o_rows = ws.rows + slot * ws.rows_stride;
+      acc_t* lse_rows = o_rows + t.rows_pad * t.d_pad;
+      task(a, t, w, b, g, p0, npos, split, splits, o_rows, t.d_pad, lse_rows);
+      // Scatter the (position, head) rows to [B, Hq, Sq, ...].
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t h = t.head_of(g, i), pos = t.pos_of(p0, i);
+        const int64_t row = (b * a.q_heads + h) * t.sq + pos;
+        if (splits == 1) {
+          store_row<T>(o_rows + i * t.d_pad, t.d, acc_t(1), static_cast<T*>(a.out) + row * t.d);
+          static_cast<acc_t*>(a.lse)[row] = lse_rows[i];
+        } else {
+          const int64_t prow = split * t.batch * a.q_heads * t.sq + row;
+          std::memcpy(po + prow * t.d_pad, o_rows + i * t.d_pad, sizeof(acc_t) * t.d);
+          pl[prow] = lse_rows[i];
+        }
+      }
+    });
+    if (splits == 1) return;
+
+    // Merge the splits of each row in split order.
+    const int64_t n_rows = p.n_rows;
+    at::parallel_for(0, n_rows, std::max<int64_t>(1, 4096 / t.d_pad), [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> acc(t.d_pad);
+      for (int64_t row = begin; row < end; ++row) {
+        acc_t m = kNegInf<acc_t>;
+        for (int64_t s = 0; s < splits; ++s) m = std::max(m, pl[s * n_rows + row]);
+        acc_t total = kNegInf<acc_t>;
+        if (m != kNegInf<acc_t>) {
+          acc_t sum = 0;
+          for (int64_t s = 0; s < splits; ++s) sum += std::exp(pl[s * n_rows + row] - m);
+          total = m + std::log(sum);
+        }
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        for (int64_t s = 0; s < splits; ++s) {
+          const acc_t wgt = attn::merge_weight(pl[s * n_rows + row], total);
+          if (wgt == acc_t(0)) continue;
+          const acc_t* src = po + (s * n_rows + row) * t.d_pad;
+          for (int64_t c = 0; c < t.d; ++c) acc[c] += wgt * src[c];
+        }
+        store_row<T>(acc.data(), t.d, acc_t(1), static_cast<T*>(a.out) + row * t.d);
+        static_cast<acc_t*>(a.lse)[row] = total;
+      }
+    });
+  }
+};
+
+void attention_forward(const AttentionForwardArgs& a) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.dtype, "fusedllm_attention_cpu", [&] {
+    ForwardKernel<scalar_t>::run(a);
+  });
+}
+
+AttentionWorkspace attention_forward_workspace(const AttentionForwardArgs& a) {
+  AttentionWorkspace w;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.dtype, "fusedllm_attention_cpu", [&] {
+    w = ForwardKernel<scalar_t>::workspace(a);
+  });
+  return w;
+}
+
+constexpr AttentionForwardKernel kForward{&attention_forward_workspace, &attention_forward};
+
+}  // namespace
+}  // namespace flash
+
+FUSEDLLM_REGISTER_CPU_KERNEL(attention_forward_kernels, &flash::kForward);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace fusedllm::cpu

@@ -1,0 +1,298 @@
+// What the attention kernels share besides the GEMM (attention_gemm.h): the
+// tiling, staging of operand tiles, masks, dropout draws and the scratch
+// arena. Masks and the transpose are compiled once per instruction set in
+// attention_tile_kernel.cpp; the rest are templates over the operand type.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "attention_kernel.h"
+#include "fusedllm/attention.h"
+#include "fusedllm/dropout.h"
+#include "vec.h"
+
+namespace fusedllm::cpu {
+inline namespace CPU_CAPABILITY {
+namespace flash {
+
+using attn::Mask;
+
+template <typename acc_t>
+constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// ---------------------------------------------------------------------------
+// Vector operations for the shared online-softmax template.
+// ---------------------------------------------------------------------------
+
+template <typename acc_t>
+struct VecOps {
+  using V = Vectorized<acc_t>;
+  static V max(V a, V b) { return at::vec::maximum(a, b); }
+  static V exp(V x) {
+    if constexpr (std::is_same_v<acc_t, float>) {
+      return x.exp_u20();  // ~1e-6 relative error, several times faster than exp()
+    } else {
+      return x.exp();
+    }
+  }
+  static V finite_or_zero(V x) { return V::blendv(x, V(acc_t(0)), x == V(kNegInf<acc_t>)); }
+};
+
+// ---------------------------------------------------------------------------
+// Row conversion helpers (T <-> accumulator type).
+// ---------------------------------------------------------------------------
+
+// dst[0, n) = src[0, n) * scale in the accumulator type; dst[n, n_pad) = 0.
+template <typename T>
+inline void load_row(const T* src, int64_t n, int64_t n_pad, typename VecIO<T>::acc_t scale,
+                     typename VecIO<T>::acc_t* dst) {
+  using IO = VecIO<T>;
+  using AV = typename IO::AV;
+  constexpr int P = IO::kParts;
+  const AV s(scale);
+  int64_t j = 0;
+  for (; j < n; j += IO::kStep) {
+    const int64_t c = std::min<int64_t>(IO::kStep, n - j);
+    AV v[P];
+    load_step<IO>(src + j, c, v);
+    for (int q = 0; q < P; ++q) v[q] = v[q] * s;
+    store_acc<IO>(dst + j, c, v);
+  }
+  for (j = n; j < n_pad; ++j) dst[j] = 0;
+}
+
+// dst[0, n) = T(src[0, n) * scale).
+template <typename T>
+inline void store_row(const typename VecIO<T>::acc_t* src, int64_t n,
+                      typename VecIO<T>::acc_t scale, T* dst) {
+  using IO = VecIO<T>;
+  using AV = typename IO::AV;
+  constexpr int P = IO::kParts;
+  const AV s(scale);
+  for (int64_t j = 0; j < n; j += IO::kStep) {
+    const int64_t c = std::min<int64_t>(IO::kStep, n - j);
+    AV v[P];
+    load_acc<IO>(src + j, c, v);
+    for (int q = 0; q < P; ++q) v[q] = v[q] * s;
+    store_step<IO>(dst + j, c, v);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Tiling: shared by forward and backward, a function of the shape only.
+// ---------------------------------------------------------------------------
+
+constexpr int64_t kRowsPerTile = 96;  // query rows (positions x group heads) per tile
+constexpr int64_t kKeysPerTile = 96;
+constexpr int64_t kMinTasks = 8;      // split further below this many independent tasks
+constexpr int64_t kMaxPartialBytes = int64_t(256) << 20;  // cap on split-partial scratch
+// Multiply-adds of QK^T below which a call runs on the calling thread: waking
+// other threads (and, on a loaded machine, waiting for them to be scheduled)
+// costs more than such a call (a decoding step over a short cache).
+constexpr int64_t kMinParallelWork = int64_t(1) << 21;
+
+// Slots for a call: threads when the work is large enough, else one.
+inline int64_t work_slots(int64_t n_tasks, int64_t work) {
+  if (work < kMinParallelWork) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_tasks));
+}
+
+template <typename acc_t>
+struct Tiling {
+  int64_t batch, kv_heads, group, sq, sk, d, d_pad;
+  int64_t block_q, rows, rows_pad, block_k;
+  int64_t q_tiles, k_tiles;
+
+  Tiling(int64_t batch_, int64_t q_heads, int64_t kv_heads_, int64_t sq_, int64_t sk_, int64_t d_)
+      : batch(batch_), kv_heads(kv_heads_), group(q_heads / kv_heads_), sq(sq_), sk(sk_), d(d_) {
+    constexpr int64_t W = Vectorized<acc_t>::size();
+    d_pad = round_up(d, W);
+    const int64_t target_rows = d > 128 ? kRowsPerTile * 2 / 3 : kRowsPerTile;
+    block_q = std::clamp<int64_t>(target_rows / group, 1, std::max<int64_t>(sq, 1));
+    rows = block_q * group;
+    rows_pad = round_up(rows, W);
+    block_k = d > 128 ? kKeysPerTile * 2 / 3 : kKeysPerTile;
+    q_tiles = ceil_div(sq, block_q);
+    k_tiles = ceil_div(sk, block_k);
+  }
+
+  // Column i of a tile starting at position p0: query head and position.
+  int64_t head_of(int64_t g, int64_t i) const { return g * group + i % group; }
+  int64_t pos_of(int64_t p0, int64_t i) const { return p0 + i / group; }
+};
+
+// Runs fn(task, slot) for every task in [0, n_tasks) on `slots` threads (from
+// work_slots); tasks are handed out in index order from a shared counter (so
+// uneven tasks balance), and `slot` identifies the caller's scratch space.
+
+template <typename F>
+void run_tasks(int64_t n_tasks, int64_t slots, const F& fn) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t slot = begin; slot < end; ++slot) {
+      for (int64_t t = next.fetch_add(1); t < n_tasks; t = next.fetch_add(1)) fn(t, slot);
+    }
+  });
+}
+
+// Sets the scores of keys a row cannot see to -inf in a transposed tile
+// s[j * ld + col] (keys j0 + [0, nk), columns of positions p0 + [0, npos)).
+template <typename acc_t>
+void mask_tile(acc_t* s, int64_t ld, int64_t nk, int64_t j0, int64_t p0, int64_t npos,
+               int64_t group, const Mask mask);
+
+// Position p0 + [0, npos) and its group's heads as the columns of a
+// transposed tile: where the caller's mask and the dropout pattern are read.
+struct TileRows {
+  int64_t b, g, group, p0, npos, j0, nk;
+  int64_t head(int64_t col) const { return g * group + col % group; }
+  int64_t pos(int64_t col) const { return p0 + col / group; }
+  int64_t cols() const { return npos * group; }
+};
+
+// Applies the caller's mask to a transposed score tile s[j * ld + col]: bool
+// False -> -inf, float masks added to the (already scaled) scores.
+template <typename acc_t>
+void apply_tensor_mask(acc_t* s, int64_t ld, const TileRows& t, const attn::TensorMask& m);
+
+// Calls f(j, col, kept) for every key j of the tile and column col < t.cols():
+// whether dropout keeps probability (b, head, pos, j0 + j). One Philox call
+// serves four consecutive keys of a row.
+template <typename F>
+void for_each_dropout_draw(const TileRows& t, int64_t q_heads, int64_t sq, int64_t sk,
+                           const dropout::Dropout& dr, const F& f) {
+  for (int64_t col = 0; col < t.cols(); ++col) {
+    uint64_t n = static_cast<uint64_t>(((t.b * q_heads + t.head(col)) * sq + t.pos(col)) * sk + t.j0);
+    dropout::Words w = dropout::philox(dr.seed, n >> 2);
+    for (int64_t j = 0; j < t.nk; ++j, ++n) {
+      if ((n & 3) == 0 && j > 0) w = dropout::philox(dr.seed, n >> 2);
+      f(j, col, (w.w[n & 3] >> 8) >= dr.threshold);
+    }
+  }
+}
+
+// True when every row of positions [p0, p1) sees every key of [j0, j0 + nk).
+inline bool tile_fully_visible(const Mask& mask, int64_t p0, int64_t p1, int64_t j0, int64_t nk) {
+  return attn::key_begin(mask, p1 - 1) <= j0 && attn::key_end(mask, p0) >= j0 + nk;
+}
+
+// The key tiles a query tile visits: keys [begin, end) (the union of what
+// its rows see) cut into tiles of `block` keys. Aligned to the end, the last
+// tile stops at the last visible key, so under a causal mask only about half a
+// tile of the diagonal is computed and masked. Aligned to the global grid
+// (tile i is global tile first + i, clipped to [begin, end)), every query tile
+// uses the same tiles: what a backward task needs when it owns a subset of them.
+struct KeyTiles {
+  int64_t begin = 0, end = 0, block = 1, count = 0, first = 0;
+  bool global = false;
+
+  KeyTiles(const Mask& mask, int64_t p0, int64_t p1, int64_t block_, bool global_)
+      : begin(attn::key_begin(mask, p0)), end(attn::key_end(mask, p1 - 1)), block(block_),
+        global(global_) {
+    if (begin >= end) return;
+    if (global) {
+      first = begin / block;
+      count = (end - 1) / block - first + 1;
+    } else {
+      count = ceil_div(end - begin, block);
+    }
+  }
+  int64_t start(int64_t i) const {
+    return std::max(begin, global ? (first + i) * block : end - (count - i) * block);
+  }
+  int64_t stop(int64_t i) const {
+    return global ? std::min(end, (first + i + 1) * block) : end - (count - 1 - i) * block;
+  }
+};
+
+// A [rows, d] tile of K or V as a contiguous, zero-padded accumulator-type
+// copy in `buf` (leading dimension d_pad). Copied even when the tensor already
+// has the accumulator type: the sequential copy streams the tile into cache
+// once, where the products would otherwise fetch it row by row, several rows at
+// a time (measured faster for float32 inputs).
+template <typename T, typename acc_t>
+inline const acc_t* kv_tile(const T* src, int64_t seq_stride, int64_t nk, int64_t d, int64_t d_pad,
+                            acc_t* buf, int64_t& ld) {
+  for (int64_t j = 0; j < nk; ++j) load_row(src + j * seq_stride, d, d_pad, acc_t(1), buf + j * d_pad);
+  ld = d_pad;
+  return buf;
+}
+
+// Rows of a tile, row-major with leading dimension d_pad (zero padding).
+template <typename T, typename acc_t>
+void gather_rows(const T* base, int64_t head_stride, int64_t seq_stride, const Tiling<acc_t>& t,
+                 int64_t g, int64_t p0, int64_t rows, acc_t scale, acc_t* dst) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* row = base + t.head_of(g, i) * head_stride + t.pos_of(p0, i) * seq_stride;
+    load_row(row, t.d, t.d_pad, scale, dst + i * t.d_pad);
+  }
+}
+
+// dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols: 8 x 8
+// blocks through ATen's vector transpose, scalar edges.
+template <typename acc_t>
+void transpose(const acc_t* src, int64_t ld_src, int64_t rows, int64_t cols, acc_t* dst,
+               int64_t ld_dst);
+
+// Rows of a tile (times scale) both row-major in `rows_dst` (leading dim
+// d_pad) and transposed in `t_dst` (d x ld); rows [rows, ld) are zero in both.
+template <typename T, typename acc_t>
+void gather_both(const T* base, int64_t head_stride, int64_t seq_stride, const Tiling<acc_t>& t,
+                 int64_t g, int64_t p0, int64_t rows, int64_t ld, acc_t scale, acc_t* rows_dst,
+                 acc_t* t_dst) {
+  gather_rows(base, head_stride, seq_stride, t, g, p0, rows, scale, rows_dst);
+  std::fill(rows_dst + rows * t.d_pad, rows_dst + ld * t.d_pad, acc_t(0));
+  transpose(rows_dst, t.d_pad, ld, t.d, t_dst, ld);
+}
+// ---------------------------------------------------------------------------
+// Scratch
+// ---------------------------------------------------------------------------
+
+// Places buffers one after another in a block, each on its own cache line.
+// Without a base it only measures: a layout is one constructor taking its
+// buffers from arenas, run once without memory to size the block and once
+// over it to place them, so sizes and offsets cannot disagree.
+class Arena {
+ public:
+  static constexpr int64_t kAlign = 64;
+  explicit Arena(void* base = nullptr) : base_(static_cast<char*>(base)) {}
+  template <typename U>
+  U* take(int64_t n) {
+    const int64_t at = used_;
+    used_ += round_up(n * static_cast<int64_t>(sizeof(U)), kAlign);
+    return base_ != nullptr ? reinterpret_cast<U*>(base_ + at) : nullptr;
+  }
+  int64_t bytes() const { return used_; }
+
+ private:
+  char* base_;
+  int64_t used_ = 0;
+};
+
+// A call's workspace: buffers that must start at zero from one arena, the
+// rest from another placed after it (AttentionWorkspace).
+template <typename Layout, typename... Args>
+AttentionWorkspace measure(const Args&... args) {
+  Arena zeroed, plain;
+  Layout(args..., zeroed, plain);
+  return {zeroed.bytes(), zeroed.bytes() + plain.bytes()};
+}
+
+template <typename Layout, typename... Args>
+Layout place(void* workspace, const AttentionWorkspace& size, const Args&... args) {
+  Arena zeroed(workspace), plain(static_cast<char*>(workspace) + size.zeroed);
+  return Layout(args..., zeroed, plain);
+}
+
+}  // namespace flash
+}  // namespace CPU_CAPABILITY
+}  // namespace fusedllm::cpu

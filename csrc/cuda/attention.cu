@@ -10,8 +10,8 @@ template <typename T, int kDL>
 __global__ void __launch_bounds__(Cfg<at::opmath_type<T>, kDL>::kFwdWarps * kWarpSize, 1)
 attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restrict__ k, Strides ks,
                          const T* __restrict__ v, Strides vs, T* __restrict__ out,
-                         at::opmath_type<T>* __restrict__ lse, int64_t q_heads, int64_t group,
-                         int64_t sq, int d, at::opmath_type<T> scale, Mask mask, ScoreExtras extras) {
+                         at::opmath_type<T>* __restrict__ lse, attn::QueryRows rows, int d,
+                         at::opmath_type<T> scale, Mask mask, ScoreExtras extras) {
   using acc_t = at::opmath_type<T>;
   using C = Cfg<acc_t, kDL>;
   using Ops = attn::ScalarOps<acc_t>;
@@ -21,15 +21,15 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restric
   acc_t* v_s = k_s + C::kKeys * C::kLd;
 
   const int64_t g = blockIdx.y, b = blockIdx.z;
-  const int64_t rows_total = sq * group;
+  const int64_t rows_total = rows.group_rows();
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * C::kFwdRows;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int d_vec = (d + C::kVec - 1) / C::kVec * C::kVec;
   const T* kb_ptr = k + b * ks.b + g * ks.h;
   const T* vb_ptr = v + b * vs.b + g * vs.h;
 
-  stage_rows<T, acc_t, C::kD, C::kLd>(q_s, C::kFwdRows, q + b * qs.b, qs, g, group, row0, rows_total,
-                                       d, scale);
+  stage_rows<T, acc_t, C::kD, C::kLd>(q_s, C::kFwdRows, q + b * qs.b, qs, rows, g, row0, rows_total, d,
+                                       scale);
 
   acc_t m[RW], l[RW], o[RW][kDL];
   int64_t lo[RW], hi[RW];
@@ -40,12 +40,12 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restric
     l[r] = 0;
 #pragma unroll
     for (int t = 0; t < kDL; ++t) o[r][t] = 0;
-    lo[r] = row < rows_total ? attn::key_begin(mask, row / group) : 0;
-    hi[r] = row < rows_total ? attn::key_end(mask, row / group) : 0;
+    lo[r] = row < rows_total ? attn::key_begin(mask, rows.group_pos(row)) : 0;
+    hi[r] = row < rows_total ? attn::key_end(mask, rows.group_pos(row)) : 0;
   }
   const int64_t last_row = (row0 + C::kFwdRows < rows_total ? row0 + C::kFwdRows : rows_total) - 1;
-  const int64_t key_lo = attn::key_begin(mask, row0 / group);
-  const int64_t key_hi = attn::key_end(mask, last_row / group);
+  const int64_t key_lo = attn::key_begin(mask, rows.group_pos(row0));
+  const int64_t key_hi = attn::key_end(mask, rows.group_pos(last_row));
 
   for (int64_t j0 = key_lo; j0 < key_hi; j0 += C::kKeys) {
     __syncthreads();  // the previous tile (and, first time, nothing) is no longer read
@@ -62,7 +62,7 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restric
                                 : acc_t(0);
       const bool visible = lane < C::kKeys && key >= lo[r] && key < hi[r];
       const int64_t row = row0 + warp * RW + r;
-      const int64_t h = g * group + row % group, pos = row / group;
+      const int64_t h = rows.group_head(g, row), pos = rows.group_pos(row);
       s = visible ? extras.masked(s, b, h, pos, key) : -std::numeric_limits<acc_t>::infinity();
       acc_t shift;
       alpha[r] = attn::online_softmax_step(m[r], warp_reduce_max(s), shift, Ops{});
@@ -100,8 +100,7 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restric
   for (int r = 0; r < RW; ++r) {
     const int64_t row = row0 + warp * RW + r;
     if (row >= rows_total) continue;
-    const int64_t h = g * group + row % group, pos = row / group;
-    const int64_t out_row = (b * q_heads + h) * sq + pos;
+    const int64_t out_row = rows.row_of_group_row(b, g, row);
     const acc_t inv = attn::row_inv_sum(l[r]);
 #pragma unroll
     for (int t = 0; t < kDL; ++t) {
@@ -120,7 +119,7 @@ void check_grid(const AttentionShape& s) {
 
 void launch_attention_forward(const AttentionForwardPlan& p, Stream stream) {
   const AttentionShape& s = p.shape;
-  const int64_t group = s.group();
+  const attn::QueryRows rows = rows_of(s);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.scalar_type(), "fusedllm_attention_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     with_head_dim(s.head_dim, [&](auto DL) {
@@ -128,13 +127,13 @@ void launch_attention_forward(const AttentionForwardPlan& p, Stream stream) {
       using C = Cfg<acc_t, kDL>;
       auto kernel = attention_forward_kernel<scalar_t, kDL>;
       allow_shared_memory(kernel, C::fwd_smem());
-      const dim3 grid(static_cast<unsigned>((s.sq * group + C::kFwdRows - 1) / C::kFwdRows),
+      const dim3 grid(static_cast<unsigned>((rows.group_rows() + C::kFwdRows - 1) / C::kFwdRows),
                       static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
       launch("attention_forward_kernel", kernel, grid, C::kFwdWarps * kWarpSize, C::fwd_smem(),
           stream, p.q.const_data_ptr<scalar_t>(), strides_of(p.q), p.k.const_data_ptr<scalar_t>(),
           strides_of(p.k), p.v.const_data_ptr<scalar_t>(), strides_of(p.v),
-          p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), s.q_heads, group,
-          s.sq, static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p));
+          p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), rows,
+          static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p));
     });
   });
 }

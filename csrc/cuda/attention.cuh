@@ -80,20 +80,19 @@ struct Cfg {
   }
 };
 
-// Copies `n_rows` rows of head_dim d starting at row0 of the (position, head)
-// ordering of kv head g into shared rows of stride kLd, times `scale`; zeros
-// past d and past the last row.
+// Copies `n_rows` rows of head_dim d starting at group row row0 of kv head g
+// into shared rows of stride kLd, times `scale`; zeros past d and past row
+// rows_total.
 template <typename T, typename acc_t, int kD, int kLd>
 __device__ __forceinline__ void stage_rows(acc_t* dst, int n_rows, const T* base, Strides st,
-                                           int64_t g, int64_t group, int64_t row0, int64_t rows_total,
-                                           int d, acc_t scale) {
+                                           const attn::QueryRows& rows, int64_t g, int64_t row0,
+                                           int64_t rows_total, int d, acc_t scale) {
   for (int idx = threadIdx.x; idx < n_rows * kD; idx += blockDim.x) {
     const int r = idx / kD, c = idx % kD;
     const int64_t row = row0 + r;
     acc_t val = 0;
     if (row < rows_total && c < d) {
-      const int64_t pos = row / group, h = g * group + row % group;
-      val = static_cast<acc_t>(base[h * st.h + pos * st.s + c]) * scale;
+      val = static_cast<acc_t>(base[rows.group_head(g, row) * st.h + rows.group_pos(row) * st.s + c]) * scale;
     }
     dst[r * kLd + c] = val;
   }
@@ -142,7 +141,8 @@ __device__ __forceinline__ acc_t smem_dot(const acc_t* a, const acc_t* b, int n)
 struct ScoreExtras {
   attn::TensorMask mask;
   dropout::Dropout drop;
-  int64_t q_heads = 0, sq = 0, sk = 0;
+  attn::QueryRows rows;
+  int64_t sk = 0;
 
   template <typename acc_t>
   __device__ __forceinline__ acc_t masked(acc_t s, int64_t b, int64_t h, int64_t pos,
@@ -171,7 +171,7 @@ struct ScoreExtras {
   template <typename acc_t>
   __device__ __forceinline__ acc_t keep_factor(int64_t b, int64_t h, int64_t pos, int64_t key) const {
     if (!drop.enabled) return acc_t(1);
-    const uint64_t n = static_cast<uint64_t>(((b * q_heads + h) * sq + pos) * sk + key);
+    const uint64_t n = static_cast<uint64_t>(rows.row(b, h, pos) * sk + key);
     return dropout::keep(drop.seed, n, drop.threshold) ? static_cast<acc_t>(drop.scale) : acc_t(0);
   }
 };
@@ -204,12 +204,19 @@ void allow_shared_memory(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024) allow_dynamic_shared_memory(kernel, bytes);
 }
 
+attn::QueryRows rows_of(const AttentionShape& s) {
+  attn::QueryRows r;
+  r.q_heads = s.q_heads;
+  r.group = s.group();
+  r.sq = s.sq;
+  return r;
+}
+
 ScoreExtras extras_of(const AttentionParams& p) {
   ScoreExtras e;
   e.mask = p.tensor_mask;
   e.drop = p.dropout;
-  e.q_heads = p.shape.q_heads;
-  e.sq = p.shape.sq;
+  e.rows = rows_of(p.shape);
   e.sk = p.shape.sk;
   return e;
 }

@@ -12,9 +12,8 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
                       const T* __restrict__ k, Strides ks, const T* __restrict__ v, Strides vs,
                       const at::opmath_type<T>* __restrict__ lse,
                       const at::opmath_type<T>* __restrict__ delta, T* __restrict__ grad_k,
-                      T* __restrict__ grad_v, int64_t q_heads, int64_t kv_heads, int64_t group,
-                      int64_t sq, int64_t sk, int d, at::opmath_type<T> scale, Mask mask,
-                      ScoreExtras extras) {
+                      T* __restrict__ grad_v, attn::QueryRows rows, int64_t kv_heads, int64_t sk,
+                      int d, at::opmath_type<T> scale, Mask mask, ScoreExtras extras) {
   using acc_t = at::opmath_type<T>;
   using C = Cfg<acc_t, kDL>;
   using Ops = attn::ScalarOps<acc_t>;
@@ -60,21 +59,21 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
   int chunks_in_sum = 0;
 
   // Rows (position, head) of the positions that see any key of this tile.
-  const int64_t rows_begin = attn::query_begin(mask, j0, sq) * group;
-  const int64_t rows_end = attn::query_end(mask, j_end, sq) * group;
+  const int64_t rows_begin = rows.group_row(attn::query_begin(mask, j0, rows.sq));
+  const int64_t rows_end = rows.group_row(attn::query_end(mask, j_end, rows.sq));
   const T* qb_ptr = q + b * qs.b;
   const T* gb_ptr = grad_out + b * gs.b;
   const int64_t key = j0 + lane;
 
   for (int64_t r0 = rows_begin; r0 < rows_end; r0 += RC) {
     __syncthreads();  // the previous chunk is no longer read
-    stage_rows<T, acc_t, C::kD, C::kLd>(q_s, RC, qb_ptr, qs, g, group, r0, rows_end, d, scale);
-    stage_rows<T, acc_t, C::kD, C::kLd>(do_s, RC, gb_ptr, gs, g, group, r0, rows_end, d, acc_t(1));
+    stage_rows<T, acc_t, C::kD, C::kLd>(q_s, RC, qb_ptr, qs, rows, g, r0, rows_end, d, scale);
+    stage_rows<T, acc_t, C::kD, C::kLd>(do_s, RC, gb_ptr, gs, rows, g, r0, rows_end, d, acc_t(1));
     if (threadIdx.x < RC) {
       const int64_t row = r0 + threadIdx.x;
       acc_t sh = 0, de = 0;
       if (row < rows_end) {
-        const int64_t lrow = (b * q_heads + g * group + row % group) * sq + row / group;
+        const int64_t lrow = rows.row_of_group_row(b, g, row);
         sh = Ops::finite_or_zero(lse[lrow]);
         de = delta[lrow];
       }
@@ -88,9 +87,9 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
       const int64_t row = r0 + warp;
       acc_t p = 0, ds = 0;
       if (row < rows_end) {
-        const int64_t pos = row / group;
+        const int64_t pos = rows.group_pos(row);
         if (key >= attn::key_begin(mask, pos) && key < attn::key_end(mask, pos) && key < j_end) {
-          const int64_t h = g * group + row % group;
+          const int64_t h = rows.group_head(g, row);
           const acc_t s = extras.masked(
               smem_dot<acc_t, C::kVec>(q_s + warp * C::kLd, k_s + lane * C::kLd, d_vec), b, h, pos, key);
           const acc_t dp = smem_dot<acc_t, C::kVec>(do_s + warp * C::kLd, v_s + lane * C::kLd, d_vec);
@@ -151,7 +150,6 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
 
 void launch_attention_dkdv(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream) {
   const AttentionShape& s = p.shape;
-  const int64_t group = s.group();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.scalar_type(), "fusedllm_attention_dkdv_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     with_head_dim(s.head_dim, [&](auto DL) {
@@ -166,8 +164,8 @@ void launch_attention_dkdv(const AttentionBackwardPlan& p, const at::Tensor& del
           p.q.const_data_ptr<scalar_t>(), strides_of(p.q), p.k.const_data_ptr<scalar_t>(),
           strides_of(p.k), p.v.const_data_ptr<scalar_t>(), strides_of(p.v),
           p.lse.const_data_ptr<acc_t>(), delta.const_data_ptr<acc_t>(),
-          p.grad_k.mutable_data_ptr<scalar_t>(), p.grad_v.mutable_data_ptr<scalar_t>(), s.q_heads,
-          s.kv_heads, group, s.sq, s.sk, static_cast<int>(s.head_dim),
+          p.grad_k.mutable_data_ptr<scalar_t>(), p.grad_v.mutable_data_ptr<scalar_t>(), rows_of(s),
+          s.kv_heads, s.sk, static_cast<int>(s.head_dim),
           static_cast<acc_t>(p.scale), p.mask, extras_of(p));
     });
   });

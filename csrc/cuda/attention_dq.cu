@@ -8,15 +8,14 @@ namespace {
 template <typename T>
 __global__ void attention_delta_kernel(const T* __restrict__ grad_out, Strides gs,
                                        const T* __restrict__ out, Strides os,
-                                       at::opmath_type<T>* __restrict__ delta, int64_t q_heads,
-                                       int64_t sq, int64_t n_rows, int d) {
+                                       at::opmath_type<T>* __restrict__ delta, attn::QueryRows rows,
+                                       int64_t n_rows, int d) {
   using acc_t = at::opmath_type<T>;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps_per_block = blockDim.x / kWarpSize;
   for (int64_t row = blockIdx.x * warps_per_block + threadIdx.x / kWarpSize; row < n_rows;
        row += static_cast<int64_t>(gridDim.x) * warps_per_block) {
-    const int64_t pos = row % sq, bh = row / sq;
-    const int64_t h = bh % q_heads, b = bh / q_heads;
+    const int64_t pos = rows.pos(row), h = rows.head(row), b = rows.batch(row);
     const T* g = grad_out + b * gs.b + h * gs.h + pos * gs.s;
     const T* o = out + b * os.b + h * os.h + pos * os.s;
     acc_t sum = 0;
@@ -33,8 +32,8 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
                     const T* __restrict__ k, Strides ks, const T* __restrict__ v, Strides vs,
                     const at::opmath_type<T>* __restrict__ lse,
                     const at::opmath_type<T>* __restrict__ delta, T* __restrict__ grad_q,
-                    int64_t q_heads, int64_t group, int64_t sq, int d, at::opmath_type<T> scale,
-                    Mask mask, ScoreExtras extras) {
+                    attn::QueryRows rows, int d, at::opmath_type<T> scale, Mask mask,
+                    ScoreExtras extras) {
   using acc_t = at::opmath_type<T>;
   using C = Cfg<acc_t, kDL>;
   using Ops = attn::ScalarOps<acc_t>;
@@ -45,16 +44,16 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
   acc_t* v_s = k_s + C::kKeys * C::kLd;
 
   const int64_t g = blockIdx.y, b = blockIdx.z;
-  const int64_t rows_total = sq * group;
+  const int64_t rows_total = rows.group_rows();
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * C::kDqRows;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int d_vec = (d + C::kVec - 1) / C::kVec * C::kVec;
   const T* kb_ptr = k + b * ks.b + g * ks.h;
   const T* vb_ptr = v + b * vs.b + g * vs.h;
 
-  stage_rows<T, acc_t, C::kD, C::kLd>(q_s, C::kDqRows, q + b * qs.b, qs, g, group, row0, rows_total,
-                                       d, scale);
-  stage_rows<T, acc_t, C::kD, C::kLd>(do_s, C::kDqRows, grad_out + b * gs.b, gs, g, group, row0,
+  stage_rows<T, acc_t, C::kD, C::kLd>(q_s, C::kDqRows, q + b * qs.b, qs, rows, g, row0, rows_total, d,
+                                       scale);
+  stage_rows<T, acc_t, C::kD, C::kLd>(do_s, C::kDqRows, grad_out + b * gs.b, gs, rows, g, row0,
                                        rows_total, d, acc_t(1));
 
   acc_t dq[RW][kDL], shift[RW], dlt[RW];
@@ -63,17 +62,17 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
   for (int r = 0; r < RW; ++r) {
     const int64_t row = row0 + warp * RW + r;
     const bool valid = row < rows_total;
-    const int64_t lrow = valid ? (b * q_heads + g * group + row % group) * sq + row / group : 0;
+    const int64_t lrow = valid ? rows.row_of_group_row(b, g, row) : 0;
 #pragma unroll
     for (int t = 0; t < kDL; ++t) dq[r][t] = 0;
     shift[r] = valid ? Ops::finite_or_zero(lse[lrow]) : acc_t(0);
     dlt[r] = valid ? delta[lrow] : acc_t(0);
-    lo[r] = valid ? attn::key_begin(mask, row / group) : 0;
-    hi[r] = valid ? attn::key_end(mask, row / group) : 0;
+    lo[r] = valid ? attn::key_begin(mask, rows.group_pos(row)) : 0;
+    hi[r] = valid ? attn::key_end(mask, rows.group_pos(row)) : 0;
   }
   const int64_t last_row = (row0 + C::kDqRows < rows_total ? row0 + C::kDqRows : rows_total) - 1;
-  const int64_t key_lo = attn::key_begin(mask, row0 / group);
-  const int64_t key_hi = attn::key_end(mask, last_row / group);
+  const int64_t key_lo = attn::key_begin(mask, rows.group_pos(row0));
+  const int64_t key_hi = attn::key_end(mask, rows.group_pos(last_row));
 
   for (int64_t j0 = key_lo; j0 < key_hi; j0 += C::kKeys) {
     __syncthreads();
@@ -89,7 +88,7 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
       acc_t p = 0, dp = 0;
       if (visible) {
         const int64_t row = row0 + warp * RW + r;
-        const int64_t h = g * group + row % group, pos = row / group;
+        const int64_t h = rows.group_head(g, row), pos = rows.group_pos(row);
         const acc_t s = extras.masked(
             smem_dot<acc_t, C::kVec>(q_s + (warp * RW + r) * C::kLd, k_s + lane * C::kLd, d_vec), b,
             h, pos, key);
@@ -128,7 +127,7 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
   for (int r = 0; r < RW; ++r) {
     const int64_t row = row0 + warp * RW + r;
     if (row >= rows_total) continue;
-    const int64_t out_row = (b * q_heads + g * group + row % group) * sq + row / group;
+    const int64_t out_row = rows.row_of_group_row(b, g, row);
 #pragma unroll
     for (int t = 0; t < kDL; ++t) {
       const int c = lane + kWarpSize * t;
@@ -141,7 +140,7 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
 
 void launch_attention_dq(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream) {
   const AttentionShape& s = p.shape;
-  const int64_t group = s.group();
+  const attn::QueryRows rows = rows_of(s);
   const int64_t n_rows = s.batch * s.q_heads * s.sq;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.scalar_type(), "fusedllm_attention_dq_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -151,22 +150,22 @@ void launch_attention_dq(const AttentionBackwardPlan& p, const at::Tensor& delta
     launch("attention_delta_kernel", attention_delta_kernel<scalar_t>, delta_blocks, delta_threads,
            0, stream, p.grad_out.const_data_ptr<scalar_t>(), strides_of(p.grad_out),
            p.out.const_data_ptr<scalar_t>(), strides_of(p.out), delta.mutable_data_ptr<acc_t>(),
-           s.q_heads, s.sq, n_rows, static_cast<int>(s.head_dim));
+           rows, n_rows, static_cast<int>(s.head_dim));
 
     with_head_dim(s.head_dim, [&](auto DL) {
       constexpr int kDL = decltype(DL)::value;
       using C = Cfg<acc_t, kDL>;
       auto dq_kernel = attention_dq_kernel<scalar_t, kDL>;
       allow_shared_memory(dq_kernel, C::dq_smem());
-      const dim3 dq_grid(static_cast<unsigned>((s.sq * group + C::kDqRows - 1) / C::kDqRows),
+      const dim3 dq_grid(static_cast<unsigned>((rows.group_rows() + C::kDqRows - 1) / C::kDqRows),
                          static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
       launch("attention_dq_kernel", dq_kernel, dq_grid, C::kDqWarps * kWarpSize, C::dq_smem(),
           stream, p.grad_out.const_data_ptr<scalar_t>(), strides_of(p.grad_out),
           p.q.const_data_ptr<scalar_t>(), strides_of(p.q), p.k.const_data_ptr<scalar_t>(),
           strides_of(p.k), p.v.const_data_ptr<scalar_t>(), strides_of(p.v),
           p.lse.const_data_ptr<acc_t>(), delta.const_data_ptr<acc_t>(),
-          p.grad_q.mutable_data_ptr<scalar_t>(), s.q_heads, group, s.sq,
-          static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p));
+          p.grad_q.mutable_data_ptr<scalar_t>(), rows, static_cast<int>(s.head_dim),
+          static_cast<acc_t>(p.scale), p.mask, extras_of(p));
     });
   });
 }

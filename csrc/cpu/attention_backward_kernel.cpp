@@ -132,10 +132,9 @@ struct BackwardKernel {
       const T* go = static_cast<const T*>(a.grad_out.data);
       const T* out = static_cast<const T*>(a.out.data);
       const AttentionOperand g_op = a.grad_out, o_op = a.out;
-      const int64_t hq = a.q_heads, sq = a.sq;
+      const attn::QueryRows rows{a.q_heads, a.q_heads / a.kv_heads, a.sq};
       for (int64_t row = begin; row < end; ++row) {
-        const int64_t pos = row % sq, bh = row / sq;
-        const int64_t h = bh % hq, b = bh / hq;
+        const int64_t b = rows.batch(row), h = rows.head(row), pos = rows.pos(row);
         const T* gr = go + b * g_op.batch_stride + h * g_op.head_stride + pos * g_op.seq_stride;
         const T* orow = out + b * o_op.batch_stride + h * o_op.head_stride + pos * o_op.seq_stride;
         delta[row] = row_sum<IO>(d, [=](int64_t j, int64_t c, AV(&acc)[IO::kParts]) {
@@ -164,7 +163,7 @@ struct BackwardKernel {
     const Mask mask = a.mask;
     const acc_t scale = static_cast<acc_t>(a.scale);
     const int64_t d = t.d, d_pad = t.d_pad, sq = t.sq;
-    const int64_t group = t.group, hq = a.q_heads;
+    const int64_t group = t.group;
 
     for (int64_t qt = 0; qt < t.q_tiles; ++qt) {
       const int64_t p0 = qt * t.block_q;
@@ -185,7 +184,7 @@ struct BackwardKernel {
                     w.dor, w.dot);
         for (int64_t i = 0; i < ld; ++i) {
           if (i < rows) {
-            const int64_t row = (b * hq + t.head_of(g, i)) * sq + t.pos_of(p0, i);
+            const int64_t row = t.row_of(b, g, p0, i);
             w.shift[i] = attn::ScalarOps<acc_t>::finite_or_zero(lse[row]);
             w.delta[i] = delta_all[row];
           } else {
@@ -212,7 +211,7 @@ struct BackwardKernel {
         if (a.dropout.enabled) {
           // z = 1 / (1 - p) where kept, else 0; padding columns past the tile's rows 0.
           const acc_t kept = static_cast<acc_t>(a.dropout.scale);
-          for_each_dropout_draw(tile, hq, sq, t.sk, a.dropout, [&](int64_t j, int64_t col, bool keep) {
+          for_each_dropout_draw(tile, t.query_rows, t.sk, a.dropout, [&](int64_t j, int64_t col, bool keep) {
             w.z[j * ld + col] = keep ? kept : acc_t(0);
           });
           for (int64_t j = 0; j < nk; ++j) std::fill(w.z + j * ld + tile.cols(), w.z + (j + 1) * ld, acc_t(0));
@@ -231,7 +230,7 @@ struct BackwardKernel {
       }
 
       for (int64_t i = 0; i < rows; ++i) {
-        const int64_t row = (b * hq + t.head_of(g, i)) * sq + t.pos_of(p0, i);
+        const int64_t row = t.row_of(b, g, p0, i);
         if (chunks == 1) {
           store_row<T>(w.dq + i * d_pad, d, scale, static_cast<T*>(a.grad_q) + row * d);
         } else {

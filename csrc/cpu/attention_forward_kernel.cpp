@@ -164,7 +164,7 @@ struct ForwardKernel {
       if (a.dropout.enabled) {
         // P = P z in place, z = 1 / (1 - p) where kept, else 0.
         const acc_t kept = static_cast<acc_t>(a.dropout.scale);
-        for_each_dropout_draw(tile, a.q_heads, t.sq, t.sk, a.dropout, [&](int64_t j, int64_t col, bool keep) {
+        for_each_dropout_draw(tile, t.query_rows, t.sk, a.dropout, [&](int64_t j, int64_t col, bool keep) {
           acc_t& p = w.s[j * ld + col];
           p = keep ? p * kept : acc_t(0);
         });
@@ -212,13 +212,12 @@ struct ForwardKernel {
       task(a, t, w, b, g, p0, npos, split, splits, o_rows, t.d_pad, lse_rows);
       // Scatter the (position, head) rows to [B, Hq, Sq, ...].
       for (int64_t i = 0; i < rows; ++i) {
-        const int64_t h = t.head_of(g, i), pos = t.pos_of(p0, i);
-        const int64_t row = (b * a.q_heads + h) * t.sq + pos;
+        const int64_t row = t.row_of(b, g, p0, i);
         if (splits == 1) {
           store_row<T>(o_rows + i * t.d_pad, t.d, acc_t(1), static_cast<T*>(a.out) + row * t.d);
           static_cast<acc_t*>(a.lse)[row] = lse_rows[i];
         } else {
-          const int64_t prow = split * t.batch * a.q_heads * t.sq + row;
+          const int64_t prow = split * p.n_rows + row;
           std::memcpy(po + prow * t.d_pad, o_rows + i * t.d_pad, sizeof(acc_t) * t.d);
           pl[prow] = lse_rows[i];
         }

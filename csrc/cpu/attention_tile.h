@@ -111,9 +111,11 @@ struct Tiling {
   int64_t batch, kv_heads, group, sq, sk, d, d_pad;
   int64_t block_q, rows, rows_pad, block_k;
   int64_t q_tiles, k_tiles;
+  attn::QueryRows query_rows;
 
   Tiling(int64_t batch_, int64_t q_heads, int64_t kv_heads_, int64_t sq_, int64_t sk_, int64_t d_)
-      : batch(batch_), kv_heads(kv_heads_), group(q_heads / kv_heads_), sq(sq_), sk(sk_), d(d_) {
+      : batch(batch_), kv_heads(kv_heads_), group(q_heads / kv_heads_), sq(sq_), sk(sk_), d(d_),
+        query_rows{q_heads, q_heads / kv_heads_, sq_} {
     constexpr int64_t W = Vectorized<acc_t>::size();
     d_pad = round_up(d, W);
     const int64_t target_rows = d > 128 ? kRowsPerTile * 2 / 3 : kRowsPerTile;
@@ -125,9 +127,13 @@ struct Tiling {
     k_tiles = ceil_div(sk, block_k);
   }
 
-  // Column i of a tile starting at position p0: query head and position.
-  int64_t head_of(int64_t g, int64_t i) const { return g * group + i % group; }
-  int64_t pos_of(int64_t p0, int64_t i) const { return p0 + i / group; }
+  // Column i of a tile of kv head g starting at position p0: query head,
+  // position, and flat [B, Hq, Sq] row in batch b.
+  int64_t head_of(int64_t g, int64_t i) const { return query_rows.group_head(g, i); }
+  int64_t pos_of(int64_t p0, int64_t i) const { return p0 + query_rows.group_pos(i); }
+  int64_t row_of(int64_t b, int64_t g, int64_t p0, int64_t i) const {
+    return query_rows.row_of_group_row(b, g, query_rows.group_row(p0) + i);
+  }
 };
 
 // Runs fn(task, slot) for every task in [0, n_tasks) on `slots` threads (from
@@ -168,14 +174,14 @@ void apply_tensor_mask(acc_t* s, int64_t ld, const TileRows& t, const attn::Tens
 // whether dropout keeps probability (b, head, pos, j0 + j). One Philox call
 // serves four consecutive keys of a row.
 template <typename F>
-void for_each_dropout_draw(const TileRows& t, int64_t q_heads, int64_t sq, int64_t sk,
+void for_each_dropout_draw(const TileRows& t, const attn::QueryRows& rows, int64_t sk,
                            const dropout::Dropout& dr, const F& f) {
   for (int64_t col = 0; col < t.cols(); ++col) {
-    uint64_t n = static_cast<uint64_t>(((t.b * q_heads + t.head(col)) * sq + t.pos(col)) * sk + t.j0);
+    uint64_t n = static_cast<uint64_t>(rows.row(t.b, t.head(col), t.pos(col)) * sk + t.j0);
     dropout::Words w = dropout::philox(dr.seed, n >> 2);
     for (int64_t j = 0; j < t.nk; ++j, ++n) {
       if ((n & 3) == 0 && j > 0) w = dropout::philox(dr.seed, n >> 2);
-      f(j, col, (w.w[n & 3] >> 8) >= dr.threshold);
+      f(j, col, dropout::kept(w.w[n & 3], dr.threshold));
     }
   }
 }

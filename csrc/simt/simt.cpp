@@ -655,6 +655,11 @@ void run_block(BlockState& b) {
       ThreadState& t = b.threads[i];
       t.state = RunState::kReady;
       t.stack = tl_resources->stack(i);
+#if defined(FUSEDLLM_SIMT_ASAN)
+      // A new fiber has no frames yet: whatever an earlier block's threads left
+      // in this stack's shadow (the frames of exited fibers never unwind) is stale.
+      ASAN_UNPOISON_MEMORY_REGION(t.stack->usable, t.stack->usable_size);
+#endif
 #if defined(__x86_64__)
       context_init(t.ctx, t.stack->usable + t.stack->usable_size, fiber_entry, &t);
 #else

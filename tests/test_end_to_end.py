@@ -3,7 +3,6 @@ model step by step; a patched Hugging Face model trains like the original;
 a fused block compiles with fullgraph=True; DDP averages fused gradients."""
 
 import copy
-import os
 
 import pytest
 import torch
@@ -139,11 +138,11 @@ def test_compiled_fused_block_fullgraph():
         assert_close(a, b, GRAD_TOL[torch.float32])
 
 
-def _ddp_worker(rank, world, state_path, batch_path, out_path, port):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _ddp_worker(rank, world, store_path, state_path, batch_path, out_path):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file store: no port to race for, no server process that must outlive the other
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world)
     try:
         model = nb003.LLaMAModel(nb003.LLaMAConfig(**vars(_config())))
         model.load_state_dict(torch.load(state_path))
@@ -152,23 +151,21 @@ def _ddp_worker(rank, world, state_path, batch_path, out_path, port):
         _lm_loss(ddp(ids[:, :-1]), ids[:, 1:]).backward()
         if rank == 0:
             torch.save({n: p.grad for n, p in model.named_parameters()}, out_path)
+        # gloo aborts a process that tears down while its peer still works
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def test_ddp_two_processes_average_fused_gradients(tmp_path):
-    import socket
-
     torch.manual_seed(0)
     model = nb003.LLaMAModel(nb003.LLaMAConfig(**vars(_config())))
     ids = _batches(model.vocab_size, steps=1, batch=4)[0]
     torch.save(model.state_dict(), tmp_path / "state.pt")
     torch.save(ids, tmp_path / "batch.pt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "state.pt"), str(tmp_path / "batch.pt"),
-                                str(tmp_path / "grads.pt"), port), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "state.pt"),
+                                str(tmp_path / "batch.pt"), str(tmp_path / "grads.pt")),
+             nprocs=2, join=True)
     ddp_grads = torch.load(tmp_path / "grads.pt")
     # one process, the whole batch: equal halves make the mean of the two
     # per-process mean losses the mean loss of the whole batch

@@ -1,0 +1,380 @@
+"""nn.ParallelBlock: against the parallel block written out in plain PyTorch
+with separate projections (outputs and every gradient), state dicts of
+separate projections, from_sequential, KV-cache decoding against the full
+forward, dropout, torch.compile and bad arguments."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fusedllm
+from fusedllm.nn import GatedMLP, GQAttention, KVCache, ParallelBlock, RMSNorm
+
+from checks import FORWARD_TOL, GRAD_TOL, assert_close
+
+
+class PlainParallelBlock(nn.Module):
+    """``x + attn(norm(x)) + mlp(norm(x))`` in plain PyTorch, each projection its
+    own nn.Linear (the names ParallelBlock's state dict uses): RMSNorm or
+    LayerNorm, rotate-half (or interleaved, partial) RoPE from float64
+    angles, repeated kv heads, the full float32 score matrix, act(gate) * up."""
+
+    def __init__(self, d_model, n_heads, n_kv_heads, intermediate, head_dim=None, norm="rms", activation="silu",
+                 bias=False, rope=True, window=None, eps=1e-6, base=10000.0, interleaved=False, rotary_dim=None):
+        super().__init__()
+        head_dim = head_dim or d_model // n_heads
+        self.n_heads, self.n_kv_heads, self.head_dim, self.window = n_heads, n_kv_heads, head_dim, window
+        self.activation, self.rope, self.base, self.interleaved = activation, rope, base, interleaved
+        self.rotary_dim = rotary_dim or head_dim
+        self.norm_kind, self.eps = norm, eps
+        if norm == "rms":
+            self.norm = nn.Module()
+            self.norm.weight = nn.Parameter(torch.ones(d_model))
+        else:
+            self.norm = nn.LayerNorm(d_model, eps=eps, bias=bias)
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.gate_proj = nn.Linear(d_model, intermediate, bias=bias)
+        self.up_proj = nn.Linear(d_model, intermediate, bias=bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+        self.down_proj = nn.Linear(intermediate, d_model, bias=bias)
+
+    def normed(self, x):
+        if self.norm_kind == "layer":
+            return self.norm(x)
+        xf = x.float()
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return y * self.norm.weight
+
+    def rotate(self, x, positions):
+        r = self.rotary_dim
+        exponents = torch.arange(0, r, 2, dtype=torch.float64) / r
+        angles = positions.double()[:, None] / self.base ** exponents[None]
+        cos, sin = angles.cos(), angles.sin()
+        xd, rest = x[..., :r].double(), x[..., r:]
+        if self.interleaved:
+            a, b = xd[..., 0::2], xd[..., 1::2]
+            rotated = torch.stack([a * cos - b * sin, b * cos + a * sin], -1).flatten(-2)
+        else:
+            a, b = xd[..., :r // 2], xd[..., r // 2:]
+            rotated = torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+        return torch.cat([rotated.to(x.dtype), rest], -1)
+
+    def forward(self, x, mask=None, past=None):
+        b, s, _ = x.shape
+        h = self.normed(x)
+        q = self.q_proj(h).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        start = 0 if past is None else past[0].shape[2]
+        if self.rope:
+            positions = torch.arange(start, start + s)
+            q, k = self.rotate(q, positions), self.rotate(k, positions)
+        if past is not None:
+            k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+        group = self.n_heads // self.n_kv_heads
+        kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = (q.float() @ kr.float().transpose(-1, -2)) / self.head_dim ** 0.5
+        query_pos = torch.arange(start, start + s)[:, None]
+        key_pos = torch.arange(k.shape[2])[None]
+        keep = key_pos <= query_pos
+        if self.window is not None:
+            keep = keep & (key_pos > query_pos - self.window)
+        if mask is not None and mask.dtype == torch.bool:
+            keep = keep & mask
+        elif mask is not None:
+            scores = scores + mask.float()
+        probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), -1)
+        attn = (probs @ vr.float()).to(x.dtype).transpose(1, 2).reshape(b, s, -1)
+        gate = self.gate_proj(h)
+        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        mlp = self.down_proj(act * self.up_proj(h))
+        return x + self.o_proj(attn) + mlp, (k, v)
+
+
+def _perturbed(block):
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return block
+
+
+def make_pair(d_model=48, n_heads=6, n_kv_heads=2, intermediate=80, **options):
+    plain_options = {k: options[k] for k in ("head_dim", "norm", "activation", "bias", "rope", "window", "eps")
+                     if k in options}
+    if "rope_interleaved" in options:
+        plain_options["interleaved"] = options["rope_interleaved"]
+    if "rotary_dim" in options:
+        plain_options["rotary_dim"] = options["rotary_dim"]
+    fused = _perturbed(ParallelBlock(d_model, n_heads, n_kv_heads, intermediate, **options))
+    plain = PlainParallelBlock(d_model, n_heads, n_kv_heads, intermediate, **plain_options)
+    plain.load_state_dict(fused.state_dict())
+    return fused, plain
+
+
+def _grads(module, x, out, grad):
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    (out * grad).sum().backward()
+    grads = {"x": x.grad.clone()}
+    grads.update({n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None})
+    return grads
+
+
+def _fused_grads_by_part(fused, grads):
+    """The fused block's gradients cut into the separate projections' names."""
+    out = {"x": grads["x"]}
+    if "norm.weight" in grads:
+        out["norm.weight"] = grads["norm.weight"]
+    if "norm.bias" in grads:
+        out["norm.bias"] = grads["norm.bias"]
+    saved = {n: p.data for n, p in fused.named_parameters()}
+    try:
+        for name in ("in_proj_weight", "out_proj_weight", "in_proj_bias", "out_proj_bias"):
+            if name in grads:
+                getattr(fused, name).data = grads[name]
+        out.update({k: v.clone() for k, v in fused.projections().items()})
+    finally:
+        for n, p in fused.named_parameters():
+            p.data = saved[n]
+    return out
+
+
+CASES = [
+    ("gqa", {}),
+    ("mha-bias", dict(n_kv_heads=6, bias=True)),
+    ("layernorm-gelu", dict(norm="layer", activation="gelu_tanh", bias=True)),
+    ("window", dict(window=3)),
+    ("interleaved-partial", dict(rope_interleaved=True, rotary_dim=4)),
+    ("no-rope-headdim", dict(rope=False, head_dim=12)),
+]
+
+
+@pytest.mark.parametrize("name, options", CASES, ids=[c[0] for c in CASES])
+def test_equals_the_eager_parallel_formula(name, options):
+    fused, plain = make_pair(**options)
+    x = torch.randn(2, 11, 48, requires_grad=True)
+    out = fused(x)
+    ref, _ = plain(x)
+    assert_close(out, ref, FORWARD_TOL[torch.float32], "output")
+    grad = torch.randn_like(ref)
+    fused_grads = _fused_grads_by_part(fused, _grads(fused, x, out, grad))
+    ref_grads = _grads(plain, x, ref, grad)
+    assert fused_grads.keys() == ref_grads.keys()
+    for key in ref_grads:
+        assert_close(fused_grads[key], ref_grads[key], GRAD_TOL[torch.float32], key)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_masks(kind):
+    fused, plain = make_pair()
+    x = torch.randn(2, 9, 48)
+    if kind == "bool":
+        mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+        mask[1, ..., :3] = False  # left padding in the second sequence
+    else:
+        mask = torch.randn(2, 6, 9, 9)
+    out = fused(x, mask=mask)
+    ref, _ = plain(x, mask=mask)
+    if kind == "bool":
+        # the padded queries see no key: zeros from attention here, NaN in the plain softmax
+        assert_close(out[1, :3], x[1, :3] + plain.down_proj(
+            F.silu(plain.gate_proj(plain.normed(x[1, :3]))) * plain.up_proj(plain.normed(x[1, :3]))),
+            FORWARD_TOL[torch.float32])
+        out, ref = out[:, 3:], ref[:, 3:]
+    assert_close(out, ref, FORWARD_TOL[torch.float32])
+
+
+def test_bfloat16_close_to_float32_formula():
+    fused, plain = make_pair()
+    x = torch.randn(2, 13, 48)
+    ref, _ = plain(x)
+    out = fused.to(torch.bfloat16)(x.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    assert_close(out.float(), ref, (5e-2, 5e-2))
+
+
+def test_state_dict_names_and_round_trip():
+    block = _perturbed(ParallelBlock(32, 4, 2, 40, bias=True))
+    state = block.state_dict()
+    assert list(state) == ["norm.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                           "up_proj.weight", "o_proj.weight", "down_proj.weight", "q_proj.bias", "k_proj.bias",
+                           "v_proj.bias", "gate_proj.bias", "up_proj.bias", "o_proj.bias", "down_proj.bias"]
+    assert state["q_proj.weight"].shape == (32, 32) and state["k_proj.weight"].shape == (16, 32)
+    assert state["down_proj.weight"].shape == (32, 40) and state["down_proj.weight"].is_contiguous()
+    # separate tensors, not views of the parameters
+    assert state["q_proj.weight"].data_ptr() != block.in_proj_weight.data_ptr()
+    other = ParallelBlock(32, 4, 2, 40, bias=True)
+    other.load_state_dict(state)
+    for name, p in block.named_parameters():
+        assert torch.equal(p, other.get_parameter(name)), name
+    # the fused names load too
+    fused_names = {n: p.detach() for n, p in block.named_parameters()}
+    third = ParallelBlock(32, 4, 2, 40, bias=True)
+    third.load_state_dict(fused_names)
+    assert torch.equal(third.out_proj_bias, block.out_proj_bias)
+    # nested inside a model, with a prefix
+    model = nn.Sequential(ParallelBlock(32, 4, 2, 40), ParallelBlock(32, 4, 2, 40))
+    keys = list(model.state_dict())
+    assert "0.q_proj.weight" in keys and "1.down_proj.weight" in keys
+    copy_ = nn.Sequential(ParallelBlock(32, 4, 2, 40), ParallelBlock(32, 4, 2, 40))
+    copy_.load_state_dict(model.state_dict())
+    x = torch.randn(1, 5, 32)
+    assert torch.equal(copy_(x), model(x))
+
+
+def test_loads_separate_projections_from_a_sequential_model():
+    """Weights stored apart (a Llama-style sequential block) load by name and give the parallel function."""
+    torch.manual_seed(1)
+    attention = GQAttention(48, 6, 2)
+    mlp = GatedMLP(48, 80)
+    norm = RMSNorm(48)
+    with torch.no_grad():
+        norm.weight.add_(torch.randn(48) * 0.1)
+    state = {"norm.weight": norm.weight}
+    state.update({f"{n}.weight": getattr(attention, n).weight for n in ("q_proj", "k_proj", "v_proj", "o_proj")})
+    state.update({f"{n}.weight": getattr(mlp, n).weight for n in ("gate_proj", "up_proj", "down_proj")})
+    block = ParallelBlock(48, 6, 2, 80)
+    block.load_state_dict(state)
+    x = torch.randn(2, 7, 48)
+    h = norm(x)
+    expected = x + attention(h) + mlp(h)
+    assert_close(block(x), expected, FORWARD_TOL[torch.float32])
+    built = ParallelBlock.from_sequential(attention, mlp, norm)
+    assert_close(built(x), expected, FORWARD_TOL[torch.float32])
+    assert sum(p.numel() for p in built.parameters()) == sum(
+        p.numel() for m in (attention, mlp, norm) for p in m.parameters())
+
+
+def test_state_dict_errors():
+    block = ParallelBlock(32, 4, 2, 40)
+    state = block.state_dict()
+    del state["v_proj.weight"]
+    with pytest.raises(RuntimeError, match="v_proj.weight"):
+        block.load_state_dict(state)
+    state = ParallelBlock(32, 4, 2, 48).state_dict()
+    with pytest.raises(RuntimeError, match="gate_proj.weight has shape"):
+        block.load_state_dict(state)
+    with pytest.raises(RuntimeError, match="bias=False"):
+        block.load_state_dict(ParallelBlock(32, 4, 2, 40, bias=True).state_dict())
+
+
+def test_projections_are_views():
+    block = ParallelBlock(32, 4, 2, 40)
+    views = block.projections()
+    with torch.no_grad():
+        views["up_proj.weight"].fill_(0.5)
+    assert torch.all(block.in_proj_weight[32 + 16 + 16 + 40:] == 0.5)
+    assert views["o_proj.weight"].shape == (32, 32) and views["down_proj.weight"].shape == (32, 40)
+
+
+@pytest.mark.parametrize("chunks", [[7, 1, 1, 1], [4, 3, 2, 1]])
+def test_kv_cache_decoding_equals_full_forward(chunks):
+    fused, plain = make_pair(window=5)
+    fused.eval()
+    x = torch.randn(2, sum(chunks), 48)
+    with torch.no_grad():
+        full = fused(x)
+        ref, _ = plain(x)
+        cache = KVCache(capacity=2)
+        pieces, start = [], 0
+        for n in chunks:
+            pieces.append(fused(x[:, start:start + n], cache=cache))
+            start += n
+    assert len(cache) == sum(chunks)
+    assert_close(torch.cat(pieces, 1), full, FORWARD_TOL[torch.float32])
+    assert_close(full, ref, FORWARD_TOL[torch.float32])
+
+
+def test_dropout_matches_the_sequential_modules_under_the_same_seed():
+    torch.manual_seed(3)
+    attention = GQAttention(48, 6, 2, dropout=0.3)
+    mlp = GatedMLP(48, 80)
+    norm = RMSNorm(48)
+    block = ParallelBlock.from_sequential(attention, mlp, norm)
+    assert block.dropout == 0.3 and block.training
+    x = torch.randn(2, 9, 48)
+    torch.manual_seed(10)
+    out = block(x)
+    torch.manual_seed(10)
+    h = norm(x)
+    expected = x + attention(h) + mlp(h)
+    assert_close(out, expected, FORWARD_TOL[torch.float32])
+    torch.manual_seed(11)
+    assert not torch.allclose(block(x), out)
+    block.eval()
+    attention.eval()
+    assert_close(block(x), x + attention(h) + mlp(h), FORWARD_TOL[torch.float32])
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph():
+    fused, _ = make_pair(bias=True)
+    compiled = torch.compile(copy.deepcopy(fused), fullgraph=True)
+    x = torch.randn(2, 11, 48, requires_grad=True)
+    grad = torch.randn(2, 11, 48)
+    out = fused(x)
+    eager_grads = _grads(fused, x, out, grad)
+    compiled_out = compiled(x)
+    compiled_grads = _grads(compiled, x, compiled_out, grad)
+    assert_close(compiled_out, out, FORWARD_TOL[torch.float32])
+    for key, value in eager_grads.items():
+        key = key if key == "x" else f"_orig_mod.{key}"
+        assert_close(compiled_grads[key], value, GRAD_TOL[torch.float32], key)
+
+
+def test_meta_device_and_repr():
+    block = ParallelBlock(32, 4, 2, 40, device="meta")
+    assert block.in_proj_weight.is_meta and block.in_proj_weight.shape == (32 + 16 + 16 + 80, 32)
+    assert block.out_proj_weight.shape == (32, 72)
+    text = repr(ParallelBlock(32, 4, 2, 40, window=8))
+    assert "intermediate_size=40" in text and "window=8" in text
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(d_model=0), "d_model"),
+    (dict(n_heads=3), "n_heads"),
+    (dict(n_kv_heads=3), "n_kv_heads"),
+    (dict(n_kv_heads=0), "n_kv_heads"),
+    (dict(intermediate_size=None), "intermediate_size"),
+    (dict(intermediate_size=-4), "intermediate_size"),
+    (dict(norm="batch"), "norm"),
+    (dict(activation="relu"), "activation"),
+    (dict(bias=1), "bias"),
+    (dict(rope="yes"), "rope"),
+    (dict(window=0), "window"),
+    (dict(dropout=1.0), "dropout"),
+    (dict(eps=-1.0), "eps"),
+    (dict(rotary_dim=5), "rotary_dim"),
+    (dict(head_dim=7), "head_dim"),
+    (dict(head_dim=0), "head_dim"),
+])
+def test_bad_constructor_arguments(kwargs, name):
+    args = dict(d_model=32, n_heads=4, n_kv_heads=2, intermediate_size=40)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=name):
+        ParallelBlock(**args)
+
+
+def test_bad_forward_arguments():
+    block = ParallelBlock(32, 4, 2, 40)
+    with pytest.raises(ValueError, match="x must be"):
+        block(torch.randn(2, 5, 16))
+    with pytest.raises(ValueError, match="x must be"):
+        block(torch.randn(5, 32))
+    with pytest.raises(ValueError, match="cache"):
+        block(torch.randn(1, 5, 32), cache=[])
+    with pytest.raises(ValueError, match="mask"):
+        block(torch.randn(1, 5, 32), mask=[[True]])
+    with pytest.raises(ValueError, match="position_offset"):
+        block(torch.randn(1, 5, 32), position_offset=-1)
+    with pytest.raises(ValueError, match="attention"):
+        ParallelBlock.from_sequential(nn.Linear(2, 2), GatedMLP(32, 40))
+    with pytest.raises(ValueError, match="mlp"):
+        ParallelBlock.from_sequential(GQAttention(32, 4), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="norm"):
+        ParallelBlock.from_sequential(GQAttention(32, 4), GatedMLP(32, 40), nn.Identity())

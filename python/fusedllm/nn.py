@@ -739,13 +739,17 @@ class ParallelBlock(nn.Module):
             raise ValueError(f"{owner}: position_offset must be an int >= 0, got {position_offset!r}")
         batch, seq, _ = x.shape
         heads, kv_heads, d = self.n_heads, self.n_kv_heads, self.head_dim
-        q_dim, kv_dim, f, _, _ = self._in_sizes
-        # one GEMM: [q | k | v | gate | up]; every piece below is a strided view of it
+        q_dim, kv_dim, _, f, _ = self._in_sizes
+        # one GEMM: [q | k | v | gate | up]; every piece below is a strided view of it.
+        # split (not four slices): its backward writes the four gradients into one
+        # tensor with one cat, where slices would each fill a zero tensor of the
+        # whole projection's size and add them up.
         proj = F.linear(self.norm(x), self.in_proj_weight, self.in_proj_bias)
-        q = proj[..., :q_dim].view(batch, seq, heads, d).transpose(1, 2)
-        k = proj[..., q_dim:q_dim + kv_dim].view(batch, seq, kv_heads, d).transpose(1, 2)
-        v = proj[..., q_dim + kv_dim:q_dim + 2 * kv_dim].view(batch, seq, kv_heads, d).transpose(1, 2)
-        hidden = FF.swiglu(proj[..., q_dim + 2 * kv_dim:], activation=self.activation)
+        q, k, v, gate_up = proj.split((q_dim, kv_dim, kv_dim, 2 * f), dim=-1)
+        q = q.view(batch, seq, heads, d).transpose(1, 2)
+        k = k.view(batch, seq, kv_heads, d).transpose(1, 2)
+        v = v.view(batch, seq, kv_heads, d).transpose(1, 2)
+        hidden = FF.swiglu(gate_up, activation=self.activation)
         if self.rotary is not None:
             q, k = self.rotary(q, k, position_offset=position_offset)
         if cache is not None:

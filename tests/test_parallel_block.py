@@ -378,3 +378,129 @@ def test_bad_forward_arguments():
         ParallelBlock.from_sequential(GQAttention(32, 4), nn.Linear(2, 2))
     with pytest.raises(ValueError, match="norm"):
         ParallelBlock.from_sequential(GQAttention(32, 4), GatedMLP(32, 40), nn.Identity())
+
+
+# --- fusedllm.patch on Hugging Face parallel-residual decoders -----------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_parallel(kind):
+    common = dict(vocab_size=64, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "gptj":
+        return transformers.GPTJForCausalLM(transformers.GPTJConfig(
+            vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0))
+    if kind in ("neox", "neox-sequential"):
+        return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+            **common, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            use_parallel_residual=kind == "neox",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}))
+    if kind == "cohere":
+        return transformers.CohereForCausalLM(transformers.CohereConfig(
+            **common, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, logit_scale=0.5))
+    if kind == "falcon":
+        return transformers.FalconForCausalLM(transformers.FalconConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, parallel_attn=True,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    raise AssertionError(kind)
+
+
+# kind -> (fused layer class name, number of kept norm / activation entries per layer)
+HF_PARALLEL = {
+    "gptj": ("FusedGPTJBlock", 2),
+    "neox": ("FusedGPTNeoXLayer", 3),
+    "cohere": ("FusedCohereDecoderLayer", 1),
+}
+
+
+def _logits_and_grads(model, ids, mask, grad=None):
+    out = model(input_ids=ids, attention_mask=mask).logits
+    grad = torch.randn_like(out) if grad is None else grad
+    model.zero_grad(set_to_none=True)
+    (out * grad).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, grad
+
+
+@pytest.mark.parametrize("seq", [9, 40])  # below and above the joint-GEMM threshold (32 tokens)
+@pytest.mark.parametrize("kind", list(HF_PARALLEL))
+def test_hf_parallel_patched_equals_unpatched(kind, seq):
+    torch.manual_seed(0)
+    model = _perturbed(_hf_parallel(kind)).eval()
+    ids = torch.randint(3, 64, (2, seq))
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[1, -3:] = 0  # right padding in the second sequence
+    ref_out, ref_grads, grad = _logits_and_grads(model, ids, mask)
+    params_before = list(model.parameters())
+    state_keys = list(model.state_dict())
+    report = fusedllm.patch(model, verify=True)
+    fused_name, kept = HF_PARALLEL[kind]
+    layers = [r for r in report.replaced if r.replacement.endswith(fused_name)]
+    assert len(layers) == 2, str(report)
+    assert all("not compared" in r.note and "output GEMM" in r.note for r in layers)
+    assert len([item for item in report.left if item.reason.startswith("kept")]) == 2 * kept, str(report)
+    assert "LayerNorm" in str(report)
+    assert all(a is b for a, b in zip(model.parameters(), params_before))
+    assert list(model.state_dict()) == state_keys
+    out, grads, _ = _logits_and_grads(model, ids, mask, grad)
+    keep = mask.bool()  # padded positions are not compared (eager averages them, fused gives zeros)
+    assert_close(out[keep], ref_out[keep], (2e-5, 2e-5))
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert_close(grads[name], ref_grads[name], GRAD_TOL[torch.float32], name)
+    # greedy decoding through the model's KV cache
+    prompt = torch.randint(3, 64, (1, 6))
+    with torch.no_grad():
+        fused_tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert fusedllm.unpatch(model) == len(report.replaced)
+    assert not any(type(m).__module__.startswith("fusedllm") for m in model.modules())
+    with torch.no_grad():
+        ref_tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(fused_tokens, ref_tokens)
+    out, _, _ = _logits_and_grads(model, ids, mask, grad)
+    assert_close(out, ref_out, FORWARD_TOL[torch.float32])
+
+
+def test_hf_fused_layers_keep_transformers_classes_and_hooks():
+    model = _hf_parallel("cohere").eval()
+    fusedllm.patch(model)
+    layer = model.model.layers[0]
+    assert isinstance(layer, transformers.models.cohere.modeling_cohere.CohereDecoderLayer)
+    assert type(layer).__module__ == "fusedllm.compat.hf_parallel"
+    ids = torch.randint(3, 64, (1, 7))
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    assert len(out.hidden_states) == 3  # embeddings + one per (fused) layer
+
+
+def test_hf_neox_sequential_and_falcon_are_reported_as_left():
+    neox = _hf_parallel("neox-sequential")
+    report = fusedllm.patch(neox)
+    assert not report.replaced
+    reasons = {item.path: item.reason for item in report.left}
+    assert "use_parallel_residual=False" in reasons["gpt_neox.layers.0"]
+    assert "fusedllm" in report.attention  # its attention still switches to the fused backend
+    falcon = _hf_parallel("falcon")
+    report = fusedllm.patch(falcon)
+    assert not report.replaced
+    reasons = {item.path: item.reason for item in report.left}
+    assert "AttentionInterface" in reasons["transformer.h.0"]
+    assert "Falcon computes attention itself" in report.attention
+
+
+def test_hf_parallel_flag_and_training_dropout_fallback():
+    model = _hf_parallel("gptj")
+    report = fusedllm.patch(model, parallel=False)
+    assert not report.replaced and {item.reason for item in report.left} == {"parallel=False"}
+    # residual dropout in training: the fused layer runs the original code
+    config = transformers.GPTJConfig(vocab_size=64, n_positions=64, n_embd=32, n_layer=1, n_head=4, rotary_dim=4,
+                                     resid_pdrop=0.5)
+    model = transformers.GPTJForCausalLM(config).train()
+    fusedllm.patch(model)
+    ids = torch.randint(3, 64, (1, 5))
+    torch.manual_seed(0)
+    out = model(input_ids=ids).logits
+    fusedllm.unpatch(model)
+    torch.manual_seed(0)
+    assert torch.equal(model(input_ids=ids).logits, out)

@@ -13,7 +13,15 @@
   Gemma RMSNorms (``offset=1``, Gemma casting), their gated MLPs (SwiGLU, or
   GeGLU-tanh for Gemma; Phi-3's packed ``gate_up_proj``), and attention, by
   switching the model to the ``"fusedllm"`` attention implementation
-  (:mod:`fusedllm.hf`).
+  (:mod:`fusedllm.hf`);
+- Hugging Face parallel-residual decoder layers, ``x + attn(norm(x)) +
+  mlp(norm(x))``: GPT-J's ``GPTJBlock``, GPT-NeoX / Pythia's ``GPTNeoXLayer``
+  with ``use_parallel_residual``, Cohere's ``CohereDecoderLayer``, by fused
+  twins (:mod:`fusedllm.compat.hf_parallel`): one input GEMM where attention
+  and MLP share a norm, fused RoPE and attention (and SwiGLU for Cohere), one
+  output GEMM over ``[attention | MLP hidden]`` with the residual. Their
+  LayerNorms and ungated GELUs stay torch's, and the report lists them as
+  left; Falcon's layers are left, and the report says why.
 
 Every replacement holds the very same ``Parameter`` objects (and the same
 ``nn.Linear`` submodules) as the module it replaces, so an optimizer built
@@ -29,7 +37,7 @@ import torch
 from torch import nn
 
 from . import nn as fnn
-from .compat import nb000, nb001, nb002, nb003
+from .compat import hf_parallel, nb000, nb001, nb002, nb003
 from .compat._common import eps_of, gated_linears, is_linear, norm_weight, shell
 
 __all__ = ["patch", "unpatch", "PatchReport"]
@@ -105,11 +113,15 @@ _NOTEBOOK_RULES = {**nb000.PATCH_RULES, **nb001.PATCH_RULES, **nb002.PATCH_RULES
 _HF_LLAMA_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
                    "Phi3RMSNorm"}
 _HF_GEMMA_NORMS = {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"}
-_HF_GATED_MLPS = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP"}
+_HF_GATED_MLPS = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP",
+                  "CohereMLP"}
 _HF_PACKED_MLPS = {"Phi3MLP"}
 # model types whose attention goes through AttentionInterface with nothing the
 # fused kernel lacks (Gemma 2 / 3 use logit soft-capping)
-_HF_ATTENTION_MODELS = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma"}
+_HF_ATTENTION_MODELS = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "cohere", "gpt_neox"}
+# model types whose attention runs its own code, fused only inside their fused parallel layers
+_HF_OWN_ATTENTION = {"gptj": "GPT-J computes attention itself (no AttentionInterface)",
+                     "falcon": "Falcon computes attention itself (no AttentionInterface)"}
 
 
 def _hf_norm(m, gemma):
@@ -161,6 +173,8 @@ def _hf_rule(module):
         return "swiglu", _hf_gated_mlp
     if name in _HF_PACKED_MLPS:
         return "swiglu", _hf_packed_mlp
+    if name in hf_parallel.PARALLEL_LAYERS:
+        return "parallel", hf_parallel.fused_parallel_layer
     return None
 
 
@@ -241,6 +255,12 @@ def _switch_hf_attention(model, report):
     if config is None or not hasattr(config, "_attn_implementation") or not _is_transformers(model):
         return
     model_type = getattr(config, "model_type", None)
+    if model_type in _HF_OWN_ATTENTION:
+        fused = sum(r.replacement.startswith(hf_parallel.__name__) for r in report.replaced)
+        where = f"; fusedllm attention runs inside the {fused} fused layer(s)" if fused else ""
+        report.attention = (f"left as {config._attn_implementation!r}: {_HF_OWN_ATTENTION[model_type]}"
+                            f"{where}")
+        return
     if model_type not in _HF_ATTENTION_MODELS:
         report.attention = f"left as {config._attn_implementation!r}: model type {model_type!r} is not supported"
         return
@@ -263,13 +283,15 @@ def _switch_hf_attention(model, report):
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
-          attention: bool = True, verify: bool = False) -> PatchReport:
+          attention: bool = True, parallel: bool = True, verify: bool = False) -> PatchReport:
     """Replace, in place, the modules of ``model`` that fusedllm has fused
     versions of; return a :class:`PatchReport` (``print(report)`` for a summary).
 
     ``rms_norm``, ``swiglu``, ``rope``, ``attention`` choose the families
     (Hugging Face attention is switched to ``attn_implementation="fusedllm"``
-    rather than replaced). Replacements keep the original ``Parameter``
+    rather than replaced); ``parallel`` the Hugging Face parallel-residual
+    decoder layers (GPT-J, GPT-NeoX with ``use_parallel_residual``, Cohere),
+    replaced whole. Replacements keep the original ``Parameter``
     objects, submodules and training mode; an optimizer built before patching
     keeps working, and so do ``state_dict`` / ``load_state_dict``.
 
@@ -277,13 +299,14 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
     (eval mode, no gradients) and keeps the original where the outputs differ
     beyond float rounding; the report says so. A notebook module that itself
     fails on that input (the LLaMA notebook's attention does) is replaced and
-    marked as not compared.
+    marked as not compared. A fused parallel decoder layer is not compared on
+    a probe (it needs the model's masks and positions); the report says so.
 
     The model itself (the root) is never replaced, only modules inside it.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fusedllm.patch: model must be an nn.Module, got {type(model).__name__}")
-    flags = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope, "attention": attention}
+    flags = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope, "attention": attention, "parallel": parallel}
     report = PatchReport()
     registry = model.__dict__.setdefault(_REGISTRY_ATTR, [])
 
@@ -308,11 +331,18 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
             return None
         new = build(module)
         if isinstance(new, str):
-            report.left.append(Left(path, name, f"same name, different structure: {new}"))
+            reason = new if flag == "parallel" else f"same name, different structure: {new}"
+            report.left.append(Left(path, name, reason))
             return None
         new.train(module.training)
         entry = Replaced(path, name, f"{type(new).__module__}.{type(new).__qualname__}")
-        if verify:
+        if flag == "parallel":
+            entry.note = new.FUSED
+            if verify:
+                entry.note += "; not compared on a probe (a decoder layer needs the model's mask and positions)"
+            for attr, cls_name, why in hf_parallel.kept_modules(module):
+                report.left.append(Left(f"{path}.{attr}", cls_name, why))
+        elif verify:
             try:
                 problem = _verify(module, new, kind)
             except Exception as exc:

@@ -14,6 +14,8 @@
 #include <string>
 #include <tuple>
 
+#include "fusedllm/cross_entropy_op.h"
+
 namespace fusedllm {
 namespace {
 
@@ -214,6 +216,75 @@ struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
   }
 };
 
+// --- linear cross-entropy -----------------------------------------------------------------
+
+using CrossEntropyPassFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const OptTensor&, const at::Tensor&, const OptTensor&,
+    int64_t, double, double, double, std::array<bool, 3>);
+
+// With a mean or a sum, the gradients are formed in the forward pass itself
+// (the logits are made once) and backward scales them by the incoming scalar;
+// per-token losses ("none") take per-token weights, so backward runs the pass
+// again with them.
+struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+                            const OptTensor& bias, const at::Tensor& target, int64_t ignore_index,
+                            c10::string_view reduction, double smoothing, double softcap,
+                            double z_loss, bool want_hidden, bool want_weight, bool want_bias) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto pass = op<CrossEntropyPassFn>("fusedllm::linear_cross_entropy_pass");
+    const Reduction r = parse_reduction(reduction, "fusedllm.linear_cross_entropy");
+    const bool early = r != Reduction::kNone && (want_hidden || want_weight || want_bias);
+    auto [loss, grad_hidden, grad_weight, grad_bias] =
+        pass.call(hidden, weight, bias, target, std::nullopt, ignore_index, smoothing, softcap,
+                  z_loss, {early && want_hidden, early && want_weight, early && want_bias});
+    at::Tensor out = CrossEntropyOps<void>::reduce(loss, target, ignore_index, r);
+    if (early) {
+      // d(mean)/d(loss_i) = 1 / (tokens not ignored); when none is, the saved
+      // gradients are zeros and stay so (as cross_entropy's).
+      at::Tensor factor =
+          r == Reduction::kMean
+              ? 1.0 / (target != ignore_index).sum().clamp_min(1).to(loss.scalar_type())
+              : at::ones({}, loss.options());
+      ctx->save_for_backward({grad_hidden, grad_weight, grad_bias, factor});
+    } else {
+      ctx->save_for_backward({hidden, weight, value_or_undefined(bias), target});
+    }
+    ctx->saved_data["early"] = early;
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["smoothing"] = smoothing;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["z_loss"] = z_loss;
+    return converted(out, hidden.scalar_type());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!(at::GradMode::is_enabled() && grads[0].requires_grad()),
+                "fusedllm.linear_cross_entropy has no second derivative (create_graph=True, "
+                "double backward)");
+    const auto s = ctx->get_saved_variables();
+    variable_list out(12);
+    if (ctx->saved_data["early"].toBool()) {
+      const at::Tensor factor = converted(grads[0], s[3].scalar_type()) * s[3];
+      for (int i = 0; i < 3; ++i) {
+        if (ctx->needs_input_grad(i)) out[i] = s[i] * factor;
+      }
+      return out;
+    }
+    static auto pass = op<CrossEntropyPassFn>("fusedllm::linear_cross_entropy_pass");
+    const at::Tensor& hidden = s[0];
+    auto [loss, grad_hidden, grad_weight, grad_bias] = pass.call(
+        hidden, s[1], as_optional(s[2]), s[3], grads[0], ctx->saved_data["ignore_index"].toInt(),
+        ctx->saved_data["smoothing"].toDouble(), ctx->saved_data["softcap"].toDouble(),
+        ctx->saved_data["z_loss"].toDouble(),
+        {ctx->needs_input_grad(0), ctx->needs_input_grad(1), s[2].defined() && ctx->needs_input_grad(2)});
+    out[0] = ctx->needs_input_grad(0) ? grad_hidden : at::Tensor();
+    out[1] = ctx->needs_input_grad(1) ? grad_weight : at::Tensor();
+    out[2] = s[2].defined() && ctx->needs_input_grad(2) ? grad_bias : at::Tensor();
+    return out;
+  }
+};
+
 // --- registration ------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_autograd(const at::Tensor& input, const OptTensor& weight,
@@ -253,6 +324,18 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
   return {r[0], r[1]};
 }
 
+at::Tensor linear_cross_entropy_autograd(const at::Tensor& hidden, const at::Tensor& weight,
+                                         const OptTensor& bias, const at::Tensor& target,
+                                         int64_t ignore_index, c10::string_view reduction,
+                                         double smoothing, double softcap, double z_loss) {
+  // Which gradients the forward pass should form (it runs with grad mode off).
+  const bool on = at::GradMode::is_enabled();
+  return LinearCrossEntropyFunction::apply(
+      hidden, weight, bias, target, ignore_index, reduction, smoothing, softcap, z_loss,
+      on && hidden.requires_grad(), on && weight.requires_grad(),
+      on && bias.has_value() && bias->requires_grad());
+}
+
 // Autograd kernel of the backward ops: runs them, unless a graph would be built
 // through them.
 void refuse_double_backward(const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
@@ -273,7 +356,7 @@ void refuse_double_backward(const c10::OperatorHandle& handle, c10::DispatchKeyS
 
 TORCH_LIBRARY_IMPL(fusedllm, Autograd, m) {
   for (const char* name : {"rms_norm_backward", "swiglu_backward", "swiglu_packed_backward",
-                           "attention_backward"}) {
+                           "attention_backward", "linear_cross_entropy_pass"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&refuse_double_backward>());
   }
   m.impl("rms_norm", &rms_norm_autograd);
@@ -282,6 +365,7 @@ TORCH_LIBRARY_IMPL(fusedllm, Autograd, m) {
   m.impl("swiglu_packed", &swiglu_packed_autograd);
   m.impl("rope", &rope_autograd);
   m.impl("attention", &attention_autograd);
+  m.impl("linear_cross_entropy", &linear_cross_entropy_autograd);
 }
 
 }  // namespace fusedllm

@@ -123,3 +123,25 @@ def attention(q, k, v, causal=False, scale=None, window=None, mask=None, keep=No
         probs = probs * keep / (1.0 - dropout_p)
     out = torch.matmul(probs, values)
     return out.to(q.dtype), lse
+
+
+def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean",
+                         label_smoothing=0.0, softcap=None, z_loss=0.0):
+    """The LM head then torch's cross-entropy, whole logits built; softcap and
+    z_loss as Gemma 2 and PaLM define them."""
+    import torch.nn.functional as F
+
+    logits = F.linear(hidden, weight, bias).reshape(-1, weight.shape[0])
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    target = target.reshape(-1)
+    loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="none",
+                           label_smoothing=label_smoothing)
+    keep = target != ignore_index
+    if z_loss:
+        loss = loss + z_loss * torch.logsumexp(logits, dim=-1).square() * keep
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.sum() / keep.sum()
+    return loss.reshape(hidden.shape[:-1])

@@ -30,6 +30,9 @@ OPS = {
                   "test_matches_reference or (masks_match_reference and float32) or dropout_matches "
                   "or strided or test_gradcheck_float64",
                   ("attention_forward", "attention_backward")),
+    "linear_cross_entropy": ("test_cross_entropy.py",
+                             "(matches_cross_entropy and not float16) or options or gradcheck",
+                             ("cross_entropy_rows",)),
 }
 
 # The cpu device only: the emulated CUDA kernels and torch.compile traces do

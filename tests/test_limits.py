@@ -44,7 +44,30 @@ DTYPE_CALLS = {
                                                          0.0, None),
     "attention mask": lambda impl, dt: lambda: impl.attention(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(1, 1, 3, 8),
                                                               _t(3, 3, dtype=dt), 1.0, False, -1, 0.0, None),
+    "linear_cross_entropy": lambda impl, dt: lambda: impl.linear_cross_entropy(
+        _t(3, 8, dtype=dt), _t(5, 8, dtype=dt), None, torch.tensor([0, 4, -100]), -100, "mean", 0.0,
+        0.0, 0.0),
 }
+
+
+def _cross_entropy(impl, reduction="mean", label_smoothing=0.0, softcap=0.0, z_loss=0.0):
+    return lambda: impl.linear_cross_entropy(_t(3, 8), _t(5, 8), None, torch.tensor([0, 4, -100]), -100,
+                                             reduction, label_smoothing, softcap, z_loss)
+
+
+@pytest.mark.parametrize("reduction", _limits.REDUCTIONS + ("avg", "Mean", ""))
+def test_reductions(reduction):
+    assert_agree(lambda impl, r: _cross_entropy(impl, reduction=r), reduction,
+                 reduction in _limits.REDUCTIONS)
+
+
+@pytest.mark.parametrize("name,value,accepted", [
+    ("label_smoothing", 0.0, True), ("label_smoothing", 1.0, True), ("label_smoothing", -0.1, False),
+    ("label_smoothing", 1.5, False), ("softcap", 0.0, True), ("softcap", 30.0, True),
+    ("softcap", -1.0, False), ("softcap", float("inf"), False), ("z_loss", 0.0, True),
+    ("z_loss", 1e-4, True), ("z_loss", -1e-4, False), ("z_loss", float("nan"), False)])
+def test_cross_entropy_numbers(name, value, accepted):
+    assert_agree(lambda impl, v: _cross_entropy(impl, **{name: v}), value, accepted)
 
 
 @pytest.mark.parametrize("op", DTYPE_CALLS)

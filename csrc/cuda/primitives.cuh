@@ -107,6 +107,19 @@ __device__ __forceinline__ T warp_reduce_max(T v) {
   return v;
 }
 
+// Maximum over the block, returned to every thread; as block_reduce_sum.
+template <typename T>
+__device__ __forceinline__ T block_reduce_max(T v, T* scratch) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int num_warps = (blockDim.x + kWarpSize - 1) / kWarpSize;
+  v = warp_reduce_max(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  return warp_reduce_max(lane < num_warps ? scratch[lane] : scratch[0]);
+}
+
 // Lane `src`'s value of v, to every lane.
 template <typename T>
 __device__ __forceinline__ T warp_broadcast(T v, int src) {

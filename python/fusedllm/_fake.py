@@ -74,6 +74,25 @@ def _register_attention(ns: str) -> None:
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def _register_cross_entropy(ns: str) -> None:
+    @torch.library.register_fake(f"{ns}::linear_cross_entropy")
+    def _linear_cross_entropy_fake(hidden, weight, bias, target, ignore_index, reduction,
+                                   label_smoothing, softcap, z_loss):
+        shape = (hidden.shape[0],) if reduction == "none" else ()
+        return hidden.new_empty(shape)
+
+    @torch.library.register_fake(f"{ns}::linear_cross_entropy_pass")
+    def _linear_cross_entropy_pass_fake(hidden, weight, bias, target, grad_scale, ignore_index,
+                                        label_smoothing, softcap, z_loss, output_mask):
+        want_hidden, want_weight, want_bias = output_mask
+        return (
+            hidden.new_empty((hidden.shape[0],), dtype=rstd_dtype(hidden)),
+            hidden.new_empty(hidden.shape if want_hidden else (0,)),
+            hidden.new_empty(weight.shape if want_weight else (0,)),
+            hidden.new_empty((weight.shape[0],) if want_bias and bias is not None else (0,)),
+        )
+
+
 def register_fakes(ns: str) -> None:
     """Fake kernels for every op of library `ns`: "fusedllm", or "fusedllm_simt"
     (the emulated CUDA kernels, same schemas; fusedllm.simt registers those)."""
@@ -81,6 +100,7 @@ def register_fakes(ns: str) -> None:
     _register_swiglu(ns)
     _register_rope(ns)
     _register_attention(ns)
+    _register_cross_entropy(ns)
 
 
 if has_extension():

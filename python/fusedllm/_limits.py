@@ -10,6 +10,7 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 CASTINGS = ("llama", "gemma")
 ACTIVATIONS = ("silu", "gelu_tanh")
+REDUCTIONS = ("mean", "sum", "none")
 MAX_HEAD_DIM = 256  # the attention kernels' largest head dim
 
 

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from ._limits import ACTIVATIONS, CASTINGS, FLOAT_DTYPES, MAX_HEAD_DIM, check_rotary_dim
+from ._limits import ACTIVATIONS, CASTINGS, FLOAT_DTYPES, MAX_HEAD_DIM, REDUCTIONS, check_rotary_dim
 
 # --- argument checks: the words of csrc/include/fusedllm/*_op.h, numbers printed as C++ does
 
@@ -331,3 +331,64 @@ def attention(q, k, v, mask, scale, causal, window, dropout_p, seed):
     check_attention("fusedllm.attention", q, k, v, mask, scale, window, dropout_p)
     out, lse, _ = attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed)
     return out, lse
+
+
+def check_cross_entropy(op, hidden, weight, bias, target, ignore_index, reduction, label_smoothing,
+                        softcap, z_loss):
+    _check_float(op, "hidden", hidden)
+    if hidden.dim() != 2:
+        _fail(op, f"hidden must be [tokens, hidden_size], got shape {list(hidden.shape)}")
+    _check_same(op, "hidden", hidden, "weight", weight)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        _fail(op, f"weight must be [vocab, {hidden.shape[1]}] (hidden's last dim), got shape "
+                  f"{list(weight.shape)}")
+    if weight.shape[0] < 1:
+        _fail(op, f"weight has an empty vocabulary (shape {list(weight.shape)})")
+    if bias is not None:
+        _check_same(op, "hidden", hidden, "bias", bias)
+        if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
+            _fail(op, f"bias must be [{weight.shape[0]}] (weight's vocabulary), got shape {list(bias.shape)}")
+    if target.dtype != torch.int64:
+        _fail(op, f"target must hold int64 class indices, got {target.dtype}")
+    if target.device != hidden.device:
+        _fail(op, f"target is on {target.device} but hidden is on {hidden.device}")
+    if target.dim() != 1 or target.shape[0] != hidden.shape[0]:
+        _fail(op, f"target must be [{hidden.shape[0]}] (one per token of hidden), got shape "
+                  f"{list(target.shape)}")
+    if not (math.isfinite(label_smoothing) and 0.0 <= label_smoothing <= 1.0):
+        _fail(op, f"label_smoothing must be in [0, 1], got {label_smoothing:g}")
+    if not (math.isfinite(softcap) and softcap >= 0.0):
+        _fail(op, f"softcap must be a finite number > 0 (0: no cap), got {softcap:g}")
+    if not (math.isfinite(z_loss) and z_loss >= 0.0):
+        _fail(op, f"z_loss must be a finite number >= 0, got {z_loss:g}")
+    if reduction not in REDUCTIONS:
+        _fail(op, f"reduction must be 'mean', 'sum' or 'none', got '{reduction}'")
+    vocab = weight.shape[0]
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if not target.is_cuda and bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        _fail(op, f"target[{first}] = {int(target[first])} is not a class index in [0, {vocab}) "
+                  f"nor ignore_index ({ignore_index})")
+
+
+def linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, label_smoothing,
+                         softcap, z_loss):
+    """The linear cross-entropy op, through the whole [tokens, vocab] logits
+    (in float32, float64 for float64 inputs): a reference, not a fast path."""
+    check_cross_entropy("fusedllm.linear_cross_entropy", hidden, weight, bias, target, ignore_index,
+                        reduction, label_smoothing, softcap, z_loss)
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    z = torch.nn.functional.linear(hidden.to(acc), weight.to(acc), None if bias is None else bias.to(acc))
+    if softcap > 0:
+        z = softcap * torch.tanh(z / softcap)
+    lse = torch.logsumexp(z, dim=-1)
+    keep = target != ignore_index
+    s_t = z.gather(-1, torch.where(keep, target, 0).unsqueeze(-1)).squeeze(-1)
+    loss = (lse - (1 - label_smoothing) * s_t - label_smoothing / z.shape[-1] * z.sum(-1)
+            + z_loss * lse * lse)
+    loss = torch.where(keep, loss, torch.zeros_like(loss))
+    if reduction == "sum":
+        loss = loss.sum()
+    elif reduction == "mean":
+        loss = loss.sum() / keep.sum()
+    return loss.to(hidden.dtype)

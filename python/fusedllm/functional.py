@@ -12,7 +12,7 @@ import torch
 
 from . import _plain
 from ._extension import has_extension
-from ._limits import check_rotary_dim
+from ._limits import REDUCTIONS, check_rotary_dim
 
 # The implementation, chosen once: the compiled operators, or the plain path
 # (same names and signatures) when the extension is not loaded.
@@ -234,3 +234,54 @@ def attention_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     out, _lse, probs = _plain.attention_with_probs(q, k, v, mask, scale, causal, window,
                                                    dropout_p, seed)
     return out, probs.to(q.dtype)
+
+
+def _number(op: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{op}: {name} must be a number, got {value!r}")
+    return float(value)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         bias: torch.Tensor | None = None, ignore_index: int = -100,
+                         reduction: str = "mean", label_smoothing: float = 0.0,
+                         softcap: float | None = None, z_loss: float = 0.0) -> torch.Tensor:
+    """``F.cross_entropy(hidden @ weight.T + bias, target)`` without the logits.
+
+    ``hidden`` is ``[..., hidden_size]`` (any leading shape), ``weight``
+    ``[vocab, hidden_size]`` (an LM head's), ``bias`` ``[vocab]`` or None,
+    ``target`` int64 class indices of hidden's leading shape; tokens whose
+    target is ``ignore_index`` add nothing. The logits are formed a chunk of
+    tokens at a time, in float32 (float64 for float64 inputs) whatever the
+    inputs' dtype, and the whole ``[tokens, vocab]`` matrix never exists; with
+    ``reduction`` "mean" or "sum" the gradients are formed in the same pass.
+
+    ``reduction``: "mean" (over the tokens not ignored; NaN when all are, as
+    ``cross_entropy``), "sum", or "none" (per-token losses of target's shape, 0
+    where ignored). ``label_smoothing`` as in ``F.cross_entropy``.
+    ``softcap`` (Gemma 2's final-logit soft-capping) replaces the logits by
+    ``softcap * tanh(logits / softcap)`` first. ``z_loss`` adds
+    ``z_loss * logsumexp(logits) ** 2`` per token (PaLM's auxiliary loss).
+    The result has hidden's dtype; differentiable in hidden, weight and bias.
+    """
+    op = "fusedllm.linear_cross_entropy"
+    _require_tensors(op, "hidden", hidden, weight=weight, target=target, bias=bias)
+    if hidden.dim() < 1:
+        raise ValueError(f"{op}: hidden must have at least one dimension (hidden_size), got a scalar")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"{op}: target must have hidden's leading shape {list(hidden.shape[:-1])}, "
+                         f"got {list(target.shape)}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, Integral):
+        raise ValueError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if softcap is None:
+        cap = 0.0
+    else:
+        cap = _number(op, "softcap", softcap)
+        if not cap > 0:
+            raise ValueError(f"{op}: softcap must be > 0 (or None for no cap), got {softcap!r}")
+    loss = _impl.linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1), int(ignore_index),
+        reduction, _number(op, "label_smoothing", label_smoothing), cap, _number(op, "z_loss", z_loss))
+    return loss.reshape(target.shape) if reduction == "none" else loss

@@ -1,0 +1,68 @@
+// Linear cross-entropy ops on CPU: the chunked pass of
+// fusedllm/cross_entropy_op.h with torch's BLAS multiplies and the row kernel
+// variant for the running CPU.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "cross_entropy_kernel.h"
+#include "fusedllm/cross_entropy_op.h"
+
+namespace fusedllm::cpu {
+
+FUSEDLLM_DEFINE_CPU_KERNEL_TABLE(CrossEntropyRowFn, cross_entropy_row_kernels, "cross_entropy_rows");
+
+namespace {
+
+struct CpuCrossEntropy {
+  // bfloat16 and float16 operands multiply through torch's BLAS in their own
+  // dtype (float32 accumulation, the result rounded once to that dtype, as
+  // the eager linear layer's logits are), widened into `out`; a sum over
+  // chunks adds each chunk's rounded product in float32, a slab of rows at a
+  // time so that no [vocab, hidden] temporary is made.
+  static void matmul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+    if (a.scalar_type() == out.scalar_type()) {
+      if (accumulate) {
+        out.addmm_(a, b);
+      } else {
+        at::mm_out(out, a, b);
+      }
+      return;
+    }
+    if (!accumulate) {
+      out.copy_(at::mm(a, b));
+      return;
+    }
+    constexpr int64_t kSlab = 4096;
+    for (int64_t i = 0; i < a.size(0); i += kSlab) {
+      const int64_t n = std::min(kSlab, a.size(0) - i);
+      out.narrow(0, i, n).add_(at::mm(a.narrow(0, i, n), b));
+    }
+  }
+
+  static void rows(const CrossEntropyRows& r) {
+    CrossEntropyRowArgs a{};
+    a.acc = r.logits.scalar_type();
+    a.grad_dtype = r.grad ? r.grad_logits.scalar_type() : a.acc;
+    a.options = r.options;
+    a.ignore_index = r.ignore_index;
+    a.rows = r.logits.size(0);
+    a.vocab = r.logits.size(1);
+    a.logits = r.logits.data_ptr();
+    a.logits_stride = r.logits.stride(0);
+    a.target = r.target.const_data_ptr<int64_t>();
+    a.loss = r.loss.data_ptr();
+    a.lse = r.lse.data_ptr();
+    a.scale = r.scale.defined() ? r.scale.const_data_ptr() : nullptr;
+    a.grad_logits = r.grad ? r.grad_logits.data_ptr() : nullptr;
+    a.grad_stride = r.grad ? r.grad_logits.stride(0) : 0;
+    cross_entropy_row_kernels.get()(a);
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusedllm, CPU, m) { FUSEDLLM_IMPL_CROSS_ENTROPY_OPS(m, CpuCrossEntropy); }
+
+}  // namespace fusedllm::cpu

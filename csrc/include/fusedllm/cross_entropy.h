@@ -1,0 +1,63 @@
+// Cross-entropy of one row of logits and its gradient, shared by the CPU
+// kernels (scalar and ATen vector lanes) and the CUDA kernels. `V` is
+// float/double or an ATen vector of them; `Math` supplies tanh for V.
+//
+// With s = softcap * tanh(z / softcap) (or s = z without a cap), p = softmax(s),
+// eps the label smoothing over a vocabulary of n, t the target and zl the
+// z-loss weight, a row's loss is
+//   lse - (1 - eps) * s[t] - (eps / n) * sum(s) + zl * lse^2
+// (cross_entropy's smoothing: (1 - eps) on the target, eps spread uniformly),
+// and its gradient with respect to z[j] is
+//   ((1 + 2 zl lse) * p[j] - (1 - eps) * [j == t] - eps / n) * ds/dz[j],
+// with ds/dz = 1 - (s / softcap)^2 under the cap.
+#pragma once
+
+#include <cstdint>
+
+#include "fusedllm/macros.h"
+
+namespace fusedllm::ce {
+
+struct Options {
+  float smoothing = 0.f;  // label smoothing eps in [0, 1]
+  float softcap = 0.f;    // 0: no cap
+  float z_loss = 0.f;     // weight of lse^2
+  int64_t vocab = 0;
+};
+
+// s from the raw logit z.
+template <typename Math, typename V>
+FUSEDLLM_HOST_DEVICE V capped(V z, V cap) {
+  return cap * Math::tanh(z / cap);
+}
+
+// ds/dz from s, under a cap.
+template <typename V>
+FUSEDLLM_HOST_DEVICE V cap_slope(V s, V inv_cap) {
+  const V r = s * inv_cap;
+  return V(1) - r * r;
+}
+
+// The loss of a row from its lse, its target's s and the sum of its s (used
+// only when smoothing).
+template <typename T>
+FUSEDLLM_HOST_DEVICE T row_loss(const Options& o, T lse, T s_target, T s_sum) {
+  const T eps = T(o.smoothing);
+  return lse - (T(1) - eps) * s_target - eps / T(o.vocab) * s_sum + T(o.z_loss) * lse * lse;
+}
+
+// The parts of a row's gradient that do not depend on j: the gradient is
+// (p_scale * p[j] - off - (j == t ? on : 0)) * ds/dz[j].
+template <typename T>
+struct RowGrad {
+  T p_scale, off, on;
+};
+
+template <typename T>
+FUSEDLLM_HOST_DEVICE RowGrad<T> row_grad(const Options& o, T lse, T scale) {
+  const T eps = T(o.smoothing);
+  return {scale * (T(1) + T(2) * T(o.z_loss) * lse), scale * eps / T(o.vocab),
+          scale * (T(1) - eps)};
+}
+
+}  // namespace fusedllm::ce

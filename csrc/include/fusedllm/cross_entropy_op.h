@@ -1,0 +1,264 @@
+// The fused linear cross-entropy ops, shared by the CPU and CUDA
+// implementations: argument checks and the pass over token chunks. Each chunk's
+// logits [rows, V] are one matrix multiply into an accumulation-dtype buffer
+// (float32, float64 for float64); the device's row kernel turns them into lse,
+// losses and, when asked, the logits' gradient in place; two more multiplies
+// give the chunk's hidden gradient and add its share of the weight gradient.
+// The [tokens, V] logits never exist: only one chunk of them does.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <tuple>
+
+#include "fusedllm/checks.h"
+#include "fusedllm/cross_entropy.h"
+
+namespace fusedllm {
+
+// Reductions: fusedllm._limits.REDUCTIONS (tests/test_limits.py).
+enum class Reduction { kNone, kMean, kSum };
+
+inline Reduction parse_reduction(std::string_view reduction, const char* op) {
+  if (reduction == "mean") return Reduction::kMean;
+  if (reduction == "sum") return Reduction::kSum;
+  if (reduction == "none") return Reduction::kNone;
+  TORCH_CHECK_VALUE(false, op, ": reduction must be 'mean', 'sum' or 'none', got '",
+                    std::string(reduction), "'");
+}
+
+// One chunk's row pass, for the device's row kernel. `logits` [rows, V]
+// (accumulation dtype, row-contiguous) holds z on entry; with `grad`, the row
+// kernel writes the gradient of sum(scale * loss) with respect to z into
+// `grad_logits` ([rows, V], row-contiguous; the input dtype, which may be
+// `logits` itself).
+struct CrossEntropyRows {
+  ce::Options options;
+  int64_t ignore_index = -100;
+  at::Tensor logits, target;  // target: int64 [rows]
+  at::Tensor loss, lse;       // accumulation dtype [rows]
+  at::Tensor scale;           // accumulation dtype [rows], or undefined: 1 for every row
+  bool grad = false;
+  at::Tensor grad_logits;
+};
+
+// t in dtype dt, without calling `to` when t has it already (`to` then returns
+// t itself, which torch's schema checks refuse from an operator's kernel).
+inline at::Tensor converted(const at::Tensor& t, at::ScalarType dt) {
+  return t.scalar_type() == dt ? t : t.to(dt);
+}
+
+inline at::ScalarType accumulation_dtype(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+struct CrossEntropyArgs {
+  ce::Options options;
+  int64_t ignore_index;
+};
+
+inline CrossEntropyArgs check_cross_entropy(const char* op, const at::Tensor& hidden,
+                                            const at::Tensor& weight,
+                                            const std::optional<at::Tensor>& bias,
+                                            const at::Tensor& target, int64_t ignore_index,
+                                            double smoothing, double softcap, double z_loss) {
+  check_float_tensor(hidden, op, "hidden");
+  TORCH_CHECK_VALUE(hidden.dim() == 2, op, ": hidden must be [tokens, hidden_size], got shape ",
+                    hidden.sizes());
+  check_same(hidden, "hidden", weight, "weight", op);
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == hidden.size(1), op,
+                    ": weight must be [vocab, ", hidden.size(1), "] (hidden's last dim), got shape ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(weight.size(0) >= 1, op, ": weight has an empty vocabulary (shape ",
+                    weight.sizes(), ")");
+  if (bias.has_value()) {
+    check_same(hidden, "hidden", *bias, "bias", op);
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), op,
+                      ": bias must be [", weight.size(0), "] (weight's vocabulary), got shape ",
+                      bias->sizes());
+  }
+  TORCH_CHECK_VALUE(target.scalar_type() == at::kLong, op,
+                    ": target must hold int64 class indices, got ", dtype_name(target.scalar_type()));
+  TORCH_CHECK_VALUE(target.device() == hidden.device(), op, ": target is on ", target.device(),
+                    " but hidden is on ", hidden.device());
+  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == hidden.size(0), op,
+                    ": target must be [", hidden.size(0), "] (one per token of hidden), got shape ",
+                    target.sizes());
+  TORCH_CHECK_VALUE(std::isfinite(smoothing) && smoothing >= 0.0 && smoothing <= 1.0, op,
+                    ": label_smoothing must be in [0, 1], got ", smoothing);
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0, op,
+                    ": softcap must be a finite number > 0 (0: no cap), got ", softcap);
+  TORCH_CHECK_VALUE(std::isfinite(z_loss) && z_loss >= 0.0, op,
+                    ": z_loss must be a finite number >= 0, got ", z_loss);
+  // A target out of range would index past the row: refused here where the
+  // check costs no device synchronisation; the CUDA row kernel gives NaN.
+  if (!target.is_cuda() && target.numel() > 0) {
+    const int64_t vocab = weight.size(0);
+    const at::Tensor bad = (target != ignore_index) & ((target < 0) | (target >= vocab));
+    if (bad.any().item<bool>()) {
+      const int64_t first = bad.nonzero()[0][0].item<int64_t>();
+      TORCH_CHECK_VALUE(false, op, ": target[", first, "] = ", target[first].item<int64_t>(),
+                        " is not a class index in [0, ", vocab, ") nor ignore_index (",
+                        ignore_index, ")");
+    }
+  }
+  CrossEntropyArgs a;
+  a.options.smoothing = static_cast<float>(smoothing);
+  a.options.softcap = static_cast<float>(softcap);
+  a.options.z_loss = static_cast<float>(z_loss);
+  a.options.vocab = weight.size(0);
+  a.ignore_index = ignore_index;
+  return a;
+}
+
+// Tokens per chunk: at least 256 rows (each chunk adds into the whole weight
+// gradient, so few chunks keep that traffic small beside the multiplies) and
+// as many as fit in 64 MiB of logits. FUSEDLLM_CE_CHUNK_ROWS sets it (the
+// tests use it to cross chunk boundaries at small sizes).
+inline int64_t chunk_rows(int64_t tokens, int64_t vocab, int64_t acc_bytes) {
+  int64_t rows = std::max<int64_t>(256, (int64_t{64} << 20) / (vocab * acc_bytes));
+  if (const char* forced = std::getenv("FUSEDLLM_CE_CHUNK_ROWS")) rows = std::atoll(forced);
+  return std::clamp<int64_t>(rows, 1, std::max<int64_t>(tokens, 1));
+}
+
+// Impl provides:
+//   matmul(out, a, b, accumulate): out (accumulation dtype) = [out +] a @ b,
+//     a and b 2-D in the input dtype with one unit stride each;
+//   rows(const CrossEntropyRows&): the row kernel.
+template <typename Impl>
+struct CrossEntropyOps {
+  // Per-token losses (accumulation dtype, 0 for ignored tokens) and, as
+  // output_mask asks, the gradients of sum(grad_scale * loss) (grad_scale
+  // absent: 1 for every token) for hidden, weight and bias; empty tensors for
+  // those not asked.
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> pass(
+      const at::Tensor& hidden_in, const at::Tensor& weight_in, const std::optional<at::Tensor>& bias,
+      const at::Tensor& target_in, const std::optional<at::Tensor>& grad_scale,
+      int64_t ignore_index, double smoothing, double softcap, double z_loss,
+      std::array<bool, 3> output_mask) {
+    const char* op = "fusedllm.linear_cross_entropy";
+    const CrossEntropyArgs args = check_cross_entropy(op, hidden_in, weight_in, bias, target_in,
+                                                      ignore_index, smoothing, softcap, z_loss);
+    const int64_t tokens = hidden_in.size(0), hidden_size = hidden_in.size(1);
+    const int64_t vocab = weight_in.size(0);
+    const at::ScalarType dtype = hidden_in.scalar_type();
+    const at::ScalarType acc = accumulation_dtype(dtype);
+    const auto acc_opts = hidden_in.options().dtype(acc);
+    if (grad_scale.has_value()) {
+      TORCH_CHECK_VALUE(grad_scale->device() == hidden_in.device() &&
+                            grad_scale->sizes() == at::IntArrayRef({tokens}),
+                        op, ": grad_scale must be [", tokens, "] on ", hidden_in.device(),
+                        ", got shape ", grad_scale->sizes(), " on ", grad_scale->device());
+    }
+    const auto [want_hidden, want_weight, want_bias_in] = output_mask;
+    const bool want_bias = want_bias_in && bias.has_value();
+    const bool grad = want_hidden || want_weight || want_bias;
+
+    at::Tensor loss = at::empty({tokens}, acc_opts);
+    at::Tensor grad_hidden = want_hidden ? at::empty_like(hidden_in, at::MemoryFormat::Contiguous)
+                                         : hidden_in.new_empty({0});
+    at::Tensor grad_weight = want_weight ? at::empty_like(weight_in, at::MemoryFormat::Contiguous)
+                                         : hidden_in.new_empty({0});
+    at::Tensor grad_bias = want_bias ? at::zeros({vocab}, hidden_in.options()) : hidden_in.new_empty({0});
+    if (tokens == 0) {
+      if (want_weight) grad_weight.zero_();
+      return {loss, grad_hidden, grad_weight, grad_bias};
+    }
+
+    // Row-contiguous operands for the multiplies (a copy only when not already).
+    const at::Tensor hidden = hidden_in.stride(1) == 1 ? hidden_in : hidden_in.contiguous();
+    const at::Tensor weight = weight_in.stride(1) == 1 ? weight_in : weight_in.contiguous();
+    const at::Tensor target = target_in.contiguous();
+    const at::Tensor bias_acc = bias.has_value() ? converted(*bias, acc) : at::Tensor();
+    const at::Tensor scale =
+        grad_scale.has_value() ? converted(*grad_scale, acc).contiguous() : at::Tensor();
+    at::Tensor lse = at::empty({tokens}, acc_opts);
+
+    const int64_t chunk = chunk_rows(tokens, vocab, c10::elementSize(acc));
+    at::Tensor logits = at::empty({chunk, vocab}, acc_opts);
+    const bool low_precision = dtype != acc;
+    at::Tensor grad_logits_lp = grad && low_precision ? at::empty({chunk, vocab}, hidden.options())
+                                                      : at::Tensor();
+    // The weight gradient is summed over chunks in the accumulation dtype.
+    at::Tensor grad_weight_acc = want_weight ? (low_precision ? at::empty({vocab, hidden_size}, acc_opts)
+                                                              : grad_weight)
+                                             : at::Tensor();
+    at::Tensor grad_hidden_acc = want_hidden && low_precision ? at::empty({chunk, hidden_size}, acc_opts)
+                                                              : at::Tensor();
+    at::Tensor grad_bias_acc = want_bias ? at::zeros({vocab}, acc_opts) : at::Tensor();
+
+    for (int64_t r0 = 0; r0 < tokens; r0 += chunk) {
+      const int64_t n = std::min(chunk, tokens - r0);
+      const at::Tensor h = hidden.narrow(0, r0, n);
+      at::Tensor z = logits.narrow(0, 0, n);
+      Impl::matmul(z, h, weight.t(), /*accumulate=*/false);
+      if (bias_acc.defined()) z.add_(bias_acc);
+
+      CrossEntropyRows rows;
+      rows.options = args.options;
+      rows.ignore_index = args.ignore_index;
+      rows.logits = z;
+      rows.target = target.narrow(0, r0, n);
+      rows.loss = loss.narrow(0, r0, n);
+      rows.lse = lse.narrow(0, r0, n);
+      if (scale.defined()) rows.scale = scale.narrow(0, r0, n);
+      rows.grad = grad;
+      const at::Tensor dz = grad ? (low_precision ? grad_logits_lp.narrow(0, 0, n) : z) : at::Tensor();
+      rows.grad_logits = dz;
+      Impl::rows(rows);
+      if (!grad) continue;
+
+      if (want_hidden) {
+        if (low_precision) {
+          at::Tensor dh = grad_hidden_acc.narrow(0, 0, n);
+          Impl::matmul(dh, dz, weight, false);
+          grad_hidden.narrow(0, r0, n).copy_(dh);
+        } else {
+          at::Tensor dh = grad_hidden.narrow(0, r0, n);
+          Impl::matmul(dh, dz, weight, false);
+        }
+      }
+      if (want_weight) Impl::matmul(grad_weight_acc, dz.t(), h, /*accumulate=*/r0 > 0);
+      if (want_bias) grad_bias_acc.add_(at::sum(dz, 0, false, acc));
+    }
+    if (want_weight && low_precision) grad_weight.copy_(grad_weight_acc);
+    if (want_bias) grad_bias.copy_(grad_bias_acc);
+    return {loss, grad_hidden, grad_weight, grad_bias};
+  }
+
+  // The reduced loss (or per-token losses), in hidden's dtype; no gradients.
+  static at::Tensor loss(const at::Tensor& hidden, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias, const at::Tensor& target,
+                         int64_t ignore_index, c10::string_view reduction, double smoothing,
+                         double softcap, double z_loss) {
+    const Reduction r = parse_reduction(reduction, "fusedllm.linear_cross_entropy");
+    auto per_token = std::get<0>(pass(hidden, weight, bias, target, std::nullopt, ignore_index,
+                                      smoothing, softcap, z_loss, {false, false, false}));
+    return converted(reduce(per_token, target, ignore_index, r), hidden.scalar_type());
+  }
+
+  // What cross_entropy's reduction makes of per-token losses: the mean is over
+  // the tokens not ignored (NaN when all are).
+  static at::Tensor reduce(const at::Tensor& per_token, const at::Tensor& target,
+                           int64_t ignore_index, Reduction r) {
+    if (r == Reduction::kNone) return per_token;
+    at::Tensor total = per_token.sum();
+    if (r == Reduction::kSum) return total;
+    return total / (target != ignore_index).sum().to(per_token.scalar_type());
+  }
+};
+
+}  // namespace fusedllm
+
+// Registers the linear cross-entropy operators of one dispatch key; use inside TORCH_LIBRARY_IMPL.
+#define FUSEDLLM_IMPL_CROSS_ENTROPY_OPS(m, Impl)                                         \
+  do {                                                                                   \
+    (m).impl("linear_cross_entropy", &::fusedllm::CrossEntropyOps<Impl>::loss);          \
+    (m).impl("linear_cross_entropy_pass", &::fusedllm::CrossEntropyOps<Impl>::pass);     \
+  } while (0)

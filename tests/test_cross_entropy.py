@@ -1,0 +1,240 @@
+"""linear_cross_entropy: the LM head and the loss without the [tokens, vocab] logits."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusedllm
+from checks import FORWARD_TOL, GRAD_TOL, assert_close
+from reference import linear_cross_entropy as ref_lce
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+REDUCTIONS = ["mean", "sum", "none"]
+ops = torch.ops.fusedllm
+
+
+def make_inputs(tokens, hidden, vocab, dtype, device, bias=True, ignored=0.25, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=g)
+    # logits of a few units, as a trained head gives
+    w = torch.randn(vocab, hidden, generator=g) * (2.0 / hidden ** 0.5)
+    b = torch.randn(vocab, generator=g) if bias else None
+    t = torch.randint(0, vocab, (tokens,), generator=g)
+    t[torch.rand(tokens, generator=g) < ignored] = -100
+    cast = lambda x: None if x is None else x.to(dtype=dtype, device=device)  # noqa: E731
+    return cast(h), cast(w), cast(b), t.to(device)
+
+
+def loss_and_grads(fn, h, w, b, t, grad_out=None, **kw):
+    """fn's loss and the gradients of sum(grad_out * loss) for h, w (and b)."""
+    leaves = [x.detach().clone().requires_grad_() for x in (h, w, b) if x is not None]
+    loss = fn(leaves[0], leaves[1], t, bias=leaves[2] if b is not None else None, **kw)
+    if grad_out is None:
+        grad_out = torch.ones_like(loss)
+    loss.backward(grad_out)
+    return loss.detach(), [x.grad for x in leaves]
+
+
+def reference(h, w, b, t, grad_out=None, **kw):
+    """The reference in float64 from the same (rounded) inputs."""
+    up = lambda x: None if x is None else x.double()  # noqa: E731
+    return loss_and_grads(ref_lce, up(h), up(w), up(b), t,
+                          None if grad_out is None else grad_out.double(), **kw)
+
+
+def check_against_reference(h, w, b, t, dtype, **kw):
+    before = [x.clone() for x in (h, w, b, t) if x is not None]
+    reduction = kw.get("reduction", "mean")
+    grad_out = torch.randn(t.shape, dtype=dtype) if reduction == "none" else None
+    loss, grads = loss_and_grads(fusedllm.linear_cross_entropy, h, w, b, t, grad_out, **kw)
+    ref_loss, ref_grads = reference(h, w, b, t, grad_out, **kw)
+    assert loss.dtype == dtype and loss.shape == ref_loss.shape
+    assert_close(loss, ref_loss, FORWARD_TOL[dtype], "loss", upcast=True)
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        assert g.dtype == dtype and g.shape == r.shape
+        assert_close(g, r, GRAD_TOL[dtype], f"grad {name}", upcast=True)
+    after = [x for x in (h, w, b, t) if x is not None]
+    assert all(torch.equal(x, y) for x, y in zip(before, after)), "an input was modified"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("shape", [(1, 8, 5), (37, 16, 1000), (70, 24, 67)], ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("chunk", [None, 16], ids=["onechunk", "chunks16"])
+def test_matches_cross_entropy(device, dtype, reduction, shape, bias, chunk, monkeypatch):
+    if chunk is not None:
+        monkeypatch.setenv("FUSEDLLM_CE_CHUNK_ROWS", str(chunk))
+    h, w, b, t = make_inputs(*shape, dtype, device, bias=bias)
+    check_against_reference(h, w, b, t, dtype, reduction=reduction)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("options", [
+    dict(label_smoothing=0.1),
+    dict(softcap=3.0),
+    dict(z_loss=1e-3),
+    dict(label_smoothing=0.2, softcap=5.0, z_loss=1e-2, ignore_index=3),
+    dict(label_smoothing=1.0),
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_options_match_reference(device, dtype, reduction, options, monkeypatch):
+    monkeypatch.setenv("FUSEDLLM_CE_CHUNK_ROWS", "8")
+    h, w, b, t = make_inputs(29, 12, 300, dtype, device)
+    if "ignore_index" in options:
+        t = torch.where(t == -100, torch.full_like(t, options["ignore_index"]), t)
+    check_against_reference(h, w, b, t, dtype, reduction=reduction, **options)
+
+
+def test_leading_shape_and_strided_inputs(device):
+    h, w, b, t = make_inputs(24, 16, 50, torch.float32, device)
+    h3 = h.reshape(4, 6, 16).transpose(0, 1)  # [6, 4, 16], not contiguous
+    t3 = t.reshape(4, 6).t()
+    w_strided = w.t().contiguous().t()  # [V, H] with unit stride along V
+    for reduction in REDUCTIONS:
+        loss = fusedllm.linear_cross_entropy(h3, w_strided, t3, bias=b, reduction=reduction)
+        assert_close(loss, ref_lce(h3.double(), w.double(), t3, bias=b.double(), reduction=reduction),
+                     FORWARD_TOL[torch.float32], upcast=True)
+    assert fusedllm.linear_cross_entropy(h3, w, t3, reduction="none").shape == (6, 4)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_every_target_ignored_gives_what_cross_entropy_gives(device, reduction):
+    h, w, b, t = make_inputs(9, 8, 20, torch.float32, device, ignored=1.0)
+    loss, grads = loss_and_grads(fusedllm.linear_cross_entropy, h, w, b, t, reduction=reduction)
+    ref_loss, ref_grads = loss_and_grads(
+        lambda h_, w_, t_, bias: F.cross_entropy(F.linear(h_, w_, bias), t_, reduction=reduction),
+        h, w, b, t)
+    torch.testing.assert_close(loss, ref_loss, equal_nan=True)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, equal_nan=True)
+
+
+def test_zero_tokens(device):
+    h, w, b, t = make_inputs(0, 8, 20, torch.float32, device)
+    for reduction in REDUCTIONS:
+        loss, grads = loss_and_grads(fusedllm.linear_cross_entropy, h, w, b, t, reduction=reduction)
+        ref_loss, ref_grads = loss_and_grads(
+            lambda h_, w_, t_, bias: F.cross_entropy(F.linear(h_, w_, bias), t_, reduction=reduction),
+            h, w, b, t)
+        torch.testing.assert_close(loss, ref_loss, equal_nan=True)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r)
+
+
+def test_only_the_gradients_asked_for(device):
+    h, w, b, t = make_inputs(10, 8, 30, torch.float32, device)
+    for reduction in REDUCTIONS:
+        hh = h.clone().requires_grad_()
+        loss = fusedllm.linear_cross_entropy(hh, w, t, bias=b, reduction=reduction)
+        loss.sum().backward()
+        ref = torch.autograd.grad(ref_lce(hh.double(), w.double(), t, bias=b.double(),
+                                          reduction=reduction).sum(), hh)[0]
+        assert_close(hh.grad, ref, GRAD_TOL[torch.float32], upcast=False)
+    with torch.no_grad():
+        loss = fusedllm.linear_cross_entropy(h.requires_grad_(), w, t, bias=b)
+    assert not loss.requires_grad
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("options", [dict(), dict(label_smoothing=0.3, softcap=2.0, z_loss=0.1)],
+                         ids=["plain", "all-options"])
+def test_gradcheck_float64(device, reduction, options, monkeypatch):
+    monkeypatch.setenv("FUSEDLLM_CE_CHUNK_ROWS", "3")
+    h, w, b, t = make_inputs(7, 5, 11, torch.float64, device)
+    inputs = tuple(x.requires_grad_() for x in (h, w, b))
+    assert torch.autograd.gradcheck(
+        lambda h_, w_, b_: fusedllm.linear_cross_entropy(h_, w_, t, bias=b_, reduction=reduction,
+                                                         **options), inputs)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(requires_grad):
+    h, w, b, t = make_inputs(6, 4, 9, torch.float32, "cpu")
+    for x in (h, w, b):
+        x.requires_grad_(requires_grad)
+    for reduction in REDUCTIONS:
+        torch.library.opcheck(ops.linear_cross_entropy.default,
+                              (h, w, b, t, -100, reduction, 0.1, 2.0, 1e-3))
+    torch.library.opcheck(ops.linear_cross_entropy_pass.default,
+                          (h.detach(), w.detach(), None, t, None, -100, 0.0, 0.0, 0.0,
+                           [True, True, False]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_compiles_fullgraph_with_ignored_targets(reduction):
+    h, w, b, t = make_inputs(33, 16, 70, torch.float32, "cpu", ignored=0.5)
+
+    def step(h_, w_, t_, bias):
+        return fusedllm.linear_cross_entropy(h_, w_, t_, bias=bias, reduction=reduction,
+                                             label_smoothing=0.1)
+
+    compiled = torch.compile(step, fullgraph=True)
+    loss, grads = loss_and_grads(compiled, h, w, b, t,
+                                 torch.ones(33) if reduction == "none" else None)
+    ref_loss, ref_grads = loss_and_grads(step, h, w, b, t,
+                                         torch.ones(33) if reduction == "none" else None)
+    assert_close(loss, ref_loss, FORWARD_TOL[torch.float32])
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, GRAD_TOL[torch.float32])
+
+
+@pytest.mark.slow
+def test_more_logits_than_int32_can_index():
+    """tokens x vocab past 2^31: the last tokens' losses and the gradient rows."""
+    tokens, vocab = 66_000, 33_000
+    assert tokens * vocab > 2**31
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, 2, generator=g)
+    w = torch.randn(vocab, 2, generator=g)
+    t = torch.randint(0, vocab, (tokens,), generator=g)
+    loss = fusedllm.linear_cross_entropy(h, w, t, reduction="none")
+    tail = slice(tokens - 50, tokens)
+    ref = ref_lce(h[tail].double(), w.double(), t[tail], reduction="none")
+    assert_close(loss[tail], ref, FORWARD_TOL[torch.float32], upcast=True)
+    hh = h.clone().requires_grad_()
+    fusedllm.linear_cross_entropy(hh, w, t, reduction="sum").backward()
+    hd = h[tail].double().requires_grad_()
+    ref_lce(hd, w.double(), t[tail], reduction="sum").backward()
+    assert_close(hh.grad[tail], hd.grad, GRAD_TOL[torch.float32], upcast=True)
+
+
+BAD = [
+    (dict(target="float"), "target must hold int64 class indices"),
+    (dict(target="short"), "target must have hidden's leading shape"),
+    (dict(target="out_of_range"), r"target\[2\] = 50 is not a class index in \[0, 50\)"),
+    (dict(target="negative"), r"target\[1\] = -3 is not a class index"),
+    (dict(weight="wrong_width"), r"weight must be \[vocab, 8\]"),
+    (dict(weight="half"), "weight has dtype torch.float16 but hidden has dtype torch.float32"),
+    (dict(weight="empty_vocab"), "empty vocabulary"),
+    (dict(bias="wrong"), r"bias must be \[50\]"),
+    (dict(hidden="int"), "hidden must be float32, float64, bfloat16 or float16"),
+    (dict(reduction="avg"), "reduction must be 'mean', 'sum' or 'none'"),
+    (dict(label_smoothing=1.5), r"label_smoothing must be in \[0, 1\]"),
+    (dict(softcap=0.0), "softcap must be > 0"),
+    (dict(softcap=-1.0), "softcap must be > 0"),
+    (dict(z_loss=-0.1), "z_loss must be a finite number >= 0"),
+    (dict(z_loss=float("nan")), "z_loss must be a finite number >= 0"),
+    (dict(ignore_index=1.5), "ignore_index must be an int"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD, ids=[m for _, m in BAD])
+def test_bad_inputs_name_the_argument(change, message):
+    h, w, b, t = make_inputs(5, 8, 50, torch.float32, "cpu")
+    kw = {}
+    for key, value in change.items():
+        if key == "target":
+            t = {"float": t.float(), "short": t[:3], "out_of_range": t.clone().index_fill_(0, torch.tensor([2]), 50),
+                 "negative": t.clone().index_fill_(0, torch.tensor([1]), -3)}[value]
+        elif key == "weight":
+            w = {"wrong_width": w[:, :5], "half": w.half(), "empty_vocab": w[:0]}[value]
+        elif key == "bias":
+            b = b[:7]
+        elif key == "hidden":
+            h = h.to(torch.int32)
+        else:
+            kw[key] = value
+    with pytest.raises(ValueError, match=message):
+        fusedllm.linear_cross_entropy(h, w, t, bias=b, **kw)

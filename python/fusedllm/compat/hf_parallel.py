@@ -17,8 +17,9 @@ activation modules, and runs:
   through :func:`fusedllm.hf.attention_forward`, so masks, caches and
   dropout mean what they mean there);
 - Cohere's gated MLP with the fused SwiGLU on the ``[gate | up]`` slice;
-- one output matrix multiply over ``[attention | MLP hidden]`` against the
-  ``[o_proj | down_proj]`` weights, with the residual (and biases) added in it.
+- the output projections as one product of ``[attention | MLP hidden]`` with
+  ``[o_proj | down_proj]``, two accumulating ``addmm`` calls on the model's
+  own weights, the residual (and biases) added in the first.
 
 Each fused layer is an instance of a subclass of the original layer class
 (so transformers' output hooks still find it) holding the very same
@@ -63,19 +64,19 @@ def _joint_linear(x: torch.Tensor, linears, pack_last: bool = False) -> list:
 
 def _joint_output(attn: torch.Tensor, hidden: torch.Tensor, o_proj: nn.Linear, down_proj: nn.Linear,
                   residual: torch.Tensor) -> torch.Tensor:
-    """``residual + o_proj(attn) + down_proj(hidden)`` as one ``addmm`` over
-    ``[attn | hidden]`` against ``[o_proj | down_proj]``."""
+    """``residual + o_proj(attn) + down_proj(hidden)``: the product of
+    ``[attn | hidden]`` with ``[o_proj | down_proj]`` as two ``addmm`` calls
+    accumulating into one output (the inner dimension split where the two
+    weights meet), the residual and biases added by the first. Neither the
+    activations nor the weights are copied into one tensor."""
     shape = residual.shape
-    tokens = residual.numel() // shape[-1] if shape[-1] else 0
-    if tokens < _PACKED_MIN_TOKENS:
-        return residual + o_proj(attn) + down_proj(hidden)
     base = residual.reshape(-1, shape[-1])
     for lin in (o_proj, down_proj):
         if lin.bias is not None:
             base = base + lin.bias
-    joined = torch.cat([attn.reshape(-1, attn.shape[-1]), hidden.reshape(-1, hidden.shape[-1])], -1)
-    weight = torch.cat([o_proj.weight, down_proj.weight], 1)
-    return torch.addmm(base, joined, weight.t()).view(shape)
+    out = torch.addmm(base, attn.reshape(-1, attn.shape[-1]), o_proj.weight.t())
+    out = torch.addmm(out, hidden.reshape(-1, hidden.shape[-1]), down_proj.weight.t())
+    return out.view(shape)
 
 
 def _heads(t: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:

@@ -255,7 +255,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     ctx->saved_data["smoothing"] = smoothing;
     ctx->saved_data["softcap"] = softcap;
     ctx->saved_data["z_loss"] = z_loss;
-    return converted(out, hidden.scalar_type());
+    return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

@@ -79,7 +79,7 @@ def _register_cross_entropy(ns: str) -> None:
     def _linear_cross_entropy_fake(hidden, weight, bias, target, ignore_index, reduction,
                                    label_smoothing, softcap, z_loss):
         shape = (hidden.shape[0],) if reduction == "none" else ()
-        return hidden.new_empty(shape)
+        return hidden.new_empty(shape, dtype=rstd_dtype(hidden))
 
     @torch.library.register_fake(f"{ns}::linear_cross_entropy_pass")
     def _linear_cross_entropy_pass_fake(hidden, weight, bias, target, grad_scale, ignore_index,

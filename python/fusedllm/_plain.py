@@ -391,4 +391,4 @@ def linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, 
         loss = loss.sum()
     elif reduction == "mean":
         loss = loss.sum() / keep.sum()
-    return loss.to(hidden.dtype)
+    return loss

@@ -262,7 +262,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     ``softcap`` (Gemma 2's final-logit soft-capping) replaces the logits by
     ``softcap * tanh(logits / softcap)`` first. ``z_loss`` adds
     ``z_loss * logsumexp(logits) ** 2`` per token (PaLM's auxiliary loss).
-    The result has hidden's dtype; differentiable in hidden, weight and bias.
+    The loss is float32 (float64 for float64 inputs) whatever hidden's dtype,
+    as Hugging Face computes it; differentiable in hidden, weight and bias.
     """
     op = "fusedllm.linear_cross_entropy"
     _require_tensors(op, "hidden", hidden, weight=weight, target=target, bias=bias)

@@ -232,7 +232,7 @@ struct CrossEntropyOps {
     return {loss, grad_hidden, grad_weight, grad_bias};
   }
 
-  // The reduced loss (or per-token losses), in hidden's dtype; no gradients.
+  // The reduced loss (or per-token losses) in the accumulation dtype; no gradients.
   static at::Tensor loss(const at::Tensor& hidden, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias, const at::Tensor& target,
                          int64_t ignore_index, c10::string_view reduction, double smoothing,
@@ -240,7 +240,7 @@ struct CrossEntropyOps {
     const Reduction r = parse_reduction(reduction, "fusedllm.linear_cross_entropy");
     auto per_token = std::get<0>(pass(hidden, weight, bias, target, std::nullopt, ignore_index,
                                       smoothing, softcap, z_loss, {false, false, false}));
-    return converted(reduce(per_token, target, ignore_index, r), hidden.scalar_type());
+    return reduce(per_token, target, ignore_index, r);
   }
 
   // What cross_entropy's reduction makes of per-token losses: the mean is over

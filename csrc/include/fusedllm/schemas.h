@@ -58,7 +58,7 @@ inline void define_ops(torch::Library& m) {
   // target [N] (int64; ignore_index skipped), without the [N, V] logits: chunks
   // of tokens, float32 (float64) math. softcap 0 means no cap. reduction is
   // "mean" (over tokens not ignored), "sum" or "none" (per-token, 0 where
-  // ignored); the result has hidden's dtype.
+  // ignored); the result is float32 (float64 for float64 inputs).
   m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
         "int ignore_index, str reduction, float label_smoothing, float softcap, float z_loss)"
         " -> Tensor");

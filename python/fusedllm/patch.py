@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import hf_loss
 from . import nn as fnn
 from .compat import hf_parallel, nb000, nb001, nb002, nb003
 from .compat._common import eps_of, gated_linears, is_linear, norm_weight, shell
@@ -65,13 +66,15 @@ class Left:
 @dataclass
 class PatchReport:
     """What :func:`patch` did: ``replaced`` (path, original class, fused class,
-    whether it was verified), ``left`` (candidates kept as they were, and why)
-    and ``attention`` (the Hugging Face attention implementation switch, or why
-    it was not made)."""
+    whether it was verified), ``left`` (candidates kept as they were, and why),
+    ``attention`` (the Hugging Face attention implementation switch, or why
+    it was not made) and ``loss`` (with ``cross_entropy=True``: the fused
+    causal-LM loss, or why the model was left)."""
 
     replaced: list[Replaced] = field(default_factory=list)
     left: list[Left] = field(default_factory=list)
     attention: str = ""
+    loss: str = ""
 
     def count(self, replacement_contains: str = "") -> int:
         return sum(replacement_contains in r.replacement for r in self.replaced)
@@ -86,6 +89,8 @@ class PatchReport:
             lines.append(f"  left     {item.path or '<root>'}: {item.module}: {item.reason}")
         if self.attention:
             lines.append(f"  attention: {self.attention}")
+        if self.loss:
+            lines.append(f"  cross-entropy: {self.loss}")
         return "\n".join(lines)
 
 
@@ -283,7 +288,8 @@ def _switch_hf_attention(model, report):
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
-          attention: bool = True, parallel: bool = True, verify: bool = False) -> PatchReport:
+          attention: bool = True, parallel: bool = True, cross_entropy: bool = False,
+          verify: bool = False) -> PatchReport:
     """Replace, in place, the modules of ``model`` that fusedllm has fused
     versions of; return a :class:`PatchReport` (``print(report)`` for a summary).
 
@@ -301,6 +307,13 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
     fails on that input (the LLaMA notebook's attention does) is replaced and
     marked as not compared. A fused parallel decoder layer is not compared on
     a probe (it needs the model's masks and positions); the report says so.
+
+    ``cross_entropy=True`` gives a Hugging Face causal LM (Llama, Mistral,
+    Qwen2/3, Gemma/Gemma 2/3, Phi-3) a forward whose training loss is
+    :func:`fusedllm.linear_cross_entropy`: in training mode with ``labels`` no
+    logits are built (``logits`` is None unless ``logits_to_keep`` asks for
+    some); evaluation and generation run the model's own forward
+    (:mod:`fusedllm.hf_loss`).
 
     The model itself (the root) is never replaced, only modules inside it.
     """
@@ -378,6 +391,10 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
     walk(model, "")
     if attention:
         _switch_hf_attention(model, report)
+    if cross_entropy:
+        reason = hf_loss.patch_causal_lm(model)
+        report.loss = ("fused: linear_cross_entropy, no logits in training" if reason is None
+                       else f"left: {reason}")
     return report
 
 
@@ -399,6 +416,7 @@ def unpatch(model: nn.Module) -> int:
                 setattr(owner, leaf, new_buffers[buffer_name])
         original.train(new.training)
         setattr(parent, name, original)
+    hf_loss.unpatch_causal_lm(model)
     if _ATTN_ATTR in model.__dict__:
         previous = model.__dict__.pop(_ATTN_ATTR)
         if hasattr(model, "set_attn_implementation"):

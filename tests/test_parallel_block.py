@@ -327,6 +327,16 @@ def test_torch_compile_fullgraph():
         assert_close(compiled_grads[key], value, GRAD_TOL[torch.float32], key)
 
 
+def test_empty_inputs():
+    block = ParallelBlock(32, 4, 2, 40)
+    for shape in ((0, 5, 32), (2, 0, 32)):
+        x = torch.randn(*shape, requires_grad=True)
+        out = block(x)
+        assert out.shape == shape
+        out.sum().backward()
+        assert x.grad.shape == shape
+
+
 def test_meta_device_and_repr():
     block = ParallelBlock(32, 4, 2, 40, device="meta")
     assert block.in_proj_weight.is_meta and block.in_proj_weight.shape == (32 + 16 + 16 + 80, 32)
@@ -366,6 +376,10 @@ def test_bad_forward_arguments():
         block(torch.randn(2, 5, 16))
     with pytest.raises(ValueError, match="x must be"):
         block(torch.randn(5, 32))
+    with pytest.raises(ValueError, match="x is torch.float64"):
+        block(torch.randn(1, 5, 32, dtype=torch.float64))
+    with pytest.raises(ValueError, match="mask"):
+        block(torch.randn(1, 5, 32), mask=torch.ones(3, 3, 7, 7, dtype=torch.bool))
     with pytest.raises(ValueError, match="cache"):
         block(torch.randn(1, 5, 32), cache=[])
     with pytest.raises(ValueError, match="mask"):

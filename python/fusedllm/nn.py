@@ -732,6 +732,10 @@ class ParallelBlock(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
             shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{owner}: x must be [batch, seq, d_model={self.d_model}], got {shape}")
+        weight = self.in_proj_weight
+        if x.dtype != weight.dtype or x.device != weight.device:
+            raise ValueError(f"{owner}: x is {x.dtype} on {x.device} but the block's parameters are "
+                             f"{weight.dtype} on {weight.device}; move one to the other (block.to(...))")
         if cache is not None and not isinstance(cache, KVCache):
             raise ValueError(f"{owner}: cache must be a fusedllm.nn.KVCache, got {type(cache).__name__}")
         if mask is not None and not isinstance(mask, torch.Tensor):

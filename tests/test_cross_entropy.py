@@ -241,3 +241,24 @@ def test_bad_inputs_name_the_argument(change, message):
             kw[key] = value
     with pytest.raises(ValueError, match=message):
         fusedllm.linear_cross_entropy(h, w, t, bias=b, **kw)
+
+
+def test_notebook_llama_model_computes_its_loss_without_logits():
+    from fusedllm.compat import nb003
+
+    torch.manual_seed(0)
+    config = nb003.LLaMAConfig(vocab_size=61, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2)
+    model = nb003.LLaMAModel(config)
+    ids = torch.randint(0, 61, (2, 9))
+    labels = ids.clone()
+    labels[1, :4] = -100
+    loss = model(ids, labels=labels)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    logits = model(ids)
+    ref = F.cross_entropy(logits[:, :-1].reshape(-1, 61), labels[:, 1:].reshape(-1))
+    ref_grads = torch.autograd.grad(ref, list(model.parameters()))
+    assert_close(loss, ref, FORWARD_TOL[torch.float32])
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, GRAD_TOL[torch.float32])
+    with pytest.raises(ValueError, match="labels must have the shape of input_ids"):
+        model(ids, labels=labels[:, 1:])

@@ -196,7 +196,11 @@ class LLaMAModel(nn.Module):
     """``LLaMAModel(config)``: ``token_embeddings``, ``layers`` of
     :class:`LLaMABlock`, final ``norm`` and an untied ``lm_head``; linears and
     embeddings initialized normal(0, 0.02) as in the notebook.
-    ``forward(input_ids) -> logits``."""
+    ``forward(input_ids) -> logits``; ``forward(input_ids, labels=labels)``
+    returns the next-token loss instead (``labels`` shaped like ``input_ids``,
+    position ``i`` predicting ``labels[..., i + 1]``, -100 ignored, the mean
+    over the rest), computed by :func:`fusedllm.linear_cross_entropy` without
+    building the logits."""
 
     def __init__(self, config: LLaMAConfig):
         super().__init__()
@@ -216,11 +220,18 @@ class LLaMAModel(nn.Module):
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         h = self.token_embeddings(input_ids)
         for layer in self.layers:
             h = layer(h)
-        return self.lm_head(self.norm(h))
+        h = self.norm(h)
+        if labels is None:
+            return self.lm_head(h)
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"LLaMAModel: labels must have the shape of input_ids "
+                             f"{list(input_ids.shape)}, got {list(labels.shape)}")
+        return FF.linear_cross_entropy(h[..., :-1, :], self.lm_head.weight, labels[..., 1:],
+                                       bias=self.lm_head.bias)
 
 
 # --- built from the notebook's own modules, for fusedllm.patch ------------------------

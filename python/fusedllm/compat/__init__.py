@@ -13,6 +13,9 @@ values and parameter / buffer names, built on the fused ops.
 - ``nb002``: normalization lab (RMSNorm, single-head attention, pre/post-norm)
 - ``nb003``: GPT-2 to LLaMA (GQA, RoPE, RMSNorm, SwiGLU, block and model)
 
+``hf_parallel`` builds, for :func:`fusedllm.patch`, fused twins of Hugging
+Face parallel-residual decoder layers (GPT-J, GPT-NeoX, Cohere).
+
 Each submodule's docstring lists where it deliberately differs from the
 notebook (fixed defects, fully masked rows, dropout random stream).
 """

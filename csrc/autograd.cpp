@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/jit/runtime/operator.h>
 #include <torch/library.h>
 
@@ -265,9 +266,12 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     const auto s = ctx->get_saved_variables();
     variable_list out(12);
     if (ctx->saved_data["early"].toBool()) {
+      // Scaled in place (no second weight-sized tensor) unless the graph is
+      // kept for another backward, which needs them unscaled.
+      const bool in_place = !torch::autograd::get_current_graph_task_keep_graph();
       const at::Tensor factor = converted(grads[0], s[3].scalar_type()) * s[3];
       for (int i = 0; i < 3; ++i) {
-        if (ctx->needs_input_grad(i)) out[i] = s[i] * factor;
+        if (ctx->needs_input_grad(i)) out[i] = in_place ? s[i].mul_(factor) : s[i] * factor;
       }
       return out;
     }

@@ -262,3 +262,17 @@ def test_notebook_llama_model_computes_its_loss_without_logits():
         assert_close(g, r, GRAD_TOL[torch.float32])
     with pytest.raises(ValueError, match="labels must have the shape of input_ids"):
         model(ids, labels=labels[:, 1:])
+
+
+def test_backward_twice_through_a_kept_graph():
+    """The gradients formed in the forward pass are scaled in place only when
+    the graph is not kept for another backward."""
+    h, w, b, t = make_inputs(6, 4, 9, torch.float32, "cpu")
+    h.requires_grad_()
+    for reduction in REDUCTIONS:
+        h.grad = None
+        loss = fusedllm.linear_cross_entropy(h, w, t, reduction=reduction).sum()
+        loss.backward(retain_graph=True)
+        first = h.grad.clone()
+        loss.backward()
+        assert_close(h.grad, 2 * first, GRAD_TOL[torch.float32])

@@ -1,6 +1,6 @@
 // Linear cross-entropy ops on CPU: the chunked pass of
 // fusedllm/cross_entropy_op.h with torch's BLAS multiplies and the row kernel
-// variant for the running CPU.
+// variant for the running CPU, in place on the logits chunk.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -16,11 +16,14 @@ FUSEDLLM_DEFINE_CPU_KERNEL_TABLE(CrossEntropyRowFn, cross_entropy_row_kernels, "
 namespace {
 
 struct CpuCrossEntropy {
-  // bfloat16 and float16 operands multiply through torch's BLAS in their own
-  // dtype (float32 accumulation, the result rounded once to that dtype, as
-  // the eager linear layer's logits are), widened into `out`; a sum over
-  // chunks adds each chunk's rounded product in float32, a slab of rows at a
-  // time so that no [vocab, hidden] temporary is made.
+  // The logits chunk has the input dtype: torch's BLAS rounds each logit once
+  // to it, as an eager linear layer does, and the row kernel turns it into the
+  // gradient in place.
+  static constexpr bool kLogitsInInputDtype = true;
+
+  // A float32 `out` from bfloat16 / float16 operands: each product is rounded
+  // once to the operands' dtype and added (or written) in float32, a slab of
+  // rows at a time so that no [vocab, hidden] temporary is made.
   static void matmul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
     if (a.scalar_type() == out.scalar_type()) {
       if (accumulate) {
@@ -30,21 +33,23 @@ struct CpuCrossEntropy {
       }
       return;
     }
-    if (!accumulate) {
-      out.copy_(at::mm(a, b));
-      return;
-    }
     constexpr int64_t kSlab = 4096;
     for (int64_t i = 0; i < a.size(0); i += kSlab) {
       const int64_t n = std::min(kSlab, a.size(0) - i);
-      out.narrow(0, i, n).add_(at::mm(a.narrow(0, i, n), b));
+      at::Tensor part = out.narrow(0, i, n);
+      const at::Tensor product = at::mm(a.narrow(0, i, n), b);
+      if (accumulate) {
+        part.add_(product);
+      } else {
+        part.copy_(product);
+      }
     }
   }
 
   static void rows(const CrossEntropyRows& r) {
+    TORCH_INTERNAL_ASSERT(!r.grad || r.grad_logits.data_ptr() == r.logits.data_ptr());
     CrossEntropyRowArgs a{};
-    a.acc = r.logits.scalar_type();
-    a.grad_dtype = r.grad ? r.grad_logits.scalar_type() : a.acc;
+    a.dtype = r.logits.scalar_type();
     a.options = r.options;
     a.ignore_index = r.ignore_index;
     a.rows = r.logits.size(0);
@@ -55,8 +60,7 @@ struct CpuCrossEntropy {
     a.loss = r.loss.data_ptr();
     a.lse = r.lse.data_ptr();
     a.scale = r.scale.defined() ? r.scale.const_data_ptr() : nullptr;
-    a.grad_logits = r.grad ? r.grad_logits.data_ptr() : nullptr;
-    a.grad_stride = r.grad ? r.grad_logits.stride(0) : 0;
+    a.grad = r.grad;
     cross_entropy_row_kernels.get()(a);
   }
 };

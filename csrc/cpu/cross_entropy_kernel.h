@@ -13,16 +13,17 @@
 namespace fusedllm::cpu {
 
 struct CrossEntropyRowArgs {
-  at::ScalarType acc;        // dtype of logits, loss, lse, scale: float32 or float64
-  at::ScalarType grad_dtype;  // dtype of grad_logits
+  at::ScalarType dtype;  // of the logits; loss, lse and scale are float32 (float64 for float64)
   ce::Options options;
   int64_t ignore_index;
   int64_t rows, vocab;
-  void* logits; int64_t logits_stride;  // z on entry; s (capped logits) on exit
+  // z on entry; the capped logits after, or with `grad` the gradient of
+  // sum(scale * loss) with respect to z
+  void* logits; int64_t logits_stride;
   const int64_t* target;
   void* loss; void* lse;
   const void* scale;  // null: 1 for every row
-  void* grad_logits; int64_t grad_stride;  // null: no gradient
+  bool grad;
 };
 
 using CrossEntropyRowFn = void (*)(const CrossEntropyRowArgs&);

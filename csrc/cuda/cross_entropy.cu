@@ -96,6 +96,9 @@ __global__ void cross_entropy_rows_kernel(A* logits, int64_t logits_stride,
 constexpr int kThreads = 256;
 
 struct CudaCrossEntropy {
+  // float32 logits (cuBLAS's float32 output from bfloat16 / float16 operands).
+  static constexpr bool kLogitsInInputDtype = false;
+
   static void matmul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
 #if defined(FUSEDLLM_SIMT)
     // Emulated: CPU tensors, the operands widened as the GPU's float32 accumulation does.

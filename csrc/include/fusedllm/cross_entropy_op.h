@@ -1,10 +1,10 @@
 // The fused linear cross-entropy ops, shared by the CPU and CUDA
 // implementations: argument checks and the pass over token chunks. Each chunk's
-// logits [rows, V] are one matrix multiply into an accumulation-dtype buffer
-// (float32, float64 for float64); the device's row kernel turns them into lse,
-// losses and, when asked, the logits' gradient in place; two more multiplies
-// give the chunk's hidden gradient and add its share of the weight gradient.
-// The [tokens, V] logits never exist: only one chunk of them does.
+// logits [rows, V] are one matrix multiply; the device's row kernel turns them
+// into lse, losses and, when asked, the logits' gradient (float32 math, float64
+// for float64); two more multiplies give the chunk's hidden gradient and add
+// its share of the weight gradient (summed in float32 over the chunks). The
+// [tokens, V] logits never exist: only one chunk of them does.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -34,10 +34,10 @@ inline Reduction parse_reduction(std::string_view reduction, const char* op) {
 }
 
 // One chunk's row pass, for the device's row kernel. `logits` [rows, V]
-// (accumulation dtype, row-contiguous) holds z on entry; with `grad`, the row
-// kernel writes the gradient of sum(scale * loss) with respect to z into
-// `grad_logits` ([rows, V], row-contiguous; the input dtype, which may be
-// `logits` itself).
+// (row-contiguous; the accumulation or the input dtype) holds z on entry; with
+// `grad`, the row kernel writes the gradient of sum(scale * loss) with respect
+// to z into `grad_logits` ([rows, V], row-contiguous, the input dtype; it may
+// be `logits` itself).
 struct CrossEntropyRows {
   ce::Options options;
   int64_t ignore_index = -100;
@@ -128,8 +128,11 @@ inline int64_t chunk_rows(int64_t tokens, int64_t vocab, int64_t acc_bytes) {
 }
 
 // Impl provides:
-//   matmul(out, a, b, accumulate): out (accumulation dtype) = [out +] a @ b,
-//     a and b 2-D in the input dtype with one unit stride each;
+//   kLogitsInInputDtype: whether the logits chunk has the input dtype (else
+//     the accumulation dtype);
+//   matmul(out, a, b, accumulate): out = [out +] a @ b, a and b 2-D in the
+//     input dtype with one unit stride each, out in the accumulation dtype
+//     (or the logits chunk's);
 //   rows(const CrossEntropyRows&): the row kernel.
 template <typename Impl>
 struct CrossEntropyOps {
@@ -180,25 +183,30 @@ struct CrossEntropyOps {
         grad_scale.has_value() ? converted(*grad_scale, acc).contiguous() : at::Tensor();
     at::Tensor lse = at::empty({tokens}, acc_opts);
 
-    const int64_t chunk = chunk_rows(tokens, vocab, c10::elementSize(acc));
-    at::Tensor logits = at::empty({chunk, vocab}, acc_opts);
+    // The logits chunk: in the accumulation dtype, or (Impl::kLogitsInInputDtype)
+    // in the input dtype as an eager linear layer rounds them; the gradient goes
+    // in place when the chunk has the input dtype, else into its own buffer.
     const bool low_precision = dtype != acc;
-    at::Tensor grad_logits_lp = grad && low_precision ? at::empty({chunk, vocab}, hidden.options())
-                                                      : at::Tensor();
+    const at::ScalarType logits_dtype = Impl::kLogitsInInputDtype ? dtype : acc;
+    const int64_t chunk = chunk_rows(tokens, vocab, c10::elementSize(logits_dtype));
+    at::Tensor logits = at::empty({chunk, vocab}, hidden.options().dtype(logits_dtype));
+    at::Tensor grad_logits = grad && logits_dtype != dtype ? at::empty({chunk, vocab}, hidden.options())
+                                                           : logits;
     // The weight gradient is summed over chunks in the accumulation dtype.
-    at::Tensor grad_weight_acc = want_weight ? (low_precision ? at::empty({vocab, hidden_size}, acc_opts)
-                                                              : grad_weight)
-                                             : at::Tensor();
-    at::Tensor grad_hidden_acc = want_hidden && low_precision ? at::empty({chunk, hidden_size}, acc_opts)
-                                                              : at::Tensor();
+    at::Tensor grad_weight_acc = want_weight && low_precision ? at::empty({vocab, hidden_size}, acc_opts)
+                                                              : grad_weight;
     at::Tensor grad_bias_acc = want_bias ? at::zeros({vocab}, acc_opts) : at::Tensor();
 
     for (int64_t r0 = 0; r0 < tokens; r0 += chunk) {
       const int64_t n = std::min(chunk, tokens - r0);
       const at::Tensor h = hidden.narrow(0, r0, n);
       at::Tensor z = logits.narrow(0, 0, n);
-      Impl::matmul(z, h, weight.t(), /*accumulate=*/false);
-      if (bias_acc.defined()) z.add_(bias_acc);
+      if (logits_dtype == dtype && bias.has_value()) {
+        at::addmm_out(z, *bias, h, weight.t());  // one rounding, as F.linear's
+      } else {
+        Impl::matmul(z, h, weight.t(), /*accumulate=*/false);
+        if (bias_acc.defined()) z.add_(bias_acc);
+      }
 
       CrossEntropyRows rows;
       rows.options = args.options;
@@ -209,20 +217,15 @@ struct CrossEntropyOps {
       rows.lse = lse.narrow(0, r0, n);
       if (scale.defined()) rows.scale = scale.narrow(0, r0, n);
       rows.grad = grad;
-      const at::Tensor dz = grad ? (low_precision ? grad_logits_lp.narrow(0, 0, n) : z) : at::Tensor();
+      const at::Tensor dz = grad ? grad_logits.narrow(0, 0, n) : at::Tensor();
       rows.grad_logits = dz;
       Impl::rows(rows);
       if (!grad) continue;
 
+      // The input dtype's multiply accumulates in float32 over the vocabulary.
       if (want_hidden) {
-        if (low_precision) {
-          at::Tensor dh = grad_hidden_acc.narrow(0, 0, n);
-          Impl::matmul(dh, dz, weight, false);
-          grad_hidden.narrow(0, r0, n).copy_(dh);
-        } else {
-          at::Tensor dh = grad_hidden.narrow(0, r0, n);
-          Impl::matmul(dh, dz, weight, false);
-        }
+        at::Tensor dh = grad_hidden.narrow(0, r0, n);
+        at::mm_out(dh, dz, weight);
       }
       if (want_weight) Impl::matmul(grad_weight_acc, dz.t(), h, /*accumulate=*/r0 > 0);
       if (want_bias) grad_bias_acc.add_(at::sum(dz, 0, false, acc));

@@ -103,6 +103,8 @@ bench: $(VENV)/.built $(VENV)/.dev-deps-installed
 	$(BIN)/python benchmarks/bench_attention.py
 	$(BIN)/python benchmarks/bench_decode.py
 	$(BIN)/python benchmarks/bench_model.py
+	$(BIN)/python benchmarks/bench_parallel_block.py
+	$(BIN)/python benchmarks/bench_cross_entropy.py
 
 clean:
 	rm -rf build $(VENV)/.built $(VENV)/.built-simt

@@ -6,6 +6,11 @@ logits, their softmax and gradient are what the fused op never builds).
     python benchmarks/bench_cross_entropy.py            # tables -> benchmarks/results/
     python benchmarks/bench_cross_entropy.py --quick    # small sizes
     python benchmarks/bench_cross_entropy.py --tokens 4096 16384 --vocab 32000 128256
+
+The model rows time a training step (forward with labels, backward) of a small
+Hugging Face Llama (4 layers, hidden 512, vocabulary 32000), unpatched against
+`fusedllm.patch(model, cross_entropy=True)` (the loss only: no other module
+swapped).
 """
 
 from __future__ import annotations
@@ -68,29 +73,81 @@ def bench_case(tokens, hidden, vocab, dtype, device, reps, with_compile):
         loss_abs_diff=diff)
 
 
+def bench_model(tokens_per_seq, batch, dtype, device, reps):
+    """A training step (forward with labels, backward) of a small Hugging Face
+    Llama with a 32k vocabulary, unpatched against patch(cross_entropy=True)."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408,
+                                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                                      max_position_embeddings=tokens_per_seq)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).train()
+    fused = transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).train()
+    fused.load_state_dict(eager.state_dict())
+    fusedllm.patch(fused, cross_entropy=True, rms_norm=False, swiglu=False, rope=False, attention=False,
+                   parallel=False)
+    ids = torch.randint(0, 32000, (batch, tokens_per_seq), device=device)
+
+    def step(model):
+        def run():
+            model.zero_grad(set_to_none=True)
+            model(input_ids=ids, labels=ids).loss.backward()
+        return run
+
+    candidates = {"eager": step(eager), "fusedllm": step(fused)}
+    with torch.no_grad():
+        diff = abs(eager(input_ids=ids, labels=ids).loss.item() - fused(input_ids=ids, labels=ids).loss.item())
+    times = interleaved_medians(candidates, device, reps, warmup=1)
+    peaks = {}
+    for k, fn in candidates.items():
+        for m in (eager, fused):
+            m.zero_grad(set_to_none=True)
+        peaks[k] = peak_memory_bytes(fn, device)
+    t_f = times["fusedllm"]
+    return dict(
+        case=f"HF Llama step {batch}x{tokens_per_seq}, V=32000 {dtype_name(dtype)}", dtype=str(dtype),
+        tokens=batch * tokens_per_seq, hidden=512, vocab=32000,
+        eager_ms=times["eager"] * 1e3, compile_ms=None, fused_ms=t_f * 1e3, vs_eager=times["eager"] / t_f,
+        vs_compile=None, fused_gflops=None,
+        eager_peak_mb=peaks["eager"] / 2**20, fused_peak_mb=peaks["fusedllm"] / 2**20, compile_peak_mb=None,
+        peak_vs_eager=peaks["fusedllm"] / peaks["eager"], loss_abs_diff=diff)
+
+
 def options(parser):
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
     parser.add_argument("--vocab", type=int, nargs="+", default=None)
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--no-model", action="store_true", help="skip the Hugging Face model step")
+
+
+# (tokens, vocab, dtype) by default: on a 2-core CPU an eager float32 step at
+# 16384 tokens takes about a minute, and at a 128k vocabulary its logits alone
+# outgrow 24 GiB; --tokens / --vocab / --dtypes run the full grid.
+DEFAULT_CASES = [(4096, 32000, "float32"), (4096, 32000, "bfloat16"), (16384, 32000, "bfloat16")]
 
 
 def cases(args, device):
+    hidden = args.hidden or (256 if args.quick else 2048)
+    reps = args.reps or (5 if args.quick else 3)
     if args.quick:
-        tokens, vocab, hidden, reps = [512], [8000], 256, args.reps or 5
+        grid = [(512, 8000, d) for d in args.dtypes]
+    elif args.tokens or args.vocab:
+        grid = [(n, v, d) for d in args.dtypes for n in args.tokens or [4096] for v in args.vocab or [32000]]
     else:
-        tokens, vocab, hidden, reps = [4096], [32000], 2048, args.reps or 3
-    tokens = args.tokens or tokens
-    vocab = args.vocab or vocab
-    hidden = args.hidden or hidden
-    for dtype in (getattr(torch, d) for d in args.dtypes):
-        for n in tokens:
-            for v in vocab:
-                yield bench_case(n, hidden, v, dtype, device, reps, not args.no_compile)
+        grid = DEFAULT_CASES
+    for n, v, d in grid:
+        yield bench_case(n, hidden, v, getattr(torch, d), device, reps, not args.no_compile)
+    if not args.no_model:
+        for dtype in (getattr(torch, d) for d in args.dtypes):
+            yield bench_model(128 if args.quick else 512, 2 if args.quick else 4, dtype, device,
+                              args.reps or 5)
 
 
 def describe(row):
-    return (f"{row['case']:<36} fused {row['fused_ms']:9.1f} ms  x{row['vs_eager']:.2f} eager  "
+    return (f"{row['case']:<44} fused {row['fused_ms']:9.1f} ms  x{row['vs_eager']:.2f} eager  "
             + (f"x{row['vs_compile']:.2f} compile  " if row["vs_compile"] else "")
             + f"peak MiB eager {row['eager_peak_mb']:.0f} fused {row['fused_peak_mb']:.0f} "
             + f"({100 * row['peak_vs_eager']:.0f}%)"

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedllm
-from checks import FORWARD_TOL, GRAD_TOL, assert_close
+from checks import FORWARD_TOL, GRAD_TOL, assert_close, results_across_thread_counts
 from reference import linear_cross_entropy as ref_lce
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -276,3 +276,22 @@ def test_backward_twice_through_a_kept_graph():
         first = h.grad.clone()
         loss.backward()
         assert_close(h.grad, 2 * first, GRAD_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_deterministic(device, dtype, monkeypatch):
+    """Same bits on every run: no atomics, the chunks' weight gradients added
+    in order. (Across thread counts the row kernel gives the same bits; the
+    BLAS multiplies need not, so each count is compared with itself.)"""
+    monkeypatch.setenv("FUSEDLLM_CE_CHUNK_ROWS", "16")
+    h, w, b, t = make_inputs(70, 24, 300, dtype, device)
+
+    def run():
+        loss, grads = loss_and_grads(fusedllm.linear_cross_entropy, h, w, b, t, label_smoothing=0.1)
+        return [loss, *grads]
+
+    results = results_across_thread_counts(device, run)
+    pairs = [(0, 3), (1, 2)] if len(results) == 4 else [(0, 1)]
+    for i, j in pairs:
+        for x, y in zip(results[i], results[j]):
+            assert torch.equal(x, y)

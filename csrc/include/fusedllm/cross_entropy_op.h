@@ -121,8 +121,8 @@ inline CrossEntropyArgs check_cross_entropy(const char* op, const at::Tensor& hi
 // gradient, so few chunks keep that traffic small beside the multiplies) and
 // as many as fit in 64 MiB of logits. FUSEDLLM_CE_CHUNK_ROWS sets it (the
 // tests use it to cross chunk boundaries at small sizes).
-inline int64_t chunk_rows(int64_t tokens, int64_t vocab, int64_t acc_bytes) {
-  int64_t rows = std::max<int64_t>(256, (int64_t{64} << 20) / (vocab * acc_bytes));
+inline int64_t chunk_rows(int64_t tokens, int64_t vocab, int64_t logit_bytes) {
+  int64_t rows = std::max<int64_t>(256, (int64_t{64} << 20) / (vocab * logit_bytes));
   if (const char* forced = std::getenv("FUSEDLLM_CE_CHUNK_ROWS")) rows = std::atoll(forced);
   return std::clamp<int64_t>(rows, 1, std::max<int64_t>(tokens, 1));
 }

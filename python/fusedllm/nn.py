@@ -377,6 +377,46 @@ def _positive_int(owner: str, name: str, value) -> int:
     return value
 
 
+def _head_layout(owner: str, d_model, n_heads, n_kv_heads, head_dim) -> tuple[int, int]:
+    """Checked ``(n_kv_heads, head_dim)``; by default ``n_heads`` and ``d_model // n_heads``."""
+    _positive_int(owner, "d_model", d_model)
+    _positive_int(owner, "n_heads", n_heads)
+    n_kv_heads = n_heads if n_kv_heads is None else _positive_int(owner, "n_kv_heads", n_kv_heads)
+    if n_heads % n_kv_heads:
+        raise ValueError(f"{owner}: n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+    if head_dim is None:
+        if d_model % n_heads:
+            raise ValueError(f"{owner}: d_model ({d_model}) must be divisible by n_heads ({n_heads}), "
+                             f"or pass head_dim")
+        head_dim = d_model // n_heads
+    _positive_int(owner, "head_dim", head_dim)
+    return n_kv_heads, head_dim
+
+
+def _attention_options(owner: str, dropout, window) -> float:
+    """Checks the attention dropout probability and window; returns the dropout as a float."""
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"{owner}: dropout must be a number in [0, 1), got {dropout!r}")
+    if window is not None:
+        _positive_int(owner, "window", window)
+    return float(dropout)
+
+
+def _sequence_input(owner: str, x, d_model: int, cache, position_offset) -> int:
+    """Checks ``x [batch, seq, d_model]``, the cache and ``position_offset``;
+    returns the offset (by default the cache's length, else 0)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != d_model:
+        shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{owner}: x must be [batch, seq, d_model={d_model}], got {shape}")
+    if cache is not None and not isinstance(cache, KVCache):
+        raise ValueError(f"{owner}: cache must be a fusedllm.nn.KVCache, got {type(cache).__name__}")
+    if position_offset is None:
+        return cache.length if cache is not None else 0
+    if isinstance(position_offset, bool) or not isinstance(position_offset, int) or position_offset < 0:
+        raise ValueError(f"{owner}: position_offset must be an int >= 0, got {position_offset!r}")
+    return position_offset
+
+
 class GQAttention(nn.Module):
     """Causal grouped-query self-attention with rotary embeddings, on the fused
     ``rope`` and ``attention`` ops.
@@ -416,25 +456,11 @@ class GQAttention(nn.Module):
                  window: int | None = None, device=None, dtype=None):
         super().__init__()
         owner = "fusedllm.nn.GQAttention"
-        _positive_int(owner, "d_model", d_model)
-        _positive_int(owner, "n_heads", n_heads)
-        n_kv_heads = n_heads if n_kv_heads is None else _positive_int(owner, "n_kv_heads", n_kv_heads)
-        if n_heads % n_kv_heads:
-            raise ValueError(f"{owner}: n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(f"{owner}: d_model ({d_model}) must be divisible by n_heads ({n_heads}), "
-                                 f"or pass head_dim")
-            head_dim = d_model // n_heads
-        _positive_int(owner, "head_dim", head_dim)
+        n_kv_heads, head_dim = _head_layout(owner, d_model, n_heads, n_kv_heads, head_dim)
         if rope and head_dim % 2:
             raise ValueError(f"{owner}: rope=True needs an even head_dim, got {head_dim}")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"{owner}: dropout must be a number in [0, 1), got {dropout!r}")
-        if window is not None:
-            _positive_int(owner, "window", window)
+        self.dropout = _attention_options(owner, dropout, window)
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
-        self.dropout = float(dropout)
         self.window = window
         factory = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias, **factory)
@@ -446,16 +472,7 @@ class GQAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, position_offset: int | None = None,
                 cache: KVCache | None = None, return_weights: bool = False):
-        owner = "fusedllm.nn.GQAttention"
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
-            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{owner}: x must be [batch, seq, d_model={self.d_model}], got {shape}")
-        if cache is not None and not isinstance(cache, KVCache):
-            raise TypeError(f"{owner}: cache must be a fusedllm.nn.KVCache, got {type(cache).__name__}")
-        if position_offset is None:
-            position_offset = cache.length if cache is not None else 0
-        elif isinstance(position_offset, bool) or not isinstance(position_offset, int) or position_offset < 0:
-            raise ValueError(f"{owner}: position_offset must be an int >= 0, got {position_offset!r}")
+        position_offset = _sequence_input("fusedllm.nn.GQAttention", x, self.d_model, cache, position_offset)
         batch, seq, _ = x.shape
         # [B, S, H*D] -> [B, H, S, D] as strided views: rope and attention read strides
         q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
@@ -543,20 +560,10 @@ class ParallelBlock(nn.Module):
                  max_positions: int = 8192, device=None, dtype=None):
         super().__init__()
         owner = "fusedllm.nn.ParallelBlock"
-        _positive_int(owner, "d_model", d_model)
-        _positive_int(owner, "n_heads", n_heads)
-        n_kv_heads = n_heads if n_kv_heads is None else _positive_int(owner, "n_kv_heads", n_kv_heads)
-        if n_heads % n_kv_heads:
-            raise ValueError(f"{owner}: n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        n_kv_heads, head_dim = _head_layout(owner, d_model, n_heads, n_kv_heads, head_dim)
         if intermediate_size is None:
             raise ValueError(f"{owner}: intermediate_size must be given (the gated hidden width)")
         _positive_int(owner, "intermediate_size", intermediate_size)
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(f"{owner}: d_model ({d_model}) must be divisible by n_heads ({n_heads}), "
-                                 f"or pass head_dim")
-            head_dim = d_model // n_heads
-        _positive_int(owner, "head_dim", head_dim)
         if norm not in _PARALLEL_NORMS:
             raise ValueError(f"{owner}: norm must be one of {_PARALLEL_NORMS}, got {norm!r}")
         if activation not in ACTIVATIONS:
@@ -571,13 +578,10 @@ class ParallelBlock(nn.Module):
             check_rotary_dim(owner, rotary_dim, head_dim)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
             raise ValueError(f"{owner}: eps must be a number >= 0, got {eps!r}")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"{owner}: dropout must be a number in [0, 1), got {dropout!r}")
-        if window is not None:
-            _positive_int(owner, "window", window)
+        dropout = _attention_options(owner, dropout, window)
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.intermediate_size = intermediate_size
-        self.norm_kind, self.activation, self.window, self.dropout = norm, activation, window, float(dropout)
+        self.norm_kind, self.activation, self.window, self.dropout = norm, activation, window, dropout
         self.eps = float(eps)
         q_dim, kv_dim, f = n_heads * head_dim, n_kv_heads * head_dim, intermediate_size
         # rows of in_proj_weight, columns of out_proj_weight, per separate projection
@@ -729,21 +733,13 @@ class ParallelBlock(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, position_offset: int | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
         owner = "fusedllm.nn.ParallelBlock"
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
-            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{owner}: x must be [batch, seq, d_model={self.d_model}], got {shape}")
+        position_offset = _sequence_input(owner, x, self.d_model, cache, position_offset)
         weight = self.in_proj_weight
         if x.dtype != weight.dtype or x.device != weight.device:
             raise ValueError(f"{owner}: x is {x.dtype} on {x.device} but the block's parameters are "
                              f"{weight.dtype} on {weight.device}; move one to the other (block.to(...))")
-        if cache is not None and not isinstance(cache, KVCache):
-            raise ValueError(f"{owner}: cache must be a fusedllm.nn.KVCache, got {type(cache).__name__}")
         if mask is not None and not isinstance(mask, torch.Tensor):
             raise ValueError(f"{owner}: mask must be a torch.Tensor or None, got {type(mask).__name__}")
-        if position_offset is None:
-            position_offset = cache.length if cache is not None else 0
-        elif isinstance(position_offset, bool) or not isinstance(position_offset, int) or position_offset < 0:
-            raise ValueError(f"{owner}: position_offset must be an int >= 0, got {position_offset!r}")
         batch, seq, _ = x.shape
         heads, kv_heads, d = self.n_heads, self.n_kv_heads, self.head_dim
         q_dim, kv_dim, _, f, _ = self._in_sizes

@@ -33,7 +33,7 @@ struct CpuCrossEntropy {
       }
       return;
     }
-    constexpr int64_t kSlab = 4096;
+    constexpr int64_t kSlab = 2048;
     for (int64_t i = 0; i < a.size(0); i += kSlab) {
       const int64_t n = std::min(kSlab, a.size(0) - i);
       at::Tensor part = out.narrow(0, i, n);

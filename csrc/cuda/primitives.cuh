@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <utility>
 
 #include "runtime.cuh"
@@ -23,19 +24,25 @@ __device__ __forceinline__ T warp_reduce_sum(T v) {
   return v;
 }
 
-// Sum over the block, returned to every thread. `scratch` holds one value per
-// warp (at most 32 warps). Contains __syncthreads: every thread must call it.
-template <typename T>
-__device__ __forceinline__ T block_reduce_sum(T v, T* scratch) {
+// `warp_reduce` over the block, returned to every thread; lanes past the last
+// warp contribute `pad` (the reduction's identity). `scratch` holds one value
+// per warp (at most 32 warps). Contains __syncthreads: every thread must call it.
+template <typename T, typename WarpReduce>
+__device__ __forceinline__ T block_reduce(T v, T* scratch, WarpReduce warp_reduce, T pad) {
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   const int num_warps = (blockDim.x + kWarpSize - 1) / kWarpSize;
-  v = warp_reduce_sum(v);
+  v = warp_reduce(v);
   __syncthreads();  // scratch may still be read by a previous call
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  T total = lane < num_warps ? scratch[lane] : T(0);
-  return warp_reduce_sum(total);
+  return warp_reduce(lane < num_warps ? scratch[lane] : pad);
+}
+
+// Sum over the block, returned to every thread; as block_reduce.
+template <typename T>
+__device__ __forceinline__ T block_reduce_sum(T v, T* scratch) {
+  return block_reduce(v, scratch, [](T x) { return warp_reduce_sum(x); }, T(0));
 }
 
 // Grid-stride loop over a [rows, cols] index space: body(row, col) once per
@@ -107,17 +114,11 @@ __device__ __forceinline__ T warp_reduce_max(T v) {
   return v;
 }
 
-// Maximum over the block, returned to every thread; as block_reduce_sum.
+// Maximum over the block (floating point), returned to every thread; as block_reduce.
 template <typename T>
 __device__ __forceinline__ T block_reduce_max(T v, T* scratch) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int warp = threadIdx.x / kWarpSize;
-  const int num_warps = (blockDim.x + kWarpSize - 1) / kWarpSize;
-  v = warp_reduce_max(v);
-  __syncthreads();  // scratch may still be read by a previous call
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  return warp_reduce_max(lane < num_warps ? scratch[lane] : scratch[0]);
+  return block_reduce(v, scratch, [](T x) { return warp_reduce_max(x); },
+                      -std::numeric_limits<T>::infinity());
 }
 
 // Lane `src`'s value of v, to every lane.

@@ -402,6 +402,18 @@ def _attention_options(owner: str, dropout, window) -> float:
     return float(dropout)
 
 
+def _attention_repr(m, middle: str = "") -> str:
+    """extra_repr of an attention module: heads, ``middle``, then window and dropout if set."""
+    text = f"d_model={m.d_model}, n_heads={m.n_heads}, n_kv_heads={m.n_kv_heads}, head_dim={m.head_dim}"
+    if middle:
+        text += ", " + middle
+    if m.window is not None:
+        text += f", window={m.window}"
+    if m.dropout:
+        text += f", dropout={m.dropout}"
+    return text
+
+
 def _sequence_input(owner: str, x, d_model: int, cache, position_offset) -> int:
     """Checks ``x [batch, seq, d_model]``, the cache and ``position_offset``;
     returns the offset (by default the cache's length, else 0)."""
@@ -493,13 +505,7 @@ class GQAttention(nn.Module):
         return (out, weights) if return_weights else out
 
     def extra_repr(self) -> str:
-        text = (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-                f"head_dim={self.head_dim}")
-        if self.window is not None:
-            text += f", window={self.window}"
-        if self.dropout:
-            text += f", dropout={self.dropout}"
-        return text
+        return _attention_repr(self)
 
 
 # --- parallel attention + feed-forward block ------------------------------------------------
@@ -774,11 +780,5 @@ class ParallelBlock(nn.Module):
         return out.view(batch, seq, self.d_model)
 
     def extra_repr(self) -> str:
-        text = (f"d_model={self.d_model}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-                f"head_dim={self.head_dim}, intermediate_size={self.intermediate_size}, norm='{self.norm_kind}', "
-                f"activation='{self.activation}', bias={self.in_proj_bias is not None}")
-        if self.window is not None:
-            text += f", window={self.window}"
-        if self.dropout:
-            text += f", dropout={self.dropout}"
-        return text
+        return _attention_repr(self, f"intermediate_size={self.intermediate_size}, norm='{self.norm_kind}', "
+                                     f"activation='{self.activation}', bias={self.in_proj_bias is not None}")

@@ -3,8 +3,8 @@
 // logits [rows, V] are one matrix multiply; the device's row kernel turns them
 // into lse, losses and, when asked, the logits' gradient (float32 math, float64
 // for float64); two more multiplies give the chunk's hidden gradient and add
-// its share of the weight gradient (summed in float32 over the chunks). The
-// [tokens, V] logits never exist: only one chunk of them does.
+// its share of the weight gradient (summed in float32 over the chunks). Only a
+// chunk of the [tokens, V] logits (about 64 MiB) exists at a time.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -166,11 +166,14 @@ struct CrossEntropyOps {
     at::Tensor loss = at::empty({tokens}, acc_opts);
     at::Tensor grad_hidden = want_hidden ? at::empty_like(hidden_in, at::MemoryFormat::Contiguous)
                                          : hidden_in.new_empty({0});
-    at::Tensor grad_weight = want_weight ? at::empty_like(weight_in, at::MemoryFormat::Contiguous)
-                                         : hidden_in.new_empty({0});
+    const bool low_precision = dtype != acc;
+    // A half-precision weight's gradient is made at the end, from its float32 sum.
+    at::Tensor grad_weight = want_weight && !low_precision
+                                 ? at::empty_like(weight_in, at::MemoryFormat::Contiguous)
+                                 : hidden_in.new_empty({0});
     at::Tensor grad_bias = want_bias ? at::zeros({vocab}, hidden_in.options()) : hidden_in.new_empty({0});
     if (tokens == 0) {
-      if (want_weight) grad_weight.zero_();
+      if (want_weight) grad_weight = at::zeros_like(weight_in, at::MemoryFormat::Contiguous);
       return {loss, grad_hidden, grad_weight, grad_bias};
     }
 
@@ -186,7 +189,6 @@ struct CrossEntropyOps {
     // The logits chunk: in the accumulation dtype, or (Impl::kLogitsInInputDtype)
     // in the input dtype as an eager linear layer rounds them; the gradient goes
     // in place when the chunk has the input dtype, else into its own buffer.
-    const bool low_precision = dtype != acc;
     const at::ScalarType logits_dtype = Impl::kLogitsInInputDtype ? dtype : acc;
     const int64_t chunk = chunk_rows(tokens, vocab, c10::elementSize(logits_dtype));
     at::Tensor logits = at::empty({chunk, vocab}, hidden.options().dtype(logits_dtype));
@@ -230,7 +232,10 @@ struct CrossEntropyOps {
       if (want_weight) Impl::matmul(grad_weight_acc, dz.t(), h, /*accumulate=*/r0 > 0);
       if (want_bias) grad_bias_acc.add_(at::sum(dz, 0, false, acc));
     }
-    if (want_weight && low_precision) grad_weight.copy_(grad_weight_acc);
+    if (want_weight && low_precision) {
+      logits = grad_logits = at::Tensor();  // the chunk buffers are done with
+      grad_weight = grad_weight_acc.to(dtype);
+    }
     if (want_bias) grad_bias.copy_(grad_bias_acc);
     return {loss, grad_hidden, grad_weight, grad_bias};
   }

@@ -239,7 +239,7 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
     auto [loss, grad_hidden, grad_weight, grad_bias] =
         pass.call(hidden, weight, bias, target, std::nullopt, ignore_index, smoothing, softcap,
                   z_loss, {early && want_hidden, early && want_weight, early && want_bias});
-    at::Tensor out = CrossEntropyOps<void>::reduce(loss, target, ignore_index, r);
+    at::Tensor out = reduce_losses(loss, target, ignore_index, r);
     if (early) {
       // d(mean)/d(loss_i) = 1 / (tokens not ignored); when none is, the saved
       // gradients are zeros and stay so (as cross_entropy's).

@@ -127,6 +127,16 @@ inline int64_t chunk_rows(int64_t tokens, int64_t vocab, int64_t logit_bytes) {
   return std::clamp<int64_t>(rows, 1, std::max<int64_t>(tokens, 1));
 }
 
+// What cross_entropy's reduction makes of per-token losses: the mean is over
+// the tokens not ignored (NaN when all are).
+inline at::Tensor reduce_losses(const at::Tensor& per_token, const at::Tensor& target,
+                                int64_t ignore_index, Reduction r) {
+  if (r == Reduction::kNone) return per_token;
+  at::Tensor total = per_token.sum();
+  if (r == Reduction::kSum) return total;
+  return total / (target != ignore_index).sum().to(per_token.scalar_type());
+}
+
 // Impl provides:
 //   kLogitsInInputDtype: whether the logits chunk has the input dtype (else
 //     the accumulation dtype);
@@ -248,17 +258,7 @@ struct CrossEntropyOps {
     const Reduction r = parse_reduction(reduction, "fusedllm.linear_cross_entropy");
     auto per_token = std::get<0>(pass(hidden, weight, bias, target, std::nullopt, ignore_index,
                                       smoothing, softcap, z_loss, {false, false, false}));
-    return reduce(per_token, target, ignore_index, r);
-  }
-
-  // What cross_entropy's reduction makes of per-token losses: the mean is over
-  // the tokens not ignored (NaN when all are).
-  static at::Tensor reduce(const at::Tensor& per_token, const at::Tensor& target,
-                           int64_t ignore_index, Reduction r) {
-    if (r == Reduction::kNone) return per_token;
-    at::Tensor total = per_token.sum();
-    if (r == Reduction::kSum) return total;
-    return total / (target != ignore_index).sum().to(per_token.scalar_type());
+    return reduce_losses(per_token, target, ignore_index, r);
   }
 };
 

@@ -67,7 +67,12 @@ def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None,
                                   inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
                                   logits_to_keep=logits_to_keep, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
-    from transformers.modeling_utils import slice_logits_to_keep
+
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep
+    except ImportError:  # transformers before 5: the int and 1-D forms, as its models slice
+        def slice_logits_to_keep(hidden, keep):
+            return hidden[:, slice(-keep, None) if isinstance(keep, int) else keep, :]
 
     loss_kwargs = {k: kwargs.pop(k) for k in ("ignore_index", "shift_labels", "num_items_in_batch")
                    if k in kwargs}

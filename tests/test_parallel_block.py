@@ -14,6 +14,7 @@ import fusedllm
 from fusedllm.nn import GatedMLP, GQAttention, KVCache, ParallelBlock, RMSNorm
 
 from checks import FORWARD_TOL, GRAD_TOL, assert_close
+from reference import attention as ref_attention
 
 
 class PlainParallelBlock(nn.Module):
@@ -76,20 +77,8 @@ class PlainParallelBlock(nn.Module):
             q, k = self.rotate(q, positions), self.rotate(k, positions)
         if past is not None:
             k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
-        group = self.n_heads // self.n_kv_heads
-        kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        scores = (q.float() @ kr.float().transpose(-1, -2)) / self.head_dim ** 0.5
-        query_pos = torch.arange(start, start + s)[:, None]
-        key_pos = torch.arange(k.shape[2])[None]
-        keep = key_pos <= query_pos
-        if self.window is not None:
-            keep = keep & (key_pos > query_pos - self.window)
-        if mask is not None and mask.dtype == torch.bool:
-            keep = keep & mask
-        elif mask is not None:
-            scores = scores + mask.float()
-        probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), -1)
-        attn = (probs @ vr.float()).to(x.dtype).transpose(1, 2).reshape(b, s, -1)
+        attn, _ = ref_attention(q, k, v, causal=True, window=self.window, mask=mask)
+        attn = attn.transpose(1, 2).reshape(b, s, -1)
         gate = self.gate_proj(h)
         act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
         mlp = self.down_proj(act * self.up_proj(h))

@@ -181,9 +181,10 @@ struct CrossEntropyOps {
     at::Tensor grad_weight = want_weight && !low_precision
                                  ? at::empty_like(weight_in, at::MemoryFormat::Contiguous)
                                  : hidden_in.new_empty({0});
-    at::Tensor grad_bias = want_bias ? at::zeros({vocab}, hidden_in.options()) : hidden_in.new_empty({0});
+    at::Tensor grad_bias = hidden_in.new_empty({0});
     if (tokens == 0) {
       if (want_weight) grad_weight = at::zeros_like(weight_in, at::MemoryFormat::Contiguous);
+      if (want_bias) grad_bias = at::zeros({vocab}, hidden_in.options());
       return {loss, grad_hidden, grad_weight, grad_bias};
     }
 
@@ -191,7 +192,6 @@ struct CrossEntropyOps {
     const at::Tensor hidden = hidden_in.stride(1) == 1 ? hidden_in : hidden_in.contiguous();
     const at::Tensor weight = weight_in.stride(1) == 1 ? weight_in : weight_in.contiguous();
     const at::Tensor target = target_in.contiguous();
-    const at::Tensor bias_acc = bias.has_value() ? converted(*bias, acc) : at::Tensor();
     const at::Tensor scale =
         grad_scale.has_value() ? converted(*grad_scale, acc).contiguous() : at::Tensor();
     at::Tensor lse = at::empty({tokens}, acc_opts);
@@ -202,6 +202,9 @@ struct CrossEntropyOps {
     const at::ScalarType logits_dtype = Impl::kLogitsInInputDtype ? dtype : acc;
     const int64_t chunk = chunk_rows(tokens, vocab, c10::elementSize(logits_dtype));
     at::Tensor logits = at::empty({chunk, vocab}, hidden.options().dtype(logits_dtype));
+    // The bias joins the logits inside the multiply when they have its dtype.
+    const at::Tensor bias_acc =
+        bias.has_value() && logits_dtype != dtype ? bias->to(logits_dtype) : at::Tensor();
     at::Tensor grad_logits = grad && logits_dtype != dtype ? at::empty({chunk, vocab}, hidden.options())
                                                            : logits;
     // The weight gradient is summed over chunks in the accumulation dtype.
@@ -246,7 +249,7 @@ struct CrossEntropyOps {
       logits = grad_logits = at::Tensor();  // the chunk buffers are done with
       grad_weight = grad_weight_acc.to(dtype);
     }
-    if (want_bias) grad_bias.copy_(grad_bias_acc);
+    if (want_bias) grad_bias = converted(grad_bias_acc, dtype);
     return {loss, grad_hidden, grad_weight, grad_bias};
   }
 

@@ -23,7 +23,7 @@ def _register() -> None:
     try:
         import fusedllm.hf  # noqa: F401  (registers "fusedllm" on import)
     except Exception as exc:  # never break the user's import of transformers
-        warnings.warn(f"fusedllm could not register attn_implementation='fusedllm' with transformers "
+        warnings.warn(f"fusedllm could not register attn_implementation='fusedllm' (and experts_implementation) with transformers "
                       f"({type(exc).__name__}: {exc}); `import fusedllm.hf` shows the full error",
                       RuntimeWarning, stacklevel=2)
 

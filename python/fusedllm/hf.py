@@ -1,4 +1,5 @@
-"""Hugging Face transformers backend: ``attn_implementation="fusedllm"``.
+"""Hugging Face transformers backend: ``attn_implementation="fusedllm"`` (and
+``experts_implementation="fusedllm"``, from :mod:`fusedllm.hf_moe`).
 
 Importing this module registers :func:`attention_forward` with transformers'
 ``AttentionInterface`` under the name ``"fusedllm"``, and the mask builder
@@ -88,6 +89,9 @@ def register() -> None:
         raise ImportError("fusedllm.hf needs transformers >= 4.48 (AttentionInterface); "
                           f"install or upgrade it: pip install -U transformers ({exc})") from exc
     AttentionInterface.register(NAME, attention_forward)
+    from . import hf_moe
+
+    hf_moe.register()  # experts_implementation="fusedllm" (transformers 5)
     try:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     except ImportError:

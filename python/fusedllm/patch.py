@@ -21,7 +21,13 @@
   and MLP share a norm, fused RoPE and attention (and SwiGLU for Cohere), one
   output GEMM over ``[attention | MLP hidden]`` with the residual. Their
   LayerNorms and ungated GELUs stay torch's, and the report lists them as
-  left; Falcon's layers are left, and the report says why.
+  left; Falcon's layers are left, and the report says why;
+- Hugging Face sparse mixture-of-experts blocks (Mixtral, Qwen2-MoE,
+  Qwen3-MoE, OLMoE, DeepSeek-V3) by fused twins (:mod:`fusedllm.hf_moe`):
+  the block's own forward (router jitter, shared experts) on a router that
+  is :func:`fusedllm.moe_route` and experts that are
+  :func:`fusedllm.moe_experts`. Other MoE blocks are left, and the report
+  says why.
 
 Every replacement holds the very same ``Parameter`` objects (and the same
 ``nn.Linear`` submodules) as the module it replaces, so an optimizer built
@@ -36,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import hf_loss
+from . import hf_loss, hf_moe
 from . import nn as fnn
 from .compat import hf_parallel, nb000, nb001, nb002, nb003
 from .compat._common import eps_of, gated_linears, is_linear, norm_weight, shell
@@ -168,8 +174,22 @@ def _hf_packed_mlp(m):
     return new
 
 
+# class-name endings of transformers' sparse MoE blocks: those not in
+# hf_moe.MOE_BLOCKS are reported as left
+_HF_MOE_SUFFIXES = ("SparseMoeBlock", "SparseMoE", "MoeBlock", "MoE", "MoeLayer", "MoELayer")
+
+
+def _hf_moe_left(m):
+    return (f"{type(m).__name__} is not one of the sparse MoE blocks fusedllm fuses "
+            f"({', '.join(hf_moe.MOE_BLOCKS)}); experts_implementation='fusedllm' may still run its experts")
+
+
 def _hf_rule(module):
     name = type(module).__name__
+    if name in hf_moe.MOE_BLOCKS:
+        return "moe", hf_moe.fused_moe_block
+    if name.endswith(_HF_MOE_SUFFIXES) and hasattr(module, "experts"):
+        return "moe", _hf_moe_left
     if name in _HF_LLAMA_NORMS:
         return "rms_norm", lambda m: _hf_norm(m, gemma=False)
     if name in _HF_GEMMA_NORMS:
@@ -191,6 +211,8 @@ def _probe_inputs(module, kind, new):
         param = next(module.buffers())
     dtype = param.dtype if param.is_floating_point() else torch.float32
     device = param.device
+    if kind == "moe":
+        return (torch.randn(2, 5, module.gate.weight.shape[1], dtype=dtype, device=device),), {}
     if kind == "rope":
         d = 2 * module.cos_cached.shape[1]
         q = torch.randn(2, 2, 5, d, dtype=dtype, device=device)
@@ -288,7 +310,7 @@ def _switch_hf_attention(model, report):
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
-          attention: bool = True, parallel: bool = True, cross_entropy: bool = False,
+          attention: bool = True, parallel: bool = True, moe: bool = True, cross_entropy: bool = False,
           verify: bool = False) -> PatchReport:
     """Replace, in place, the modules of ``model`` that fusedllm has fused
     versions of; return a :class:`PatchReport` (``print(report)`` for a summary).
@@ -297,7 +319,9 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
     (Hugging Face attention is switched to ``attn_implementation="fusedllm"``
     rather than replaced); ``parallel`` the Hugging Face parallel-residual
     decoder layers (GPT-J, GPT-NeoX with ``use_parallel_residual``, Cohere),
-    replaced whole. Replacements keep the original ``Parameter``
+    replaced whole; ``moe`` the Hugging Face sparse MoE blocks (Mixtral,
+    Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3), whose routers and experts are
+    replaced by fused twins. Replacements keep the original ``Parameter``
     objects, submodules and training mode; an optimizer built before patching
     keeps working, and so do ``state_dict`` / ``load_state_dict``.
 
@@ -319,7 +343,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fusedllm.patch: model must be an nn.Module, got {type(model).__name__}")
-    flags = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope, "attention": attention, "parallel": parallel}
+    flags = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope, "attention": attention, "parallel": parallel,
+             "moe": moe}
     report = PatchReport()
     registry = model.__dict__.setdefault(_REGISTRY_ATTR, [])
 
@@ -333,6 +358,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
             if rule is None:
                 return None
             flag, build = rule
+            if flag == "moe":
+                kind = "moe"
         else:
             rule = _NOTEBOOK_RULES.get(type(module).__name__)
             if rule is None:
@@ -344,11 +371,13 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
             return None
         new = build(module)
         if isinstance(new, str):
-            reason = new if flag == "parallel" else f"same name, different structure: {new}"
+            reason = new if flag in ("parallel", "moe") else f"same name, different structure: {new}"
             report.left.append(Left(path, name, reason))
             return None
         new.train(module.training)
         entry = Replaced(path, name, f"{type(new).__module__}.{type(new).__qualname__}")
+        if flag == "moe":
+            entry.note = hf_moe.block_note(module)
         if flag == "parallel":
             entry.note = new.FUSED
             if verify:

@@ -955,6 +955,9 @@ class MoE(nn.Module):
         no kernel for, are a ValueError."""
         owner = "fusedllm.nn.MoE.from_config"
         model_type = getattr(config, "model_type", None)
+        if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"):
+            raise ValueError(f"{owner}: model type {model_type!r} is not one of mixtral, qwen2_moe, qwen3_moe, "
+                             f"olmoe, deepseek_v3")
         act_name = getattr(config, "hidden_act", "silu")
         if act_name not in _HF_ACTIVATIONS:
             raise ValueError(f"{owner}: activation {act_name!r} has no fused kernel; supported: "
@@ -964,7 +967,7 @@ class MoE(nn.Module):
         if model_type == "mixtral":
             return cls(config.hidden_size, config.intermediate_size, config.num_local_experts, top_k,
                        normalize=True, **common)
-        if model_type in ("qwen2_moe", "qwen3_moe", "olmoe"):
+        if model_type in ("qwen2_moe", "qwen3_moe", "olmoe"):  # OLMoE's experts are intermediate_size wide
             inter = config.intermediate_size if model_type == "olmoe" else config.moe_intermediate_size
             shared = {}
             if model_type == "qwen2_moe":
@@ -985,8 +988,7 @@ class MoE(nn.Module):
                        normalize=bool(config.norm_topk_prob), scoring="sigmoid",
                        num_groups=config.n_group or 1, top_groups=config.topk_group or None,
                        scaling=float(config.routed_scaling_factor), correction_bias=True, **shared, **common)
-        raise ValueError(f"{owner}: model type {model_type!r} is not one of mixtral, qwen2_moe, qwen3_moe, "
-                         f"olmoe, deepseek_v3")
+        raise AssertionError(model_type)
 
     def route(self, x: torch.Tensor):
         """``(router_logits [tokens, num_experts], weights, indices [tokens, top_k])`` for ``x [..., hidden]``."""

@@ -289,6 +289,83 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
   }
 };
 
+// --- mixture of experts ---------------------------------------------------------------------
+
+// The router's gradient flows to its logits only (the correction bias steers the choice).
+struct MoeRouteFunction : torch::autograd::Function<MoeRouteFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, int64_t top_k,
+                               c10::string_view scoring, bool normalize, const OptTensor& bias,
+                               int64_t groups, int64_t top_groups, double scaling) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto fn = op<std::tuple<at::Tensor, at::Tensor>(
+        const at::Tensor&, int64_t, c10::string_view, bool, const OptTensor&, int64_t, int64_t,
+        double)>("fusedllm::moe_route");
+    auto [weights, indices] =
+        fn.call(logits, top_k, scoring, normalize, bias, groups, top_groups, scaling);
+    ctx->save_for_backward({logits, indices});
+    ctx->saved_data["scoring"] = std::string(scoring);
+    ctx->saved_data["normalize"] = normalize;
+    ctx->saved_data["scaling"] = scaling;
+    ctx->mark_non_differentiable({indices});
+    return {weights, indices};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto fn = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   c10::string_view, bool, double)>("fusedllm::moe_route_backward");
+    const auto s = ctx->get_saved_variables();
+    variable_list out(8);
+    if (ctx->needs_input_grad(0) && grads[0].defined()) {
+      out[0] = fn.call(grads[0], s[0], s[1], ctx->saved_data["scoring"].toStringRef(),
+                       ctx->saved_data["normalize"].toBool(), ctx->saved_data["scaling"].toDouble());
+    }
+    return out;
+  }
+};
+
+using MoeExpertsBackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, c10::string_view, std::array<bool, 4>);
+
+struct MoeExpertsFunction : torch::autograd::Function<MoeExpertsFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden,
+                               const at::Tensor& indices, const at::Tensor& weights,
+                               const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
+                               c10::string_view activation) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto fn = op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                   at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, c10::string_view)>(
+        "fusedllm::moe_experts");
+    auto [out, order, position, offsets, gate_up, expert_out] =
+        fn.call(hidden, indices, weights, gate_up_proj, down_proj, activation);
+    ctx->save_for_backward({hidden, indices, weights, gate_up_proj, down_proj, order, position,
+                            offsets, gate_up, expert_out});
+    ctx->saved_data["activation"] = std::string(activation);
+    ctx->mark_non_differentiable({order, position, offsets, gate_up, expert_out});
+    return {out, order, position, offsets, gate_up, expert_out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto fn = op<MoeExpertsBackwardFn>("fusedllm::moe_experts_backward");
+    const auto s = ctx->get_saved_variables();
+    variable_list out(6);
+    const std::array<bool, 4> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(2),
+                                      ctx->needs_input_grad(3), ctx->needs_input_grad(4)};
+    if (!grads[0].defined() || !(mask[0] || mask[1] || mask[2] || mask[3])) return out;
+    auto [grad_hidden, grad_weights, grad_gate_up, grad_down] =
+        fn.call(grads[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9],
+                ctx->saved_data["activation"].toStringRef(), mask);
+    if (mask[0]) out[0] = grad_hidden;
+    if (mask[1]) out[2] = grad_weights;
+    if (mask[2]) out[3] = grad_gate_up;
+    if (mask[3]) out[4] = grad_down;
+    return out;
+  }
+};
+
 // --- registration ------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_autograd(const at::Tensor& input, const OptTensor& weight,
@@ -340,6 +417,23 @@ at::Tensor linear_cross_entropy_autograd(const at::Tensor& hidden, const at::Ten
       on && bias.has_value() && bias->requires_grad());
 }
 
+std::tuple<at::Tensor, at::Tensor> moe_route_autograd(const at::Tensor& logits, int64_t top_k,
+                                                      c10::string_view scoring, bool normalize,
+                                                      const OptTensor& bias, int64_t groups,
+                                                      int64_t top_groups, double scaling) {
+  auto r = MoeRouteFunction::apply(logits, top_k, scoring, normalize, bias, groups, top_groups,
+                                   scaling);
+  return {r[0], r[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+moe_experts_autograd(const at::Tensor& hidden, const at::Tensor& indices, const at::Tensor& weights,
+                     const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
+                     c10::string_view activation) {
+  auto r = MoeExpertsFunction::apply(hidden, indices, weights, gate_up_proj, down_proj, activation);
+  return {r[0], r[1], r[2], r[3], r[4], r[5]};
+}
+
 // Autograd kernel of the backward ops: runs them, unless a graph would be built
 // through them.
 void refuse_double_backward(const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
@@ -360,7 +454,8 @@ void refuse_double_backward(const c10::OperatorHandle& handle, c10::DispatchKeyS
 
 TORCH_LIBRARY_IMPL(fusedllm, Autograd, m) {
   for (const char* name : {"rms_norm_backward", "swiglu_backward", "swiglu_packed_backward",
-                           "attention_backward", "linear_cross_entropy_pass"}) {
+                           "attention_backward", "linear_cross_entropy_pass",
+                           "moe_route_backward", "moe_experts_backward"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&refuse_double_backward>());
   }
   m.impl("rms_norm", &rms_norm_autograd);
@@ -370,6 +465,8 @@ TORCH_LIBRARY_IMPL(fusedllm, Autograd, m) {
   m.impl("rope", &rope_autograd);
   m.impl("attention", &attention_autograd);
   m.impl("linear_cross_entropy", &linear_cross_entropy_autograd);
+  m.impl("moe_route", &moe_route_autograd);
+  m.impl("moe_experts", &moe_experts_autograd);
 }
 
 }  // namespace fusedllm

@@ -93,6 +93,39 @@ def _register_cross_entropy(ns: str) -> None:
         )
 
 
+def _register_moe(ns: str) -> None:
+    @torch.library.register_fake(f"{ns}::moe_route")
+    def _moe_route_fake(router_logits, top_k, scoring, normalize, correction_bias, num_groups,
+                        top_groups, scaling):
+        shape = (router_logits.shape[0], top_k)
+        return (router_logits.new_empty(shape, dtype=rstd_dtype(router_logits)),
+                router_logits.new_empty(shape, dtype=torch.int64))
+
+    @torch.library.register_fake(f"{ns}::moe_route_backward")
+    def _moe_route_backward_fake(grad_weights, router_logits, indices, scoring, normalize, scaling):
+        return router_logits.new_empty(router_logits.shape)
+
+    @torch.library.register_fake(f"{ns}::moe_experts")
+    def _moe_experts_fake(hidden, indices, weights, gate_up_proj, down_proj, activation):
+        pairs = indices.shape[0] * indices.shape[1]
+        return (
+            hidden.new_empty(hidden.shape),
+            indices.new_empty((pairs,)),
+            indices.new_empty((pairs,)),
+            indices.new_empty((gate_up_proj.shape[0] + 1,)),
+            hidden.new_empty((pairs, gate_up_proj.shape[1])),
+            hidden.new_empty((pairs, hidden.shape[1])),
+        )
+
+    @torch.library.register_fake(f"{ns}::moe_experts_backward")
+    def _moe_experts_backward_fake(grad_out, hidden, indices, weights, gate_up_proj, down_proj, order,
+                                   position, offsets, gate_up, expert_out, activation, output_mask):
+        shapes = (hidden.shape, weights.shape, gate_up_proj.shape, down_proj.shape)
+        dtypes = (hidden.dtype, weights.dtype, hidden.dtype, hidden.dtype)
+        return tuple(hidden.new_empty(shape if want else (0,), dtype=dtype)
+                     for shape, dtype, want in zip(shapes, dtypes, output_mask))
+
+
 def register_fakes(ns: str) -> None:
     """Fake kernels for every op of library `ns`: "fusedllm", or "fusedllm_simt"
     (the emulated CUDA kernels, same schemas; fusedllm.simt registers those)."""
@@ -101,6 +134,7 @@ def register_fakes(ns: str) -> None:
     _register_rope(ns)
     _register_attention(ns)
     _register_cross_entropy(ns)
+    _register_moe(ns)
 
 
 if has_extension():

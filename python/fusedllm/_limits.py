@@ -24,3 +24,5 @@ def check_rotary_dim(op: str, rotary_dim, head_dim: int) -> int:
         raise ValueError(f"{op}: rotary_dim must be a positive even number at most the head dim "
                          f"{head_dim}, got {rotary_dim}")
     return rotary_dim
+
+MOE_SCORINGS = ("softmax", "sigmoid")

@@ -9,7 +9,8 @@ import math
 
 import torch
 
-from ._limits import ACTIVATIONS, CASTINGS, FLOAT_DTYPES, MAX_HEAD_DIM, REDUCTIONS, check_rotary_dim
+from ._limits import (ACTIVATIONS, CASTINGS, FLOAT_DTYPES, MAX_HEAD_DIM, MOE_SCORINGS, REDUCTIONS,
+                      check_rotary_dim)
 
 # --- argument checks: the words of csrc/include/fusedllm/*_op.h, numbers printed as C++ does
 
@@ -392,3 +393,126 @@ def linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, 
     elif reduction == "mean":
         loss = loss.sum() / keep.sum()
     return loss
+
+
+def _accumulation(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def check_moe_route(op, router_logits, top_k, scoring, normalize, correction_bias, num_groups,
+                    top_groups, scaling):
+    _check_float(op, "router_logits", router_logits)
+    if router_logits.dim() != 2 or router_logits.shape[1] < 1:
+        _fail(op, f"router_logits must be [tokens, num_experts], got shape {list(router_logits.shape)}")
+    experts = router_logits.shape[1]
+    if not 1 <= top_k <= experts:
+        _fail(op, f"top_k must be in [1, num_experts = {experts}], got {top_k}")
+    if scoring not in MOE_SCORINGS:
+        _fail(op, f"scoring must be 'softmax' or 'sigmoid', got '{scoring}'")
+    if correction_bias is not None:
+        _check_float(op, "correction_bias", correction_bias)
+        if correction_bias.device != router_logits.device:
+            _fail(op, f"correction_bias is on {correction_bias.device} but router_logits is on "
+                      f"{router_logits.device}")
+        if correction_bias.dim() != 1 or correction_bias.shape[0] != experts:
+            _fail(op, f"correction_bias must be [{experts}] (one per expert), got shape "
+                      f"{list(correction_bias.shape)}")
+    if num_groups < 1 or experts % num_groups:
+        _fail(op, f"num_groups must be a positive divisor of num_experts = {experts}, got {num_groups}")
+    if not 1 <= top_groups <= num_groups:
+        _fail(op, f"top_groups must be in [1, num_groups = {num_groups}], got {top_groups}")
+    if top_k > top_groups * (experts // num_groups):
+        _fail(op, f"top_k = {top_k} is more than the {top_groups * (experts // num_groups)} experts of "
+                  f"the top_groups = {top_groups} groups kept")
+    if not math.isfinite(scaling):
+        _fail(op, f"scaling must be finite, got {scaling:g}")
+
+
+def moe_route(router_logits, top_k, scoring, normalize, correction_bias, num_groups, top_groups,
+              scaling):
+    """Top-k experts per token and their weights (float32, float64 for float64
+    logits); ties go to the lower expert index."""
+    check_moe_route("fusedllm.moe_route", router_logits, top_k, scoring, normalize, correction_bias,
+                    num_groups, top_groups, scaling)
+    acc = _accumulation(router_logits)
+    z = router_logits.to(acc)
+    scores = z.softmax(-1) if scoring == "softmax" else z.sigmoid()
+    choice = scores.detach()
+    if correction_bias is not None:
+        choice = choice + correction_bias.to(acc)
+    tokens, experts = z.shape
+    if num_groups > 1:
+        grouped = choice.view(tokens, num_groups, experts // num_groups)
+        best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        kept = _stable_topk(best, top_groups)
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, kept, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(experts // num_groups, dim=1), -math.inf)
+    indices = _stable_topk(choice, top_k)
+    weights = scores.gather(1, indices)
+    if normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if scoring == "sigmoid" else 0.0))
+    return weights * scaling, indices
+
+
+def _stable_topk(x, k):
+    """Indices of the k largest of each row, larger first, the lower index first among equals."""
+    order = torch.sort(x, dim=-1, descending=True, stable=True).indices
+    return order[:, :k].contiguous()
+
+
+def check_moe_experts(op, hidden, indices, weights, gate_up_proj, down_proj, activation):
+    _check_float(op, "hidden", hidden)
+    if hidden.dim() != 2:
+        _fail(op, f"hidden must be [tokens, hidden_size], got shape {list(hidden.shape)}")
+    tokens, hidden_size = hidden.shape
+    if indices.dtype != torch.int64:
+        _fail(op, f"indices must hold int64 expert indices, got {indices.dtype}")
+    if indices.device != hidden.device:
+        _fail(op, f"indices is on {indices.device} but hidden is on {hidden.device}")
+    if indices.dim() != 2 or indices.shape[0] != tokens or indices.shape[1] < 1:
+        _fail(op, f"indices must be [{tokens}, top_k] (hidden's tokens), got shape {list(indices.shape)}")
+    if weights.dtype not in (hidden.dtype, _accumulation(hidden)):
+        _fail(op, f"weights must have hidden's dtype {hidden.dtype} or {_accumulation(hidden)}, got "
+                  f"{weights.dtype}")
+    if weights.device != hidden.device:
+        _fail(op, f"weights is on {weights.device} but hidden is on {hidden.device}")
+    if weights.shape != indices.shape:
+        _fail(op, f"weights must have indices' shape {list(indices.shape)}, got {list(weights.shape)}")
+    _check_same(op, "hidden", hidden, "gate_up_proj", gate_up_proj)
+    _check_same(op, "hidden", hidden, "down_proj", down_proj)
+    if (gate_up_proj.dim() != 3 or gate_up_proj.shape[0] < 1 or gate_up_proj.shape[1] % 2
+            or gate_up_proj.shape[2] != hidden_size):
+        _fail(op, f"gate_up_proj must be [num_experts, 2 * intermediate, {hidden_size}] (hidden's last "
+                  f"dim), got shape {list(gate_up_proj.shape)}")
+    experts, inter = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+    if list(down_proj.shape) != [experts, hidden_size, inter]:
+        _fail(op, f"down_proj must be [{experts}, {hidden_size}, {inter}] (num_experts, hidden_size, "
+                  f"intermediate), got shape {list(down_proj.shape)}")
+    _check_activation(op, activation)
+    bad = (indices < 0) | (indices >= experts)
+    if not indices.is_cuda and bool(bad.any()):
+        t, j = (int(i) for i in bad.nonzero()[0])
+        _fail(op, f"indices[{t}, {j}] = {int(indices[t, j])} is not an expert index in [0, {experts})")
+
+
+def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation):
+    """The experts op, one expert at a time: a reference, not a fast path.
+    Returns (out, order, position, offsets, gate_up, expert_out) as the op does."""
+    check_moe_experts("fusedllm.moe_experts", hidden, indices, weights, gate_up_proj, down_proj,
+                      activation)
+    tokens, top_k = indices.shape
+    experts, inter = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+    flat = indices.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device)
+    counts = torch.bincount(flat, minlength=experts)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    rows = hidden[order // top_k]
+    gate_up = torch.cat([rows[offsets[e]:offsets[e + 1]] @ gate_up_proj[e].T for e in range(experts)])
+    acted = _gated(gate_up[:, :inter], gate_up[:, inter:], activation)
+    expert_out = torch.cat([acted[offsets[e]:offsets[e + 1]] @ down_proj[e].T for e in range(experts)])
+    acc = _accumulation(hidden)
+    picked = expert_out[position].view(tokens, top_k, -1).to(acc)
+    out = (picked * weights.to(acc).unsqueeze(-1)).sum(1).to(hidden.dtype)
+    return out, order, position, offsets, gate_up, expert_out

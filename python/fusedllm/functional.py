@@ -291,3 +291,107 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1), int(ignore_index),
         reduction, _number(op, "label_smoothing", label_smoothing), cap, _number(op, "z_loss", z_loss))
     return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def _int(op: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{op}: {name} must be an int, got {value!r}")
+    return int(value)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
+              normalize: bool = True, correction_bias: torch.Tensor | None = None,
+              num_groups: int = 1, top_groups: int | None = None, scaling: float = 1.0):
+    """A mixture-of-experts router: ``(weights, indices)``, each ``[tokens, top_k]``.
+
+    ``router_logits`` is ``[..., num_experts]`` (any leading shape, flattened to
+    tokens). ``scoring="softmax"`` scores the experts by a softmax over all of
+    them (Mixtral, Qwen2/3-MoE, OLMoE); ``"sigmoid"`` by a sigmoid of each logit
+    (DeepSeek-V3). The ``top_k`` best scores are chosen per token, larger first;
+    on exact ties the lower expert index wins (``torch.topk`` leaves the order
+    of ties unspecified, and it differs between sizes and devices).
+    ``correction_bias`` ``[num_experts]`` is added to the scores for choosing
+    only (DeepSeek-V3's ``e_score_correction_bias``). ``num_groups > 1``:
+    experts form equal groups, each scored by the sum of its two best
+    (biased) scores, and only the ``top_groups`` best groups are chosen from.
+    ``weights`` are the chosen scores, divided by their sum when ``normalize``
+    (Mixtral always; ``norm_topk_prob`` in the others), times ``scaling``;
+    float32 (float64 for float64 logits), differentiable in ``router_logits``.
+    ``indices`` is int64.
+    """
+    op = "fusedllm.moe_route"
+    _require_tensors(op, "router_logits", router_logits, correction_bias=correction_bias)
+    if router_logits.dim() < 1:
+        raise ValueError(f"{op}: router_logits must be [..., num_experts], got a scalar")
+    top_k = _int(op, "top_k", top_k)
+    num_groups = _int(op, "num_groups", num_groups)
+    top_groups = num_groups if top_groups is None else _int(op, "top_groups", top_groups)
+    if not isinstance(normalize, bool):
+        raise ValueError(f"{op}: normalize must be a bool, got {normalize!r}")
+    return _impl.moe_route(router_logits.reshape(-1, router_logits.shape[-1]), top_k, scoring,
+                           normalize, correction_bias, num_groups, top_groups,
+                           _number(op, "scaling", scaling))
+
+
+def moe_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                activation: str = "silu") -> torch.Tensor:
+    """The experts of a mixture-of-experts layer, each token through its chosen ones.
+
+    ``hidden`` ``[..., hidden_size]``; ``indices`` (int64) and ``weights``
+    ``[..., top_k]`` of hidden's leading shape (what ``moe_route`` gives);
+    ``gate_up_proj`` ``[num_experts, 2 * intermediate, hidden_size]`` (rows
+    ``[gate | up]``) and ``down_proj`` ``[num_experts, hidden_size,
+    intermediate]``, the expert weights as transformers stores them. For each
+    token ``t`` and choice ``j``, with ``e = indices[t, j]``:
+    ``out[t] += weights[t, j] * down_proj[e] @ (act(gate) * up)`` where
+    ``[gate | up] = gate_up_proj[e] @ hidden[t]``, ``act`` silu or gelu_tanh.
+    Tokens are grouped by expert (a stable counting sort), each expert's rows
+    multiplied at once, and each token's outputs summed in choice order in
+    float32 (deterministic). Experts with no tokens cost nothing. Out has
+    hidden's dtype; differentiable in hidden, weights and both projections.
+    """
+    op = "fusedllm.moe_experts"
+    _require_tensors(op, "hidden", hidden, indices=indices, weights=weights,
+                     gate_up_proj=gate_up_proj, down_proj=down_proj)
+    if hidden.dim() < 1:
+        raise ValueError(f"{op}: hidden must be [..., hidden_size], got a scalar")
+    lead = tuple(hidden.shape[:-1])
+    if indices.dim() < 1 or tuple(indices.shape[:-1]) != lead:
+        raise ValueError(f"{op}: indices must be [..., top_k] with hidden's leading shape {list(lead)}, "
+                         f"got {list(indices.shape)}")
+    if tuple(weights.shape) != tuple(indices.shape):
+        raise ValueError(f"{op}: weights must have indices' shape {list(indices.shape)}, "
+                         f"got {list(weights.shape)}")
+    top_k = indices.shape[-1]
+    out = _impl.moe_experts(hidden.reshape(-1, hidden.shape[-1]), indices.reshape(-1, top_k),
+                            weights.reshape(-1, top_k), gate_up_proj, down_proj, activation)[0]
+    return out.reshape(hidden.shape)
+
+
+def moe_load_balancing_loss(router_logits: torch.Tensor, indices: torch.Tensor,
+                            num_experts: int | None = None) -> torch.Tensor:
+    """The Switch Transformer / Mixtral auxiliary loss that pushes a router
+    toward an even load: ``num_experts * sum_e f_e * P_e``, where ``f_e`` is the
+    fraction of the (token, choice) pairs routed to expert ``e`` (``indices``,
+    as ``moe_route`` gives) and ``P_e`` the mean softmax probability of ``e``
+    over the tokens. Equals transformers' ``load_balancing_loss_func`` without an
+    attention mask. Differentiable in ``router_logits`` (float32)."""
+    op = "fusedllm.moe_load_balancing_loss"
+    _require_tensors(op, "router_logits", router_logits, indices=indices)
+    experts = router_logits.shape[-1] if num_experts is None else _int(op, "num_experts", num_experts)
+    if router_logits.dim() < 1 or router_logits.shape[-1] != experts:
+        raise ValueError(f"{op}: router_logits must be [..., {experts}], got {list(router_logits.shape)}")
+    if indices.dtype != torch.int64:
+        raise ValueError(f"{op}: indices must be int64, got {indices.dtype}")
+    probs = router_logits.reshape(-1, experts).float().softmax(-1)
+    chosen = indices.reshape(probs.shape[0], -1)
+    if chosen.shape[0] != probs.shape[0]:
+        raise ValueError(f"{op}: indices must have one row of choices per token of router_logits "
+                         f"({probs.shape[0]}), got shape {list(indices.shape)}")
+    if probs.shape[0] == 0:
+        return probs.new_zeros(())
+    fraction = torch.zeros(experts, device=probs.device, dtype=probs.dtype)
+    fraction = fraction.index_add(0, chosen.reshape(-1), torch.ones_like(chosen.reshape(-1), dtype=probs.dtype))
+    fraction = fraction / chosen.shape[0]
+    return experts * (fraction * probs.mean(0)).sum()

@@ -69,6 +69,29 @@ inline void define_ops(torch::Library& m) {
         "Tensor? grad_scale, int ignore_index, float label_smoothing, float softcap, "
         "float z_loss, bool[3] output_mask) -> (Tensor loss, Tensor grad_hidden, "
         "Tensor grad_weight, Tensor grad_bias)");
+
+  // Mixture-of-experts routing: router_logits [T, E] to the top_k experts of
+  // each token and their weights (float32, float64 for float64 logits; int64
+  // indices), scoring "softmax" or "sigmoid", correction_bias steering the
+  // choice only, num_groups / top_groups the group-limited choice.
+  m.def("moe_route(Tensor router_logits, int top_k, str scoring, bool normalize, "
+        "Tensor? correction_bias, int num_groups, int top_groups, float scaling)"
+        " -> (Tensor weights, Tensor indices)");
+  m.def("moe_route_backward(Tensor grad_weights, Tensor router_logits, Tensor indices, "
+        "str scoring, bool normalize, float scaling) -> Tensor");
+  // Each token of hidden [T, H] through its experts indices [T, k] (gate_up_proj
+  // [E, 2I, H], the gated activation, down_proj [E, H, I]), summed with weights
+  // [T, k]. Also returns what backward needs, in expert order: order and
+  // position (the permutation of the T * k pairs and its inverse), offsets
+  // [E + 1] (each expert's rows), gate_up [T * k, 2I] and expert_out [T * k, H].
+  m.def("moe_experts(Tensor hidden, Tensor indices, Tensor weights, Tensor gate_up_proj, "
+        "Tensor down_proj, str activation) -> (Tensor out, Tensor order, Tensor position, "
+        "Tensor offsets, Tensor gate_up, Tensor expert_out)");
+  m.def("moe_experts_backward(Tensor grad_out, Tensor hidden, Tensor indices, Tensor weights, "
+        "Tensor gate_up_proj, Tensor down_proj, Tensor order, Tensor position, Tensor offsets, "
+        "Tensor gate_up, Tensor expert_out, str activation, bool[4] output_mask)"
+        " -> (Tensor grad_hidden, Tensor grad_weights, Tensor grad_gate_up_proj, "
+        "Tensor grad_down_proj)");
 }
 
 }  // namespace fusedllm

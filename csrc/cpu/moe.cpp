@@ -1,0 +1,207 @@
+// Mixture-of-experts ops on CPU: the flow of fusedllm/moe_op.h with each
+// expert's rows multiplied by torch's BLAS (one call per expert with rows, on
+// its contiguous slice), and the router and row moves of fusedllm/moe.h
+// spread over threads by token.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "fusedllm/moe.h"
+#include "fusedllm/moe_op.h"
+
+namespace fusedllm::cpu {
+namespace {
+
+struct Math {
+  static float exp(float x) { return std::exp(x); }
+  static double exp(double x) { return std::exp(x); }
+};
+
+// Rows per parallel_for task for row moves of `cols` values each.
+int64_t grain(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
+
+struct CpuMoe {
+  static constexpr const char* kOps = "fusedllm";
+
+  static void route(const at::Tensor& logits, const at::Tensor& bias, const moe::RouteOptions& o,
+                    at::Tensor& weights, at::Tensor& indices) {
+    const int64_t tokens = logits.size(0), n = o.experts, k = o.top_k;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "moe_route", [&] {
+      using A = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      const scalar_t* z = logits.const_data_ptr<scalar_t>();
+      A* w = weights.mutable_data_ptr<A>();
+      int64_t* idx = indices.mutable_data_ptr<int64_t>();
+      const auto run = [&](const auto* b) {
+        at::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / n), [&](int64_t t0, int64_t t1) {
+          std::vector<A> work(2 * n);
+          std::vector<unsigned char> taken(n);
+          for (int64_t t = t0; t < t1; ++t) {
+            moe::route_row<Math>(z + t * n, b, o, work.data(), taken.data(), w + t * k,
+                                 idx + t * k);
+          }
+        });
+      };
+      if (!bias.defined()) {
+        run(static_cast<const A*>(nullptr));
+      } else {
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, bias.scalar_type(), "moe_route_bias",
+                                        [&] { run(bias.const_data_ptr<scalar_t>()); });
+      }
+    });
+  }
+
+  static void route_backward(const at::Tensor& grad_weights, const at::Tensor& logits,
+                             const at::Tensor& indices, const moe::RouteOptions& o,
+                             at::Tensor& grad) {
+    const int64_t tokens = logits.size(0), n = o.experts, k = o.top_k;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "moe_route_backward", [&] {
+      using A = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      const at::Tensor g = grad_weights.scalar_type() == logits.scalar_type() ||
+                                   grad_weights.scalar_type() == c10::CppTypeToScalarType<A>::value
+                               ? grad_weights
+                               : grad_weights.to(c10::CppTypeToScalarType<A>::value);
+      const scalar_t* z = logits.const_data_ptr<scalar_t>();
+      const int64_t* idx = indices.const_data_ptr<int64_t>();
+      scalar_t* dz = grad.mutable_data_ptr<scalar_t>();
+      const auto run = [&](const auto* gw) {
+        at::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / n), [&](int64_t t0, int64_t t1) {
+          std::vector<A> s(n);
+          for (int64_t t = t0; t < t1; ++t) {
+            moe::route_row_backward<Math, A>(z + t * n, idx + t * k, gw + t * k, o, s.data(),
+                                             dz + t * n);
+          }
+        });
+      };
+      if (g.scalar_type() == logits.scalar_type()) {
+        run(g.const_data_ptr<scalar_t>());
+      } else {
+        run(g.const_data_ptr<A>());
+      }
+    });
+  }
+
+  // A stable counting sort of the (token, choice) pairs by expert.
+  static void sort(const at::Tensor& flat, int64_t experts, at::Tensor& order, at::Tensor& position,
+                   at::Tensor& offsets) {
+    const int64_t pairs = flat.numel();
+    const int64_t* e = flat.const_data_ptr<int64_t>();
+    int64_t* off = offsets.mutable_data_ptr<int64_t>();
+    int64_t* ord = order.mutable_data_ptr<int64_t>();
+    int64_t* pos = position.mutable_data_ptr<int64_t>();
+    std::vector<int64_t> next(experts + 1, 0);
+    for (int64_t i = 0; i < pairs; ++i) ++next[e[i] + 1];
+    for (int64_t x = 0; x < experts; ++x) next[x + 1] += next[x];
+    for (int64_t x = 0; x <= experts; ++x) off[x] = next[x];
+    for (int64_t i = 0; i < pairs; ++i) {
+      const int64_t p = next[e[i]]++;
+      ord[p] = i;
+      pos[i] = p;
+    }
+  }
+
+  static void gather(at::Tensor& dst, const at::Tensor& src, const at::Tensor& order, int64_t k,
+                     const at::Tensor& weights) {
+    const int64_t rows = dst.size(0), cols = dst.size(1);
+    const int64_t* ord = order.const_data_ptr<int64_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "moe_gather", [&] {
+      using A = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      scalar_t* d = dst.mutable_data_ptr<scalar_t>();
+      const scalar_t* s = src.const_data_ptr<scalar_t>();
+      const auto run = [&](const auto* w) {
+        at::parallel_for(0, rows, grain(cols), [&](int64_t p0, int64_t p1) {
+          for (int64_t p = p0; p < p1; ++p) {
+            moe::gather_row<A>(d + p * cols, s + (ord[p] / k) * cols, w ? w + ord[p] : w, cols, 0, 1);
+          }
+        });
+      };
+      if (!weights.defined()) {
+        run(static_cast<const A*>(nullptr));
+      } else if (weights.scalar_type() == dst.scalar_type()) {
+        run(weights.const_data_ptr<scalar_t>());
+      } else {
+        run(weights.const_data_ptr<A>());
+      }
+    });
+  }
+
+  static void combine(at::Tensor& dst, const at::Tensor& src, const at::Tensor& position, int64_t k,
+                      const at::Tensor& weights) {
+    const int64_t tokens = dst.size(0), cols = dst.size(1);
+    const int64_t* pos = position.const_data_ptr<int64_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "moe_combine", [&] {
+      using A = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      scalar_t* d = dst.mutable_data_ptr<scalar_t>();
+      const scalar_t* s = src.const_data_ptr<scalar_t>();
+      const auto run = [&](const auto* w) {
+        at::parallel_for(0, tokens, grain(cols * k), [&](int64_t t0, int64_t t1) {
+          for (int64_t t = t0; t < t1; ++t) {
+            moe::combine_row<A>(d + t * cols, s, cols, pos + t * k, w ? w + t * k : w, k, cols, 0, 1);
+          }
+        });
+      };
+      if (!weights.defined()) {
+        run(static_cast<const A*>(nullptr));
+      } else if (weights.scalar_type() == dst.scalar_type()) {
+        run(weights.const_data_ptr<scalar_t>());
+      } else {
+        run(weights.const_data_ptr<A>());
+      }
+    });
+  }
+
+  static void weights_grad(at::Tensor& grad, const at::Tensor& grad_out, const at::Tensor& src,
+                           const at::Tensor& position) {
+    const int64_t tokens = grad.size(0), k = grad.size(1), cols = grad_out.size(1);
+    const int64_t* pos = position.const_data_ptr<int64_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "moe_weights_grad", [&] {
+      using A = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      A* g = grad.mutable_data_ptr<A>();
+      const scalar_t* go = grad_out.const_data_ptr<scalar_t>();
+      const scalar_t* s = src.const_data_ptr<scalar_t>();
+      at::parallel_for(0, tokens, grain(cols * k), [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          for (int64_t j = 0; j < k; ++j) {
+            const scalar_t* row = s + pos[t * k + j] * cols;
+            A acc = A(0);
+            for (int64_t h = 0; h < cols; ++h) acc += static_cast<A>(go[t * cols + h]) * static_cast<A>(row[h]);
+            g[t * k + j] = acc;
+          }
+        }
+      });
+    });
+  }
+
+  // One BLAS call per expert with rows (a weight gradient of an expert without
+  // rows is zeros), each on the expert's contiguous slice of rows.
+  static void grouped_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                         const at::Tensor& offsets, GroupedProduct kind) {
+    const int64_t* off = offsets.const_data_ptr<int64_t>();
+    const int64_t experts = offsets.numel() - 1;
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t first = off[e], n = off[e + 1] - off[e];
+      if (kind == GroupedProduct::kWeightGradient) {
+        at::Tensor o = out[e];
+        if (n == 0) {
+          o.zero_();
+        } else {
+          at::mm_out(o, a.narrow(0, first, n).t(), b.narrow(0, first, n));
+        }
+        continue;
+      }
+      if (n == 0) continue;
+      at::Tensor o = out.narrow(0, first, n);
+      const at::Tensor w = kind == GroupedProduct::kRowsTimesWeightT ? b[e].t() : b[e];
+      at::mm_out(o, a.narrow(0, first, n), w);
+    }
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusedllm, CPU, m) { FUSEDLLM_IMPL_MOE_OPS(m, CpuMoe); }
+
+}  // namespace fusedllm::cpu

@@ -1,0 +1,322 @@
+// The mixture-of-experts ops, shared by the CPU and CUDA implementations:
+// argument checks and the flow of the experts op. The rows of the (token,
+// choice) pairs are put in expert order by a stable counting sort, each
+// expert's rows go through its gate/up multiply, the gated activation (the
+// swiglu op) and its down multiply as grouped products over contiguous row
+// ranges, and each token's outputs are summed in choice order. Backward runs
+// the same products transposed, recomputing the activation from the saved
+// gate/up rows.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <array>
+#include <cmath>
+#include <string>
+#include <string_view>
+#include <tuple>
+
+#include "fusedllm/checks.h"
+#include "fusedllm/moe.h"
+#include "fusedllm/swiglu_op.h"
+
+namespace fusedllm {
+
+// The product of a grouped multiply; rows of group e: offsets[e] .. offsets[e + 1].
+enum class GroupedProduct {
+  kRowsTimesWeightT,  // out[r] = a[r] @ b[e]^T         a [S, K], b [E, N, K], out [S, N]
+  kRowsTimesWeight,   // out[r] = a[r] @ b[e]           a [S, K], b [E, K, N], out [S, N]
+  kWeightGradient,    // out[e] = a[rows_e]^T @ b[rows_e]  a [S, M], b [S, N], out [E, M, N]
+};
+
+// Scorings: fusedllm._limits.MOE_SCORINGS (tests/test_limits.py).
+inline moe::Scoring parse_scoring(std::string_view scoring, const char* op) {
+  if (scoring == "softmax") return moe::Scoring::kSoftmax;
+  if (scoring == "sigmoid") return moe::Scoring::kSigmoid;
+  TORCH_CHECK_VALUE(false, op, ": scoring must be 'softmax' or 'sigmoid', got '",
+                    std::string(scoring), "'");
+}
+
+inline moe::RouteOptions check_moe_route(const char* op, const at::Tensor& logits, int64_t top_k,
+                                         std::string_view scoring, bool normalize,
+                                         const std::optional<at::Tensor>& bias, int64_t groups,
+                                         int64_t top_groups, double scaling) {
+  check_float_tensor(logits, op, "router_logits");
+  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.size(1) >= 1, op,
+                    ": router_logits must be [tokens, num_experts], got shape ", logits.sizes());
+  const int64_t experts = logits.size(1);
+  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= experts, op, ": top_k must be in [1, num_experts = ",
+                    experts, "], got ", top_k);
+  moe::RouteOptions o;
+  o.scoring = parse_scoring(scoring, op);
+  if (bias.has_value()) {
+    check_float_tensor(*bias, op, "correction_bias");
+    TORCH_CHECK_VALUE(bias->device() == logits.device(), op, ": correction_bias is on ",
+                      bias->device(), " but router_logits is on ", logits.device());
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == experts, op,
+                      ": correction_bias must be [", experts, "] (one per expert), got shape ",
+                      bias->sizes());
+  }
+  TORCH_CHECK_VALUE(groups >= 1 && experts % groups == 0, op,
+                    ": num_groups must be a positive divisor of num_experts = ", experts, ", got ",
+                    groups);
+  TORCH_CHECK_VALUE(top_groups >= 1 && top_groups <= groups, op,
+                    ": top_groups must be in [1, num_groups = ", groups, "], got ", top_groups);
+  TORCH_CHECK_VALUE(top_k <= top_groups * (experts / groups), op, ": top_k = ", top_k,
+                    " is more than the ", top_groups * (experts / groups),
+                    " experts of the top_groups = ", top_groups, " groups kept");
+  TORCH_CHECK_VALUE(std::isfinite(scaling), op, ": scaling must be finite, got ", scaling);
+  o.normalize = normalize;
+  o.experts = experts;
+  o.top_k = top_k;
+  o.groups = groups;
+  o.top_groups = top_groups;
+  o.scaling = scaling;
+  return o;
+}
+
+inline at::ScalarType moe_accumulation(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+struct MoeShape {
+  int64_t tokens = 0, hidden = 0, top_k = 0, experts = 0, inter = 0;
+};
+
+inline MoeShape check_moe_experts(const char* op, const at::Tensor& hidden,
+                                  const at::Tensor& indices, const at::Tensor& weights,
+                                  const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
+                                  std::string_view activation) {
+  check_float_tensor(hidden, op, "hidden");
+  TORCH_CHECK_VALUE(hidden.dim() == 2, op, ": hidden must be [tokens, hidden_size], got shape ",
+                    hidden.sizes());
+  MoeShape s;
+  s.tokens = hidden.size(0);
+  s.hidden = hidden.size(1);
+  TORCH_CHECK_VALUE(indices.scalar_type() == at::kLong, op,
+                    ": indices must hold int64 expert indices, got ",
+                    dtype_name(indices.scalar_type()));
+  TORCH_CHECK_VALUE(indices.device() == hidden.device(), op, ": indices is on ", indices.device(),
+                    " but hidden is on ", hidden.device());
+  TORCH_CHECK_VALUE(indices.dim() == 2 && indices.size(0) == s.tokens && indices.size(1) >= 1, op,
+                    ": indices must be [", s.tokens, ", top_k] (hidden's tokens), got shape ",
+                    indices.sizes());
+  s.top_k = indices.size(1);
+  const at::ScalarType acc = moe_accumulation(hidden.scalar_type());
+  TORCH_CHECK_VALUE(weights.scalar_type() == hidden.scalar_type() || weights.scalar_type() == acc,
+                    op, ": weights must have hidden's dtype ", dtype_name(hidden.scalar_type()),
+                    " or ", dtype_name(acc), ", got ", dtype_name(weights.scalar_type()));
+  TORCH_CHECK_VALUE(weights.device() == hidden.device(), op, ": weights is on ", weights.device(),
+                    " but hidden is on ", hidden.device());
+  TORCH_CHECK_VALUE(weights.sizes() == indices.sizes(), op, ": weights must have indices' shape ",
+                    indices.sizes(), ", got ", weights.sizes());
+  check_same(hidden, "hidden", gate_up_proj, "gate_up_proj", op);
+  check_same(hidden, "hidden", down_proj, "down_proj", op);
+  TORCH_CHECK_VALUE(gate_up_proj.dim() == 3 && gate_up_proj.size(0) >= 1 &&
+                        gate_up_proj.size(1) % 2 == 0 && gate_up_proj.size(2) == s.hidden,
+                    op, ": gate_up_proj must be [num_experts, 2 * intermediate, ", s.hidden,
+                    "] (hidden's last dim), got shape ", gate_up_proj.sizes());
+  s.experts = gate_up_proj.size(0);
+  s.inter = gate_up_proj.size(1) / 2;
+  TORCH_CHECK_VALUE(down_proj.sizes() == at::IntArrayRef({s.experts, s.hidden, s.inter}), op,
+                    ": down_proj must be [", s.experts, ", ", s.hidden, ", ", s.inter,
+                    "] (num_experts, hidden_size, intermediate), got shape ", down_proj.sizes());
+  parse_activation(activation, op);
+  // An index out of range would read past the weights: refused here where the
+  // check costs no device synchronisation; on CUDA that token's output is NaN.
+  if (!indices.is_cuda() && indices.numel() > 0) {
+    const at::Tensor bad = (indices < 0) | (indices >= s.experts);
+    if (bad.any().item<bool>()) {
+      const at::Tensor first = bad.nonzero()[0];
+      const int64_t t = first[0].item<int64_t>(), j = first[1].item<int64_t>();
+      TORCH_CHECK_VALUE(false, op, ": indices[", t, ", ", j, "] = ", indices[t][j].item<int64_t>(),
+                        " is not an expert index in [0, ", s.experts, ")");
+    }
+  }
+  return s;
+}
+
+// Impl provides:
+//   kOps: the operator namespace of its device ("fusedllm" or "fusedllm_simt"),
+//     whose swiglu ops give the gated activation;
+//   route(logits, bias, options, weights, indices) and
+//   route_backward(grad_weights, logits, indices, options, grad_logits): the
+//     router rows (moe::route_row, moe::route_row_backward);
+//   sort(flat_indices [S], experts, order [S], position [S], offsets [E + 1]):
+//     order[p] = the pair (t * k + j) at expert-ordered row p, stable;
+//     position its inverse; offsets the groups' bounds;
+//   gather(dst [S, H], src [T, H], order, k, weights or undefined): dst[p] =
+//     (weights[order[p]] or 1) * src[order[p] / k];
+//   combine(dst [T, H], src [S, H], position, k, weights or undefined):
+//     dst[t] = sum_j (weights[t, j] or 1) * src[position[t * k + j]];
+//   weights_grad(grad [T, k] accumulation dtype, grad_out [T, H], src [S, H],
+//     position): grad[t, j] = <grad_out[t], src[position[t * k + j]]>;
+//   grouped_mm(out, a, b, offsets, GroupedProduct).
+template <typename Impl>
+struct MoeOps {
+  static std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits, int64_t top_k,
+                                                  c10::string_view scoring, bool normalize,
+                                                  const std::optional<at::Tensor>& bias,
+                                                  int64_t groups, int64_t top_groups,
+                                                  double scaling) {
+    const auto o = check_moe_route("fusedllm.moe_route", logits, top_k, scoring, normalize, bias,
+                                   groups, top_groups, scaling);
+    const int64_t tokens = logits.size(0);
+    at::Tensor weights = at::empty({tokens, top_k},
+                                   logits.options().dtype(moe_accumulation(logits.scalar_type())));
+    at::Tensor indices = at::empty({tokens, top_k}, logits.options().dtype(at::kLong));
+    if (tokens == 0) return {weights, indices};
+    const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+    Impl::route(logits.contiguous(), b, o, weights, indices);
+    return {weights, indices};
+  }
+
+  static at::Tensor route_backward(const at::Tensor& grad_weights, const at::Tensor& logits,
+                                   const at::Tensor& indices, c10::string_view scoring,
+                                   bool normalize, double scaling) {
+    const char* op = "fusedllm.moe_route_backward";
+    moe::RouteOptions o;
+    o.scoring = parse_scoring(scoring, op);
+    o.normalize = normalize;
+    o.experts = logits.size(1);
+    o.top_k = indices.size(1);
+    o.scaling = scaling;
+    TORCH_CHECK_VALUE(grad_weights.sizes() == indices.sizes() && indices.size(0) == logits.size(0),
+                      op, ": grad_weights ", grad_weights.sizes(), " and indices ",
+                      indices.sizes(), " must be [", logits.size(0), ", top_k]");
+    at::Tensor grad = at::empty(logits.sizes(), logits.options());
+    if (logits.size(0) == 0) return grad;
+    Impl::route_backward(grad_weights.contiguous(), logits.contiguous(), indices.contiguous(), o,
+                         grad);
+    return grad;
+  }
+
+  // The gated activation of [S, 2I] rows through the device's swiglu ops.
+  static at::Tensor gated(const at::Tensor& gate_up, c10::string_view activation) {
+    static auto fn = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow((std::string(Impl::kOps) + "::swiglu_packed").c_str(), "")
+                         .typed<at::Tensor(const at::Tensor&, c10::string_view)>();
+    return fn.call(gate_up, activation);
+  }
+
+  static at::Tensor gated_backward(const at::Tensor& grad, const at::Tensor& gate_up,
+                                   c10::string_view activation) {
+    static auto fn =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow((std::string(Impl::kOps) + "::swiglu_packed_backward").c_str(), "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>();
+    return fn.call(grad, gate_up, activation);
+  }
+
+  // Returns out and what backward needs: order, position, offsets, the gate/up
+  // rows [S, 2I] and the experts' outputs [S, H] (unweighted), in expert order.
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+  experts(const at::Tensor& hidden_in, const at::Tensor& indices, const at::Tensor& weights_in,
+          const at::Tensor& gate_up_proj, const at::Tensor& down_proj, c10::string_view activation) {
+    const MoeShape s = check_moe_experts("fusedllm.moe_experts", hidden_in, indices, weights_in,
+                                         gate_up_proj, down_proj, activation);
+    const int64_t pairs = s.tokens * s.top_k;
+    const auto long_opts = indices.options();
+    at::Tensor order = at::empty({pairs}, long_opts), position = at::empty({pairs}, long_opts);
+    at::Tensor offsets = at::empty({s.experts + 1}, long_opts);
+    at::Tensor out = at::empty({s.tokens, s.hidden}, hidden_in.options());
+    at::Tensor gate_up = at::empty({pairs, 2 * s.inter}, hidden_in.options());
+    at::Tensor expert_out = at::empty({pairs, s.hidden}, hidden_in.options());
+    if (pairs == 0) {
+      offsets.zero_();
+      return {out, order, position, offsets, gate_up, expert_out};
+    }
+    const at::Tensor hidden = hidden_in.contiguous();
+    const at::Tensor weights = weights_in.contiguous();
+    Impl::sort(indices.contiguous().view({-1}), s.experts, order, position, offsets);
+    {
+      at::Tensor rows = at::empty({pairs, s.hidden}, hidden.options());
+      Impl::gather(rows, hidden, order, s.top_k, at::Tensor());
+      Impl::grouped_mm(gate_up, rows, gate_up_proj, offsets, GroupedProduct::kRowsTimesWeightT);
+    }
+    Impl::grouped_mm(expert_out, gated(gate_up, activation), down_proj, offsets,
+                     GroupedProduct::kRowsTimesWeightT);
+    Impl::combine(out, expert_out, position, s.top_k, weights);
+    return {out, order, position, offsets, gate_up, expert_out};
+  }
+
+  // Gradients for hidden, weights, gate_up_proj and down_proj, as output_mask
+  // asks (empty tensors for the others).
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> experts_backward(
+      const at::Tensor& grad_out_in, const at::Tensor& hidden_in, const at::Tensor& indices,
+      const at::Tensor& weights_in, const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
+      const at::Tensor& order, const at::Tensor& position, const at::Tensor& offsets,
+      const at::Tensor& gate_up, const at::Tensor& expert_out, c10::string_view activation,
+      std::array<bool, 4> output_mask) {
+    const char* op = "fusedllm.moe_experts_backward";
+    const MoeShape s = check_moe_experts(op, hidden_in, indices, weights_in, gate_up_proj,
+                                         down_proj, activation);
+    check_same(hidden_in, "hidden", grad_out_in, "grad_out", op);
+    TORCH_CHECK_VALUE(grad_out_in.sizes() == hidden_in.sizes(), op,
+                      ": grad_out must have hidden's shape ", hidden_in.sizes(), ", got ",
+                      grad_out_in.sizes());
+    const auto [want_hidden, want_weights, want_gate_up, want_down] = output_mask;
+    const int64_t pairs = s.tokens * s.top_k;
+    at::Tensor grad_hidden = hidden_in.new_empty({0}), grad_weights = hidden_in.new_empty({0});
+    at::Tensor grad_gate_up = hidden_in.new_empty({0}), grad_down = hidden_in.new_empty({0});
+    if (pairs == 0) {
+      if (want_hidden) grad_hidden = at::zeros_like(hidden_in);
+      if (want_weights) grad_weights = at::zeros_like(weights_in);
+      if (want_gate_up) grad_gate_up = at::zeros_like(gate_up_proj);
+      if (want_down) grad_down = at::zeros_like(down_proj);
+      return {grad_hidden, grad_weights, grad_gate_up, grad_down};
+    }
+    const at::Tensor grad_out = grad_out_in.contiguous();
+    const at::Tensor weights = weights_in.contiguous();
+    if (want_weights) {
+      at::Tensor g = at::empty({s.tokens, s.top_k},
+                               weights.options().dtype(moe_accumulation(hidden_in.scalar_type())));
+      Impl::weights_grad(g, grad_out, expert_out, position);
+      grad_weights = g.scalar_type() == weights.scalar_type() ? g : g.to(weights.scalar_type());
+    }
+    if (!(want_hidden || want_gate_up || want_down)) {
+      return {grad_hidden, grad_weights, grad_gate_up, grad_down};
+    }
+    at::Tensor grad_acted;
+    {
+      // The experts' output rows' gradient: each token's, times its weight.
+      at::Tensor grad_rows = at::empty({pairs, s.hidden}, hidden_in.options());
+      Impl::gather(grad_rows, grad_out, order, s.top_k, weights);
+      if (want_down) {
+        grad_down = at::empty(down_proj.sizes(), down_proj.options());
+        Impl::grouped_mm(grad_down, grad_rows, gated(gate_up, activation), offsets,
+                         GroupedProduct::kWeightGradient);
+      }
+      grad_acted = at::empty({pairs, s.inter}, hidden_in.options());
+      Impl::grouped_mm(grad_acted, grad_rows, down_proj, offsets, GroupedProduct::kRowsTimesWeight);
+    }
+    const at::Tensor grad_gu = gated_backward(grad_acted, gate_up, activation);
+    grad_acted = at::Tensor();
+    if (want_gate_up) {
+      const at::Tensor hidden = hidden_in.contiguous();
+      at::Tensor rows = at::empty({pairs, s.hidden}, hidden.options());
+      Impl::gather(rows, hidden, order, s.top_k, at::Tensor());
+      grad_gate_up = at::empty(gate_up_proj.sizes(), gate_up_proj.options());
+      Impl::grouped_mm(grad_gate_up, grad_gu, rows, offsets, GroupedProduct::kWeightGradient);
+    }
+    if (want_hidden) {
+      at::Tensor grad_rows = at::empty({pairs, s.hidden}, hidden_in.options());
+      Impl::grouped_mm(grad_rows, grad_gu, gate_up_proj, offsets, GroupedProduct::kRowsTimesWeight);
+      grad_hidden = at::empty({s.tokens, s.hidden}, hidden_in.options());
+      Impl::combine(grad_hidden, grad_rows, position, s.top_k, at::Tensor());
+    }
+    return {grad_hidden, grad_weights, grad_gate_up, grad_down};
+  }
+};
+
+}  // namespace fusedllm
+
+// Registers the mixture-of-experts operators of one dispatch key; use inside TORCH_LIBRARY_IMPL.
+#define FUSEDLLM_IMPL_MOE_OPS(m, Impl)                                                 \
+  do {                                                                                 \
+    (m).impl("moe_route", &::fusedllm::MoeOps<Impl>::route);                           \
+    (m).impl("moe_route_backward", &::fusedllm::MoeOps<Impl>::route_backward);         \
+    (m).impl("moe_experts", &::fusedllm::MoeOps<Impl>::experts);                       \
+    (m).impl("moe_experts_backward", &::fusedllm::MoeOps<Impl>::experts_backward);     \
+  } while (0)

@@ -3,13 +3,15 @@
 // past its end, divergent and mismatched barriers, a full-mask shuffle in a
 // partial warp, a shuffle waiting on lanes held at a barrier, a failed device
 // assert, and launches over the device's limits. Also the tensor-core check tile
-// (mma_check.cuh) on CPU tensors. Built only into fusedllm._simt.
+// (mma_check.cuh) and the grouped matrix products (grouped_gemm.cuh) on CPU
+// tensors. Built only into fusedllm._simt.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <string>
 #include <vector>
 
+#include "grouped_gemm.cuh"
 #include "mma_check.cuh"
 #include "primitives.cuh"
 
@@ -135,6 +137,26 @@ at::Tensor mma_tile(const at::Tensor& a, const at::Tensor& b, bool b_rows_are_n)
   return c;
 }
 
+// cuda::grouped_mm on CPU tensors, out allocated here: kind is a
+// GroupedProduct (0: a @ b[e]^T, 1: a @ b[e], 2: the weight gradient);
+// tensor_cores = false runs the SIMT kernel for 16-bit types too.
+at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets, int64_t kind,
+                      bool tensor_cores) {
+  TORCH_CHECK_VALUE(kind >= 0 && kind <= 2, "grouped_mm: kind must be 0, 1 or 2, got ", kind);
+  TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() >= 2 && offsets.dim() == 1,
+                    "grouped_mm: a must be 2-D, b 2-D or 3-D, offsets 1-D");
+  const auto product = static_cast<cuda::GroupedProduct>(kind);
+  at::Tensor out;
+  if (product == cuda::GroupedProduct::kWeightGradient) {
+    out = at::empty({offsets.size(0) - 1, a.size(1), b.size(-1)}, a.options());
+  } else {
+    out = at::empty({a.size(0), b.size(product == cuda::GroupedProduct::kRowsTimesWeightT ? 1 : 2)},
+                    a.options());
+  }
+  cuda::grouped::grouped_mm(out, a, b, offsets, product, tensor_cores);
+  return out;
+}
+
 }  // namespace
 
 }  // namespace fusedllm::simt
@@ -144,4 +166,6 @@ at::Tensor mma_tile(const at::Tensor& a, const at::Tensor& b, bool b_rows_are_n)
 TORCH_LIBRARY(fusedllm_simt_selftest, m) {
   m.def("mma_tile(Tensor a, Tensor b, bool b_rows_are_n) -> Tensor");
   m.impl("mma_tile", c10::DispatchKey::CPU, &fusedllm::simt::mma_tile);
+  m.def("grouped_mm(Tensor a, Tensor b, Tensor offsets, int kind, bool tensor_cores=True) -> Tensor");
+  m.impl("grouped_mm", c10::DispatchKey::CPU, &fusedllm::simt::grouped_mm);
 }

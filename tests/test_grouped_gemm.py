@@ -1,0 +1,224 @@
+"""The grouped matrix products of csrc/cuda/grouped_gemm.cuh (mixture-of-experts
+rows grouped by expert through device-side offsets): under the emulator,
+through torch.ops.fusedllm_simt_selftest.grouped_mm, against a float64
+per-group reference; and compiled for sm_80 (tensor-core instructions, no
+register spills)."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from checks import assert_close
+from test_tensor_core import _cuda_include_dirs, _cuobjdump
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KINDS = {"rows_times_weight_t": 0, "rows_times_weight": 1, "weight_gradient": 2}
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+SCHEDULES = ["lockstep", "warp-random"]
+
+
+def reference(kind, a, b, offsets):
+    """The grouped product in float64, one group at a time."""
+    a, b = a.double(), b.double()
+    bounds = offsets.tolist()
+    if kind == 2:
+        return torch.stack([a[lo:hi].T @ b[lo:hi] for lo, hi in zip(bounds, bounds[1:])])
+    out = torch.zeros(a.shape[0], b.shape[1] if kind == 0 else b.shape[2], dtype=torch.float64)
+    for e, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        out[lo:hi] = a[lo:hi] @ (b[e].T if kind == 0 else b[e])
+    return out
+
+
+def operands(kind, sizes, dims, dtype, exact, seed=0):
+    """a, b and offsets for groups of `sizes` rows; dims = (K, N) for the row
+    products, (M, N) for the weight gradient. `exact`: small integers, so that
+    every product and partial sum is exact in float32 (and every output in the
+    16-bit types), and a layout mistake shows as a wrong value."""
+    g = torch.Generator().manual_seed(seed)
+    rows, experts = sum(sizes), len(sizes)
+
+    def make(*shape):
+        if exact:
+            return torch.randint(-3, 4, shape, generator=g).to(dtype)
+        return torch.randn(shape, generator=g).to(dtype)
+
+    first, n = dims
+    a = make(rows, first)
+    if kind == 0:
+        b = make(experts, n, first)
+    elif kind == 1:
+        b = make(experts, first, n)
+    else:
+        b = make(rows, n)
+    offsets = torch.tensor([0, *sizes]).cumsum(0)
+    return a, b, offsets
+
+
+def tolerance(dtype, exact):
+    if exact:
+        return None
+    return {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12),
+            torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (1e-3, 1e-3)}[dtype]
+
+
+def run(a, b, offsets, kind, schedule, tensor_cores=True):
+    import fusedllm.simt  # loads fusedllm._simt or says how to build it
+
+    with fusedllm.simt.kernels(schedule=schedule):
+        return torch.ops.fusedllm_simt_selftest.grouped_mm(a, b, offsets, kind, tensor_cores)
+
+
+def check(out, a, b, offsets, kind, exact):
+    expected = reference(kind, a, b, offsets)
+    assert out.dtype == a.dtype
+    assert out.shape == expected.shape
+    if exact:
+        assert torch.equal(out.double(), expected), (out.double() - expected).abs().max()
+    else:
+        assert_close(out, expected.to(out.dtype), tolerance(out.dtype, exact), upcast=True)
+
+
+# Groups: empty first, middle and last, a single row, a group over one 64-row
+# tile; dims not multiples of 8 (element-wise loads) and multiples (cp.async).
+GROUPS = [0, 5, 1, 0, 70, 3, 0]
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grouped_products_integers(dtype, kind, schedule):
+    k = KINDS[kind]
+    a, b, offsets = operands(k, GROUPS, (40, 72), dtype, exact=True, seed=k)
+    check(run(a, b, offsets, k, schedule), a, b, offsets, k, exact=True)
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grouped_products_random_ragged(dtype, kind):
+    """Random values; K (or the groups' rows) over two K-steps with a ragged
+    tail, N over one tile, M ragged: every edge of both kernels."""
+    k = KINDS[kind]
+    a, b, offsets = operands(k, [3, 0, 37, 9], (45, 67), dtype, exact=False, seed=10 + k)
+    check(run(a, b, offsets, k, "warp-random"), a, b, offsets, k, exact=False)
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_simt_kernel_for_16_bit_types(dtype, kind):
+    """The SIMT kernel that 16-bit types take below sm_80."""
+    k = KINDS[kind]
+    a, b, offsets = operands(k, [6, 0, 30], (24, 20), dtype, exact=True, seed=20 + k)
+    check(run(a, b, offsets, k, "lockstep", tensor_cores=False), a, b, offsets, k, exact=True)
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_expert(dtype, kind):
+    k = KINDS[kind]
+    a, b, offsets = operands(k, [19], (16, 8), dtype, exact=True, seed=30 + k)
+    check(run(a, b, offsets, k, "lockstep"), a, b, offsets, k, exact=True)
+
+
+def strided(t, pad, shift):
+    """t's values in a view with unit last stride: every other slice along the
+    first dimension (rows of a 2-D t, experts of a 3-D one) of a tensor whose
+    rows are `pad` elements wider, starting `shift` elements into each row."""
+    wide = torch.zeros(2 * t.shape[0], *t.shape[1:-1], t.shape[-1] + pad, dtype=t.dtype)
+    view = wide[::2, ..., shift : shift + t.shape[-1]]
+    view.copy_(t)
+    return view
+
+
+# Row strides multiples of 8 elements and aligned pointers (16-byte copies stay
+# possible), row strides that are not, pointers that are not 16-byte aligned.
+LAYOUT = {"aligned": (8, 0), "odd_stride": (3, 0), "odd_pointer": (8, 1)}
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("layout", list(LAYOUT))
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_strided_operands(dtype, kind, layout):
+    """Row-strided slices of a and of b (every other expert of a larger b for
+    the row products), for every alignment case."""
+    k = KINDS[kind]
+    a, b, offsets = operands(k, [9, 0, 24, 2], (32, 24), dtype, exact=True, seed=40 + k)
+    a_s, b_s = (strided(t, *LAYOUT[layout]) for t in (a, b))
+    assert not a_s.is_contiguous() and not b_s.is_contiguous() and b_s.stride(-1) == 1
+    check(run(a_s, b_s, offsets, k, "warp-random"), a, b, offsets, k, exact=True)
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_transposed_weight_views(dtype):
+    """The forward's b as the transpose of a contiguous [E, K, N] (and the
+    input gradient's b as the transpose of [E, N, K]) after .contiguous()
+    of the transposed view: the layouts a module's weight and its .T give."""
+    a, w, offsets = operands(1, [7, 12], (16, 24), dtype, exact=True, seed=50)
+    wt = w.transpose(1, 2).contiguous()  # [E, N, K]
+    check(run(a, wt, offsets, 0, "lockstep"), a, wt, offsets, 0, exact=True)
+    check(run(a, wt.transpose(1, 2).contiguous(), offsets, 1, "lockstep"), a, w, offsets, 1, exact=True)
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_zero_rows_and_empty_experts(dtype):
+    a, b, offsets = operands(2, [0, 0], (5, 7), dtype, exact=True)
+    out = run(a, b, offsets, 2, "lockstep")
+    assert out.shape == (2, 5, 7) and torch.equal(out, torch.zeros_like(out))
+    a, b, offsets = operands(0, [0, 0, 0], (5, 7), dtype, exact=True)
+    assert run(a, b, offsets, 0, "lockstep").shape == (0, 7)
+    for kind in (0, 1):  # K = 0: every output is an empty sum
+        a, b, offsets = operands(kind, [3, 0, 4], (0, 7), dtype, exact=True)
+        out = run(a, b, offsets, kind, "lockstep")
+        assert out.shape == (7, 7) and torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.simt
+def test_bad_arguments_name_the_argument():
+    a, b, offsets = operands(0, [2, 3], (8, 4), torch.float32, exact=True)
+    with pytest.raises(ValueError, match=r"b must be \[E, N, K\]"):
+        run(a, b[:1], offsets, 0, "lockstep")
+    with pytest.raises(ValueError, match=r"b must be \[E, K, N\]"):
+        run(a, b, offsets, 1, "lockstep")
+    with pytest.raises(ValueError, match="offsets must be a contiguous int64"):
+        run(a, b, offsets.int(), 0, "lockstep")
+    with pytest.raises(ValueError, match="one dtype"):
+        run(a, b.double(), offsets, 0, "lockstep")
+    with pytest.raises(ValueError, match="a's last dimension must have unit stride"):
+        run(a.T.contiguous().T, b, offsets, 0, "lockstep")
+
+
+SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_kernels_compile_to_tensor_core_instructions_without_spills(tmp_path):
+    """Evidence without a GPU: for sm_80, the 16-bit kernels' machine code holds
+    HMMA (mma.sync), LDSM and LDSM .MT (ldmatrix, ldmatrix .trans) and LDGSTS
+    (cp.async), and ptxas reports no spills for any grouped kernel."""
+    cuobjdump = _cuobjdump()
+    assert cuobjdump, "nvcc is here but cuobjdump is not (the CUDA toolkit's, or triton's copy)"
+    probe = tmp_path / "probe.cu"
+    # The host function instantiates every kernel.
+    probe.write_text('#include "grouped_gemm.cuh"\n')
+    cubin = tmp_path / "probe.cubin"
+    build = subprocess.run(["nvcc", "-std=c++20", "-arch=sm_80", "--expt-relaxed-constexpr", "-cubin",
+                            "-Xptxas=-v", *_cuda_include_dirs(), str(probe), "-o", str(cubin)],
+                           check=True, capture_output=True, text=True)
+    spills = [(int(s), int(l)) for s, l in SPILLS.findall(build.stderr)]
+    assert len(spills) >= 18 and all(s == l == 0 for s, l in spills), build.stderr
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True,
+                          text=True).stdout
+    for instruction in ("HMMA.16816.F32.BF16", "HMMA.16816.F32 ", "LDSM.16.M88.4", "LDSM.16.MT88.4",
+                        "LDGSTS.E.BYPASS.128"):
+        assert instruction in sass, f"{instruction.strip()} not in the sm_80 machine code"

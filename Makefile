@@ -105,6 +105,7 @@ bench: $(VENV)/.built $(VENV)/.dev-deps-installed
 	$(BIN)/python benchmarks/bench_model.py
 	$(BIN)/python benchmarks/bench_parallel_block.py
 	$(BIN)/python benchmarks/bench_cross_entropy.py
+	$(BIN)/python benchmarks/bench_moe.py
 
 clean:
 	rm -rf build $(VENV)/.built $(VENV)/.built-simt

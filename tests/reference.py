@@ -145,3 +145,51 @@ def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, r
     if reduction == "mean":
         return loss.sum() / keep.sum()
     return loss.reshape(hidden.shape[:-1])
+
+
+def moe_route(logits, top_k, scoring="softmax", normalize=True, correction_bias=None, num_groups=1,
+              top_groups=None, scaling=1.0):
+    """Per token: scores, the eligible experts (the best groups by the sum of
+    their two best biased scores), the top_k biased scores (lower index first
+    among equals), and the chosen scores (renormalized, scaled) as weights."""
+    acc = accumulation_dtype(logits.dtype)
+    z = logits.to(acc)
+    scores = torch.softmax(z, -1) if scoring == "softmax" else torch.sigmoid(z)
+    tokens, experts = z.shape
+    size = experts // num_groups
+    top_groups = num_groups if top_groups is None else top_groups
+    weights, indices = [], []
+    for t in range(tokens):
+        choice = [float(scores[t, e]) + (0.0 if correction_bias is None else float(correction_bias[e]))
+                  for e in range(experts)]
+        group_score = [sum(sorted(choice[g * size:(g + 1) * size], reverse=True)[:2])
+                       for g in range(num_groups)]
+        kept = sorted(range(num_groups), key=lambda g: (-group_score[g], g))[:top_groups]
+        eligible = [e for e in range(experts) if e // size in kept]
+        chosen = sorted(eligible, key=lambda e: (-choice[e], e))[:top_k]
+        w = scores[t, chosen]
+        if normalize:
+            w = w / (w.sum() + (1e-20 if scoring == "sigmoid" else 0.0))
+        weights.append(w * scaling)
+        indices.append(chosen)
+    if tokens == 0:
+        return z.new_zeros(0, top_k), torch.zeros(0, top_k, dtype=torch.int64)
+    return torch.stack(weights), torch.tensor(indices, dtype=torch.int64)
+
+
+def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation="silu"):
+    """Token by token, choice by choice: weights[t, j] * down @ (act(gate) * up)
+    of expert indices[t, j], in float64."""
+    act = silu if activation == "silu" else gelu_tanh
+    h, w = hidden.double(), weights.double()
+    gu, dn = gate_up_proj.double(), down_proj.double()
+    inter = gu.shape[1] // 2
+    out = []
+    for t in range(h.shape[0]):
+        row = h.new_zeros(h.shape[1])
+        for j in range(indices.shape[1]):
+            e = int(indices[t, j])
+            gate_up = gu[e] @ h[t]
+            row = row + w[t, j] * (dn[e] @ (act(gate_up[:inter]) * gate_up[inter:]))
+        out.append(row)
+    return torch.stack(out) if out else h.new_zeros(h.shape)

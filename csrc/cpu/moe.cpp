@@ -1,7 +1,7 @@
 // Mixture-of-experts ops on CPU: the flow of fusedllm/moe_op.h with each
-// expert's rows multiplied by torch's BLAS (one call per expert with rows, on
-// its contiguous slice), and the router and row moves of fusedllm/moe.h
-// spread over threads by token.
+// expert's rows multiplied by torch's BLAS (blocks of its contiguous rows
+// spread over threads), and the router and row moves of fusedllm/moe.h spread
+// over threads by token.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -175,28 +175,46 @@ struct CpuMoe {
     });
   }
 
-  // One BLAS call per expert with rows (a weight gradient of an expert without
-  // rows is zeros), each on the expert's contiguous slice of rows.
+  // Each expert's product in blocks of rows (output rows for the weight
+  // gradient, each over all of the expert's rows), the blocks spread over
+  // torch's threads, one single-threaded BLAS call each. The blocks depend on
+  // the shapes only, so every element comes from the same call whatever the
+  // thread count: the results do not change with it. Experts without rows
+  // cost nothing (a weight gradient's is zeros).
   static void grouped_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                          const at::Tensor& offsets, GroupedProduct kind) {
+    constexpr int64_t kBlock = 256;
     const int64_t* off = offsets.const_data_ptr<int64_t>();
     const int64_t experts = offsets.numel() - 1;
+    const bool weight_grad = kind == GroupedProduct::kWeightGradient;
+    struct Task {
+      int64_t expert, first, rows;
+    };
+    std::vector<Task> tasks;
     for (int64_t e = 0; e < experts; ++e) {
-      const int64_t first = off[e], n = off[e + 1] - off[e];
-      if (kind == GroupedProduct::kWeightGradient) {
-        at::Tensor o = out[e];
-        if (n == 0) {
-          o.zero_();
-        } else {
-          at::mm_out(o, a.narrow(0, first, n).t(), b.narrow(0, first, n));
-        }
+      const int64_t n = weight_grad ? out.size(1) : off[e + 1] - off[e];
+      if (weight_grad && off[e + 1] == off[e]) {
+        out[e].zero_();
         continue;
       }
-      if (n == 0) continue;
-      at::Tensor o = out.narrow(0, first, n);
-      const at::Tensor w = kind == GroupedProduct::kRowsTimesWeightT ? b[e].t() : b[e];
-      at::mm_out(o, a.narrow(0, first, n), w);
+      for (int64_t r = 0; r < n; r += kBlock) tasks.push_back({e, r, std::min(kBlock, n - r)});
     }
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+      // The worker threads do not inherit the caller's dispatch state: below autograd here too.
+      at::AutoDispatchBelowADInplaceOrView guard;
+      for (int64_t i = t0; i < t1; ++i) {
+        const Task& t = tasks[i];
+        const int64_t first = off[t.expert], n = off[t.expert + 1] - first;
+        if (weight_grad) {
+          at::Tensor o = out[t.expert].narrow(0, t.first, t.rows);
+          at::mm_out(o, a.narrow(0, first, n).narrow(1, t.first, t.rows).t(), b.narrow(0, first, n));
+        } else {
+          at::Tensor o = out.narrow(0, first + t.first, t.rows);
+          const at::Tensor w = kind == GroupedProduct::kRowsTimesWeightT ? b[t.expert].t() : b[t.expert];
+          at::mm_out(o, a.narrow(0, first + t.first, t.rows), w);
+        }
+      }
+    });
   }
 };
 

@@ -437,7 +437,8 @@ def moe_route(router_logits, top_k, scoring, normalize, correction_bias, num_gro
     acc = _accumulation(router_logits)
     z = router_logits.to(acc)
     scores = z.softmax(-1) if scoring == "softmax" else z.sigmoid()
-    choice = scores.detach()
+    # A NaN is chosen only when no number is left, as the kernels choose.
+    choice = scores.detach().nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
     if correction_bias is not None:
         choice = choice + correction_bias.to(acc)
     tokens, experts = z.shape
@@ -472,8 +473,8 @@ def check_moe_experts(op, hidden, indices, weights, gate_up_proj, down_proj, act
     if indices.dim() != 2 or indices.shape[0] != tokens or indices.shape[1] < 1:
         _fail(op, f"indices must be [{tokens}, top_k] (hidden's tokens), got shape {list(indices.shape)}")
     if weights.dtype not in (hidden.dtype, _accumulation(hidden)):
-        _fail(op, f"weights must have hidden's dtype {hidden.dtype} or {_accumulation(hidden)}, got "
-                  f"{weights.dtype}")
+        widened = "" if _accumulation(hidden) == hidden.dtype else f" or {_accumulation(hidden)}"
+        _fail(op, f"weights must have hidden's dtype {hidden.dtype}{widened}, got {weights.dtype}")
     if weights.device != hidden.device:
         _fail(op, f"weights is on {weights.device} but hidden is on {hidden.device}")
     if weights.shape != indices.shape:
@@ -513,6 +514,6 @@ def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation):
     acted = _gated(gate_up[:, :inter], gate_up[:, inter:], activation)
     expert_out = torch.cat([acted[offsets[e]:offsets[e + 1]] @ down_proj[e].T for e in range(experts)])
     acc = _accumulation(hidden)
-    picked = expert_out[position].view(tokens, top_k, -1).to(acc)
+    picked = expert_out[position].view(tokens, top_k, hidden.shape[1]).to(acc)
     out = (picked * weights.to(acc).unsqueeze(-1)).sum(1).to(hidden.dtype)
     return out, order, position, offsets, gate_up, expert_out

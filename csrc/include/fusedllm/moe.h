@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include "fusedllm/macros.h"
 
@@ -163,18 +164,22 @@ FUSEDLLM_HOST_DEVICE void gather_row(T* dst, const T* src_row, const W* weight, 
 }
 
 // Token t's row: the sum over its k choices j, in order, of (weights[t, j] or
-// 1) * src[position[t * k + j]], accumulated in A.
+// 1) * src[position[t * k + j]], accumulated in A. A negative position marks
+// an expert index out of range (the CUDA sort's; the CPU refuses them first):
+// the row becomes NaN.
 template <typename A, typename T, typename W>
 FUSEDLLM_HOST_DEVICE void combine_row(T* dst, const T* src, int64_t src_stride,
                                       const int64_t* position, const W* weights, int64_t k,
                                       int64_t cols, int64_t first, int64_t step) {
+  bool valid = true;
+  for (int64_t j = 0; j < k; ++j) valid = valid && position[j] >= 0;
   for (int64_t h = first; h < cols; h += step) {
     A acc = A(0);
-    for (int64_t j = 0; j < k; ++j) {
+    for (int64_t j = 0; valid && j < k; ++j) {
       const A v = static_cast<A>(src[position[j] * src_stride + h]);
       acc += weights ? static_cast<A>(weights[j]) * v : v;
     }
-    dst[h] = static_cast<T>(acc);
+    dst[h] = static_cast<T>(valid ? acc : std::numeric_limits<A>::quiet_NaN());
   }
 }
 

@@ -106,7 +106,8 @@ inline MoeShape check_moe_experts(const char* op, const at::Tensor& hidden,
   const at::ScalarType acc = moe_accumulation(hidden.scalar_type());
   TORCH_CHECK_VALUE(weights.scalar_type() == hidden.scalar_type() || weights.scalar_type() == acc,
                     op, ": weights must have hidden's dtype ", dtype_name(hidden.scalar_type()),
-                    " or ", dtype_name(acc), ", got ", dtype_name(weights.scalar_type()));
+                    acc == hidden.scalar_type() ? "" : " or " + dtype_name(acc), ", got ",
+                    dtype_name(weights.scalar_type()));
   TORCH_CHECK_VALUE(weights.device() == hidden.device(), op, ": weights is on ", weights.device(),
                     " but hidden is on ", hidden.device());
   TORCH_CHECK_VALUE(weights.sizes() == indices.sizes(), op, ": weights must have indices' shape ",

@@ -1,0 +1,325 @@
+"""Mixture-of-experts ops: moe_route (the router), moe_experts (tokens grouped
+by expert through their gated MLPs and summed back) and the auxiliary loss,
+against token-by-token references in float64."""
+
+import pytest
+import torch
+
+import fusedllm
+from checks import FORWARD_TOL, GRAD_TOL, assert_close, emulated, results_across_thread_counts
+from reference import moe_experts as ref_experts
+from reference import moe_route as ref_route
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+ops = torch.ops.fusedllm
+
+
+def make_experts(tokens, hidden, inter, experts, top_k, dtype, device, seed=0, weights_dtype=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
+    down = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
+    logits = torch.randn(tokens, experts, generator=g)
+    indices = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]) \
+        if tokens else torch.zeros(0, top_k, dtype=torch.int64)
+    weights = torch.rand(tokens, top_k, generator=g)
+    cast = lambda t: t.to(dtype=dtype, device=device)  # noqa: E731
+    w_dtype = weights_dtype or dtype
+    return (cast(x), indices.to(device), weights.to(dtype=w_dtype, device=device), cast(gate_up),
+            cast(down), cast(logits))
+
+
+def experts_and_grads(fn, x, indices, weights, gate_up, down, grad_out, activation="silu"):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, gate_up, down)]
+    out = fn(leaves[0], indices, leaves[1], leaves[2], leaves[3], activation)
+    out.backward(grad_out)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def check_experts(x, indices, weights, gate_up, down, activation="silu"):
+    dtype = x.dtype
+    before = [t.clone() for t in (x, indices, weights, gate_up, down)]
+    grad_out = torch.randn(x.shape, dtype=dtype, device=x.device)
+    out, grads = experts_and_grads(fusedllm.moe_experts, x, indices, weights, gate_up, down, grad_out,
+                                   activation)
+    ref, ref_grads = experts_and_grads(ref_experts, x.double(), indices, weights.double(),
+                                       gate_up.double(), down.double(), grad_out.double(), activation)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close(out, ref, FORWARD_TOL[dtype], "out", upcast=True)
+    for name, g, r, t in zip(("hidden", "weights", "gate_up_proj", "down_proj"), grads, ref_grads,
+                             (x, weights, gate_up, down)):
+        assert g.dtype == t.dtype and g.shape == t.shape, name
+        assert_close(g, r, GRAD_TOL[dtype], f"grad {name}", upcast=True)
+    after = (x, indices, weights, gate_up, down)
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "an input was modified"
+
+
+# --- moe_experts -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 8, 6, 4, 1), (37, 16, 12, 8, 2), (19, 24, 20, 16, 8)],
+                         ids=lambda s: "T{}xH{}xI{}xE{}k{}".format(*s))
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_experts_match_reference(device, dtype, shape, activation):
+    check_experts(*make_experts(*shape, dtype, device)[:5], activation=activation)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_float32_weights_with_half_hidden(device, dtype):
+    """Mixtral's routing weights stay float32 while the model runs in a half type."""
+    check_experts(*make_experts(21, 16, 8, 6, 2, dtype, device, weights_dtype=torch.float32)[:5])
+
+
+@pytest.mark.parametrize("experts", [8, 64, 128])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+def test_expert_counts_and_top_k(device, experts, top_k):
+    tokens = 9 if emulated() else 40
+    check_experts(*make_experts(tokens, 8, 4, experts, top_k, torch.float32, device)[:5])
+
+
+def test_every_token_to_one_expert_and_experts_without_tokens(device):
+    x, indices, weights, gate_up, down, _ = make_experts(30, 16, 8, 8, 2, torch.float32, device)
+    indices = torch.tensor([[5, 2]] * 30, device=device)  # experts 0, 1, 3, 4, 6, 7 get nothing
+    check_experts(x, indices, weights, gate_up, down)
+    check_experts(x, torch.full((30, 1), 7, device=device), weights[:, :1], gate_up, down)
+
+
+def test_single_token_and_no_tokens(device):
+    check_experts(*make_experts(1, 16, 8, 8, 2, torch.float32, device)[:5])
+    x, indices, weights, gate_up, down, _ = make_experts(0, 16, 8, 8, 2, torch.float32, device)
+    out, grads = experts_and_grads(fusedllm.moe_experts, x, indices, weights, gate_up, down,
+                                   torch.zeros(0, 16))
+    assert out.shape == (0, 16)
+    assert not grads[2].any() and not grads[3].any()
+
+
+def test_leading_shape_and_strided_inputs(device):
+    x, indices, weights, gate_up, down, _ = make_experts(24, 16, 8, 6, 2, torch.float32, device)
+    x3 = x.reshape(4, 6, 16).transpose(0, 1)  # [6, 4, 16], not contiguous
+    i3 = indices.reshape(4, 6, 2).transpose(0, 1)
+    w3 = weights.reshape(4, 6, 2).transpose(0, 1)
+    gate_up_t = gate_up.transpose(1, 2).contiguous().transpose(1, 2)  # unit stride along experts' rows
+    out = fusedllm.moe_experts(x3, i3, w3, gate_up_t, down[:, :, :])
+    ref = ref_experts(x3.reshape(-1, 16), i3.reshape(-1, 2), w3.reshape(-1, 2), gate_up, down)
+    assert out.shape == (6, 4, 16)
+    assert_close(out.reshape(-1, 16), ref, FORWARD_TOL[torch.float32], upcast=True)
+
+
+def test_only_the_gradients_asked_for(device):
+    x, indices, weights, gate_up, down, _ = make_experts(12, 8, 6, 4, 2, torch.float32, device)
+    w = weights.clone().requires_grad_()
+    out = fusedllm.moe_experts(x, indices, w, gate_up, down)
+    g = torch.autograd.grad(out.square().sum(), w)[0]
+    wr = weights.double().requires_grad_()
+    r = torch.autograd.grad(ref_experts(x, indices, wr, gate_up, down).square().sum(), wr)[0]
+    assert_close(g, r, GRAD_TOL[torch.float32], upcast=True)
+    with torch.no_grad():
+        assert not fusedllm.moe_experts(x.requires_grad_(), indices, w, gate_up, down).requires_grad
+
+
+def test_deterministic(device):
+    x, indices, weights, gate_up, down, _ = make_experts(64, 32, 16, 8, 2, torch.float32, device)
+    grad_out = torch.randn(64, 32)
+
+    def run():
+        out, grads = experts_and_grads(fusedllm.moe_experts, x, indices, weights, gate_up, down,
+                                       grad_out)
+        return [out, *grads]
+
+    first, *others = results_across_thread_counts(device, run)
+    for other in others:
+        assert all(torch.equal(a, b) for a, b in zip(first, other))
+
+
+def test_gradcheck_float64(device):
+    x, indices, weights, gate_up, down, _ = make_experts(7, 5, 3, 4, 2, torch.float64, device)
+    for activation in ("silu", "gelu_tanh"):
+        inputs = tuple(t.requires_grad_() for t in (x, weights, gate_up, down))
+        assert torch.autograd.gradcheck(
+            lambda x_, w_, gu_, dn_: fusedllm.moe_experts(x_, indices, w_, gu_, dn_, activation), inputs)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(requires_grad):
+    x, indices, weights, gate_up, down, logits = make_experts(6, 8, 4, 4, 2, torch.float32, "cpu")
+    for t in (x, weights, gate_up, down, logits):
+        t.requires_grad_(requires_grad)
+    torch.library.opcheck(ops.moe_experts.default, (x, indices, weights, gate_up, down, "silu"))
+    torch.library.opcheck(ops.moe_route.default, (logits, 2, "softmax", True, None, 1, 1, 1.0))
+    torch.library.opcheck(ops.moe_route.default,
+                          (logits, 2, "sigmoid", True, torch.randn(4), 2, 1, 2.5))
+
+
+@pytest.mark.slow
+def test_compiles_fullgraph():
+    x, indices, weights, gate_up, down, logits = make_experts(33, 16, 8, 8, 2, torch.float32, "cpu")
+
+    def layer(x_, logits_, gu_, dn_):
+        w, idx = fusedllm.moe_route(logits_, 2)
+        return fusedllm.moe_experts(x_, idx, w, gu_, dn_)
+
+    leaves = [t.clone().requires_grad_() for t in (x, logits, gate_up, down)]
+    eager_leaves = [t.clone().requires_grad_() for t in (x, logits, gate_up, down)]
+    out = torch.compile(layer, fullgraph=True)(*leaves)
+    ref = layer(*eager_leaves)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(leaves, eager_leaves):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+# --- moe_route -------------------------------------------------------------------------------
+
+ROUTINGS = {
+    "mixtral": dict(),
+    "qwen-unnormalized": dict(normalize=False),
+    "deepseek-v3": dict(scoring="sigmoid", correction_bias=True, num_groups=4, top_groups=2,
+                        scaling=2.5),
+    "sigmoid-plain": dict(scoring="sigmoid", normalize=False),
+}
+
+
+def route_args(name, experts, seed=1):
+    kw = dict(ROUTINGS[name])
+    if kw.pop("correction_bias", False):
+        kw["correction_bias"] = torch.randn(experts, generator=torch.Generator().manual_seed(seed)) * 0.1
+    return kw
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("experts,top_k", [(8, 1), (8, 2), (16, 8), (64, 6)], ids=str)
+def test_route_matches_reference(device, dtype, routing, experts, top_k):
+    kw = route_args(routing, experts)
+    logits = torch.randn(23, experts).to(dtype=dtype, device=device).requires_grad_()
+    weights, indices = fusedllm.moe_route(logits, top_k, **kw)
+    ref_w, ref_i = ref_route(logits.detach().double(), top_k, **kw)
+    assert indices.dtype == torch.int64 and weights.dtype == (
+        torch.float64 if dtype == torch.float64 else torch.float32)
+    assert torch.equal(indices, ref_i)
+    assert_close(weights, ref_w, FORWARD_TOL[torch.float32 if dtype != torch.float64 else dtype],
+                 upcast=True)
+    grad = torch.randn(weights.shape, dtype=weights.dtype)
+    (g,) = torch.autograd.grad((weights * grad).sum(), logits)
+    z = logits.detach().double().requires_grad_()
+    (r,) = torch.autograd.grad((ref_route(z, top_k, **kw)[0] * grad.double()).sum(), z)
+    assert g.dtype == dtype
+    assert_close(g, r, GRAD_TOL[dtype], upcast=True)
+
+
+def test_route_is_what_transformers_routers_compute():
+    """Mixtral (softmax, top-k, renormalize) and Qwen/OLMoE without norm_topk_prob."""
+    logits = torch.randn(50, 8)
+    probs = logits.softmax(-1)
+    top, idx = probs.topk(2, dim=-1)
+    weights, indices = fusedllm.moe_route(logits, 2)
+    assert torch.equal(indices, idx)
+    torch.testing.assert_close(weights, top / top.sum(-1, keepdim=True))
+    weights, indices = fusedllm.moe_route(logits, 2, normalize=False)
+    torch.testing.assert_close(weights, top)
+
+
+def test_route_ties_go_to_the_lower_index(device):
+    logits = torch.zeros(3, 8, device=device)
+    logits[1, 5] = logits[1, 6] = 1.0
+    _, indices = fusedllm.moe_route(logits, 3)
+    assert indices.tolist() == [[0, 1, 2], [5, 6, 0], [0, 1, 2]]
+    nan_row = torch.tensor([[float("nan"), 0.0, 1.0, 0.0]], device=device)
+    _, indices = fusedllm.moe_route(nan_row, 2, scoring="sigmoid")
+    assert indices.tolist() == [[2, 1]]
+
+
+def test_route_leading_shape_and_no_tokens(device):
+    logits = torch.randn(3, 5, 8, device=device)
+    weights, indices = fusedllm.moe_route(logits, 2)
+    assert weights.shape == indices.shape == (15, 2)
+    weights, indices = fusedllm.moe_route(torch.zeros(0, 8, device=device), 2)
+    assert weights.shape == indices.shape == (0, 2)
+
+
+def test_route_gradcheck_float64(device):
+    for routing in ROUTINGS:
+        kw = route_args(routing, 8)
+        logits = torch.randn(6, 8, dtype=torch.float64, device=device, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda z: fusedllm.moe_route(z, 3, **kw)[0], (logits,))
+
+
+def test_route_then_experts_end_to_end(device):
+    x, _, _, gate_up, down, logits = make_experts(17, 16, 8, 8, 2, torch.float32, device)
+    leaves = [t.clone().requires_grad_() for t in (x, logits, gate_up, down)]
+    w, idx = fusedllm.moe_route(leaves[1], 2)
+    fusedllm.moe_experts(leaves[0], idx, w, leaves[2], leaves[3]).square().sum().backward()
+    ref_leaves = [t.double().requires_grad_() for t in (x, logits, gate_up, down)]
+    rw, ri = ref_route(ref_leaves[1], 2)
+    assert torch.equal(ri, idx)
+    ref_experts(ref_leaves[0], ri, rw, ref_leaves[2], ref_leaves[3]).square().sum().backward()
+    for a, b in zip(leaves, ref_leaves):
+        assert_close(a.grad, b.grad, GRAD_TOL[torch.float32], upcast=True)
+
+
+# --- the auxiliary loss ---------------------------------------------------------------------
+
+def test_load_balancing_loss_is_transformers_formula():
+    logits = torch.randn(40, 8, requires_grad=True)
+    _, indices = fusedllm.moe_route(logits, 2)
+    loss = fusedllm.moe_load_balancing_loss(logits, indices)
+    probs = logits.softmax(-1)
+    mask = torch.nn.functional.one_hot(indices, 8).float()       # [T, k, E]
+    expected = 8 * (mask.mean(0) * probs.mean(0)).sum()
+    torch.testing.assert_close(loss, expected)
+    (g,) = torch.autograd.grad(loss, logits)
+    (r,) = torch.autograd.grad(expected, logits)
+    torch.testing.assert_close(g, r)
+
+
+# --- bad inputs -------------------------------------------------------------------------------
+
+def test_bad_inputs_name_the_argument(device):
+    x, indices, weights, gate_up, down, logits = make_experts(5, 8, 4, 4, 2, torch.float32, device)
+    cases = [
+        (lambda: fusedllm.moe_route(logits, 5), "top_k must be in [1, num_experts = 4], got 5"),
+        (lambda: fusedllm.moe_route(logits, 0), "top_k must be in [1, num_experts = 4], got 0"),
+        (lambda: fusedllm.moe_route(logits, 2, scoring="relu"), "scoring must be 'softmax' or 'sigmoid'"),
+        (lambda: fusedllm.moe_route(logits, 2, num_groups=3), "num_groups must be a positive divisor"),
+        (lambda: fusedllm.moe_route(logits, 2, num_groups=2, top_groups=3), "top_groups must be in"),
+        (lambda: fusedllm.moe_route(logits, 3, num_groups=2, top_groups=1), "top_k = 3 is more than"),
+        (lambda: fusedllm.moe_route(logits, 2, correction_bias=torch.zeros(3)), "correction_bias must be [4]"),
+        (lambda: fusedllm.moe_route(logits, 2.0), "top_k must be an int"),
+        (lambda: fusedllm.moe_route(logits.long(), 2), "router_logits must be float32"),
+        (lambda: fusedllm.moe_experts(x, indices + 4, weights, gate_up, down),
+         f"indices[0, 0] = {int(indices[0, 0]) + 4} is not an expert index in [0, 4)"),
+        (lambda: fusedllm.moe_experts(x, indices.int(), weights, gate_up, down), "indices must hold int64"),
+        (lambda: fusedllm.moe_experts(x, indices[:4], weights[:4], gate_up, down),
+         "indices must be [..., top_k] with hidden's leading shape"),
+        (lambda: fusedllm.moe_experts(x, indices, weights[:, :1], gate_up, down), "weights must have indices' shape"),
+        (lambda: fusedllm.moe_experts(x, indices, weights.half(), gate_up, down),
+         "weights must have hidden's dtype torch.float32, got torch.float16"),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up[:, :7], down), "gate_up_proj must be [num_experts, 2 * intermediate, 8]"),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down[:, :, :3]), "down_proj must be [4, 8, 4]"),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up.double(), down), "gate_up_proj has dtype torch.float64"),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, "relu"), "activation must be 'silu' or 'gelu_tanh'"),
+        (lambda: fusedllm.moe_load_balancing_loss(logits, indices.int()), "indices must be int64"),
+    ]
+    for call, words in cases:
+        with pytest.raises(ValueError, match=None) as info:
+            call()
+        assert words in str(info.value), (words, str(info.value))
+
+
+def test_plain_path_matches_reference():
+    """The plain-PyTorch twins that run without the extension compute the same thing."""
+    from fusedllm import _plain
+    x, indices, weights, gate_up, down, logits = make_experts(13, 8, 6, 8, 2, torch.float64, "cpu")
+    for routing in ROUTINGS:
+        kw = route_args(routing, 8)
+        kw.setdefault("top_groups", kw.get("num_groups", 1))
+        args = [kw.get(name, default) for name, default in (
+            ("scoring", "softmax"), ("normalize", True), ("correction_bias", None), ("num_groups", 1),
+            ("top_groups", 1), ("scaling", 1.0))]
+        w, idx = _plain.moe_route(logits, 3, *args)
+        ref_w, ref_i = ref_route(logits, 3, **kw)
+        assert torch.equal(idx, ref_i)
+        torch.testing.assert_close(w, ref_w)
+    out = _plain.moe_experts(x, indices, weights, gate_up, down, "gelu_tanh")[0]
+    torch.testing.assert_close(out, ref_experts(x, indices, weights, gate_up, down, "gelu_tanh"))

@@ -79,7 +79,7 @@ def check(out, a, b, offsets, kind, exact):
     if exact:
         assert torch.equal(out.double(), expected), (out.double() - expected).abs().max()
     else:
-        assert_close(out, expected.to(out.dtype), tolerance(out.dtype, exact), upcast=True)
+        assert_close(out, expected, tolerance(out.dtype, exact), upcast=True)
 
 
 # Groups: empty first, middle and last, a single row, a group over one 64-row
@@ -195,6 +195,56 @@ def test_bad_arguments_name_the_argument():
         run(a, b.double(), offsets, 0, "lockstep")
     with pytest.raises(ValueError, match="a's last dimension must have unit stride"):
         run(a.T.contiguous().T, b, offsets, 0, "lockstep")
+
+
+# The header on CUDA tensors: the same entry point as the self-test op.
+GPU_SOURCE = r"""
+#include <torch/extension.h>
+#include "grouped_gemm.cuh"
+
+at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets, int64_t kind,
+                      bool tensor_cores) {
+  const auto product = static_cast<fusedllm::cuda::GroupedProduct>(kind);
+  at::Tensor out = kind == 2 ? at::empty({offsets.size(0) - 1, a.size(1), b.size(-1)}, a.options())
+                             : at::empty({a.size(0), b.size(kind == 0 ? 1 : 2)}, a.options());
+  fusedllm::cuda::grouped::grouped_mm(out, a, b, offsets, product, tensor_cores);
+  return out;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def gpu_grouped_mm():
+    from torch.utils.cpp_extension import load_inline
+
+    declaration = ("at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets, "
+                   "int64_t kind, bool tensor_cores);")
+    return load_inline(name="fusedllm_grouped_gemm_check", cpp_sources=declaration, cuda_sources=GPU_SOURCE,
+                       functions=["grouped_mm"],
+                       extra_include_paths=[os.path.join(ROOT, "csrc", "cuda"), os.path.join(ROOT, "csrc", "include")],
+                       # The CUDA library headers of torch's nvidia-* wheels, where the toolkit lacks them.
+                       extra_cuda_cflags=["-O3", "-std=c++20", "--expt-relaxed-constexpr",
+                                          *(f for f in _cuda_include_dirs() if f.startswith("-Xcompiler"))],
+                       extra_cflags=["-std=c++20"], verbose=False).grouped_mm
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("exact", [True, False], ids=["integers", "random"])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grouped_products_on_a_gpu(gpu_grouped_mm, dtype, kind, exact):
+    """Larger groups than the emulator can afford (several tiles and K-steps),
+    both kernels for the 16-bit types, and run-to-run determinism."""
+    k = KINDS[kind]
+    a, b, offsets = operands(k, [0, 300, 1, 0, 517, 64, 0], (200, 136), dtype, exact=exact, seed=60 + k)
+    for tensor_cores in (True, False):
+        out = gpu_grouped_mm(a.cuda(), b.cuda(), offsets.cuda(), k, tensor_cores)
+        check(out.cpu(), a, b, offsets, k, exact)
+        again = gpu_grouped_mm(a.cuda(), b.cuda(), offsets.cuda(), k, tensor_cores)
+        assert torch.equal(out, again)
+    a_s, b_s = (strided(t, 3, 1).cuda() for t in (a, b))
+    check(gpu_grouped_mm(a_s, b_s, offsets.cuda(), k, True).cpu(), a, b, offsets, k, exact)
 
 
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")

@@ -6,12 +6,13 @@
 //
 // The host never reads `offsets` (no device-to-host sync): the grid is sized for
 // the worst case and every block finds its (group, tile) on the device. Row tile
-// j of group e runs in the block of slot offsets[e] / kTileRows + e + j; these
-// slots are disjoint and increasing in e (a group of n rows starting at
-// offsets[e] needs at most (offsets[e] % kTileRows + n) / kTileRows + 1 of
-// them), so ceil(S / kTileRows) + E slots cover every group, and a block finds
-// its group by binary search over `offsets`. A block whose slot is past its
-// group's last tile (at most one per group, e.g. an empty group's) exits.
+// j of group e runs in the block of slot offsets[e] / kTile + e + j. A group of
+// n rows has ceil(n / kTile) <= (offsets[e] % kTile + n) / kTile + 1 tiles, the
+// distance from its first slot to the next group's, so the groups' slots are
+// disjoint and increasing in e, ceil(S / kTile) + E slots cover them all, and a
+// block finds its group by binary search over `offsets` (E is small: a few
+// hundred at most). A block whose slot lies between two groups' tiles (at most
+// one per group, e.g. an empty group's) exits at once.
 //
 // Two kernels share that tiling (64 x 64 output tiles):
 // - bfloat16 / float16 on sm_80+: tensor cores (mma.cuh: m16n8k16 with float32

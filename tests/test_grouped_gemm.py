@@ -217,11 +217,11 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
 def gpu_grouped_mm():
     from torch.utils.cpp_extension import load_inline
 
-    declaration = ("at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets, "
-                   "int64_t kind, bool tensor_cores);")
+    declaration = ("at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, "
+                   "const at::Tensor& offsets, int64_t kind, bool tensor_cores);")
+    sources = [os.path.join(ROOT, "csrc", "cuda"), os.path.join(ROOT, "csrc", "include")]
     return load_inline(name="fusedllm_grouped_gemm_check", cpp_sources=declaration, cuda_sources=GPU_SOURCE,
-                       functions=["grouped_mm"],
-                       extra_include_paths=[os.path.join(ROOT, "csrc", "cuda"), os.path.join(ROOT, "csrc", "include")],
+                       functions=["grouped_mm"], extra_include_paths=sources,
                        # The CUDA library headers of torch's nvidia-* wheels, where the toolkit lacks them.
                        extra_cuda_cflags=["-O3", "-std=c++20", "--expt-relaxed-constexpr",
                                           *(f for f in _cuda_include_dirs() if f.startswith("-Xcompiler"))],

@@ -35,16 +35,15 @@
 #include <type_traits>
 #include <utility>
 
+#include "fusedllm/moe.h"
 #include "mma.cuh"
 #include "primitives.cuh"
 
 namespace fusedllm::cuda {
 
-enum class GroupedProduct {
-  kRowsTimesWeightT,  // out[r, :] = a[r, :] @ b[e]^T   a [S, K], b [E, N, K], out [S, N]  (forward: x @ W^T)
-  kRowsTimesWeight,   // out[r, :] = a[r, :] @ b[e]     a [S, K], b [E, K, N], out [S, N]  (input gradient)
-  kWeightGradient,    // out[e] = a[rows_e]^T @ b[rows_e]  a [S, M], b [S, N], out [E, M, N]; zeros for an empty group
-};
+// The products (fusedllm/moe.h): kRowsTimesWeightT (forward: x @ W^T), kRowsTimesWeight
+// (input gradient), kWeightGradient (zeros for an empty group).
+using GroupedProduct = ::fusedllm::moe::GroupedProduct;
 
 namespace grouped {
 
@@ -421,15 +420,15 @@ inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Ten
     case GroupedProduct::kRowsTimesWeightT:
       k = a.size(1);
       TORCH_CHECK_VALUE(b.dim() == 3 && b.size(0) == experts && b.size(2) == k,
-                        "grouped_mm: b must be [E, N, K] = [", experts, ", N, ", k, "] (E from offsets [E + 1], K from a [S, K]), got ",
-                        b.sizes());
+                        "grouped_mm: b must be [E, N, K] = [", experts, ", N, ", k,
+                        "] (E from offsets [E + 1], K from a [S, K]), got ", b.sizes());
       n = b.size(1);
       break;
     case GroupedProduct::kRowsTimesWeight:
       k = a.size(1);
       TORCH_CHECK_VALUE(b.dim() == 3 && b.size(0) == experts && b.size(1) == k,
-                        "grouped_mm: b must be [E, K, N] = [", experts, ", ", k, ", N] (E from offsets [E + 1], K from a [S, K]), got ",
-                        b.sizes());
+                        "grouped_mm: b must be [E, K, N] = [", experts, ", ", k,
+                        ", N] (E from offsets [E + 1], K from a [S, K]), got ", b.sizes());
       n = b.size(2);
       break;
     case GroupedProduct::kWeightGradient:
@@ -450,12 +449,14 @@ inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Ten
   TORCH_CHECK_VALUE(experts > 0 || rows == 0,
                     "grouped_mm: offsets has no groups (E = 0) but a has ", rows, " rows");
   const auto dtype = out.scalar_type();
-  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 ||
+                        dtype == at::kHalf,
                     "grouped_mm: out must be float32, float64, bfloat16 or float16, got ", dtype);
   TORCH_CHECK_VALUE(a.scalar_type() == dtype && b.scalar_type() == dtype,
                     "grouped_mm: a, b and out must have one dtype, got ", a.scalar_type(), ", ",
                     b.scalar_type(), " and ", dtype);
-  TORCH_CHECK_VALUE(a.device() == out.device() && b.device() == out.device() && offsets.device() == out.device(),
+  TORCH_CHECK_VALUE(a.device() == out.device() && b.device() == out.device() &&
+                        offsets.device() == out.device(),
                     "grouped_mm: out, a, b and offsets must be on one device, got ", out.device(), ", ",
                     a.device(), ", ", b.device(), " and ", offsets.device());
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"out", out}, {"a", a}, {"b", b}}) {

@@ -160,7 +160,7 @@ def moe_route(logits, top_k, scoring="softmax", normalize=True, correction_bias=
     top_groups = num_groups if top_groups is None else top_groups
     weights, indices = [], []
     for t in range(tokens):
-        choice = [float(scores[t, e]) + (0.0 if correction_bias is None else float(correction_bias[e]))
+        choice = [float(scores[t, e].detach()) + (0.0 if correction_bias is None else float(correction_bias[e]))
                   for e in range(experts)]
         group_score = [sum(sorted(choice[g * size:(g + 1) * size], reverse=True)[:2])
                        for g in range(num_groups)]

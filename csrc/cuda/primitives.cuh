@@ -127,4 +127,18 @@ __device__ __forceinline__ T warp_broadcast(T v, int src) {
   return __shfl_sync(kFullMask, v, src);
 }
 
+// How many lanes below this one have `flag` set (over the lanes of `mask`),
+// and through `total` how many in all.
+__device__ __forceinline__ int lanes_below(bool flag, unsigned mask, int& total) {
+  const unsigned votes = __ballot_sync(mask, flag);
+  const unsigned below = votes & ((1u << (threadIdx.x % kWarpSize)) - 1u);
+#if defined(FUSEDLLM_SIMT)
+  total = __builtin_popcount(votes);
+  return __builtin_popcount(below);
+#else
+  total = __popc(votes);
+  return __popc(below);
+#endif
+}
+
 }  // namespace fusedllm::cuda

@@ -25,6 +25,14 @@ namespace fusedllm::moe {
 
 enum class Scoring : int { kSoftmax = 0, kSigmoid = 1 };
 
+// The products of the experts' grouped multiplies (CPU: csrc/cpu/moe.cpp,
+// CUDA: grouped_gemm.cuh); the rows of group e are offsets[e] .. offsets[e + 1].
+enum class GroupedProduct {
+  kRowsTimesWeightT,  // out[r] = a[r] @ b[e]^T            a [S, K], b [E, N, K], out [S, N]
+  kRowsTimesWeight,   // out[r] = a[r] @ b[e]              a [S, K], b [E, K, N], out [S, N]
+  kWeightGradient,    // out[e] = a[rows_e]^T @ b[rows_e]  a [S, M], b [S, N], out [E, M, N]
+};
+
 struct RouteOptions {
   Scoring scoring = Scoring::kSoftmax;
   bool normalize = true;

@@ -23,12 +23,7 @@
 
 namespace fusedllm {
 
-// The product of a grouped multiply; rows of group e: offsets[e] .. offsets[e + 1].
-enum class GroupedProduct {
-  kRowsTimesWeightT,  // out[r] = a[r] @ b[e]^T         a [S, K], b [E, N, K], out [S, N]
-  kRowsTimesWeight,   // out[r] = a[r] @ b[e]           a [S, K], b [E, K, N], out [S, N]
-  kWeightGradient,    // out[e] = a[rows_e]^T @ b[rows_e]  a [S, M], b [S, N], out [E, M, N]
-};
+using moe::GroupedProduct;
 
 // Scorings: fusedllm._limits.MOE_SCORINGS (tests/test_limits.py).
 inline moe::Scoring parse_scoring(std::string_view scoring, const char* op) {

@@ -323,3 +323,20 @@ def test_plain_path_matches_reference():
         torch.testing.assert_close(w, ref_w)
     out = _plain.moe_experts(x, indices, weights, gate_up, down, "gelu_tanh")[0]
     torch.testing.assert_close(out, ref_experts(x, indices, weights, gate_up, down, "gelu_tanh"))
+
+
+@pytest.mark.slow
+def test_rows_past_int32_indexing():
+    """2^21 (token, choice) rows of 1024 values: the expert-ordered buffers hold
+    more than 2^31 elements (about 12 GiB in all)."""
+    tokens, hidden, experts = 1 << 20, 1024, 4
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g, dtype=torch.bfloat16)
+    gate_up = torch.randn(experts, 2, hidden, generator=g, dtype=torch.bfloat16) / 32
+    down = torch.randn(experts, hidden, 1, generator=g, dtype=torch.bfloat16)
+    indices = torch.randint(0, experts, (tokens, 2), generator=g)
+    weights = torch.rand(tokens, 2, generator=g)
+    out = fusedllm.moe_experts(x, indices, weights, gate_up, down)
+    rows = torch.tensor([0, 1, tokens // 2, tokens - 2, tokens - 1])
+    ref = ref_experts(x[rows], indices[rows], weights[rows], gate_up, down)
+    assert_close(out[rows], ref, FORWARD_TOL[torch.bfloat16], upcast=True)

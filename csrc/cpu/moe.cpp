@@ -35,22 +35,14 @@ struct CpuMoe {
       const scalar_t* z = logits.const_data_ptr<scalar_t>();
       A* w = weights.mutable_data_ptr<A>();
       int64_t* idx = indices.mutable_data_ptr<int64_t>();
-      const auto run = [&](const auto* b) {
-        at::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / n), [&](int64_t t0, int64_t t1) {
-          std::vector<A> work(2 * n);
-          std::vector<unsigned char> taken(n);
-          for (int64_t t = t0; t < t1; ++t) {
-            moe::route_row<Math>(z + t * n, b, o, work.data(), taken.data(), w + t * k,
-                                 idx + t * k);
-          }
-        });
-      };
-      if (!bias.defined()) {
-        run(static_cast<const A*>(nullptr));
-      } else {
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, bias.scalar_type(), "moe_route_bias",
-                                        [&] { run(bias.const_data_ptr<scalar_t>()); });
-      }
+      const A* b = bias.defined() ? bias.const_data_ptr<A>() : nullptr;
+      at::parallel_for(0, tokens, std::max<int64_t>(1, 4096 / n), [&](int64_t t0, int64_t t1) {
+        std::vector<A> work(2 * n);
+        std::vector<unsigned char> taken(n);
+        for (int64_t t = t0; t < t1; ++t) {
+          moe::route_row<Math>(z + t * n, b, o, work.data(), taken.data(), w + t * k, idx + t * k);
+        }
+      });
     });
   }
 

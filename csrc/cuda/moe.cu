@@ -30,8 +30,8 @@ template <typename T>
 using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 // One thread per token; `work` [tokens, 2E] and `taken` [tokens, E] are its scratch.
-template <typename T, typename B, typename A>
-__global__ void moe_route_kernel(const T* __restrict__ z, const B* __restrict__ bias,
+template <typename T, typename A>
+__global__ void moe_route_kernel(const T* __restrict__ z, const A* __restrict__ bias,
                                  moe::RouteOptions o, int64_t tokens, A* work, unsigned char* taken,
                                  A* __restrict__ weights, int64_t* __restrict__ indices) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -175,20 +175,11 @@ struct CudaMoe {
       using A = Acc<T>;
       at::Tensor work = at::empty({tokens, 2 * o.experts}, weights.options());
       at::Tensor taken = at::empty({tokens, o.experts}, logits.options().dtype(at::kByte));
-      const auto run = [&](const auto* b) {
-        launch("moe_route_kernel", moe_route_kernel<T, std::remove_cv_t<std::remove_pointer_t<decltype(b)>>, A>,
-               thread_blocks(tokens, kRouteThreads), kRouteThreads, 0, current_stream(),
-               logits.const_data_ptr<T>(), b, o, tokens, work.mutable_data_ptr<A>(),
-               taken.mutable_data_ptr<unsigned char>(), weights.mutable_data_ptr<A>(),
-               indices.mutable_data_ptr<int64_t>());
-      };
-      if (!bias.defined()) {
-        run(static_cast<const A*>(nullptr));
-      } else {
-        for_dtype(bias.scalar_type(), [&](auto b_tag) {
-          run(bias.const_data_ptr<decltype(b_tag)>());
-        });
-      }
+      launch("moe_route_kernel", moe_route_kernel<T, A>, thread_blocks(tokens, kRouteThreads),
+             kRouteThreads, 0, current_stream(), logits.const_data_ptr<T>(),
+             bias.defined() ? bias.const_data_ptr<A>() : nullptr, o, tokens,
+             work.mutable_data_ptr<A>(), taken.mutable_data_ptr<unsigned char>(),
+             weights.mutable_data_ptr<A>(), indices.mutable_data_ptr<int64_t>());
     });
   }
 

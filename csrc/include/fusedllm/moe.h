@@ -56,8 +56,8 @@ FUSEDLLM_HOST_DEVICE int64_t best_of(const A* c, int64_t begin, int64_t end, Eli
 // Routes one token. `z` its logits (stride 1), `bias` [E] or null; `work`
 // 2 * E values of scratch (scores, then the choice values); `taken` E bytes of
 // scratch. Writes k weights and indices.
-template <typename Math, typename A, typename T, typename B>
-FUSEDLLM_HOST_DEVICE void route_row(const T* z, const B* bias, const RouteOptions& o, A* work,
+template <typename Math, typename A, typename T>
+FUSEDLLM_HOST_DEVICE void route_row(const T* z, const A* bias, const RouteOptions& o, A* work,
                                     unsigned char* taken, A* weights, int64_t* indices) {
   const int64_t n = o.experts;
   A* s = work;
@@ -75,7 +75,7 @@ FUSEDLLM_HOST_DEVICE void route_row(const T* z, const B* bias, const RouteOption
     for (int64_t e = 0; e < n; ++e) s[e] = A(1) / (A(1) + Math::exp(-static_cast<A>(z[e])));
   }
   for (int64_t e = 0; e < n; ++e) {
-    c[e] = bias ? s[e] + static_cast<A>(bias[e]) : s[e];
+    c[e] = bias ? s[e] + bias[e] : s[e];
     taken[e] = 0;
   }
   // taken: 0 eligible, 1 chosen, 2 in a group left out. The groups are kept

@@ -136,7 +136,7 @@ inline MoeShape check_moe_experts(const char* op, const at::Tensor& hidden,
 // Impl provides:
 //   kOps: the operator namespace of its device ("fusedllm" or "fusedllm_simt"),
 //     whose swiglu ops give the gated activation;
-//   route(logits, bias, options, weights, indices) and
+//   route(logits, bias (accumulation dtype) or undefined, options, weights, indices) and
 //   route_backward(grad_weights, logits, indices, options, grad_logits): the
 //     router rows (moe::route_row, moe::route_row_backward);
 //   sort(flat_indices [S], experts, order [S], position [S], offsets [E + 1]):
@@ -163,7 +163,8 @@ struct MoeOps {
                                    logits.options().dtype(moe_accumulation(logits.scalar_type())));
     at::Tensor indices = at::empty({tokens, top_k}, logits.options().dtype(at::kLong));
     if (tokens == 0) return {weights, indices};
-    const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+    // The bias (a few values) in the accumulation dtype, as the kernels read it.
+    const at::Tensor b = bias.has_value() ? bias->to(weights.scalar_type()).contiguous() : at::Tensor();
     Impl::route(logits.contiguous(), b, o, weights, indices);
     return {weights, indices};
   }

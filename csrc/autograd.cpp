@@ -332,15 +332,15 @@ struct MoeExpertsFunction : torch::autograd::Function<MoeExpertsFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden,
                                const at::Tensor& indices, const at::Tensor& weights,
                                const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
-                               c10::string_view activation) {
+                               c10::string_view activation, bool save_for_backward) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto fn = op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                    at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                const at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&, c10::string_view)>(
+                                               const at::Tensor&, c10::string_view, bool)>(
         "fusedllm::moe_experts");
-    auto [out, order, position, offsets, gate_up, expert_out] =
-        fn.call(hidden, indices, weights, gate_up_proj, down_proj, activation);
+    auto [out, order, position, offsets, gate_up, expert_out] = fn.call(
+        hidden, indices, weights, gate_up_proj, down_proj, activation, save_for_backward);
     ctx->save_for_backward({hidden, indices, weights, gate_up_proj, down_proj, order, position,
                             offsets, gate_up, expert_out});
     ctx->saved_data["activation"] = std::string(activation);
@@ -351,7 +351,7 @@ struct MoeExpertsFunction : torch::autograd::Function<MoeExpertsFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto fn = op<MoeExpertsBackwardFn>("fusedllm::moe_experts_backward");
     const auto s = ctx->get_saved_variables();
-    variable_list out(6);
+    variable_list out(7);
     const std::array<bool, 4> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(2),
                                       ctx->needs_input_grad(3), ctx->needs_input_grad(4)};
     if (!grads[0].defined() || !(mask[0] || mask[1] || mask[2] || mask[3])) return out;
@@ -429,8 +429,13 @@ std::tuple<at::Tensor, at::Tensor> moe_route_autograd(const at::Tensor& logits, 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 moe_experts_autograd(const at::Tensor& hidden, const at::Tensor& indices, const at::Tensor& weights,
                      const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
-                     c10::string_view activation) {
-  auto r = MoeExpertsFunction::apply(hidden, indices, weights, gate_up_proj, down_proj, activation);
+                     c10::string_view activation, bool save_for_backward) {
+  // Backward needs the gate/up rows whenever a gradient will be asked for.
+  const bool grads = at::GradMode::is_enabled() &&
+                     (hidden.requires_grad() || weights.requires_grad() ||
+                      gate_up_proj.requires_grad() || down_proj.requires_grad());
+  auto r = MoeExpertsFunction::apply(hidden, indices, weights, gate_up_proj, down_proj, activation,
+                                     save_for_backward || grads);
   return {r[0], r[1], r[2], r[3], r[4], r[5]};
 }
 

@@ -64,6 +64,22 @@ def test_experts_match_reference(device, dtype, shape, activation):
     check_experts(*make_experts(*shape, dtype, device)[:5], activation=activation)
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 32])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_chunks_of_rows(device, chunk, grad, monkeypatch):
+    """The products a chunk of expert-ordered rows at a time, the chunks
+    crossing the experts' bounds; with and without the gate/up rows kept."""
+    monkeypatch.setenv("FUSEDLLM_MOE_CHUNK_ROWS", str(chunk))
+    x, indices, weights, gate_up, down, _ = make_experts(37, 16, 12, 8, 2, torch.float32, device)
+    if grad:
+        check_experts(x, indices, weights, gate_up, down)
+    else:
+        with torch.no_grad():
+            out = fusedllm.moe_experts(x, indices, weights, gate_up, down)
+        assert_close(out, ref_experts(x, indices, weights, gate_up, down), FORWARD_TOL[torch.float32],
+                     upcast=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_float32_weights_with_half_hidden(device, dtype):
     """Mixtral's routing weights stay float32 while the model runs in a half type."""
@@ -144,7 +160,8 @@ def test_opcheck(requires_grad):
     x, indices, weights, gate_up, down, logits = make_experts(6, 8, 4, 4, 2, torch.float32, "cpu")
     for t in (x, weights, gate_up, down, logits):
         t.requires_grad_(requires_grad)
-    torch.library.opcheck(ops.moe_experts.default, (x, indices, weights, gate_up, down, "silu"))
+    for save in (False, True):
+        torch.library.opcheck(ops.moe_experts.default, (x, indices, weights, gate_up, down, "silu", save))
     torch.library.opcheck(ops.moe_route.default, (logits, 2, "softmax", True, None, 1, 1, 1.0))
     torch.library.opcheck(ops.moe_route.default,
                           (logits, 2, "sigmoid", True, torch.randn(4), 2, 1, 2.5))
@@ -321,7 +338,7 @@ def test_plain_path_matches_reference():
         ref_w, ref_i = ref_route(logits, 3, **kw)
         assert torch.equal(idx, ref_i)
         torch.testing.assert_close(w, ref_w)
-    out = _plain.moe_experts(x, indices, weights, gate_up, down, "gelu_tanh")[0]
+    out = _plain.moe_experts(x, indices, weights, gate_up, down, "gelu_tanh", False)[0]
     torch.testing.assert_close(out, ref_experts(x, indices, weights, gate_up, down, "gelu_tanh"))
 
 

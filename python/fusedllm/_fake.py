@@ -106,14 +106,15 @@ def _register_moe(ns: str) -> None:
         return router_logits.new_empty(router_logits.shape)
 
     @torch.library.register_fake(f"{ns}::moe_experts")
-    def _moe_experts_fake(hidden, indices, weights, gate_up_proj, down_proj, activation):
+    def _moe_experts_fake(hidden, indices, weights, gate_up_proj, down_proj, activation,
+                          save_for_backward):
         pairs = indices.shape[0] * indices.shape[1]
         return (
             hidden.new_empty(hidden.shape),
             indices.new_empty((pairs,)),
             indices.new_empty((pairs,)),
             indices.new_empty((gate_up_proj.shape[0] + 1,)),
-            hidden.new_empty((pairs, gate_up_proj.shape[1])),
+            hidden.new_empty((pairs if save_for_backward else 0, gate_up_proj.shape[1])),
             hidden.new_empty((pairs, hidden.shape[1])),
         )
 

@@ -496,7 +496,7 @@ def check_moe_experts(op, hidden, indices, weights, gate_up_proj, down_proj, act
         _fail(op, f"indices[{t}, {j}] = {int(indices[t, j])} is not an expert index in [0, {experts})")
 
 
-def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation):
+def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation, save_for_backward):
     """The experts op, one expert at a time: a reference, not a fast path.
     Returns (out, order, position, offsets, gate_up, expert_out) as the op does."""
     check_moe_experts("fusedllm.moe_experts", hidden, indices, weights, gate_up_proj, down_proj,
@@ -516,4 +516,4 @@ def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation):
     acc = _accumulation(hidden)
     picked = expert_out[position].view(tokens, top_k, hidden.shape[1]).to(acc)
     out = (picked * weights.to(acc).unsqueeze(-1)).sum(1).to(hidden.dtype)
-    return out, order, position, offsets, gate_up, expert_out
+    return out, order, position, offsets, gate_up if save_for_backward else gate_up[:0], expert_out

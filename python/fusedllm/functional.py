@@ -348,8 +348,11 @@ def moe_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tens
     ``[gate | up] = gate_up_proj[e] @ hidden[t]``, ``act`` silu or gelu_tanh.
     Tokens are grouped by expert (a stable counting sort), each expert's rows
     multiplied at once, and each token's outputs summed in choice order in
-    float32 (deterministic). Experts with no tokens cost nothing. Out has
-    hidden's dtype; differentiable in hidden, weights and both projections.
+    float32 (deterministic). Experts with no tokens cost nothing. The gate/up
+    rows and their activation are made a chunk of rows at a time (about 32
+    MiB); when a gradient will be needed the gate/up rows are kept whole for
+    backward. Out has hidden's dtype; differentiable in hidden, weights and
+    both projections.
     """
     op = "fusedllm.moe_experts"
     _require_tensors(op, "hidden", hidden, indices=indices, weights=weights,
@@ -365,7 +368,7 @@ def moe_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tens
                          f"got {list(weights.shape)}")
     top_k = indices.shape[-1]
     out = _impl.moe_experts(hidden.reshape(-1, hidden.shape[-1]), indices.reshape(-1, top_k),
-                            weights.reshape(-1, top_k), gate_up_proj, down_proj, activation)[0]
+                            weights.reshape(-1, top_k), gate_up_proj, down_proj, activation, False)[0]
     return out.reshape(hidden.shape)
 
 

@@ -11,8 +11,10 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -206,11 +208,26 @@ struct MoeOps {
     return fn.call(grad, gate_up, activation);
   }
 
+  // Rows per chunk of the experts' products: about 32 MiB of gate/up rows and
+  // their activation, at least 256 rows. FUSEDLLM_MOE_CHUNK_ROWS sets it (the
+  // tests use it to cross chunk boundaries at small sizes).
+  static int64_t chunk_rows(int64_t pairs, int64_t inter, int64_t element_size) {
+    int64_t rows = std::max<int64_t>(256, (int64_t{32} << 20) / (3 * inter * element_size));
+    if (const char* forced = std::getenv("FUSEDLLM_MOE_CHUNK_ROWS")) rows = std::atoll(forced);
+    return std::clamp<int64_t>(rows, 1, std::max<int64_t>(pairs, 1));
+  }
+
   // Returns out and what backward needs: order, position, offsets, the gate/up
-  // rows [S, 2I] and the experts' outputs [S, H] (unweighted), in expert order.
+  // rows [S, 2I] (with save_for_backward; else [0, 2I]) and the experts'
+  // outputs [S, H] (unweighted), in expert order. The products run a chunk of
+  // expert-ordered rows at a time, with the groups' bounds clipped to the
+  // chunk (on the device: no synchronisation), so the gathered rows and the
+  // activation (and without save_for_backward the gate/up rows) exist a chunk
+  // at a time.
   static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
   experts(const at::Tensor& hidden_in, const at::Tensor& indices, const at::Tensor& weights_in,
-          const at::Tensor& gate_up_proj, const at::Tensor& down_proj, c10::string_view activation) {
+          const at::Tensor& gate_up_proj, const at::Tensor& down_proj, c10::string_view activation,
+          bool save_for_backward) {
     const MoeShape s = check_moe_experts("fusedllm.moe_experts", hidden_in, indices, weights_in,
                                          gate_up_proj, down_proj, activation);
     const int64_t pairs = s.tokens * s.top_k;
@@ -218,7 +235,7 @@ struct MoeOps {
     at::Tensor order = at::empty({pairs}, long_opts), position = at::empty({pairs}, long_opts);
     at::Tensor offsets = at::empty({s.experts + 1}, long_opts);
     at::Tensor out = at::empty({s.tokens, s.hidden}, hidden_in.options());
-    at::Tensor gate_up = at::empty({pairs, 2 * s.inter}, hidden_in.options());
+    at::Tensor gate_up = at::empty({save_for_backward ? pairs : 0, 2 * s.inter}, hidden_in.options());
     at::Tensor expert_out = at::empty({pairs, s.hidden}, hidden_in.options());
     if (pairs == 0) {
       offsets.zero_();
@@ -227,13 +244,22 @@ struct MoeOps {
     const at::Tensor hidden = hidden_in.contiguous();
     const at::Tensor weights = weights_in.contiguous();
     Impl::sort(indices.contiguous().view({-1}), s.experts, order, position, offsets);
-    {
-      at::Tensor rows = at::empty({pairs, s.hidden}, hidden.options());
-      Impl::gather(rows, hidden, order, s.top_k, at::Tensor());
-      Impl::grouped_mm(gate_up, rows, gate_up_proj, offsets, GroupedProduct::kRowsTimesWeightT);
+    const int64_t chunk = chunk_rows(pairs, s.inter, hidden.element_size());
+    at::Tensor rows = at::empty({std::min(chunk, pairs), s.hidden}, hidden.options());
+    at::Tensor gu_chunk =
+        save_for_backward ? at::Tensor() : at::empty({std::min(chunk, pairs), 2 * s.inter}, hidden.options());
+    for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
+      const int64_t n = std::min(chunk, pairs - p0);
+      const at::Tensor bounds = n == pairs ? offsets : (offsets.clamp(p0, p0 + n) - p0);
+      at::Tensor r = rows.narrow(0, 0, n);
+      Impl::gather(r, hidden, order.narrow(0, p0, n), s.top_k, at::Tensor());
+      at::Tensor gu = save_for_backward ? gate_up.narrow(0, p0, n) : gu_chunk.narrow(0, 0, n);
+      Impl::grouped_mm(gu, r, gate_up_proj, bounds, GroupedProduct::kRowsTimesWeightT);
+      at::Tensor y = expert_out.narrow(0, p0, n);
+      Impl::grouped_mm(y, gated(gu, activation), down_proj, bounds,
+                       GroupedProduct::kRowsTimesWeightT);
     }
-    Impl::grouped_mm(expert_out, gated(gate_up, activation), down_proj, offsets,
-                     GroupedProduct::kRowsTimesWeightT);
+    rows = gu_chunk = at::Tensor();
     Impl::combine(out, expert_out, position, s.top_k, weights);
     return {out, order, position, offsets, gate_up, expert_out};
   }

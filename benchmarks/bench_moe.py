@@ -37,7 +37,7 @@ if not __package__:  # run as a file: import from the repository root, as `pytho
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # harness before torch: with --thp it configures torch's allocator
-from benchmarks.harness import Benchmark, dtype_name, interleaved_medians, run  # noqa: E402
+from benchmarks.harness import Benchmark, dtype_name, interleaved_medians, run, speed_and_peak_plot  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -76,6 +76,24 @@ def hf_block(family, shape):
     return config, Qwen3MoeSparseMoeBlock
 
 
+class DenseSameFlops(torch.nn.Module):
+    """Every (token, choice) row through one expert's gated MLP: dense matrix
+    products of the experts' FLOPs, no routing, no grouping. What the
+    machine's BLAS needs for the arithmetic alone: the floor under every
+    candidate's time."""
+
+    def __init__(self, block, top_k):
+        super().__init__()
+        self.experts, self.top_k = block.experts, top_k
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.shape[-1]).repeat_interleave(self.top_k, 0)
+        gate_up = torch.nn.functional.linear(rows, self.experts.gate_up_proj[0])
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, self.experts.down_proj[0])
+        return out.view(*x.shape[:-1], self.top_k, x.shape[-1]).sum(-2)
+
+
 def build(family, shape, dtype, device, with_compile, tokens):
     """name -> module (or a string: why it was not built); all share one set of weights."""
     config, block_cls = hf_block(family, shape)
@@ -111,6 +129,7 @@ def build(family, shape, dtype, device, with_compile, tokens):
     fused.gate.weight = base.gate.weight
     fused.experts.gate_up_proj, fused.experts.down_proj = base.experts.gate_up_proj, base.experts.down_proj
     modules["fusedllm"] = fused
+    modules["dense"] = DenseSameFlops(base, shape["top_k"])
     return modules
 
 
@@ -130,7 +149,7 @@ def cases(args, device):
                 reference = modules["eager"](x).float()
                 max_diff = {}
                 for name, m in list(modules.items()):
-                    if name == "eager":
+                    if name in ("eager", "dense"):
                         continue
                     try:
                         max_diff[name] = (m(x).float() - reference).abs().max().item()
@@ -188,35 +207,12 @@ def describe(row):
             f"{row['fusedllm_peak_mb']:.0f} eager {row['eager_peak_mb']:.0f}")
 
 
-NAMES = ("eager", "grouped_mm", "batched_mm", "compile", "hf+fusedllm", "fusedllm")
+NAMES = ("eager", "grouped_mm", "batched_mm", "compile", "hf+fusedllm", "fusedllm", "dense")
 
 
 def plot(rows, path, device):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [n for n in NAMES if any(f"{n}_ms" in row for row in rows)]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        speed = [row["eager_ms"] / row[f"{name}_ms"] if f"{name}_ms" in row else 0 for row in rows]
-        peak = [row.get(f"{name}_peak_mb", 0) for row in rows]
-        xs = [j + i * width for j in range(len(rows))]
-        axes[0].bar(xs, speed, width, label=name)
-        axes[1].bar(xs, peak, width, label=name)
-    for ax in axes:
-        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(rows))])
-        ax.set_xticklabels([row["case"] for row in rows], rotation=30, ha="right", fontsize=7)
-        ax.legend(fontsize=7)
-    axes[0].axhline(1.0, color="gray", lw=1, ls="--")
-    axes[0].set_ylabel("speed over HF eager experts (higher is better)")
-    axes[1].set_ylabel("peak MiB (lower is better)")
-    fig.suptitle(f"sparse MoE layer ({device})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    speed_and_peak_plot(rows, names, path, f"sparse MoE layer ({device})", "HF eager experts")
 
 
 def notes(rows):
@@ -233,7 +229,9 @@ def notes(rows):
                 lines.append(f"{name} ({row['case']}): {why}")
     lines.append("eager / grouped_mm / batched_mm / hf+fusedllm: transformers' sparse MoE block (its router) with "
                  "that experts implementation; compile: torch.compile of the eager block; fusedllm: nn.MoE "
-                 "(moe_route + moe_experts); max |Δ| compares fusedllm's forward with eager's. All share the weights. "
+                 "(moe_route + moe_experts); dense: the experts' FLOPs as dense products of one expert's "
+                 "weights over all (token, choice) rows (no routing), the floor of the machine's BLAS under every "
+                 "candidate's time; max |Δ| compares fusedllm's forward with eager's. All share the weights. "
                  "In bfloat16 a router logit ties another now and then; torch.topk breaks ties either way, "
                  "moe_route toward the lower expert index, so such a token may take another expert and max |Δ| is "
                  "then of the order of the output.")
@@ -248,6 +246,7 @@ COLUMNS = [
     ("compile_ms", "compile ms", ".0f"),
     ("hf+fusedllm_ms", "HF router + fused experts ms", ".0f"),
     ("fused_ms", "fusedllm ms", ".0f"),
+    ("dense_ms", "dense same-FLOPs ms", ".0f"),
     ("vs_eager", "× eager", ".2f"),
     ("vs_grouped_mm", "× grouped_mm", ".2f"),
     ("vs_compile", "× compile", ".2f"),

@@ -26,7 +26,7 @@ if not __package__:  # run as a file: import from the repository root, as `pytho
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # harness before torch: with --thp it configures torch's allocator
-from benchmarks.harness import Benchmark, dtype_name, interleaved_medians, run  # noqa: E402
+from benchmarks.harness import Benchmark, dtype_name, interleaved_medians, run, speed_and_peak_plot  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -166,31 +166,8 @@ def describe(row):
 
 
 def plot(rows, path, device):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [n for n in ("eager", "compile", "sequential", "fusedllm") if f"{n}_ms" in rows[0]]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        speed = [row["eager_ms"] / row[f"{name}_ms"] for row in rows]
-        peak = [row[f"{name}_peak_mb"] for row in rows]
-        xs = [j + i * width for j in range(len(rows))]
-        axes[0].bar(xs, speed, width, label=name)
-        axes[1].bar(xs, peak, width, label=name)
-    for ax in axes:
-        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(rows))])
-        ax.set_xticklabels([row["case"] for row in rows], rotation=25, ha="right", fontsize=8)
-        ax.legend(fontsize=8)
-    axes[0].axhline(1.0, color="gray", lw=1, ls="--")
-    axes[0].set_ylabel("speed over the eager parallel block (higher is better)")
-    axes[1].set_ylabel("peak MiB (lower is better)")
-    fig.suptitle(f"parallel block ({device})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    speed_and_peak_plot(rows, names, path, f"parallel block ({device})", "the eager parallel block")
 
 
 def cpu_features() -> str:

@@ -203,6 +203,36 @@ def machine_description(device: torch.device) -> str:
     return text + (", THP_MEM_ALLOC_ENABLE=1" if thp_enabled() else "")
 
 
+def speed_and_peak_plot(rows: list, names, path, title: str, baseline: str) -> None:
+    """Two bar charts per case: each candidate's speed over "eager" (rows'
+    "<name>_ms") and its peak memory ("<name>_peak_mb"); a candidate missing
+    from a row shows no bar there."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        speed = [row["eager_ms"] / row[f"{name}_ms"] if f"{name}_ms" in row else 0 for row in rows]
+        peak = [row.get(f"{name}_peak_mb", 0) for row in rows]
+        xs = [j + i * width for j in range(len(rows))]
+        axes[0].bar(xs, speed, width, label=name)
+        axes[1].bar(xs, peak, width, label=name)
+    for ax in axes:
+        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(rows))])
+        ax.set_xticklabels([row["case"] for row in rows], rotation=30, ha="right", fontsize=7)
+        ax.legend(fontsize=7)
+    axes[0].axhline(1.0, color="gray", lw=1, ls="--")
+    axes[0].set_ylabel(f"speed over {baseline} (higher is better)")
+    axes[1].set_ylabel("peak MiB (lower is better)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 @dataclass
 class Report:
     """Rows of results; written as JSON, a markdown table and a PNG."""

@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -26,12 +28,13 @@ int64_t grain(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64
 
 struct CpuMoe {
   static constexpr const char* kOps = "fusedllm";
+  static constexpr int64_t kBlock = 256;  // rows of the products' blocks
 
   static void route(const at::Tensor& logits, const at::Tensor& bias, const moe::RouteOptions& o,
                     at::Tensor& weights, at::Tensor& indices) {
     const int64_t tokens = logits.size(0), n = o.experts, k = o.top_k;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "moe_route", [&] {
-      using A = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      using A = MoeAcc<scalar_t>;
       const scalar_t* z = logits.const_data_ptr<scalar_t>();
       A* w = weights.mutable_data_ptr<A>();
       int64_t* idx = indices.mutable_data_ptr<int64_t>();
@@ -51,7 +54,7 @@ struct CpuMoe {
                              at::Tensor& grad) {
     const int64_t tokens = logits.size(0), n = o.experts, k = o.top_k;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "moe_route_backward", [&] {
-      using A = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      using A = MoeAcc<scalar_t>;
       const at::Tensor g = grad_weights.scalar_type() == logits.scalar_type() ||
                                    grad_weights.scalar_type() == c10::CppTypeToScalarType<A>::value
                                ? grad_weights
@@ -100,23 +103,16 @@ struct CpuMoe {
     const int64_t rows = dst.size(0), cols = dst.size(1);
     const int64_t* ord = order.const_data_ptr<int64_t>();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "moe_gather", [&] {
-      using A = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      using A = MoeAcc<scalar_t>;
       scalar_t* d = dst.mutable_data_ptr<scalar_t>();
       const scalar_t* s = src.const_data_ptr<scalar_t>();
-      const auto run = [&](const auto* w) {
+      with_moe_weights<scalar_t>(weights, [&](const auto* w) {
         at::parallel_for(0, rows, grain(cols), [&](int64_t p0, int64_t p1) {
           for (int64_t p = p0; p < p1; ++p) {
             moe::gather_row<A>(d + p * cols, s + (ord[p] / k) * cols, w ? w + ord[p] : w, cols, 0, 1);
           }
         });
-      };
-      if (!weights.defined()) {
-        run(static_cast<const A*>(nullptr));
-      } else if (weights.scalar_type() == dst.scalar_type()) {
-        run(weights.const_data_ptr<scalar_t>());
-      } else {
-        run(weights.const_data_ptr<A>());
-      }
+      });
     });
   }
 
@@ -125,23 +121,16 @@ struct CpuMoe {
     const int64_t tokens = dst.size(0), cols = dst.size(1);
     const int64_t* pos = position.const_data_ptr<int64_t>();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "moe_combine", [&] {
-      using A = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      using A = MoeAcc<scalar_t>;
       scalar_t* d = dst.mutable_data_ptr<scalar_t>();
       const scalar_t* s = src.const_data_ptr<scalar_t>();
-      const auto run = [&](const auto* w) {
+      with_moe_weights<scalar_t>(weights, [&](const auto* w) {
         at::parallel_for(0, tokens, grain(cols * k), [&](int64_t t0, int64_t t1) {
           for (int64_t t = t0; t < t1; ++t) {
             moe::combine_row<A>(d + t * cols, s, cols, pos + t * k, w ? w + t * k : w, k, cols, 0, 1);
           }
         });
-      };
-      if (!weights.defined()) {
-        run(static_cast<const A*>(nullptr));
-      } else if (weights.scalar_type() == dst.scalar_type()) {
-        run(weights.const_data_ptr<scalar_t>());
-      } else {
-        run(weights.const_data_ptr<A>());
-      }
+      });
     });
   }
 
@@ -150,7 +139,7 @@ struct CpuMoe {
     const int64_t tokens = grad.size(0), k = grad.size(1), cols = grad_out.size(1);
     const int64_t* pos = position.const_data_ptr<int64_t>();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "moe_weights_grad", [&] {
-      using A = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      using A = MoeAcc<scalar_t>;
       A* g = grad.mutable_data_ptr<A>();
       const scalar_t* go = grad_out.const_data_ptr<scalar_t>();
       const scalar_t* s = src.const_data_ptr<scalar_t>();
@@ -167,44 +156,98 @@ struct CpuMoe {
     });
   }
 
+  // The blocks of kBlock rows of each expert's rows, largest first (a shared
+  // counter then hands them to torch's threads: experts get unequal rows, so
+  // equal shares of blocks would leave threads idle).
+  struct Block {
+    int64_t expert, first, rows;
+  };
+
+  static std::vector<Block> blocks(const int64_t* off, int64_t experts, int64_t block, bool of_output,
+                                   int64_t output_rows) {
+    std::vector<Block> list;
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t n = of_output ? output_rows : off[e + 1] - off[e];
+      if (of_output && off[e + 1] == off[e]) continue;
+      for (int64_t r = 0; r < n; r += block) list.push_back({e, r, std::min(block, n - r)});
+    }
+    // A block's work: its rows times the reduction's length (the expert's
+    // rows for an output block of a weight gradient).
+    const auto work = [&](const Block& b) { return b.rows * (of_output ? off[b.expert + 1] - off[b.expert] : 1); };
+    std::stable_sort(list.begin(), list.end(), [&](const Block& x, const Block& y) { return work(x) > work(y); });
+    return list;
+  }
+
+  // fn(block) for every block, on torch's threads, below autograd (worker
+  // threads do not inherit the caller's dispatch state).
+  template <typename Fn>
+  static void for_blocks(const std::vector<Block>& list, Fn&& fn) {
+    const int64_t count = static_cast<int64_t>(list.size());
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(count, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      for (int64_t i = next++; i < count; i = next++) fn(list[i]);
+    });
+  }
+
+  // One task per block of an expert's rows: gather, gate/up product, gated
+  // activation, down product, one single-threaded BLAS call each, so all the
+  // blocks of the layer keep the threads busy while only a block's rows,
+  // gate/up rows and activation exist per thread (`rows` is not needed).
+  static void expert_mlp(at::Tensor& expert_out, at::Tensor& gate_up, const at::Tensor& hidden,
+                         const at::Tensor& order, const at::Tensor& offsets, int64_t k,
+                         const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
+                         c10::string_view activation, int64_t /*rows*/) {
+    const int64_t* off = offsets.const_data_ptr<int64_t>();
+    const int64_t* ord = order.const_data_ptr<int64_t>();
+    const int64_t cols = hidden.size(1), gu_cols = gate_up_proj.size(1);
+    const bool keep = gate_up.size(0) > 0;
+    const std::vector<Block> list = blocks(off, offsets.numel() - 1, kBlock, false, 0);
+    for_blocks(list, [&](const Block& b) {
+      const int64_t p0 = off[b.expert] + b.first, n = b.rows;
+      at::Tensor rows = at::empty({n, cols}, hidden.options());
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "moe_gather", [&] {
+        scalar_t* d = rows.mutable_data_ptr<scalar_t>();
+        const scalar_t* src = hidden.const_data_ptr<scalar_t>();
+        for (int64_t p = 0; p < n; ++p) {
+          moe::gather_row<MoeAcc<scalar_t>>(d + p * cols, src + (ord[p0 + p] / k) * cols,
+                                            static_cast<const scalar_t*>(nullptr), cols, 0, 1);
+        }
+      });
+      at::Tensor gu = keep ? gate_up.narrow(0, p0, n) : at::empty({n, gu_cols}, hidden.options());
+      at::mm_out(gu, rows, gate_up_proj[b.expert].t());
+      at::Tensor y = expert_out.narrow(0, p0, n);
+      at::mm_out(y, MoeOps<CpuMoe>::gated(gu, activation), down_proj[b.expert].t());
+    });
+  }
+
   // Each expert's product in blocks of rows (output rows for the weight
-  // gradient, each over all of the expert's rows), the blocks spread over
-  // torch's threads, one single-threaded BLAS call each. The blocks depend on
-  // the shapes only, so every element comes from the same call whatever the
-  // thread count: the results do not change with it. Experts without rows
-  // cost nothing (a weight gradient's is zeros).
+  // gradient, each over all of the expert's rows), one single-threaded BLAS
+  // call each. The blocks depend on the shapes only, so every element comes
+  // from the same call whatever the thread count: the results do not change
+  // with it. Torch's threads take the blocks, largest first, from a shared
+  // counter (experts get unequal rows, so equal shares of blocks would leave
+  // threads idle). Experts without rows cost nothing (a weight gradient's is
+  // zeros).
   static void grouped_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                          const at::Tensor& offsets, GroupedProduct kind) {
-    constexpr int64_t kBlock = 256;
     const int64_t* off = offsets.const_data_ptr<int64_t>();
     const int64_t experts = offsets.numel() - 1;
     const bool weight_grad = kind == GroupedProduct::kWeightGradient;
-    struct Task {
-      int64_t expert, first, rows;
-    };
-    std::vector<Task> tasks;
-    for (int64_t e = 0; e < experts; ++e) {
-      const int64_t n = weight_grad ? out.size(1) : off[e + 1] - off[e];
-      if (weight_grad && off[e + 1] == off[e]) {
-        out[e].zero_();
-        continue;
+    if (weight_grad) {
+      for (int64_t e = 0; e < experts; ++e) {
+        if (off[e + 1] == off[e]) out[e].zero_();
       }
-      for (int64_t r = 0; r < n; r += kBlock) tasks.push_back({e, r, std::min(kBlock, n - r)});
     }
-    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-      // The worker threads do not inherit the caller's dispatch state: below autograd here too.
-      at::AutoDispatchBelowADInplaceOrView guard;
-      for (int64_t i = t0; i < t1; ++i) {
-        const Task& t = tasks[i];
-        const int64_t first = off[t.expert], n = off[t.expert + 1] - first;
-        if (weight_grad) {
-          at::Tensor o = out[t.expert].narrow(0, t.first, t.rows);
-          at::mm_out(o, a.narrow(0, first, n).narrow(1, t.first, t.rows).t(), b.narrow(0, first, n));
-        } else {
-          at::Tensor o = out.narrow(0, first + t.first, t.rows);
-          const at::Tensor w = kind == GroupedProduct::kRowsTimesWeightT ? b[t.expert].t() : b[t.expert];
-          at::mm_out(o, a.narrow(0, first + t.first, t.rows), w);
-        }
+    for_blocks(blocks(off, experts, kBlock, weight_grad, weight_grad ? out.size(1) : 0), [&](const Block& t) {
+      const int64_t first = off[t.expert], n = off[t.expert + 1] - first;
+      if (weight_grad) {
+        at::Tensor o = out[t.expert].narrow(0, t.first, t.rows);
+        at::mm_out(o, a.narrow(0, first, n).narrow(1, t.first, t.rows).t(), b.narrow(0, first, n));
+      } else {
+        at::Tensor o = out.narrow(0, first + t.first, t.rows);
+        const at::Tensor w = kind == GroupedProduct::kRowsTimesWeightT ? b[t.expert].t() : b[t.expert];
+        at::mm_out(o, a.narrow(0, first + t.first, t.rows), w);
       }
     });
   }

@@ -26,9 +26,6 @@ struct Math {
 constexpr int kThreads = 256;
 constexpr int kRouteThreads = 128;
 
-template <typename T>
-using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
-
 // One thread per token; `work` [tokens, 2E] and `taken` [tokens, E] are its scratch.
 template <typename T, typename A>
 __global__ void moe_route_kernel(const T* __restrict__ z, const A* __restrict__ bias,
@@ -100,7 +97,7 @@ __global__ void moe_gather_kernel(T* __restrict__ dst, const T* __restrict__ src
                                   int64_t rows, int64_t cols, int64_t k) {
   for (int64_t p = blockIdx.x; p < rows; p += gridDim.x) {
     const int64_t pair = order[p];
-    moe::gather_row<Acc<T>>(dst + p * cols, src + (pair / k) * cols,
+    moe::gather_row<MoeAcc<T>>(dst + p * cols, src + (pair / k) * cols,
                             weights ? weights + pair : weights, cols, threadIdx.x, blockDim.x);
   }
 }
@@ -111,7 +108,7 @@ __global__ void moe_combine_kernel(T* __restrict__ dst, const T* __restrict__ sr
                                    const W* __restrict__ weights, int64_t tokens, int64_t cols,
                                    int64_t k) {
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    moe::combine_row<Acc<T>>(dst + t * cols, src, cols, position + t * k,
+    moe::combine_row<MoeAcc<T>>(dst + t * cols, src, cols, position + t * k,
                              weights ? weights + t * k : weights, k, cols, threadIdx.x, blockDim.x);
   }
 }
@@ -172,7 +169,7 @@ struct CudaMoe {
     const int64_t tokens = logits.size(0);
     for_dtype(logits.scalar_type(), [&](auto z_tag) {
       using T = decltype(z_tag);
-      using A = Acc<T>;
+      using A = MoeAcc<T>;
       at::Tensor work = at::empty({tokens, 2 * o.experts}, weights.options());
       at::Tensor taken = at::empty({tokens, o.experts}, logits.options().dtype(at::kByte));
       launch("moe_route_kernel", moe_route_kernel<T, A>, thread_blocks(tokens, kRouteThreads),
@@ -190,7 +187,7 @@ struct CudaMoe {
     const int64_t tokens = logits.size(0);
     for_dtype(logits.scalar_type(), [&](auto z_tag) {
       using T = decltype(z_tag);
-      using A = Acc<T>;
+      using A = MoeAcc<T>;
       const at::ScalarType acc = c10::CppTypeToScalarType<A>::value;
       const at::Tensor g = grad_weights.scalar_type() == acc ? grad_weights : grad_weights.to(acc);
       at::Tensor work = at::empty({tokens, o.experts}, g.options());
@@ -212,25 +209,13 @@ struct CudaMoe {
            offsets.mutable_data_ptr<int64_t>());
   }
 
-  // The weights' dtype is the rows' own or their accumulation dtype.
-  template <typename T, typename Fn>
-  static void with_weights(const at::Tensor& weights, Fn&& fn) {
-    if (!weights.defined()) {
-      fn(static_cast<const T*>(nullptr));
-    } else if (weights.scalar_type() == c10::CppTypeToScalarType<T>::value) {
-      fn(weights.const_data_ptr<T>());
-    } else {
-      fn(weights.const_data_ptr<Acc<T>>());
-    }
-  }
-
   static void gather(at::Tensor& dst, const at::Tensor& src, const at::Tensor& order, int64_t k,
                      const at::Tensor& weights) {
     const DeviceGuard guard(dst.device());
     const int64_t rows = dst.size(0), cols = dst.size(1);
     for_dtype(dst.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
-      with_weights<T>(weights, [&](const auto* w) {
+      with_moe_weights<T>(weights, [&](const auto* w) {
         launch("moe_gather_kernel", moe_gather_kernel<T, std::remove_cv_t<std::remove_pointer_t<decltype(w)>>>,
                row_blocks(rows), kThreads, 0, current_stream(), dst.mutable_data_ptr<T>(),
                src.const_data_ptr<T>(), order.const_data_ptr<int64_t>(), w, rows, cols, k);
@@ -244,7 +229,7 @@ struct CudaMoe {
     const int64_t tokens = dst.size(0), cols = dst.size(1);
     for_dtype(dst.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
-      with_weights<T>(weights, [&](const auto* w) {
+      with_moe_weights<T>(weights, [&](const auto* w) {
         launch("moe_combine_kernel", moe_combine_kernel<T, std::remove_cv_t<std::remove_pointer_t<decltype(w)>>>,
                row_blocks(tokens), kThreads, 0, current_stream(), dst.mutable_data_ptr<T>(),
                src.const_data_ptr<T>(), position.const_data_ptr<int64_t>(), w, tokens, cols, k);
@@ -258,11 +243,37 @@ struct CudaMoe {
     const int64_t tokens = grad.size(0), k = grad.size(1), cols = grad_out.size(1);
     for_dtype(src.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
-      launch("moe_weights_grad_kernel", moe_weights_grad_kernel<T, Acc<T>>, row_blocks(tokens),
-             kThreads, 0, current_stream(), grad.mutable_data_ptr<Acc<T>>(),
+      launch("moe_weights_grad_kernel", moe_weights_grad_kernel<T, MoeAcc<T>>, row_blocks(tokens),
+             kThreads, 0, current_stream(), grad.mutable_data_ptr<MoeAcc<T>>(),
              grad_out.const_data_ptr<T>(), src.const_data_ptr<T>(),
              position.const_data_ptr<int64_t>(), tokens, cols, k);
     });
+  }
+
+  // The grouped products a chunk of `rows` expert-ordered rows at a time,
+  // wherever the experts' bounds fall (the host does not know them without
+  // waiting for the device): the groups' bounds are clipped to the chunk on
+  // the device.
+  static void expert_mlp(at::Tensor& expert_out, at::Tensor& gate_up, const at::Tensor& hidden,
+                         const at::Tensor& order, const at::Tensor& offsets, int64_t k,
+                         const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
+                         c10::string_view activation, int64_t rows) {
+    const int64_t pairs = order.numel(), cols = hidden.size(1);
+    const bool keep = gate_up.size(0) > 0;
+    const int64_t chunk = std::min(rows, pairs);
+    at::Tensor gathered = at::empty({chunk, cols}, hidden.options());
+    at::Tensor gu_chunk = keep ? at::Tensor() : at::empty({chunk, gate_up_proj.size(1)}, hidden.options());
+    for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
+      const int64_t n = std::min(chunk, pairs - p0);
+      const at::Tensor bounds = n == pairs ? offsets : (offsets.clamp(p0, p0 + n) - p0);
+      at::Tensor r = gathered.narrow(0, 0, n);
+      gather(r, hidden, order.narrow(0, p0, n), k, at::Tensor());
+      at::Tensor gu = keep ? gate_up.narrow(0, p0, n) : gu_chunk.narrow(0, 0, n);
+      grouped_mm(gu, r, gate_up_proj, bounds, GroupedProduct::kRowsTimesWeightT);
+      at::Tensor y = expert_out.narrow(0, p0, n);
+      grouped_mm(y, MoeOps<CudaMoe>::gated(gu, activation), down_proj, bounds,
+                 GroupedProduct::kRowsTimesWeightT);
+    }
   }
 
   static void grouped_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,

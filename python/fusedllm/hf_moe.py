@@ -45,7 +45,8 @@ NAME = "fusedllm"
 
 
 def experts_activation(act) -> str | None:
-    """The fused activation equal to a transformers ``act_fn`` module, or None."""
+    """The fused activation equal to a transformers ``act_fn`` module (of an
+    experts module or an MLP), or None."""
     name = type(act).__name__
     if name == "SiLUActivation" or isinstance(act, nn.SiLU):
         return "silu"
@@ -157,7 +158,7 @@ class _FusedBlock:
     running on the fused router and experts it holds."""
 
 
-# block class -> (router attribute, experts attribute, routing family)
+# sparse MoE block class -> routing family (the block holds `gate`, the router, and `experts`)
 MOE_BLOCKS = {
     "MixtralSparseMoeBlock": "mixtral",
     "Qwen2MoeSparseMoeBlock": "qwen",

@@ -102,18 +102,6 @@ class PatchReport:
 
 # --- recognising modules --------------------------------------------------------------
 
-def _hf_activation(act) -> str | None:
-    """The fused activation equal to a Hugging Face ``act_fn`` module, if any."""
-    name = type(act).__name__
-    if name in ("SiLUActivation", "SiLU"):
-        return "silu"
-    if name in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPytorchTanh"):
-        return "gelu_tanh"
-    if isinstance(act, nn.GELU) and act.approximate == "tanh":
-        return "gelu_tanh"
-    return None
-
-
 # --- notebook classes: each compat module builds its drop-ins -------------------------
 
 _NOTEBOOK_RULES = {**nb000.PATCH_RULES, **nb001.PATCH_RULES, **nb002.PATCH_RULES, **nb003.PATCH_RULES}
@@ -151,7 +139,7 @@ def _hf_gated_mlp(m):
     linears = gated_linears(m, "gate_proj", "up_proj", "down_proj")
     if linears is None:
         return "expected nn.Linear gate_proj / up_proj / down_proj of matching shapes"
-    activation = _hf_activation(getattr(m, "act_fn", None))
+    activation = hf_moe.experts_activation(getattr(m, "act_fn", None))
     if activation is None:
         return f"activation {type(getattr(m, 'act_fn', None)).__name__} has no fused kernel"
     g, u, d = linears
@@ -165,7 +153,7 @@ def _hf_packed_mlp(m):
     if not (is_linear(gate_up) and is_linear(down) and gate_up.out_features == 2 * down.in_features
             and down.out_features == gate_up.in_features):
         return "expected nn.Linear gate_up_proj (h -> 2f) and down_proj (f -> h)"
-    activation = _hf_activation(getattr(m, "activation_fn", None))
+    activation = hf_moe.experts_activation(getattr(m, "activation_fn", None))
     if activation is None:
         return f"activation {type(getattr(m, 'activation_fn', None)).__name__} has no fused kernel"
     new = shell(fnn.PackedGatedMLP, gate_up.in_features, down.in_features, activation=activation,

@@ -53,6 +53,24 @@ FUSEDLLM_HOST_DEVICE int64_t best_of(const A* c, int64_t begin, int64_t end, Eli
   return best;
 }
 
+// One token's scores s[E] from its logits z: softmax or sigmoid.
+template <typename Math, typename A, typename T>
+FUSEDLLM_HOST_DEVICE void scores(const T* z, const RouteOptions& o, A* s) {
+  const int64_t n = o.experts;
+  if (o.scoring == Scoring::kSigmoid) {
+    for (int64_t e = 0; e < n; ++e) s[e] = A(1) / (A(1) + Math::exp(-static_cast<A>(z[e])));
+    return;
+  }
+  A m = static_cast<A>(z[0]);
+  for (int64_t e = 1; e < n; ++e) m = static_cast<A>(z[e]) > m ? static_cast<A>(z[e]) : m;
+  A sum = A(0);
+  for (int64_t e = 0; e < n; ++e) {
+    s[e] = Math::exp(static_cast<A>(z[e]) - m);
+    sum += s[e];
+  }
+  for (int64_t e = 0; e < n; ++e) s[e] /= sum;
+}
+
 // Routes one token. `z` its logits (stride 1), `bias` [E] or null; `work`
 // 2 * E values of scratch (scores, then the choice values); `taken` E bytes of
 // scratch. Writes k weights and indices.
@@ -62,18 +80,7 @@ FUSEDLLM_HOST_DEVICE void route_row(const T* z, const A* bias, const RouteOption
   const int64_t n = o.experts;
   A* s = work;
   A* c = work + n;
-  if (o.scoring == Scoring::kSoftmax) {
-    A m = static_cast<A>(z[0]);
-    for (int64_t e = 1; e < n; ++e) m = static_cast<A>(z[e]) > m ? static_cast<A>(z[e]) : m;
-    A sum = A(0);
-    for (int64_t e = 0; e < n; ++e) {
-      s[e] = Math::exp(static_cast<A>(z[e]) - m);
-      sum += s[e];
-    }
-    for (int64_t e = 0; e < n; ++e) s[e] /= sum;
-  } else {
-    for (int64_t e = 0; e < n; ++e) s[e] = A(1) / (A(1) + Math::exp(-static_cast<A>(z[e])));
-  }
+  scores<Math>(z, o, s);
   for (int64_t e = 0; e < n; ++e) {
     c[e] = bias ? s[e] + bias[e] : s[e];
     taken[e] = 0;
@@ -120,18 +127,7 @@ template <typename Math, typename A, typename T, typename G>
 FUSEDLLM_HOST_DEVICE void route_row_backward(const T* z, const int64_t* indices, const G* g,
                                              const RouteOptions& o, A* s, T* dz) {
   const int64_t n = o.experts;
-  if (o.scoring == Scoring::kSoftmax) {
-    A m = static_cast<A>(z[0]);
-    for (int64_t e = 1; e < n; ++e) m = static_cast<A>(z[e]) > m ? static_cast<A>(z[e]) : m;
-    A sum = A(0);
-    for (int64_t e = 0; e < n; ++e) {
-      s[e] = Math::exp(static_cast<A>(z[e]) - m);
-      sum += s[e];
-    }
-    for (int64_t e = 0; e < n; ++e) s[e] /= sum;
-  } else {
-    for (int64_t e = 0; e < n; ++e) s[e] = A(1) / (A(1) + Math::exp(-static_cast<A>(z[e])));
-  }
+  scores<Math>(z, o, s);
   const A scaling = static_cast<A>(o.scaling);
   A denominator = A(1), gw = A(0);
   if (o.normalize) {

@@ -18,6 +18,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <type_traits>
 
 #include "fusedllm/checks.h"
 #include "fusedllm/moe.h"
@@ -75,6 +76,23 @@ inline moe::RouteOptions check_moe_route(const char* op, const at::Tensor& logit
 
 inline at::ScalarType moe_accumulation(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// The accumulation type of rows of T.
+template <typename T>
+using MoeAcc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// fn(the weights' data) for routing weights in the rows' dtype T or in their
+// accumulation dtype; fn(null) for none (every weight 1).
+template <typename T, typename Fn>
+void with_moe_weights(const at::Tensor& weights, Fn&& fn) {
+  if (!weights.defined()) {
+    fn(static_cast<const T*>(nullptr));
+  } else if (weights.scalar_type() == c10::CppTypeToScalarType<T>::value) {
+    fn(weights.const_data_ptr<T>());
+  } else {
+    fn(weights.const_data_ptr<MoeAcc<T>>());
+  }
 }
 
 struct MoeShape {
@@ -150,7 +168,12 @@ inline MoeShape check_moe_experts(const char* op, const at::Tensor& hidden,
 //     dst[t] = sum_j (weights[t, j] or 1) * src[position[t * k + j]];
 //   weights_grad(grad [T, k] accumulation dtype, grad_out [T, H], src [S, H],
 //     position): grad[t, j] = <grad_out[t], src[position[t * k + j]]>;
-//   grouped_mm(out, a, b, offsets, GroupedProduct).
+//   grouped_mm(out, a, b, offsets, GroupedProduct);
+//   expert_mlp(expert_out [S, H], gate_up [S, 2I] or [0, 2I], hidden [T, H],
+//     order, offsets, k, gate_up_proj, down_proj, activation, rows): the
+//     experts' gated MLPs of the expert-ordered rows (hidden[order[p] / k]),
+//     keeping the gate/up rows when gate_up has them, each gathered row,
+//     gate/up row and activation made about `rows` rows at a time.
 template <typename Impl>
 struct MoeOps {
   static std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits, int64_t top_k,
@@ -208,8 +231,8 @@ struct MoeOps {
     return fn.call(grad, gate_up, activation);
   }
 
-  // Rows per chunk of the experts' products: about 32 MiB of gate/up rows and
-  // their activation, at least 256 rows. FUSEDLLM_MOE_CHUNK_ROWS sets it (the
+  // Rows per part of the experts' products (expert_mlp): about 32 MiB of
+  // gate/up rows and their activation, at least 256 rows. FUSEDLLM_MOE_CHUNK_ROWS sets it (the
   // tests use it to cross chunk boundaries at small sizes).
   static int64_t chunk_rows(int64_t pairs, int64_t inter, int64_t element_size) {
     int64_t rows = std::max<int64_t>(256, (int64_t{32} << 20) / (3 * inter * element_size));
@@ -219,11 +242,9 @@ struct MoeOps {
 
   // Returns out and what backward needs: order, position, offsets, the gate/up
   // rows [S, 2I] (with save_for_backward; else [0, 2I]) and the experts'
-  // outputs [S, H] (unweighted), in expert order. The products run a chunk of
-  // expert-ordered rows at a time, with the groups' bounds clipped to the
-  // chunk (on the device: no synchronisation), so the gathered rows and the
-  // activation (and without save_for_backward the gate/up rows) exist a chunk
-  // at a time.
+  // outputs [S, H] (unweighted), in expert order. The gathered rows and the
+  // activation (and without save_for_backward the gate/up rows) exist a
+  // part of the rows at a time (Impl::expert_mlp).
   static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
   experts(const at::Tensor& hidden_in, const at::Tensor& indices, const at::Tensor& weights_in,
           const at::Tensor& gate_up_proj, const at::Tensor& down_proj, c10::string_view activation,
@@ -244,22 +265,8 @@ struct MoeOps {
     const at::Tensor hidden = hidden_in.contiguous();
     const at::Tensor weights = weights_in.contiguous();
     Impl::sort(indices.contiguous().view({-1}), s.experts, order, position, offsets);
-    const int64_t chunk = chunk_rows(pairs, s.inter, hidden.element_size());
-    at::Tensor rows = at::empty({std::min(chunk, pairs), s.hidden}, hidden.options());
-    at::Tensor gu_chunk =
-        save_for_backward ? at::Tensor() : at::empty({std::min(chunk, pairs), 2 * s.inter}, hidden.options());
-    for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
-      const int64_t n = std::min(chunk, pairs - p0);
-      const at::Tensor bounds = n == pairs ? offsets : (offsets.clamp(p0, p0 + n) - p0);
-      at::Tensor r = rows.narrow(0, 0, n);
-      Impl::gather(r, hidden, order.narrow(0, p0, n), s.top_k, at::Tensor());
-      at::Tensor gu = save_for_backward ? gate_up.narrow(0, p0, n) : gu_chunk.narrow(0, 0, n);
-      Impl::grouped_mm(gu, r, gate_up_proj, bounds, GroupedProduct::kRowsTimesWeightT);
-      at::Tensor y = expert_out.narrow(0, p0, n);
-      Impl::grouped_mm(y, gated(gu, activation), down_proj, bounds,
-                       GroupedProduct::kRowsTimesWeightT);
-    }
-    rows = gu_chunk = at::Tensor();
+    Impl::expert_mlp(expert_out, gate_up, hidden, order, offsets, s.top_k, gate_up_proj, down_proj,
+                     activation, chunk_rows(pairs, s.inter, hidden.element_size()));
     Impl::combine(out, expert_out, position, s.top_k, weights);
     return {out, order, position, offsets, gate_up, expert_out};
   }

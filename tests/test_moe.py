@@ -46,6 +46,9 @@ def check_experts(x, indices, weights, gate_up, down, activation="silu"):
                                        gate_up.double(), down.double(), grad_out.double(), activation)
     assert out.dtype == dtype and out.shape == x.shape
     assert_close(out, ref, FORWARD_TOL[dtype], "out", upcast=True)
+    with torch.no_grad():  # inference: no rows kept for backward, summed in another order
+        inference = fusedllm.moe_experts(x, indices, weights, gate_up, down, activation)
+    assert_close(inference, ref, FORWARD_TOL[dtype], "out without grad", upcast=True)
     for name, g, r, t in zip(("hidden", "weights", "gate_up_proj", "down_proj"), grads, ref_grads,
                              (x, weights, gate_up, down)):
         assert g.dtype == t.dtype and g.shape == t.shape, name

@@ -200,25 +200,86 @@ struct CpuMoe {
                          c10::string_view activation, int64_t /*rows*/) {
     const int64_t* off = offsets.const_data_ptr<int64_t>();
     const int64_t* ord = order.const_data_ptr<int64_t>();
-    const int64_t cols = hidden.size(1), gu_cols = gate_up_proj.size(1);
     const bool keep = gate_up.size(0) > 0;
     const std::vector<Block> list = blocks(off, offsets.numel() - 1, kBlock, false, 0);
     for_blocks(list, [&](const Block& b) {
-      const int64_t p0 = off[b.expert] + b.first, n = b.rows;
-      at::Tensor rows = at::empty({n, cols}, hidden.options());
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "moe_gather", [&] {
-        scalar_t* d = rows.mutable_data_ptr<scalar_t>();
-        const scalar_t* src = hidden.const_data_ptr<scalar_t>();
-        for (int64_t p = 0; p < n; ++p) {
-          moe::gather_row<MoeAcc<scalar_t>>(d + p * cols, src + (ord[p0 + p] / k) * cols,
-                                            static_cast<const scalar_t*>(nullptr), cols, 0, 1);
+      const int64_t p0 = off[b.expert] + b.first;
+      at::Tensor y = expert_out.narrow(0, p0, b.rows);
+      block_mlp(hidden, ord, p0, b.rows, k, b.expert, gate_up_proj, down_proj, activation,
+                keep ? gate_up.narrow(0, p0, b.rows) : at::Tensor(), &y);
+    });
+  }
+
+  // Rows p0 .. p0 + n of expert e (all in one expert): gathered, gate/up
+  // product (into gate_up when given), gated activation, down product (into
+  // *out when given, else a new tensor, returned).
+  static at::Tensor block_mlp(const at::Tensor& hidden, const int64_t* ord, int64_t p0, int64_t n,
+                              int64_t k, int64_t e, const at::Tensor& gate_up_proj,
+                              const at::Tensor& down_proj, c10::string_view activation,
+                              at::Tensor gate_up, at::Tensor* out = nullptr) {
+    const int64_t cols = hidden.size(1);
+    at::Tensor rows = at::empty({n, cols}, hidden.options());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "moe_gather", [&] {
+      scalar_t* d = rows.mutable_data_ptr<scalar_t>();
+      const scalar_t* src = hidden.const_data_ptr<scalar_t>();
+      for (int64_t p = 0; p < n; ++p) {
+        moe::gather_row<MoeAcc<scalar_t>>(d + p * cols, src + (ord[p0 + p] / k) * cols,
+                                          static_cast<const scalar_t*>(nullptr), cols, 0, 1);
+      }
+    });
+    if (!gate_up.defined()) gate_up = at::empty({n, gate_up_proj.size(1)}, hidden.options());
+    at::mm_out(gate_up, rows, gate_up_proj[e].t());
+    const at::Tensor acted = MoeOps<CpuMoe>::gated(gate_up, activation);
+    if (out == nullptr) return at::mm(acted, down_proj[e].t());
+    at::mm_out(*out, acted, down_proj[e].t());
+    return *out;
+  }
+
+  // Without backward to feed: the experts one after another, each expert's
+  // blocks on torch's threads, each block's output rows added at once into
+  // a float32 (float64) sum per token. A token meets an expert at most once,
+  // so no two blocks of an expert touch the same token, and each token's
+  // outputs are added in expert order whatever the threads do. Only a block's
+  // intermediates exist per thread, and the sum is out itself for float32
+  // and float64 (a [T, H] float32 buffer for half types).
+  static void expert_mlp_combined(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& order,
+                                  const at::Tensor& /*position*/, const at::Tensor& offsets, int64_t k,
+                                  const at::Tensor& weights, const at::Tensor& gate_up_proj,
+                                  const at::Tensor& down_proj, c10::string_view activation,
+                                  int64_t /*rows*/) {
+    const int64_t* off = offsets.const_data_ptr<int64_t>();
+    const int64_t* ord = order.const_data_ptr<int64_t>();
+    const int64_t experts = offsets.numel() - 1, cols = hidden.size(1);
+    const at::ScalarType acc_dtype = moe_accumulation(hidden.scalar_type());
+    at::Tensor sum = out.scalar_type() == acc_dtype ? out : at::empty(out.sizes(), out.options().dtype(acc_dtype));
+    sum.zero_();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "moe_experts", [&] {
+      using A = MoeAcc<scalar_t>;
+      A* total = sum.mutable_data_ptr<A>();
+      with_moe_weights<scalar_t>(weights, [&](const auto* w) {
+        for (int64_t e = 0; e < experts; ++e) {
+          const int64_t blocks_of_e = (off[e + 1] - off[e] + kBlock - 1) / kBlock;
+          std::vector<Block> list;
+          for (int64_t i = 0; i < blocks_of_e; ++i) {
+            list.push_back({e, i * kBlock, std::min(kBlock, off[e + 1] - off[e] - i * kBlock)});
+          }
+          for_blocks(list, [&](const Block& b) {
+            const int64_t p0 = off[e] + b.first, n = b.rows;
+            const at::Tensor y = block_mlp(hidden, ord, p0, n, k, e, gate_up_proj, down_proj, activation,
+                                           at::Tensor());
+            const scalar_t* yd = y.const_data_ptr<scalar_t>();
+            for (int64_t p = 0; p < n; ++p) {
+              const int64_t pair = ord[p0 + p];
+              const A wp = static_cast<A>(w[pair]);
+              A* dst = total + (pair / k) * cols;
+              const scalar_t* src = yd + p * cols;
+              for (int64_t h = 0; h < cols; ++h) dst[h] += wp * static_cast<A>(src[h]);
+            }
+          });
         }
       });
-      at::Tensor gu = keep ? gate_up.narrow(0, p0, n) : at::empty({n, gu_cols}, hidden.options());
-      at::mm_out(gu, rows, gate_up_proj[b.expert].t());
-      at::Tensor y = expert_out.narrow(0, p0, n);
-      at::mm_out(y, MoeOps<CpuMoe>::gated(gu, activation), down_proj[b.expert].t());
     });
+    if (!sum.is_same(out)) out.copy_(sum);
   }
 
   // Each expert's product in blocks of rows (output rows for the weight

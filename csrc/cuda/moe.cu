@@ -276,6 +276,17 @@ struct CudaMoe {
     }
   }
 
+  static void expert_mlp_combined(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& order,
+                                  const at::Tensor& position, const at::Tensor& offsets, int64_t k,
+                                  const at::Tensor& weights, const at::Tensor& gate_up_proj,
+                                  const at::Tensor& down_proj, c10::string_view activation,
+                                  int64_t rows) {
+    at::Tensor expert_out = at::empty({order.numel(), hidden.size(1)}, hidden.options());
+    at::Tensor none = hidden.new_empty({0, gate_up_proj.size(1)});
+    expert_mlp(expert_out, none, hidden, order, offsets, k, gate_up_proj, down_proj, activation, rows);
+    combine(out, expert_out, position, k, weights);
+  }
+
   static void grouped_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                          const at::Tensor& offsets, GroupedProduct kind) {
     const at::Tensor bc = b.stride(-1) == 1 ? b : b.contiguous();

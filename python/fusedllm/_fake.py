@@ -115,7 +115,7 @@ def _register_moe(ns: str) -> None:
             indices.new_empty((pairs,)),
             indices.new_empty((gate_up_proj.shape[0] + 1,)),
             hidden.new_empty((pairs if save_for_backward else 0, gate_up_proj.shape[1])),
-            hidden.new_empty((pairs, hidden.shape[1])),
+            hidden.new_empty((pairs if save_for_backward else 0, hidden.shape[1])),
         )
 
     @torch.library.register_fake(f"{ns}::moe_experts_backward")

@@ -516,4 +516,6 @@ def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation, s
     acc = _accumulation(hidden)
     picked = expert_out[position].view(tokens, top_k, hidden.shape[1]).to(acc)
     out = (picked * weights.to(acc).unsqueeze(-1)).sum(1).to(hidden.dtype)
-    return out, order, position, offsets, gate_up if save_for_backward else gate_up[:0], expert_out
+    if not save_for_backward:
+        gate_up, expert_out = gate_up[:0], expert_out[:0]
+    return out, order, position, offsets, gate_up, expert_out

@@ -347,12 +347,13 @@ def moe_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tens
     ``out[t] += weights[t, j] * down_proj[e] @ (act(gate) * up)`` where
     ``[gate | up] = gate_up_proj[e] @ hidden[t]``, ``act`` silu or gelu_tanh.
     Tokens are grouped by expert (a stable counting sort), each expert's rows
-    multiplied at once, and each token's outputs summed in choice order in
-    float32 (deterministic). Experts with no tokens cost nothing. The gate/up
-    rows and their activation are made a chunk of rows at a time (about 32
-    MiB); when a gradient will be needed the gate/up rows are kept whole for
-    backward. Out has hidden's dtype; differentiable in hidden, weights and
-    both projections.
+    multiplied at once, and each token's outputs summed in float32 in a fixed
+    order (deterministic: choice order when a gradient will be needed; on the
+    CPU without one, expert order). Experts with no tokens cost nothing. The
+    gathered rows and their gate/up rows and activation exist a part at a
+    time; when a gradient will be needed the gate/up rows and the experts'
+    outputs are kept whole for backward. Out has hidden's dtype;
+    differentiable in hidden, weights and both projections.
     """
     op = "fusedllm.moe_experts"
     _require_tensors(op, "hidden", hidden, indices=indices, weights=weights,

@@ -173,7 +173,11 @@ inline MoeShape check_moe_experts(const char* op, const at::Tensor& hidden,
 //     order, offsets, k, gate_up_proj, down_proj, activation, rows): the
 //     experts' gated MLPs of the expert-ordered rows (hidden[order[p] / k]),
 //     keeping the gate/up rows when gate_up has them, each gathered row,
-//     gate/up row and activation made about `rows` rows at a time.
+//     gate/up row and activation made about `rows` rows at a time;
+//   expert_mlp_combined(out [T, H], hidden, order, position, offsets, k,
+//     weights, gate_up_proj, down_proj, activation, rows): the same summed
+//     into out with the routing weights (no backward to feed: the experts'
+//     output rows need not all exist at once).
 template <typename Impl>
 struct MoeOps {
   static std::tuple<at::Tensor, at::Tensor> route(const at::Tensor& logits, int64_t top_k,
@@ -240,11 +244,11 @@ struct MoeOps {
     return std::clamp<int64_t>(rows, 1, std::max<int64_t>(pairs, 1));
   }
 
-  // Returns out and what backward needs: order, position, offsets, the gate/up
-  // rows [S, 2I] (with save_for_backward; else [0, 2I]) and the experts'
-  // outputs [S, H] (unweighted), in expert order. The gathered rows and the
-  // activation (and without save_for_backward the gate/up rows) exist a
-  // part of the rows at a time (Impl::expert_mlp).
+  // Returns out and what backward needs: order, position, offsets, and with
+  // save_for_backward the gate/up rows [S, 2I] and the experts' outputs
+  // [S, H] (unweighted), in expert order (else [0, 2I] and [0, H]). The
+  // gathered rows and the activation (and without save_for_backward the
+  // gate/up rows) exist a part of the rows at a time.
   static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
   experts(const at::Tensor& hidden_in, const at::Tensor& indices, const at::Tensor& weights_in,
           const at::Tensor& gate_up_proj, const at::Tensor& down_proj, c10::string_view activation,
@@ -257,7 +261,7 @@ struct MoeOps {
     at::Tensor offsets = at::empty({s.experts + 1}, long_opts);
     at::Tensor out = at::empty({s.tokens, s.hidden}, hidden_in.options());
     at::Tensor gate_up = at::empty({save_for_backward ? pairs : 0, 2 * s.inter}, hidden_in.options());
-    at::Tensor expert_out = at::empty({pairs, s.hidden}, hidden_in.options());
+    at::Tensor expert_out = at::empty({save_for_backward ? pairs : 0, s.hidden}, hidden_in.options());
     if (pairs == 0) {
       offsets.zero_();
       return {out, order, position, offsets, gate_up, expert_out};
@@ -265,9 +269,15 @@ struct MoeOps {
     const at::Tensor hidden = hidden_in.contiguous();
     const at::Tensor weights = weights_in.contiguous();
     Impl::sort(indices.contiguous().view({-1}), s.experts, order, position, offsets);
-    Impl::expert_mlp(expert_out, gate_up, hidden, order, offsets, s.top_k, gate_up_proj, down_proj,
-                     activation, chunk_rows(pairs, s.inter, hidden.element_size()));
-    Impl::combine(out, expert_out, position, s.top_k, weights);
+    const int64_t rows = chunk_rows(pairs, s.inter, hidden.element_size());
+    if (save_for_backward) {
+      Impl::expert_mlp(expert_out, gate_up, hidden, order, offsets, s.top_k, gate_up_proj, down_proj,
+                       activation, rows);
+      Impl::combine(out, expert_out, position, s.top_k, weights);
+    } else {
+      Impl::expert_mlp_combined(out, hidden, order, position, offsets, s.top_k, weights, gate_up_proj,
+                                down_proj, activation, rows);
+    }
     return {out, order, position, offsets, gate_up, expert_out};
   }
 

@@ -84,8 +84,8 @@ inline void define_ops(torch::Library& m) {
   // [T, k]. Also returns what backward needs, in expert order: order and
   // position (the permutation of the T * k pairs and its inverse), offsets
   // [E + 1] (each expert's rows), gate_up [T * k, 2I] and expert_out [T * k, H].
-  // Without save_for_backward, gate_up is [0, 2I]: it is made a chunk of rows
-  // at a time and never whole (what inference needs).
+  // Without save_for_backward, gate_up is [0, 2I] and expert_out [0, H]:
+  // neither is ever whole (what inference needs).
   m.def("moe_experts(Tensor hidden, Tensor indices, Tensor weights, Tensor gate_up_proj, "
         "Tensor down_proj, str activation, bool save_for_backward) -> (Tensor out, "
         "Tensor order, Tensor position, Tensor offsets, Tensor gate_up, Tensor expert_out)");

@@ -70,8 +70,9 @@ def test_experts_match_reference(device, dtype, shape, activation):
 @pytest.mark.parametrize("chunk", [1, 7, 32])
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 def test_chunks_of_rows(device, chunk, grad, monkeypatch):
-    """The products a chunk of expert-ordered rows at a time, the chunks
-    crossing the experts' bounds; with and without the gate/up rows kept."""
+    """The CUDA kernels' products a chunk of expert-ordered rows at a time,
+    the chunks crossing the experts' bounds (the CPU works in blocks of its
+    own whatever the chunk); with and without a gradient to feed."""
     monkeypatch.setenv("FUSEDLLM_MOE_CHUNK_ROWS", str(chunk))
     x, indices, weights, gate_up, down, _ = make_experts(37, 16, 12, 8, 2, torch.float32, device)
     if grad:

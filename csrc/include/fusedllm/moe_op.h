@@ -236,8 +236,9 @@ struct MoeOps {
   }
 
   // Rows per part of the experts' products (expert_mlp): about 32 MiB of
-  // gate/up rows and their activation, at least 256 rows. FUSEDLLM_MOE_CHUNK_ROWS sets it (the
-  // tests use it to cross chunk boundaries at small sizes).
+  // gate/up rows and their activation, at least 256 rows.
+  // FUSEDLLM_MOE_CHUNK_ROWS sets it (the tests use it to cross chunk
+  // boundaries at small sizes).
   static int64_t chunk_rows(int64_t pairs, int64_t inter, int64_t element_size) {
     int64_t rows = std::max<int64_t>(256, (int64_t{32} << 20) / (3 * inter * element_size));
     if (const char* forced = std::getenv("FUSEDLLM_MOE_CHUNK_ROWS")) rows = std::atoll(forced);

@@ -361,3 +361,15 @@ def test_rows_past_int32_indexing():
     rows = torch.tensor([0, 1, tokens // 2, tokens - 2, tokens - 1])
     ref = ref_experts(x[rows], indices[rows], weights[rows], gate_up, down)
     assert_close(out[rows], ref, FORWARD_TOL[torch.bfloat16], upcast=True)
+
+
+def test_second_derivatives_are_refused_with_a_clear_error(device):
+    x, indices, weights, gate_up, down, logits = make_experts(4, 8, 3, 2, 1, torch.float32, device)
+    x.requires_grad_()
+    logits.requires_grad_()
+    out = fusedllm.moe_experts(x, indices, weights, gate_up, down)
+    with pytest.raises(RuntimeError, match="has no derivative: a second derivative"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)
+    w, _ = fusedllm.moe_route(logits, 1)
+    with pytest.raises(RuntimeError, match="has no derivative: a second derivative"):
+        torch.autograd.grad(w.sum(), logits, create_graph=True)

@@ -180,39 +180,59 @@ struct RopeFunction : torch::autograd::Function<RopeFunction> {
 // --- attention ---------------------------------------------------------------------------
 
 struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
+  using ForwardFn = std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, double, bool, int64_t,
+      double, const OptTensor&, int64_t, double, const OptTensor&, const OptTensor&, const OptTensor&,
+      const OptTensor&, int64_t, int64_t);
+  using BackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const at::Tensor&, const OptTensor&, double, bool, int64_t, double, const OptTensor&, int64_t,
+      double, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t);
+
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& v, const OptTensor& mask, double scale, bool causal,
-                               int64_t window, double dropout_p, const OptTensor& seed) {
+                               const at::Tensor& v, const OptTensor& sinks, const OptTensor& mask,
+                               double scale, bool causal, int64_t window, double dropout_p,
+                               const OptTensor& seed, int64_t window_right, double softcap,
+                               const OptTensor& alibi_slopes, const OptTensor& cu_seqlens_q,
+                               const OptTensor& cu_seqlens_k, int64_t max_seqlen_q,
+                               int64_t max_seqlen_k) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    static auto fn = op<std::tuple<at::Tensor, at::Tensor>(
-        const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, double, bool,
-        int64_t, double, const OptTensor&)>("fusedllm::attention");
-    auto [out, lse] = fn.call(q, k, v, mask, scale, causal, window, dropout_p, seed);
-    ctx->save_for_backward({q, k, v, out, lse, value_or_undefined(mask), value_or_undefined(seed)});
+    static auto fn = op<ForwardFn>("fusedllm::attention");
+    auto [out, lse] = fn.call(q, k, v, mask, scale, causal, window, dropout_p, seed, window_right,
+                              softcap, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k);
+    ctx->save_for_backward({q, k, v, out, lse, value_or_undefined(mask), value_or_undefined(seed),
+                            value_or_undefined(sinks), value_or_undefined(alibi_slopes),
+                            value_or_undefined(cu_seqlens_q), value_or_undefined(cu_seqlens_k)});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["window"] = window;
     ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["window_right"] = window_right;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
+    ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
     // lse is returned for the backward op (and for inspection): no gradient.
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto fn = op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-        const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-        const at::Tensor&, const OptTensor&, double, bool, int64_t, double, const OptTensor&)>(
-        "fusedllm::attention_backward");
+    static auto fn = op<BackwardFn>("fusedllm::attention_backward");
     const auto s = ctx->get_saved_variables();
-    auto [grad_q, grad_k, grad_v] =
-        fn.call(grads[0], s[0], s[1], s[2], s[3], s[4], as_optional(s[5]),
-                ctx->saved_data["scale"].toDouble(), ctx->saved_data["causal"].toBool(),
-                ctx->saved_data["window"].toInt(), ctx->saved_data["dropout_p"].toDouble(),
-                as_optional(s[6]));
-    variable_list out(9);
+    const auto& d = ctx->saved_data;
+    auto [grad_q, grad_k, grad_v, grad_sinks] = fn.call(
+        grads[0], s[0], s[1], s[2], s[3], s[4], as_optional(s[5]), d.at("scale").toDouble(),
+        d.at("causal").toBool(), d.at("window").toInt(), d.at("dropout_p").toDouble(),
+        as_optional(s[6]), d.at("window_right").toInt(), d.at("softcap").toDouble(),
+        as_optional(s[7]), as_optional(s[8]), as_optional(s[9]), as_optional(s[10]),
+        d.at("max_seqlen_q").toInt(), d.at("max_seqlen_k").toInt());
+    variable_list out(17);
     out[0] = ctx->needs_input_grad(0) ? grad_q : at::Tensor();
     out[1] = ctx->needs_input_grad(1) ? grad_k : at::Tensor();
     out[2] = ctx->needs_input_grad(2) ? grad_v : at::Tensor();
+    // needs_input_grad counts tensor inputs present: sinks is the fourth when given.
+    out[3] = s[7].defined() && ctx->needs_input_grad(3) ? grad_sinks : at::Tensor();
     return out;
   }
 };
@@ -397,11 +417,15 @@ std::tuple<at::Tensor, at::Tensor> rope_autograd(const at::Tensor& q, const at::
   return {r[0], r[1]};
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const at::Tensor& k,
-                                                      const at::Tensor& v, const OptTensor& mask,
-                                                      double scale, bool causal, int64_t window,
-                                                      double dropout_p, const OptTensor& seed) {
-  auto r = AttentionFunction::apply(q, k, v, mask, scale, causal, window, dropout_p, seed);
+std::tuple<at::Tensor, at::Tensor> attention_autograd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& mask, double scale,
+    bool causal, int64_t window, double dropout_p, const OptTensor& seed, int64_t window_right,
+    double softcap, const OptTensor& sinks, const OptTensor& alibi_slopes, const OptTensor& cu_seqlens_q,
+    const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  // sinks goes fourth: apply() differentiates the leading tensor arguments.
+  auto r = AttentionFunction::apply(q, k, v, sinks, mask, scale, causal, window, dropout_p, seed,
+                                    window_right, softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k);
   return {r[0], r[1]};
 }
 

@@ -615,7 +615,7 @@ BAD_CALLS = [
                                 torch.ones(1, 2, 3, 8, dtype=torch.long),
                                 torch.ones(1, 2, 3, 8, dtype=torch.long))),
     ("q must be 4-D", lambda: fusedllm.attention(_t(2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8))),
-    ("window must be None or an int >= 1",
+    ("window must be None, an int >= 1",
      lambda: fusedllm.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), window=0)),
     ("scale must be a finite number",
      lambda: fusedllm.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), scale=float("nan"))),

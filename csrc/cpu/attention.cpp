@@ -42,6 +42,10 @@ void fill_call_args(const Plan& p, AttentionCallArgs& a) {
   a.scale = p.scale;
   a.mask = p.mask;
   a.tensor_mask = p.tensor_mask;
+  a.mods = p.mods;
+  a.seqs = p.seqs;
+  a.rows = p.rows;
+  a.key_rows = p.key_rows;
   a.dropout = p.dropout;
 }
 

@@ -20,7 +20,7 @@ namespace {
 // Per-slot scratch of the backward pass.
 template <typename acc_t>
 struct BackwardScratch {
-  acc_t *qt, *dot, *qs, *dor, *dq, *s, *dp, *kbuf, *vbuf, *shift, *delta, *z;
+  acc_t *qt, *dot, *qs, *dor, *dq, *s, *dp, *kbuf, *vbuf, *shift, *delta, *z, *cap_slope;
   BackwardScratch(const Tiling<acc_t>& t, Arena& m)
       : qt(m.take<acc_t>(t.d * t.rows_pad)),
         dot(m.take<acc_t>(t.d * t.rows_pad)),
@@ -33,7 +33,8 @@ struct BackwardScratch {
         vbuf(m.take<acc_t>(t.block_k * t.d_pad)),
         shift(m.take<acc_t>(t.rows_pad)),
         delta(m.take<acc_t>(t.rows_pad)),
-        z(m.take<acc_t>(t.block_k * t.rows_pad)) {}
+        z(m.take<acc_t>(t.block_k * t.rows_pad)),
+        cap_slope(m.take<acc_t>(t.block_k * t.rows_pad)) {}
   static int64_t bytes(const Tiling<acc_t>& t) {
     Arena m;
     static_cast<void>(BackwardScratch(t, m));
@@ -51,11 +52,10 @@ struct BackwardPlan {
   // when that is exactly the output layout they accumulate in place.
   bool in_place;
 
-  explicit BackwardPlan(const AttentionBackwardArgs& a)
-      : t(a.batch, a.q_heads, a.kv_heads, a.sq, a.sk, a.head_dim) {
+  explicit BackwardPlan(const AttentionBackwardArgs& a) : t(a) {
     pairs = t.batch * t.kv_heads;
-    n_q_rows = t.batch * a.q_heads * t.sq;
-    kv_rows = pairs * t.sk;
+    n_q_rows = a.rows.count(t.batch);
+    kv_rows = a.key_rows.count(t.batch);
     // Few (batch, kv head) pairs: split each pair's key tiles into chunks
     // (a function of the shape only), each with its own partial dQ.
     const int64_t work = t.batch * a.q_heads * t.sq * t.sk * t.d;
@@ -122,19 +122,20 @@ template <typename T>
 struct BackwardKernel {
   using acc_t = typename VecIO<T>::acc_t;
 
-  // delta[row] = sum(dO * O) over head_dim, rows of [B, Hq, Sq].
+  // delta[row] = sum(dO * O) over head_dim, rows in QueryRows order.
   static void compute_delta(const AttentionBackwardArgs& a, acc_t* delta) {
     using IO = VecIO<T>;
     using AV = typename IO::AV;
-    const int64_t n_rows = a.batch * a.q_heads * a.sq;
+    const attn::QueryRows rows = a.rows;
+    const int64_t n_rows = rows.count(a.batch);
     const int64_t d = a.head_dim;
     at::parallel_for(0, n_rows, std::max<int64_t>(1, 8192 / d), [&](int64_t begin, int64_t end) {
       const T* go = static_cast<const T*>(a.grad_out.data);
       const T* out = static_cast<const T*>(a.out.data);
       const AttentionOperand g_op = a.grad_out, o_op = a.out;
-      const attn::QueryRows rows{a.q_heads, a.q_heads / a.kv_heads, a.sq};
       for (int64_t row = begin; row < end; ++row) {
-        const int64_t b = rows.batch(row), h = rows.head(row), pos = rows.pos(row);
+        const int64_t b = rows.batch(row), h = rows.head(row);
+        const int64_t pos = a.seqs.q_start(b) + rows.pos(row);
         const T* gr = go + b * g_op.batch_stride + h * g_op.head_stride + pos * g_op.seq_stride;
         const T* orow = out + b * o_op.batch_stride + h * o_op.head_stride + pos * o_op.seq_stride;
         delta[row] = row_sum<IO>(d, [=](int64_t j, int64_t c, AV(&acc)[IO::kParts]) {
@@ -154,18 +155,24 @@ struct BackwardKernel {
   static void task(const AttentionBackwardArgs& a, const Tiling<acc_t>& t, BackwardScratch<acc_t> w,
                    int64_t b, int64_t g, int64_t chunk, int64_t chunks, const acc_t* delta_all,
                    acc_t* dk, acc_t* dv, acc_t* dq_partial) {
-    const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride;
-    const T* go = static_cast<const T*>(a.grad_out.data) + b * a.grad_out.batch_stride;
-    const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + g * a.k.head_stride;
-    const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + g * a.v.head_stride;
-    const acc_t* lse = static_cast<const acc_t*>(a.lse);
     const int64_t kss = a.k.seq_stride, vss = a.v.seq_stride;
-    const Mask mask = a.mask;
+    const int64_t q_start = a.seqs.q_start(b), k_start = a.seqs.k_start(b);
+    const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride + q_start * a.q.seq_stride;
+    const T* go = static_cast<const T*>(a.grad_out.data) + b * a.grad_out.batch_stride +
+                  q_start * a.grad_out.seq_stride;
+    const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + g * a.k.head_stride +
+                 k_start * kss;
+    const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + g * a.v.head_stride +
+                 k_start * vss;
+    const acc_t* lse = static_cast<const acc_t*>(a.lse);
+    const int64_t sq = a.seqs.q_len(b);
+    const Mask mask = a.mask.of_lengths(sq, a.seqs.k_len(b));
     const acc_t scale = static_cast<acc_t>(a.scale);
-    const int64_t d = t.d, d_pad = t.d_pad, sq = t.sq;
+    const int64_t d = t.d, d_pad = t.d_pad;
     const int64_t group = t.group;
+    const bool capped = a.mods.softcap > 0;
 
-    for (int64_t qt = 0; qt < t.q_tiles; ++qt) {
+    for (int64_t qt = 0; qt * t.block_q < sq; ++qt) {
       const int64_t p0 = qt * t.block_q;
       const int64_t npos = std::min(t.block_q, sq - p0);
       const int64_t rows = npos * group;
@@ -203,10 +210,13 @@ struct BackwardKernel {
         // S^T = K (Q * scale)^T and dP^T = V dO^T: keys x rows.
         gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
         gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, vp, v_ld, w.dot, ld, w.dp, ld);
+        const TileRows tile{b, g, group, p0, npos, j0, nk};
+        if (a.mods.any_score_mod()) {
+          apply_score_mods<acc_t>(w.s, ld, tile, a.mods, mask.offset, capped ? w.cap_slope : nullptr);
+        }
         if (!tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
           mask_tile(w.s, ld, nk, j0, p0, npos, group, mask);
         }
-        const TileRows tile{b, g, group, p0, npos, j0, nk};
         apply_tensor_mask(w.s, ld, tile, a.tensor_mask);
         if (a.dropout.enabled) {
           // z = 1 / (1 - p) where kept, else 0; padding columns past the tile's rows 0.
@@ -218,6 +228,13 @@ struct BackwardKernel {
           probs_and_score_grads<true>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
         } else {
           probs_and_score_grads<false>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
+        }
+        if (capped) {
+          // Through the cap: dz = ds * (1 - (s / cap)^2).
+          using V = Vectorized<acc_t>;
+          for (int64_t e = 0; e < nk * ld; e += V::size()) {
+            (V::loadu(w.dp + e) * V::loadu(w.cap_slope + e)).store(w.dp + e);
+          }
         }
         // dV += P^T dO, dK += dS^T (Q * scale): the sum over the group's rows
         // is the inner dimension of these products.
@@ -272,8 +289,9 @@ struct BackwardKernel {
       const int64_t b = pair / t.kv_heads, g = pair % t.kv_heads;
       const BackwardScratch<acc_t> w = ws.slot(t, slot);
       acc_t* dq_rows = dq_p != nullptr ? dq_p + chunk * n_q_rows * t.d_pad : nullptr;
-      task(a, t, w, b, g, chunk, chunks, delta_p, dk + pair * t.sk * t.d_pad,
-           dv + pair * t.sk * t.d_pad, dq_rows);
+      const int64_t kv_row0 = a.key_rows.row(b, g, 0);
+      task(a, t, w, b, g, chunk, chunks, delta_p, dk + kv_row0 * t.d_pad, dv + kv_row0 * t.d_pad,
+           dq_rows);
     });
 
     if (!in_place) {

@@ -43,17 +43,16 @@ struct ForwardPlan {
   Tiling<acc_t> t;
   int64_t pairs, n_rows, splits = 1, n_tasks, slots;
 
-  explicit ForwardPlan(const AttentionForwardArgs& a)
-      : t(a.batch, a.q_heads, a.kv_heads, a.sq, a.sk, a.head_dim) {
+  explicit ForwardPlan(const AttentionForwardArgs& a) : t(a) {
     pairs = t.batch * t.kv_heads;
-    n_rows = t.batch * a.q_heads * t.sq;
+    n_rows = a.rows.count(t.batch);
     const int64_t base_tasks = pairs * t.q_tiles;
     // Few tasks (decoding, small batch): also split the keys; each split
     // writes normalized partial rows and their log-sum-exp, merged after.
     const int64_t work = t.batch * a.q_heads * t.sq * t.sk * t.d;
     if (base_tasks < kMinTasks && t.k_tiles > 1 && work >= kMinParallelWork) {
       splits = std::min(ceil_div(kMinTasks, base_tasks), t.k_tiles);
-      const int64_t per_split = t.batch * a.q_heads * t.sq * (t.d_pad + 1) * int64_t(sizeof(acc_t));
+      const int64_t per_split = n_rows * (t.d_pad + 1) * int64_t(sizeof(acc_t));
       splits = std::max<int64_t>(1, std::min(splits, kMaxPartialBytes / std::max<int64_t>(per_split, 1)));
     }
     n_tasks = base_tasks * splits;
@@ -130,11 +129,14 @@ struct ForwardKernel {
   static void task(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w,
                    int64_t b, int64_t g, int64_t p0, int64_t npos, int64_t split, int64_t splits,
                    acc_t* o_out, int64_t o_ld, acc_t* lse_out) {
-    const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride;
-    const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + g * a.k.head_stride;
-    const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + g * a.v.head_stride;
     const int64_t kss = a.k.seq_stride, vss = a.v.seq_stride;
-    const Mask mask = a.mask;
+    const int64_t q_start = a.seqs.q_start(b), k_start = a.seqs.k_start(b);
+    const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride + q_start * a.q.seq_stride;
+    const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + g * a.k.head_stride +
+                 k_start * kss;
+    const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + g * a.v.head_stride +
+                 k_start * vss;
+    const Mask mask = a.mask.of_lengths(a.seqs.q_len(b), a.seqs.k_len(b));
     const int64_t d = t.d, d_pad = t.d_pad, group = t.group;
     const int64_t rows = npos * group;
     const int64_t ld = round_up(rows, Vectorized<acc_t>::size());
@@ -154,10 +156,11 @@ struct ForwardKernel {
       const acc_t* kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, w.kbuf, k_ld);
       // S^T = K (Q * scale)^T: keys x rows.
       gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
+      const TileRows tile{b, g, group, p0, npos, j0, nk};
+      if (a.mods.any_score_mod()) apply_score_mods<acc_t>(w.s, ld, tile, a.mods, mask.offset, nullptr);
       if (!tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
         mask_tile(w.s, ld, nk, j0, p0, npos, group, mask);
       }
-      const TileRows tile{b, g, group, p0, npos, j0, nk};
       apply_tensor_mask(w.s, ld, tile, a.tensor_mask);
       // The row sums (and so the lse) are those of the probabilities before dropout.
       softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
@@ -204,7 +207,8 @@ struct ForwardKernel {
       const int64_t qt = t.q_tiles - 1 - rest / pairs;
       const int64_t b = pair / t.kv_heads, g = pair % t.kv_heads;
       const int64_t p0 = qt * t.block_q;
-      const int64_t npos = std::min(t.block_q, t.sq - p0);
+      const int64_t npos = std::min(t.block_q, a.seqs.q_len(b) - p0);
+      if (npos <= 0) return;  // past a packed sequence's end
       const int64_t rows = npos * t.group;
       const ForwardScratch<acc_t> w = ws.slot(t, slot);
       acc_t* o_rows = ws.rows + slot * ws.rows_stride;
@@ -214,8 +218,10 @@ struct ForwardKernel {
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t row = t.row_of(b, g, p0, i);
         if (splits == 1) {
-          store_row<T>(o_rows + i * t.d_pad, t.d, acc_t(1), static_cast<T*>(a.out) + row * t.d);
-          static_cast<acc_t*>(a.lse)[row] = lse_rows[i];
+          acc_t lse = lse_rows[i], factor = 1;
+          if (a.mods.sinks != nullptr) factor = attn::fold_sink(lse, a.mods.sink<acc_t>(t.head_of(g, i)));
+          store_row<T>(o_rows + i * t.d_pad, t.d, factor, static_cast<T*>(a.out) + row * t.d);
+          static_cast<acc_t*>(a.lse)[row] = lse;
         } else {
           const int64_t prow = split * p.n_rows + row;
           std::memcpy(po + prow * t.d_pad, o_rows + i * t.d_pad, sizeof(acc_t) * t.d);
@@ -245,7 +251,9 @@ struct ForwardKernel {
           const acc_t* src = po + (s * n_rows + row) * t.d_pad;
           for (int64_t c = 0; c < t.d; ++c) acc[c] += wgt * src[c];
         }
-        store_row<T>(acc.data(), t.d, acc_t(1), static_cast<T*>(a.out) + row * t.d);
+        acc_t factor = 1;
+        if (a.mods.sinks != nullptr) factor = attn::fold_sink(total, a.mods.sink<acc_t>(t.query_rows.head(row)));
+        store_row<T>(acc.data(), t.d, factor, static_cast<T*>(a.out) + row * t.d);
         static_cast<acc_t*>(a.lse)[row] = total;
       }
     });

@@ -32,19 +32,27 @@
 
 namespace fusedllm::cpu {
 
-// A [batch, heads, seq, head_dim] operand with unit stride along head_dim.
+// A [batch, heads, seq, head_dim] operand with unit stride along head_dim;
+// sequence b's rows start at seq_stride * its Seqs start (batch stride 0 when
+// packed).
 struct AttentionOperand {
   const void* data = nullptr;
   int64_t batch_stride = 0, head_stride = 0, seq_stride = 0;  // in elements
 };
 
-// What forward and backward kernels share: dtype, sizes, scale and masks.
+// What forward and backward kernels share: dtype, sizes, scale, masks, score
+// modifiers and where each sequence's rows lie. batch counts the sequences;
+// with packed sequences sq and sk are the longest lengths.
 struct AttentionCallArgs {
   at::ScalarType dtype;
   int64_t batch, q_heads, kv_heads, sq, sk, head_dim;
   double scale;
   attn::Mask mask;
   attn::TensorMask tensor_mask;
+  attn::ScoreMods mods;
+  attn::Seqs seqs;
+  attn::QueryRows rows;
+  attn::KeyRows key_rows;
   dropout::Dropout dropout;
   // The scratch of the call, `bytes` of the variant's AttentionWorkspace.
   void* workspace;
@@ -58,16 +66,16 @@ struct AttentionWorkspace {
 
 struct AttentionForwardArgs : AttentionCallArgs {
   AttentionOperand q, k, v;
-  void* out;  // contiguous [B, Hq, Sq, D]
-  void* lse;  // contiguous [B, Hq, Sq], float32 (float64 for float64 inputs)
+  void* out;  // row r (QueryRows) at out + r * D
+  void* lse;  // row r at lse[r], float32 (float64 for float64 inputs)
 };
 
 struct AttentionBackwardArgs : AttentionCallArgs {
   AttentionOperand grad_out, q, k, v, out;
-  const void* lse;  // contiguous [B, Hq, Sq]
-  void* grad_q;     // contiguous [B, Hq, Sq, D]
-  void* grad_k;     // contiguous [B, Hkv, Sk, D]
-  void* grad_v;     // contiguous [B, Hkv, Sk, D]
+  const void* lse;  // row r (QueryRows) at lse[r]
+  void* grad_q;     // row r at grad_q + r * D
+  void* grad_k;     // key row r (KeyRows) at grad_k + r * D
+  void* grad_v;     // key row r at grad_v + r * D
 };
 
 // A variant: the workspace a call needs (a function of the arguments and

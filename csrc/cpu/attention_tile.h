@@ -45,6 +45,7 @@ struct VecOps {
     }
   }
   static V finite_or_zero(V x) { return V::blendv(x, V(acc_t(0)), x == V(kNegInf<acc_t>)); }
+  static V tanh(V x) { return x.tanh(); }
 };
 
 // ---------------------------------------------------------------------------
@@ -113,9 +114,10 @@ struct Tiling {
   int64_t q_tiles, k_tiles;
   attn::QueryRows query_rows;
 
-  Tiling(int64_t batch_, int64_t q_heads, int64_t kv_heads_, int64_t sq_, int64_t sk_, int64_t d_)
-      : batch(batch_), kv_heads(kv_heads_), group(q_heads / kv_heads_), sq(sq_), sk(sk_), d(d_),
-        query_rows{q_heads, q_heads / kv_heads_, sq_} {
+  // sq and sk: every sequence's lengths, or the longest of packed sequences.
+  explicit Tiling(const AttentionCallArgs& a)
+      : batch(a.batch), kv_heads(a.kv_heads), group(a.q_heads / a.kv_heads), sq(a.sq), sk(a.sk),
+        d(a.head_dim), query_rows(a.rows) {
     constexpr int64_t W = Vectorized<acc_t>::size();
     d_pad = round_up(d, W);
     const int64_t target_rows = d > 128 ? kRowsPerTile * 2 / 3 : kRowsPerTile;
@@ -164,6 +166,14 @@ struct TileRows {
   int64_t pos(int64_t col) const { return p0 + col / group; }
   int64_t cols() const { return npos * group; }
 };
+
+// Soft-capping and ALiBi (attn::ScoreMods) on a transposed score tile
+// s[j * ld + col] of the caller's scaled scores, before the masks. Under a
+// cap, cap_slope (when not null) receives ds/dz of each score, what backward
+// multiplies the score gradients by. offset: the sequence's Sk - Sq.
+template <typename acc_t>
+void apply_score_mods(acc_t* s, int64_t ld, const TileRows& t, const attn::ScoreMods& mods,
+                      int64_t offset, acc_t* cap_slope);
 
 // Applies the caller's mask to a transposed score tile s[j * ld + col]: bool
 // False -> -inf, float masks added to the (already scaled) scores.

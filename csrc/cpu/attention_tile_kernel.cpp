@@ -3,6 +3,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include "attention_tile.h"
+#include "fusedllm/activations.h"
 
 namespace fusedllm::cpu {
 inline namespace CPU_CAPABILITY {
@@ -18,6 +19,34 @@ void mask_tile(acc_t* s, int64_t ld, int64_t nk, int64_t j0, int64_t p0, int64_t
       acc_t* col = s + pi * group + r;
       for (int64_t j = 0; j < lo; ++j) col[j * ld] = kNegInf<acc_t>;
       for (int64_t j = hi; j < nk; ++j) col[j * ld] = kNegInf<acc_t>;
+    }
+  }
+}
+
+template <typename acc_t>
+void apply_score_mods(acc_t* s, int64_t ld, const TileRows& t, const attn::ScoreMods& mods,
+                      int64_t offset, acc_t* cap_slope) {
+  using V = Vectorized<acc_t>;
+  constexpr int64_t W = V::size();
+  if (mods.softcap > 0) {
+    const V cap(static_cast<acc_t>(mods.softcap));
+    const V inv_cap(acc_t(1) / static_cast<acc_t>(mods.softcap));
+    for (int64_t j = 0; j < t.nk; ++j) {
+      for (int64_t c = 0; c < ld; c += W) {
+        const V x = act::capped<VecOps<acc_t>>(V::loadu(s + j * ld + c), cap);
+        x.store(s + j * ld + c);
+        if (cap_slope != nullptr) act::cap_slope(x, inv_cap).store(cap_slope + j * ld + c);
+      }
+    }
+  }
+  if (mods.alibi != nullptr) {
+    // Column by column the slope and the position are fixed; a vector runs
+    // along the keys of the transposed tile's column (stride ld).
+    for (int64_t col = 0; col < t.cols(); ++col) {
+      const acc_t slope = mods.slope<acc_t>(t.b, t.head(col));
+      const int64_t p = t.pos(col) + offset;
+      acc_t* sc = s + col;
+      for (int64_t j = 0; j < t.nk; ++j) sc[j * ld] += slope * attn::alibi_distance<acc_t>(p, t.j0 + j);
     }
   }
 }
@@ -77,6 +106,8 @@ void transpose(const acc_t* src, int64_t ld_src, int64_t rows, int64_t cols, acc
                                  const Mask);                                                  \
   template void apply_tensor_mask<acc_t>(acc_t*, int64_t, const TileRows&,                     \
                                          const attn::TensorMask&);                             \
+  template void apply_score_mods<acc_t>(acc_t*, int64_t, const TileRows&,                      \
+                                        const attn::ScoreMods&, int64_t, acc_t*);              \
   template void transpose<acc_t>(const acc_t*, int64_t, int64_t, int64_t, acc_t*, int64_t)
 FUSEDLLM_INSTANTIATE(float);
 FUSEDLLM_INSTANTIATE(double);

@@ -63,15 +63,32 @@ def _register_rope(ns: str) -> None:
         return None
 
 
+def _attention_rows(t, heads_dim_first):
+    """A fresh tensor shaped like q / k in the kernels' row order: contiguous
+    dense [B, H, S, D], or packed [total, H, D] over [H, total, D] storage."""
+    if heads_dim_first:
+        return t.new_empty(t.shape[1], t.shape[0], t.shape[2]).permute(1, 0, 2)
+    return t.new_empty(t.shape)
+
+
 def _register_attention(ns: str) -> None:
     @torch.library.register_fake(f"{ns}::attention")
-    def _attention_fake(q, k, v, mask, scale, causal, window, dropout_p, seed):
-        return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=rstd_dtype(q))
+    def _attention_fake(q, k, v, mask, scale, causal, window, dropout_p, seed, window_right=-1,
+                        softcap=0.0, sinks=None, alibi_slopes=None, cu_seqlens_q=None,
+                        cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+        packed = cu_seqlens_q is not None
+        lse_shape = (q.shape[1], q.shape[0]) if packed else q.shape[:-1]
+        return _attention_rows(q, packed), q.new_empty(lse_shape, dtype=rstd_dtype(q))
 
     @torch.library.register_fake(f"{ns}::attention_backward")
     def _attention_backward_fake(grad_out, q, k, v, out, lse, mask, scale, causal, window,
-                                 dropout_p, seed):
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+                                 dropout_p, seed, window_right=-1, softcap=0.0, sinks=None,
+                                 alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                                 max_seqlen_q=0, max_seqlen_k=0):
+        packed = cu_seqlens_q is not None
+        grad_sinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
+        return (_attention_rows(q, packed), _attention_rows(k, packed), _attention_rows(v, packed),
+                grad_sinks)
 
 
 def _register_cross_entropy(ns: str) -> None:

@@ -111,22 +111,76 @@ def _check_rope(op, q, k, cos, sin, position_ids, offset, rotary_dim):
     return rotary_dim
 
 
-def check_attention(op, q, k, v, mask, scale, window, dropout_p, max_head_dim=MAX_HEAD_DIM):
-    """The attention op's checks; ``max_head_dim=None`` lifts the kernels' head_dim limit."""
-    for name, t, heads, length in (("q", q, "q_heads", "q_len"), ("k", k, "kv_heads", "kv_len"),
-                                   ("v", v, "kv_heads", "kv_len")):
-        if t.dim() != 4:
-            _fail(op, f"{name} must be 4-D [batch, {heads}, {length}, head_dim], got shape {list(t.shape)}")
+def _check_cu_seqlens(op, name, cu, q, total, total_name, max_len, max_name):
+    """Cumulative lengths as the op checks them; returns the longest length."""
+    if cu.dtype != torch.int32:
+        _fail(op, f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        _fail(op, f"{name} must be 1-D [num_seqs + 1], got shape {list(cu.shape)}")
+    if cu.device != q.device:
+        _fail(op, f"{name} is on {cu.device} but q is on {q.device}")
+    c = cu.tolist()
+    if c[0] != 0:
+        _fail(op, f"{name} must start at 0, got {c[0]}")
+    for i in range(1, len(c)):
+        if c[i] < c[i - 1]:
+            _fail(op, f"{name} must be non-decreasing, got {c[i - 1]} then {c[i]} at index {i}")
+    if c[-1] != total:
+        _fail(op, f"{name} must end at {total_name} = {total}, got {c[-1]}")
+    longest = max((b - a for a, b in zip(c, c[1:])), default=0)
+    if max_len < 0:
+        _fail(op, f"{max_name} must be >= 0 (0: the longest), got {max_len}")
+    if max_len and max_len < longest:
+        _fail(op, f"{max_name} is {max_len} but {name} has a sequence of length {longest}")
+    return max_len or longest
+
+
+def check_attention(op, q, k, v, mask, scale, window, dropout_p, max_head_dim=MAX_HEAD_DIM,
+                    window_right=-1, softcap=0.0, sinks=None, alibi_slopes=None, cu_seqlens_q=None,
+                    cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+    """The attention op's checks; ``max_head_dim=None`` lifts the kernels' head_dim limit.
+    Returns (number of sequences, longest query length, longest key length)."""
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        _fail(op, "cu_seqlens_q and cu_seqlens_k go together: pass both or neither")
+    if packed:
+        for name, t, total, heads in (("q", q, "total_q", "q_heads"), ("k", k, "total_k", "kv_heads"),
+                                      ("v", v, "total_k", "kv_heads")):
+            if t.dim() != 3:
+                _fail(op, f"with cu_seqlens, {name} must be 3-D [{total}, {heads}, head_dim], "
+                          f"got shape {list(t.shape)}")
+    else:
+        for name, t, heads, length in (("q", q, "q_heads", "q_len"), ("k", k, "kv_heads", "kv_len"),
+                                       ("v", v, "kv_heads", "kv_len")):
+            if t.dim() != 4:
+                _fail(op, f"{name} must be 4-D [batch, {heads}, {length}, head_dim], got shape "
+                          f"{list(t.shape)}")
     _check_float(op, "q", q)
     _check_same(op, "q", q, "k", k)
     _check_same(op, "q", q, "v", v)
     if k.shape != v.shape:
         _fail(op, f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
-    if k.shape[0] != q.shape[0]:
-        _fail(op, f"q and k/v must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
-    if k.shape[3] != q.shape[3]:
-        _fail(op, f"q and k/v must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
-    q_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    q_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[-1]
+    if k.shape[-1] != head_dim:
+        _fail(op, f"q and k/v must have the same head_dim, got {head_dim} and {k.shape[-1]}")
+    if packed:
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            _fail(op, f"cu_seqlens_q and cu_seqlens_k must have the same length (num_seqs + 1), got "
+                      f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+        sq = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q, q.shape[0], "total_q", max_seqlen_q,
+                               "max_seqlen_q")
+        sk = _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, q, k.shape[0], "total_k", max_seqlen_k,
+                               "max_seqlen_k")
+        batch = cu_seqlens_q.numel() - 1
+        if mask is not None:
+            _fail(op, "mask is not supported with packed sequences (cu_seqlens); each sequence attends "
+                      "within itself, with causal / window bounds")
+    else:
+        batch, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+        if k.shape[0] != batch:
+            _fail(op, f"q and k/v must have the same batch size, got {batch} and {k.shape[0]}")
+        if max_seqlen_q or max_seqlen_k:
+            _fail(op, "max_seqlen_q / max_seqlen_k are for packed sequences (cu_seqlens) only")
     if (q_heads % kv_heads != 0) if kv_heads else q_heads != 0:
         _fail(op, f"the number of query heads ({q_heads}) must be a multiple of the number of key/value "
                   f"heads ({kv_heads})")
@@ -138,6 +192,24 @@ def check_attention(op, q, k, v, mask, scale, window, dropout_p, max_head_dim=MA
         _fail(op, f"scale must be a finite number, got {scale:g}")
     if window != -1 and window < 1:
         _fail(op, f"window must be -1 (no window) or a number of keys >= 1, got {window}")
+    if window_right < -1:
+        _fail(op, f"window_right must be -1 (no bound) or a number of keys >= 0, got {window_right}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        _fail(op, f"softcap must be 0 (none) or a positive number, got {softcap:g}")
+    if sinks is not None:
+        _check_float(op, "sinks", sinks)
+        if sinks.device != q.device:
+            _fail(op, f"sinks is on {sinks.device} but q is on {q.device}")
+        if sinks.dim() != 1 or sinks.shape[0] != q_heads:
+            _fail(op, f"sinks must be 1-D [q_heads] = [{q_heads}], got shape {list(sinks.shape)}")
+    if alibi_slopes is not None:
+        if alibi_slopes.dtype not in (torch.float32, torch.float64):
+            _fail(op, f"alibi_slopes must be float32 or float64, got {alibi_slopes.dtype}")
+        if alibi_slopes.device != q.device:
+            _fail(op, f"alibi_slopes is on {alibi_slopes.device} but q is on {q.device}")
+        if tuple(alibi_slopes.shape) not in ((q_heads,), (batch, q_heads)):
+            _fail(op, f"alibi_slopes must be [q_heads] = [{q_heads}] or [{'num_seqs' if packed else 'batch'}, "
+                      f"q_heads] = [{batch}, {q_heads}], got shape {list(alibi_slopes.shape)}")
     if mask is not None:
         if mask.device != q.device:
             _fail(op, f"mask is on {mask.device} but q is on {q.device}")
@@ -150,6 +222,7 @@ def check_attention(op, q, k, v, mask, scale, window, dropout_p, max_head_dim=MA
                       f"kv_len] = {target}")
     if not 0.0 <= dropout_p < 1.0:
         _fail(op, f"dropout_p must be in [0, 1), got {dropout_p:g}")
+    return batch, sq, sk
 
 
 # --- the ops --------------------------------------------------------------------------
@@ -279,10 +352,12 @@ def philox_words(seed: int, counter: torch.Tensor) -> torch.Tensor:
     return torch.stack((c0, c1, c2, c3), dim=-1)
 
 
-def dropout_keep(seed: int, shape, dropout_p: float, device=None) -> torch.Tensor:
+def dropout_keep(seed: int, shape, dropout_p: float, device=None, counter=None) -> torch.Tensor:
     """Boolean [B, Hq, Sq, Sk] mask of the attention probabilities the kernels
-    keep: element n (row-major index) draws word n % 4 of Philox(n // 4)."""
-    n = torch.arange(math.prod(shape), dtype=torch.int64, device=device)
+    keep: element n (row-major index, or ``counter``'s entry) draws word n % 4
+    of Philox(n // 4)."""
+    n = torch.arange(math.prod(shape), dtype=torch.int64, device=device) if counter is None \
+        else counter.reshape(-1)
     words = philox_words(seed, n >> 2).gather(-1, (n & 3).unsqueeze(-1)).squeeze(-1)
     return ((words >> 8) >= dropout_threshold(dropout_p)).reshape(shape)
 
@@ -292,24 +367,33 @@ def dropout_threshold(dropout_p: float) -> int:
     return math.ceil(dropout_p * (1 << 24))
 
 
-def attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed):
+def attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed, window_right=-1,
+                         softcap=0.0, sinks=None, alibi_slopes=None, dropout_counter=None):
     """softmax(q k^T * scale + mask) v with K/V repeated per query group, in
     float32 (float64 for float64 inputs), dropout as the kernels draw it;
     returns (out, lse, probabilities after dropout). Builds the whole [Sq, Sk]
-    score matrix: a reference, not a fast path."""
+    score matrix: a reference, not a fast path. Scores are soft-capped, then
+    get the ALiBi bias and the masks; sinks join each row's denominator."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = q.shape[1] // k.shape[1] if k.shape[1] else 1
     kf = k.to(acc).repeat_interleave(group, dim=1)
     vf = v.to(acc).repeat_interleave(group, dim=1)
     scores = torch.matmul(q.to(acc), kf.transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     sq, sk = q.shape[2], k.shape[2]
     pos = torch.arange(sq, device=q.device).unsqueeze(1) + (sk - sq)
     key = torch.arange(sk, device=q.device).unsqueeze(0)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(acc).reshape(-1, q.shape[1], 1, 1)
+        scores = scores - slopes * (pos - key).abs().to(acc)
     visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
     if causal:
         visible &= key <= pos
     if window >= 1:
         visible &= key > pos - window
+    if window_right >= 0:
+        visible &= key <= pos + window_right
     scores = scores.masked_fill(~visible, float("-inf"))
     if mask is not None:
         if mask.dtype == torch.bool:
@@ -319,19 +403,64 @@ def attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed):
             scores = (scores + mask.to(acc)).masked_fill(mask <= torch.finfo(mask.dtype).min,
                                                          float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.to(acc).reshape(1, -1, 1))
     probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
     if dropout_p > 0:
-        keep = dropout_keep(int(seed.item()), probs.shape, dropout_p, q.device)
+        keep = dropout_keep(int(seed.item()), probs.shape, dropout_p, q.device, dropout_counter)
         probs = probs * keep / (1.0 - dropout_p)
     out = torch.matmul(probs, vf).to(q.dtype)
     return out, lse.detach(), probs
 
 
-def attention(q, k, v, mask, scale, causal, window, dropout_p, seed):
-    """The attention op: (out, lse)."""
-    check_attention("fusedllm.attention", q, k, v, mask, scale, window, dropout_p)
-    out, lse, _ = attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed)
-    return out, lse
+def attention(q, k, v, mask, scale, causal, window, dropout_p, seed, window_right=-1, softcap=0.0,
+              sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+              max_seqlen_k=0):
+    """The attention op: (out, lse). Packed sequences run one by one."""
+    _, _, max_k = check_attention("fusedllm.attention", q, k, v, mask, scale, window, dropout_p,
+                                  window_right=window_right, softcap=softcap, sinks=sinks,
+                                  alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+                                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                  max_seqlen_k=max_seqlen_k)
+    opts = dict(window_right=window_right, softcap=softcap, sinks=sinks)
+    if cu_seqlens_q is None:
+        out, lse, _ = attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed,
+                                           alibi_slopes=alibi_slopes, **opts)
+        return out, lse
+    total_q, heads = q.shape[0], q.shape[1]
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if len(cq) == 1:  # no sequence at all
+        return q.new_zeros(q.shape), q.new_empty((heads, 0), dtype=lse_dtype(q))
+    outs, lses = [], []
+    for b in range(len(cq) - 1):
+        qb = q[cq[b]:cq[b + 1]].transpose(0, 1).unsqueeze(0)
+        kb = k[ck[b]:ck[b + 1]].transpose(0, 1).unsqueeze(0)
+        vb = v[ck[b]:ck[b + 1]].transpose(0, 1).unsqueeze(0)
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
+        counter = None
+        if dropout_p > 0:
+            # The packed rows' draws: row h * total_q + cu_q[b] + i, key j at row * max_seqlen_k + j.
+            rows = (torch.arange(heads, device=q.device).view(-1, 1) * total_q
+                    + cq[b] + torch.arange(qb.shape[2], device=q.device).view(1, -1))
+            counter = (rows.unsqueeze(-1) * max_k + torch.arange(kb.shape[2], device=q.device)).unsqueeze(0)
+        if kb.shape[2] == 0:
+            # no keys: zeros, and the sink's logit (or -inf) as lse
+            ob = qb.new_zeros(qb.shape)
+            lb = qb.new_full((1, heads, qb.shape[2]), float("-inf"), dtype=lse_dtype(q))
+            if sinks is not None:
+                lb = lb.logaddexp(sinks.to(lb.dtype).view(1, -1, 1)).detach()
+        else:
+            ob, lb, _ = attention_with_probs(qb, kb, vb, None, scale, causal, window, dropout_p, seed,
+                                             alibi_slopes=slopes, dropout_counter=counter, **opts)
+        outs.append(ob[0].transpose(0, 1))
+        lses.append(lb[0])
+    return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+def lse_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def check_cross_entropy(op, hidden, weight, bias, target, ignore_index, reduction, label_smoothing,

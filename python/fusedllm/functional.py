@@ -6,6 +6,7 @@ this layer adds (``None`` defaults, rope table layouts, the dropout seed)."""
 
 from __future__ import annotations
 
+import math
 from numbers import Integral, Real
 
 import torch
@@ -145,21 +146,44 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return _impl.rope(q, k, cos, sin, position_ids, int(offset), interleaved, rotary_dim, False)
 
 
-def _attention_args(op, q, k, v, causal, scale, window, mask, dropout_p):
-    """The arguments this layer adds, checked: (scale, window, mask, dropout_p, seed)."""
-    _require_tensors(op, "q", q, k=k, v=v, mask=mask)
+def _window_bounds(op, window):
+    """``window`` as the op's (key count of the left bound + 1, right bound), -1 meaning none."""
+    if window is None:
+        return -1, -1
+    if isinstance(window, tuple):
+        if len(window) != 2 or any(isinstance(w, bool) or not isinstance(w, Integral) or w < -1
+                                   for w in window):
+            raise ValueError(f"{op}: window as a tuple must be (left, right), each -1 (unbounded) or an "
+                             f"int >= 0, got {window!r}")
+        left, right = int(window[0]), int(window[1])
+        return (-1 if left < 0 else left + 1), right
+    if isinstance(window, bool) or not isinstance(window, Integral) or window < 1:
+        raise ValueError(f"{op}: window must be None, an int >= 1 (the number of keys a query "
+                         f"sees, itself included) or a (left, right) tuple, got {window!r}")
+    return int(window), -1
+
+
+def _attention_args(op, q, k, v, causal, scale, window, mask, dropout_p, softcap=None, sinks=None,
+                    alibi_slopes=None):
+    """The arguments this layer adds, checked, as the op takes them:
+    (scale, window, window_right, softcap, mask, dropout_p, seed)."""
+    _require_tensors(op, "q", q, k=k, v=v, mask=mask, sinks=sinks, alibi_slopes=alibi_slopes)
     if not isinstance(causal, bool):
         raise ValueError(f"{op}: causal must be True or False, got {causal!r}")
     if scale is None:  # a q the op refuses gets any scale: its error comes first
         scale = q.shape[-1] ** -0.5 if q.dim() and q.shape[-1] else 1.0
-    if window is None:
-        window = -1
-    elif isinstance(window, bool) or not isinstance(window, Integral) or window < 1:
-        raise ValueError(f"{op}: window must be None or an int >= 1 (the number of keys a query "
-                         f"sees, itself included), got {window!r}")
+    window, window_right = _window_bounds(op, window)
+    if softcap is None:
+        softcap = 0.0
+    elif isinstance(softcap, bool) or not isinstance(softcap, Real) or not softcap > 0 \
+            or not math.isfinite(softcap):
+        raise ValueError(f"{op}: softcap must be None or a positive number, got {softcap!r}")
     if mask is not None and mask.requires_grad:
         raise ValueError(f"{op}: mask requires grad, but no gradient flows to the mask; "
                          f"pass mask.detach()")
+    if alibi_slopes is not None and alibi_slopes.requires_grad:
+        raise ValueError(f"{op}: alibi_slopes requires grad, but no gradient flows to the slopes; "
+                         f"pass alibi_slopes.detach()")
     # The seed is drawn here, from torch's default generator (so torch.manual_seed
     # repeats it), and only for a probability that needs one.
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real) or not dropout_p >= 0.0:
@@ -167,12 +191,15 @@ def _attention_args(op, q, k, v, causal, scale, window, mask, dropout_p):
     if dropout_p >= 1.0:
         raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p!r}")
     seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if dropout_p > 0 else None
-    return scale, int(window), mask, float(dropout_p), seed
+    return scale, window, window_right, float(softcap), mask, float(dropout_p), seed
+
+
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-              scale: float | None = None, window: int | None = None,
-              mask: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+              scale: float | None = None, window: int | tuple[int, int] | None = None,
+              mask: torch.Tensor | None = None, dropout_p: float = 0.0, softcap: float | None = None,
+              sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped-query attention ``softmax(q k^T * scale + mask) v``, flash style.
 
     ``q`` is ``[batch, q_heads, q_len, head_dim]``, ``k`` and ``v`` are
@@ -180,14 +207,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     ``kv_heads``: query head ``h`` attends with kv head ``h // (q_heads // kv_heads)``
     (K and V are never repeated in memory). ``scale`` defaults to ``head_dim ** -0.5``.
 
-    Masks are aligned bottom-right: query ``i`` sits at position ``i + kv_len - q_len``
+    Masks are aligned bottom-right: query ``i`` sits at position ``p = i + kv_len - q_len``
     (the queries are the last ``q_len`` positions, as when decoding with a KV cache).
-    ``causal=True`` lets it see keys ``j <= i + kv_len - q_len``. This equals
+    ``causal=True`` lets it see keys ``j <= p``. This equals
     ``F.scaled_dot_product_attention(is_causal=True)`` when ``q_len == kv_len``; when
     they differ SDPA aligns top-left (query ``i`` sees keys ``j <= i``) instead.
     ``window=w`` keeps only the last ``w`` keys up to a query's position,
-    ``j > i + kv_len - q_len - w`` (itself included): with ``causal=True`` this is
-    Mistral's / Hugging Face's ``sliding_window``.
+    ``j > p - w`` (itself included): with ``causal=True`` this is Mistral's /
+    Hugging Face's ``sliding_window``. ``window=(left, right)`` is
+    FlashAttention's local window: keys ``p - left <= j <= p + right``, ``-1``
+    leaving a side unbounded (``window=w`` is ``(w - 1, -1)``).
 
     ``mask`` (optional) is applied inside the kernel, on top of ``causal`` and
     ``window``: a bool keep-mask (True attends, False is masked) or an additive
@@ -200,6 +229,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     gets an output of zeros and zero gradients, never NaN. No gradient flows to
     the mask.
 
+    ``softcap`` (Gemma 2's ``attn_logit_softcapping``) replaces each scaled
+    score ``s`` by ``softcap * tanh(s / softcap)``; gradients flow through it.
+    ``alibi_slopes`` (float32 or float64, ``[q_heads]`` or ``[batch, q_heads]``)
+    adds ``-slope * |p - j|`` to the score of query position ``p`` and key
+    ``j`` (after the cap, before the masks); computed in the kernel, never
+    materialized, no gradient. ``sinks`` (``[q_heads]``, gpt-oss's learned
+    attention sinks) adds one logit per head to every row's softmax
+    denominator: ``softmax([scores, sink])`` with the sink multiplying no value
+    (a row that sees no key gets zeros); differentiable.
+
     ``dropout_p > 0`` drops attention probabilities with that probability and
     scales the rest by ``1 / (1 - dropout_p)`` (pass 0 in evaluation, as with
     SDPA). The dropout pattern comes from a counter-based generator keyed by a
@@ -208,31 +247,79 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
     float32, float64, bfloat16 and float16, accumulated in float32 (float64 for
     float64); memory grows linearly with the sequence lengths, never with
-    ``q_len * kv_len``. Differentiable in ``q``, ``k`` and ``v``.
+    ``q_len * kv_len``. Differentiable in ``q``, ``k``, ``v`` and ``sinks``.
     """
-    scale, window, mask, dropout_p, seed = _attention_args(
-        "fusedllm.attention", q, k, v, causal, scale, window, mask, dropout_p)
-    out, _lse = _impl.attention(q, k, v, mask, scale, causal, window, dropout_p, seed)
+    scale, window, right, softcap, mask, dropout_p, seed = _attention_args(
+        "fusedllm.attention", q, k, v, causal, scale, window, mask, dropout_p, softcap, sinks,
+        alibi_slopes)
+    out, _lse = _impl.attention(q, k, v, mask, scale, causal, window, dropout_p, seed, right, softcap,
+                                sinks, alibi_slopes, None, None, 0, 0)
+    return out
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None,
+                     max_seqlen_k: int | None = None, causal: bool = False, scale: float | None = None,
+                     window: int | tuple[int, int] | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                     dropout_p: float = 0.0) -> torch.Tensor:
+    """:func:`attention` over packed sequences of different lengths, with no
+    padding (FlashAttention's variable-length layout).
+
+    ``q`` is ``[total_q, q_heads, head_dim]``, ``k`` and ``v`` are ``[total_k,
+    kv_heads, head_dim]``; ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32
+    ``[num_seqs + 1]``, on q's device, from 0, non-decreasing, ending at
+    ``total_q`` / ``total_k``) delimit the sequences: sequence ``b``'s queries
+    are rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and its keys rows
+    ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``. Each sequence attends only within
+    itself; ``causal``, ``window`` and ``alibi_slopes`` (``[q_heads]`` or
+    ``[num_seqs, q_heads]``) are aligned bottom-right per sequence, so one query
+    per sequence over its own cache length is a batched decoding step.
+    ``max_seqlen_q`` / ``max_seqlen_k`` default to the longest lengths (given,
+    they must be at least that). The lengths are checked on the host (one copy
+    for CUDA tensors).
+
+    Returns ``[total_q, q_heads, head_dim]`` (a strided view). Equals calling
+    :func:`attention` per sequence for every option; dropout draws its own
+    pattern. Differentiable in ``q``, ``k``, ``v`` and ``sinks``; no ``mask``.
+    """
+    op = "fusedllm.attention_varlen"
+    _require_tensors(op, "q", q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    scale, window, right, softcap, _mask, dropout_p, seed = _attention_args(
+        op, q, k, v, causal, scale, window, None, dropout_p, softcap, sinks, alibi_slopes)
+    lengths = []
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is None:
+            lengths.append(0)
+        elif isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+            raise ValueError(f"{op}: {name} must be None or an int >= 1, got {value!r}")
+        else:
+            lengths.append(int(value))
+    out, _lse = _impl.attention(q, k, v, None, scale, causal, window, dropout_p, seed, right, softcap,
+                                sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *lengths)
     return out
 
 
 def attention_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                           scale: float | None = None, window: int | None = None,
-                           mask: torch.Tensor | None = None,
-                           dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                           scale: float | None = None, window: int | tuple[int, int] | None = None,
+                           mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                           softcap: float | None = None, sinks: torch.Tensor | None = None,
+                           alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` on a plain PyTorch path that also returns the attention
     probabilities ``[batch, q_heads, q_len, kv_len]`` in q's dtype: those that
     multiplied ``v`` (after dropout, drawn as the fused kernel draws it). It
     builds the whole score matrix, so it is slow and memory hungry: for code
     that inspects or plots the weights. Queries that see no key get zero
     weights and a zero output. Same arguments, checks and conventions as
-    :func:`attention`, without its head_dim limit; differentiable in q, k and v."""
+    :func:`attention`, without its head_dim limit; differentiable in q, k, v and sinks."""
     op = "fusedllm.attention_with_weights"
-    scale, window, mask, dropout_p, seed = _attention_args(op, q, k, v, causal, scale, window, mask,
-                                                           dropout_p)
-    _plain.check_attention(op, q, k, v, mask, scale, window, dropout_p, max_head_dim=None)
-    out, _lse, probs = _plain.attention_with_probs(q, k, v, mask, scale, causal, window,
-                                                   dropout_p, seed)
+    scale, window, right, softcap, mask, dropout_p, seed = _attention_args(
+        op, q, k, v, causal, scale, window, mask, dropout_p, softcap, sinks, alibi_slopes)
+    _plain.check_attention(op, q, k, v, mask, scale, window, dropout_p, max_head_dim=None,
+                           window_right=right, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+    out, _lse, probs = _plain.attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed,
+                                                   window_right=right, softcap=softcap, sinks=sinks,
+                                                   alibi_slopes=alibi_slopes)
     return out, probs.to(q.dtype)
 
 

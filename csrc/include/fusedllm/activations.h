@@ -22,6 +22,19 @@ struct ScalarMath {
   FUSEDLLM_HOST_DEVICE static double tanh(double x) { return ::tanh(x); }
 };
 
+// Soft-capping (Gemma 2's final logits and attention scores): s = cap *
+// tanh(z / cap) from the raw z, and ds/dz = 1 - (s / cap)^2 from s.
+template <typename Math, typename V>
+FUSEDLLM_HOST_DEVICE V capped(V z, V cap) {
+  return cap * Math::tanh(z / cap);
+}
+
+template <typename V>
+FUSEDLLM_HOST_DEVICE V cap_slope(V s, V inv_cap) {
+  const V r = s * inv_cap;
+  return V(1) - r * r;
+}
+
 // sqrt(2 / pi) and the cubic coefficient of the tanh approximation.
 constexpr double kGeluC0 = 0.7978845608028654;
 constexpr double kGeluC1 = 0.044715;

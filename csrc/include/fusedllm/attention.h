@@ -14,47 +14,112 @@
 
 namespace fusedllm::attn {
 
-// Where a query row lives. The [B, Hq, Sq] rows (outputs, log-sum-exp, delta,
-// dropout draws) are numbered row-major; the kernels walk the rows of one
-// (batch, kv head g) pair in (position, query head) order, so one K/V tile
-// serves the whole group: group row r is position r / group of query head
-// g * group + r % group. Query head h reads kv head h / group (GQA).
+// The sequences of a call. Dense: `batch` sequences of sq queries and sk
+// keys each. Packed (varlen, cu_q / cu_k set): sequence b's queries are rows
+// [cu_q[b], cu_q[b + 1]) of the packed q and its keys rows [cu_k[b],
+// cu_k[b + 1]) of the packed k / v; sq and sk are then the longest lengths
+// (tile counts come from them; tiles past a sequence's end do nothing).
+struct Seqs {
+  const int32_t* cu_q = nullptr;
+  const int32_t* cu_k = nullptr;
+  int64_t sq = 0, sk = 0;
+
+  FUSEDLLM_HOST_DEVICE bool packed() const { return cu_q != nullptr; }
+  FUSEDLLM_HOST_DEVICE int64_t q_start(int64_t b) const { return cu_q ? cu_q[b] : 0; }
+  FUSEDLLM_HOST_DEVICE int64_t k_start(int64_t b) const { return cu_k ? cu_k[b] : 0; }
+  FUSEDLLM_HOST_DEVICE int64_t q_len(int64_t b) const { return cu_q ? cu_q[b + 1] - cu_q[b] : sq; }
+  FUSEDLLM_HOST_DEVICE int64_t k_len(int64_t b) const { return cu_k ? cu_k[b + 1] - cu_k[b] : sk; }
+};
+
+// Where a query row lives. The rows (outputs, log-sum-exp, delta, dropout
+// draws) are numbered row-major over [B, Hq, Sq], or over [Hq, total_q] for
+// packed sequences (row h * total_q + cu_q[b] + pos; out and lse are stored
+// in that order). The kernels walk the rows of one (sequence b, kv head g)
+// pair in (position, query head) order, so one K/V tile serves the whole
+// group: group row r is position r / group of query head g * group + r %
+// group. Query head h reads kv head h / group (GQA).
 struct QueryRows {
   int64_t q_heads = 0;
   int64_t group = 1;  // query heads per kv head
-  int64_t sq = 0;
+  int64_t sq = 0;     // dense: every sequence's length; packed: the longest
+  const int32_t* cu_q = nullptr;  // packed sequences' starts (null: dense)
+  int64_t total_q = 0;            // packed: all sequences' queries
+  int64_t n_seqs = 0;             // packed: the number of sequences
 
-  // Flat [B, Hq, Sq] row of (batch b, query head h, position pos), and back.
+  // Flat row of (sequence b, query head h, position pos), and back.
   FUSEDLLM_HOST_DEVICE int64_t row(int64_t b, int64_t h, int64_t pos) const {
-    return (b * q_heads + h) * sq + pos;
+    return cu_q ? h * total_q + cu_q[b] + pos : (b * q_heads + h) * sq + pos;
   }
-  FUSEDLLM_HOST_DEVICE int64_t batch(int64_t row) const { return row / sq / q_heads; }
-  FUSEDLLM_HOST_DEVICE int64_t head(int64_t row) const { return row / sq % q_heads; }
-  FUSEDLLM_HOST_DEVICE int64_t pos(int64_t row) const { return row % sq; }
+  FUSEDLLM_HOST_DEVICE int64_t batch(int64_t row) const {
+    if (!cu_q) return row / sq / q_heads;
+    // The last sequence starting at or before the packed row (empty ones skipped).
+    const int64_t packed = row % total_q;
+    int64_t lo = 0, hi = n_seqs;
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      if (cu_q[mid] <= packed) lo = mid; else hi = mid;
+    }
+    return lo;
+  }
+  FUSEDLLM_HOST_DEVICE int64_t head(int64_t row) const {
+    return cu_q ? row / total_q : row / sq % q_heads;
+  }
+  FUSEDLLM_HOST_DEVICE int64_t pos(int64_t row) const {
+    return cu_q ? row % total_q - cu_q[batch(row)] : row % sq;
+  }
   FUSEDLLM_HOST_DEVICE int64_t kv_head(int64_t h) const { return h / group; }
+  // All rows of the call.
+  FUSEDLLM_HOST_DEVICE int64_t count(int64_t batch) const {
+    return cu_q ? q_heads * total_q : batch * q_heads * sq;
+  }
 
-  // Rows of one (batch, kv head) pair: sq positions times the group's heads.
+  // Rows of one (sequence, kv head) pair: its positions times the group's heads.
   FUSEDLLM_HOST_DEVICE int64_t group_rows() const { return sq * group; }
   FUSEDLLM_HOST_DEVICE int64_t group_pos(int64_t r) const { return r / group; }
   FUSEDLLM_HOST_DEVICE int64_t group_head(int64_t g, int64_t r) const { return g * group + r % group; }
   // First group row of position pos (its rows are [pos * group, (pos + 1) * group)).
   FUSEDLLM_HOST_DEVICE int64_t group_row(int64_t pos) const { return pos * group; }
-  // Flat row of group row r of kv head g in batch b.
+  // Flat row of group row r of kv head g in sequence b.
   FUSEDLLM_HOST_DEVICE int64_t row_of_group_row(int64_t b, int64_t g, int64_t r) const {
     return row(b, group_head(g, r), group_pos(r));
   }
 };
 
+// Where the gradient row of key j of kv head g in sequence b lives: [B, Hkv,
+// Sk] row-major, or [Hkv, total_k] for packed sequences.
+struct KeyRows {
+  int64_t kv_heads = 0;
+  int64_t sk = 0;
+  const int32_t* cu_k = nullptr;
+  int64_t total_k = 0;
+  FUSEDLLM_HOST_DEVICE int64_t row(int64_t b, int64_t g, int64_t j) const {
+    return cu_k ? g * total_k + cu_k[b] + j : (b * kv_heads + g) * sk + j;
+  }
+  // All rows of the call (the gradients' first dimensions flattened).
+  FUSEDLLM_HOST_DEVICE int64_t count(int64_t batch) const {
+    return cu_k ? kv_heads * total_k : batch * kv_heads * sk;
+  }
+};
+
 // Visibility of key j to query i. Query i sits at absolute position
 // p = i + offset with offset = Sk - Sq (queries are the last Sq positions of
-// the Sk keys: bottom-right alignment, what decoding with a KV cache needs).
-//   causal:     j <= p
-//   window w:   j >  p - w   (w keys up to and including p; -1: no window)
+// the Sk keys: bottom-right alignment, what decoding with a KV cache needs;
+// per sequence for packed sequences). Key j is visible when
+//   p - left <= j   (left >= 0; -1: no bound)
+//   j <= p + right  (right >= 0; -1: no bound; causal attention is right = 0)
 struct Mask {
   int64_t sk = 0;
   int64_t offset = 0;
-  int64_t window = -1;
-  bool causal = false;
+  int64_t left = -1;
+  int64_t right = -1;
+
+  // The same bounds for a sequence of sq_b queries over sk_b keys.
+  FUSEDLLM_HOST_DEVICE Mask of_lengths(int64_t sq_b, int64_t sk_b) const {
+    Mask m = *this;
+    m.sk = sk_b;
+    m.offset = sk_b - sq_b;
+    return m;
+  }
 };
 
 // A caller's mask tensor, read where it lies: element (b, h, i, j) of its
@@ -95,25 +160,75 @@ FUSEDLLM_HOST_DEVICE int64_t clamp_index(int64_t x, int64_t lo, int64_t hi) {
 
 // First key query i sees (keys [key_begin, key_end) are visible; empty when begin >= end).
 FUSEDLLM_HOST_DEVICE int64_t key_begin(const Mask& m, int64_t i) {
-  if (m.window < 0) return 0;
-  return clamp_index(i + m.offset - m.window + 1, 0, m.sk);
+  if (m.left < 0) return 0;
+  return clamp_index(i + m.offset - m.left, 0, m.sk);
 }
 
 FUSEDLLM_HOST_DEVICE int64_t key_end(const Mask& m, int64_t i) {
-  if (!m.causal) return m.sk;
-  return clamp_index(i + m.offset + 1, 0, m.sk);
+  if (m.right < 0) return m.sk;
+  return clamp_index(i + m.offset + m.right + 1, 0, m.sk);
 }
 
 // Queries [query_begin, query_end) of [0, sq) that see at least one key of
 // [j0, j1) (j0 < j1): used to skip query tiles a key tile cannot affect.
 FUSEDLLM_HOST_DEVICE int64_t query_begin(const Mask& m, int64_t j0, int64_t sq) {
-  if (!m.causal) return 0;
-  return clamp_index(j0 - m.offset, 0, sq);
+  if (m.right < 0) return 0;
+  return clamp_index(j0 - m.offset - m.right, 0, sq);
 }
 
 FUSEDLLM_HOST_DEVICE int64_t query_end(const Mask& m, int64_t j1, int64_t sq) {
-  if (m.window < 0) return sq;
-  return clamp_index(j1 - 1 + m.window - m.offset, 0, sq);
+  if (m.left < 0) return sq;
+  return clamp_index(j1 + m.left - m.offset, 0, sq);
+}
+
+// What changes a score besides the masks: soft-capping and ALiBi, applied in
+// that order to the scaled score s = scale * q . k of query position i (at
+// absolute position i + offset) and key j, before the masks.
+struct ScoreMods {
+  double softcap = 0;  // > 0: s -> softcap * tanh(s / softcap)
+  // ALiBi: s -= slope(b, h) * |i + offset - j|; slopes in the accumulator
+  // type at alibi[b * alibi_batch_stride + h] (null: none).
+  const void* alibi = nullptr;
+  int64_t alibi_batch_stride = 0;
+  // Per query head logits joining every row's softmax denominator (the
+  // accumulator type; null: none).
+  const void* sinks = nullptr;
+
+  FUSEDLLM_HOST_DEVICE bool any_score_mod() const { return softcap > 0 || alibi != nullptr; }
+  template <typename acc_t>
+  FUSEDLLM_HOST_DEVICE acc_t slope(int64_t b, int64_t h) const {
+    return static_cast<const acc_t*>(alibi)[b * alibi_batch_stride + h];
+  }
+  template <typename acc_t>
+  FUSEDLLM_HOST_DEVICE acc_t sink(int64_t h) const {
+    return static_cast<const acc_t*>(sinks)[h];
+  }
+};
+
+// -|p - j| as the accumulator type: what an ALiBi slope multiplies.
+template <typename acc_t>
+FUSEDLLM_HOST_DEVICE acc_t alibi_distance(int64_t p, int64_t j) {
+  return static_cast<acc_t>(p > j ? j - p : p - j);
+}
+
+// Folds a sink logit into a finished row whose keys gave log-sum-exp `lse`
+// (-inf: no key seen): returns the factor on the row's output, and lse
+// becomes that of the keys and the sink. A -inf sink changes nothing.
+template <typename acc_t>
+FUSEDLLM_HOST_DEVICE acc_t fold_sink(acc_t& lse, acc_t sink) {
+  using std::exp;
+  using std::log;
+  constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
+  if (sink == -kInf) return acc_t(1);
+  if (lse == -kInf) {
+    lse = sink;
+    return acc_t(0);
+  }
+  const acc_t m = lse > sink ? lse : sink;
+  const acc_t total = m + log(exp(lse - m) + exp(sink - m));
+  const acc_t factor = exp(lse - total);
+  lse = total;
+  return factor;
 }
 
 // Scalar operations for the templates below (CUDA kernels, CPU scalar code).

@@ -20,41 +20,128 @@ constexpr int64_t kAttentionMaxHeadDim = 256;
 
 struct AttentionShape {
   int64_t batch = 0, q_heads = 0, kv_heads = 0, sq = 0, sk = 0, head_dim = 0;
+  // Packed sequences: batch is their number, sq / sk the longest lengths.
+  bool packed = false;
+  int64_t total_q = 0, total_k = 0;
   int64_t group() const { return kv_heads > 0 ? q_heads / kv_heads : 0; }
 };
 
-inline AttentionShape check_attention_args(const char* op, const at::Tensor& q, const at::Tensor& k,
-                                           const at::Tensor& v, double scale, int64_t window) {
+// What both ops take besides the tensors they differentiate, as passed.
+struct AttentionArgs {
+  c10::optional<at::Tensor> mask;
+  double scale = 1.0;
+  bool causal = false;
+  int64_t window = -1, window_right = -1;
+  double dropout_p = 0.0;
+  c10::optional<at::Tensor> seed;
+  double softcap = 0.0;
+  c10::optional<at::Tensor> sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k;
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+};
+
+inline void check_qkv_dims(const char* op, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, bool packed) {
+  if (packed) {
+    TORCH_CHECK_VALUE(q.dim() == 3, op, ": with cu_seqlens, q must be 3-D [total_q, q_heads, head_dim], "
+                      "got shape ", q.sizes());
+    TORCH_CHECK_VALUE(k.dim() == 3, op, ": with cu_seqlens, k must be 3-D [total_k, kv_heads, head_dim], "
+                      "got shape ", k.sizes());
+    TORCH_CHECK_VALUE(v.dim() == 3, op, ": with cu_seqlens, v must be 3-D [total_k, kv_heads, head_dim], "
+                      "got shape ", v.sizes());
+    return;
+  }
   TORCH_CHECK_VALUE(q.dim() == 4, op, ": q must be 4-D [batch, q_heads, q_len, head_dim], got shape ",
                     q.sizes());
   TORCH_CHECK_VALUE(k.dim() == 4, op, ": k must be 4-D [batch, kv_heads, kv_len, head_dim], got shape ",
                     k.sizes());
   TORCH_CHECK_VALUE(v.dim() == 4, op, ": v must be 4-D [batch, kv_heads, kv_len, head_dim], got shape ",
                     v.sizes());
+}
+
+// Checks cumulative sequence lengths (int32 [n + 1] from 0, non-decreasing, up
+// to total) and returns the longest length; max_len > 0 must be at least that.
+// CUDA tensors are read through one copy to the host.
+inline int64_t check_cu_seqlens(const char* op, const char* name, const at::Tensor& cu,
+                                const at::Tensor& q, int64_t total, const char* total_name,
+                                int64_t max_len, const char* max_name) {
+  TORCH_CHECK_VALUE(cu.scalar_type() == at::kInt, op, ": ", name, " must be int32, got ",
+                    dtype_name(cu.scalar_type()));
+  TORCH_CHECK_VALUE(cu.dim() == 1 && cu.numel() >= 1, op, ": ", name,
+                    " must be 1-D [num_seqs + 1], got shape ", cu.sizes());
+  TORCH_CHECK_VALUE(cu.device() == q.device(), op, ": ", name, " is on ", cu.device(),
+                    " but q is on ", q.device());
+  const at::Tensor host = cu.device().is_cpu() ? cu.contiguous() : cu.to(at::kCPU);
+  const int32_t* c = host.data_ptr<int32_t>();
+  const int64_t n = host.numel();
+  TORCH_CHECK_VALUE(c[0] == 0, op, ": ", name, " must start at 0, got ", c[0]);
+  int64_t longest = 0;
+  for (int64_t i = 1; i < n; ++i) {
+    TORCH_CHECK_VALUE(c[i] >= c[i - 1], op, ": ", name, " must be non-decreasing, got ", c[i - 1],
+                      " then ", c[i], " at index ", i);
+    longest = std::max<int64_t>(longest, c[i] - c[i - 1]);
+  }
+  TORCH_CHECK_VALUE(c[n - 1] == total, op, ": ", name, " must end at ", total_name, " = ", total,
+                    ", got ", c[n - 1]);
+  TORCH_CHECK_VALUE(max_len >= 0, op, ": ", max_name, " must be >= 0 (0: the longest), got ", max_len);
+  TORCH_CHECK_VALUE(max_len == 0 || max_len >= longest, op, ": ", max_name, " is ", max_len, " but ",
+                    name, " has a sequence of length ", longest);
+  return max_len > 0 ? max_len : longest;
+}
+
+inline AttentionShape check_attention_args(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v, const AttentionArgs& a) {
+  const bool packed = a.cu_seqlens_q.has_value() || a.cu_seqlens_k.has_value();
+  TORCH_CHECK_VALUE(a.cu_seqlens_q.has_value() == a.cu_seqlens_k.has_value(), op,
+                    ": cu_seqlens_q and cu_seqlens_k go together: pass both or neither");
+  check_qkv_dims(op, q, k, v, packed);
   check_float_tensor(q, op, "q");
   check_same(q, "q", k, "k", op);
   check_same(q, "q", v, "v", op);
   TORCH_CHECK_VALUE(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(),
                     " and ", v.sizes());
   AttentionShape s;
-  s.batch = q.size(0);
-  s.q_heads = q.size(1);
-  s.sq = q.size(2);
-  s.head_dim = q.size(3);
-  s.kv_heads = k.size(1);
-  s.sk = k.size(2);
-  TORCH_CHECK_VALUE(k.size(0) == s.batch, op, ": q and k/v must have the same batch size, got ",
-                    s.batch, " and ", k.size(0));
-  TORCH_CHECK_VALUE(k.size(3) == s.head_dim, op, ": q and k/v must have the same head_dim, got ",
-                    s.head_dim, " and ", k.size(3));
+  s.packed = packed;
+  const int64_t hd = q.dim() - 1, hk = q.dim() - 3 + (packed ? 1 : 0);
+  s.q_heads = q.size(hk);
+  s.kv_heads = k.size(hk);
+  s.head_dim = q.size(hd);
+  TORCH_CHECK_VALUE(k.size(hd) == s.head_dim, op, ": q and k/v must have the same head_dim, got ",
+                    s.head_dim, " and ", k.size(hd));
+  if (packed) {
+    s.total_q = q.size(0);
+    s.total_k = k.size(0);
+    TORCH_CHECK_VALUE(a.cu_seqlens_q->numel() == a.cu_seqlens_k->numel(), op,
+                      ": cu_seqlens_q and cu_seqlens_k must have the same length (num_seqs + 1), got ",
+                      a.cu_seqlens_q->numel(), " and ", a.cu_seqlens_k->numel());
+    s.sq = check_cu_seqlens(op, "cu_seqlens_q", *a.cu_seqlens_q, q, s.total_q, "total_q",
+                            a.max_seqlen_q, "max_seqlen_q");
+    s.sk = check_cu_seqlens(op, "cu_seqlens_k", *a.cu_seqlens_k, q, s.total_k, "total_k",
+                            a.max_seqlen_k, "max_seqlen_k");
+    s.batch = a.cu_seqlens_q->numel() - 1;
+    TORCH_CHECK_VALUE(!a.mask.has_value() || !a.mask->defined(), op,
+                      ": mask is not supported with packed sequences (cu_seqlens); each sequence "
+                      "attends within itself, with causal / window bounds");
+  } else {
+    s.batch = q.size(0);
+    s.sq = q.size(2);
+    s.sk = k.size(2);
+    TORCH_CHECK_VALUE(k.size(0) == s.batch, op, ": q and k/v must have the same batch size, got ",
+                      s.batch, " and ", k.size(0));
+    TORCH_CHECK_VALUE(a.max_seqlen_q == 0 && a.max_seqlen_k == 0, op,
+                      ": max_seqlen_q / max_seqlen_k are for packed sequences (cu_seqlens) only");
+  }
   TORCH_CHECK_VALUE(s.kv_heads > 0 ? s.q_heads % s.kv_heads == 0 : s.q_heads == 0, op,
                     ": the number of query heads (", s.q_heads,
                     ") must be a multiple of the number of key/value heads (", s.kv_heads, ")");
   TORCH_CHECK_VALUE(s.head_dim >= 1 && s.head_dim <= kAttentionMaxHeadDim, op,
                     ": head_dim must be between 1 and ", kAttentionMaxHeadDim, ", got ", s.head_dim);
-  TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be a finite number, got ", scale);
-  TORCH_CHECK_VALUE(window == -1 || window >= 1, op,
-                    ": window must be -1 (no window) or a number of keys >= 1, got ", window);
+  TORCH_CHECK_VALUE(std::isfinite(a.scale), op, ": scale must be a finite number, got ", a.scale);
+  TORCH_CHECK_VALUE(a.window == -1 || a.window >= 1, op,
+                    ": window must be -1 (no window) or a number of keys >= 1, got ", a.window);
+  TORCH_CHECK_VALUE(a.window_right >= -1, op,
+                    ": window_right must be -1 (no bound) or a number of keys >= 0, got ", a.window_right);
+  TORCH_CHECK_VALUE(std::isfinite(a.softcap) && a.softcap >= 0, op,
+                    ": softcap must be 0 (none) or a positive number, got ", a.softcap);
   return s;
 }
 
@@ -62,18 +149,37 @@ inline at::ScalarType lse_dtype(const at::Tensor& q) {
   return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// `t` with unit stride along head_dim (a copy only when it has none); the
-// batch, head and sequence strides are used as they are.
-inline at::Tensor unit_last_stride(const at::Tensor& t) {
-  return (t.size(3) > 1 && t.stride(3) != 1) ? t.contiguous() : t;
+// `t` as a [batch, heads, seq, head_dim] operand with unit stride along
+// head_dim (a copy only when it has none). Packed [total, heads, head_dim]
+// tensors become [1, heads, total, head_dim] views with batch stride 0 (a
+// sequence's rows start at its cu_seqlens entry).
+inline at::Tensor as_operand(const at::Tensor& t, bool packed) {
+  const at::Tensor u = (t.size(-1) > 1 && t.stride(-1) != 1) ? t.contiguous() : t;
+  if (!packed) return u;
+  return u.as_strided({1, u.size(1), u.size(0), u.size(2)}, {0, u.stride(1), u.stride(0), u.stride(2)});
 }
 
-inline attn::Mask make_mask(const AttentionShape& s, bool causal, int64_t window) {
+// A fresh [*, heads, seq, head_dim] output in the rows' order: contiguous
+// [B, H, S, D], or [H, total, D] storage seen as [total, H, D] when packed.
+inline at::Tensor new_rows(const at::Tensor& like, const AttentionShape& s, int64_t heads, bool keys) {
+  const auto opts = like.options().memory_format(at::MemoryFormat::Contiguous);
+  if (s.packed) {
+    return at::empty({heads, keys ? s.total_k : s.total_q, s.head_dim}, opts).permute({1, 0, 2});
+  }
+  return at::empty({s.batch, heads, keys ? s.sk : s.sq, s.head_dim}, opts);
+}
+
+inline std::vector<int64_t> lse_shape(const AttentionShape& s) {
+  if (s.packed) return {s.q_heads, s.total_q};
+  return {s.batch, s.q_heads, s.sq};
+}
+
+inline attn::Mask make_mask(const AttentionShape& s, bool causal, int64_t window, int64_t window_right) {
   attn::Mask m;
   m.sk = s.sk;
   m.offset = s.sk - s.sq;
-  m.window = window;
-  m.causal = causal;
+  m.left = window < 0 ? -1 : window - 1;
+  m.right = causal ? 0 : window_right;
   return m;
 }
 
@@ -127,32 +233,82 @@ inline dropout::Dropout check_dropout(const char* op, double p, const c10::optio
   return d;
 }
 
+// sinks [Hq] and alibi_slopes [Hq] / [B, Hq], checked, as contiguous tensors
+// of the accumulator type in `keep` (the kernels read them as such).
+inline void check_score_mods(const char* op, const AttentionArgs& a, const at::Tensor& q,
+                             const AttentionShape& s, attn::ScoreMods& mods, at::Tensor& sinks_keep,
+                             at::Tensor& alibi_keep) {
+  mods.softcap = a.softcap;
+  const at::ScalarType acc = lse_dtype(q);
+  if (a.sinks.has_value() && a.sinks->defined()) {
+    const at::Tensor& t = *a.sinks;
+    check_float_tensor(t, op, "sinks");
+    TORCH_CHECK_VALUE(t.device() == q.device(), op, ": sinks is on ", t.device(), " but q is on ",
+                      q.device());
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == s.q_heads, op,
+                      ": sinks must be 1-D [q_heads] = [", s.q_heads, "], got shape ", t.sizes());
+    sinks_keep = t.to(acc).contiguous();
+    mods.sinks = sinks_keep.data_ptr();
+  }
+  if (a.alibi_slopes.has_value() && a.alibi_slopes->defined()) {
+    const at::Tensor& t = *a.alibi_slopes;
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, op,
+                      ": alibi_slopes must be float32 or float64, got ", dtype_name(t.scalar_type()));
+    TORCH_CHECK_VALUE(t.device() == q.device(), op, ": alibi_slopes is on ", t.device(),
+                      " but q is on ", q.device());
+    TORCH_CHECK_VALUE((t.dim() == 1 && t.size(0) == s.q_heads) ||
+                          (t.dim() == 2 && t.size(0) == s.batch && t.size(1) == s.q_heads),
+                      op, ": alibi_slopes must be [q_heads] = [", s.q_heads, "] or [", s.packed ? "num_seqs" : "batch",
+                      ", q_heads] = [", s.batch, ", ", s.q_heads, "], got shape ", t.sizes());
+    alibi_keep = t.to(acc).contiguous();
+    mods.alibi = alibi_keep.data_ptr();
+    mods.alibi_batch_stride = t.dim() == 2 ? s.q_heads : 0;
+  }
+}
+
 // What forward and backward calls share, checked: the shape, the causal /
-// window mask, the caller's mask (a broadcast view kept alive here), dropout
-// and scale.
+// window mask, the caller's mask (a broadcast view kept alive here), the
+// score modifiers, the sequences, dropout and scale.
 struct AttentionParams {
   AttentionShape shape;
   attn::Mask mask;
   attn::TensorMask tensor_mask;
+  attn::ScoreMods mods;
+  attn::Seqs seqs;
+  attn::QueryRows rows;
+  attn::KeyRows key_rows;
   dropout::Dropout dropout;
-  at::Tensor mask_view;
+  at::Tensor mask_view, sinks, alibi, cu_q, cu_k;
   double scale = 1.0;
 };
 
 inline void check_attention_params(AttentionParams& p, const char* op, const at::Tensor& q,
-                                   const at::Tensor& k, const at::Tensor& v,
-                                   const c10::optional<at::Tensor>& mask, double scale, bool causal,
-                                   int64_t window, double dropout_p,
-                                   const c10::optional<at::Tensor>& seed) {
-  p.shape = check_attention_args(op, q, k, v, scale, window);
-  p.mask = make_mask(p.shape, causal, window);
-  p.tensor_mask = check_tensor_mask(op, mask, q, p.shape, p.mask_view);
-  p.dropout = check_dropout(op, dropout_p, seed);
-  p.scale = scale;
+                                   const at::Tensor& k, const at::Tensor& v, const AttentionArgs& a) {
+  p.shape = check_attention_args(op, q, k, v, a);
+  const AttentionShape& s = p.shape;
+  p.mask = make_mask(s, a.causal, a.window, a.window_right);
+  p.tensor_mask = check_tensor_mask(op, a.mask, q, s, p.mask_view);
+  check_score_mods(op, a, q, s, p.mods, p.sinks, p.alibi);
+  p.dropout = check_dropout(op, a.dropout_p, a.seed);
+  p.scale = a.scale;
+  p.seqs.sq = s.sq;
+  p.seqs.sk = s.sk;
+  p.rows = attn::QueryRows{s.q_heads, s.group(), s.sq};
+  p.key_rows = attn::KeyRows{s.kv_heads, s.sk};
+  if (s.packed) {
+    p.cu_q = a.cu_seqlens_q->contiguous();
+    p.cu_k = a.cu_seqlens_k->contiguous();
+    p.seqs.cu_q = p.rows.cu_q = p.cu_q.data_ptr<int32_t>();
+    p.seqs.cu_k = p.key_rows.cu_k = p.cu_k.data_ptr<int32_t>();
+    p.rows.total_q = s.total_q;
+    p.rows.n_seqs = s.batch;
+    p.key_rows.total_k = s.total_k;
+  }
 }
 
 // Checked operands and fresh outputs of a forward call. q, k, v have unit
-// stride along head_dim; out is contiguous [B, Hq, Sq, D], lse [B, Hq, Sq].
+// stride along head_dim (packed ones as [1, H, total, D] views); out holds
+// its rows in QueryRows order, lse is [B, Hq, Sq] ([Hq, total_q] packed).
 struct AttentionForwardPlan : AttentionParams {
   at::Tensor q, k, v;
   at::Tensor out, lse;
@@ -160,79 +316,118 @@ struct AttentionForwardPlan : AttentionParams {
 };
 
 inline AttentionForwardPlan plan_attention_forward(const at::Tensor& q, const at::Tensor& k,
-                                                   const at::Tensor& v,
-                                                   const c10::optional<at::Tensor>& mask,
-                                                   double scale, bool causal, int64_t window,
-                                                   double dropout_p,
-                                                   const c10::optional<at::Tensor>& seed) {
+                                                   const at::Tensor& v, const AttentionArgs& a) {
   const char* op = "fusedllm.attention";
   AttentionForwardPlan p;
-  check_attention_params(p, op, q, k, v, mask, scale, causal, window, dropout_p, seed);
-  p.out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  p.lse = at::empty({p.shape.batch, p.shape.q_heads, p.shape.sq}, q.options().dtype(lse_dtype(q)));
+  check_attention_params(p, op, q, k, v, a);
+  const AttentionShape& s = p.shape;
+  p.out = new_rows(q, s, s.q_heads, false);
+  p.lse = at::empty(lse_shape(s), q.options().dtype(lse_dtype(q)));
   if (p.out.numel() == 0) return p;
-  if (p.shape.sk == 0) {
-    // No keys: every row is empty, so out = 0 and lse = -inf.
+  if ((s.packed ? s.total_k : s.sk) == 0) {
+    // No keys: every row is empty, so out = 0 and lse = -inf (the sink's logit with sinks).
     p.out.zero_();
-    p.lse.fill_(-std::numeric_limits<double>::infinity());
+    if (p.sinks.defined()) {
+      p.lse.copy_(s.packed ? p.sinks.unsqueeze(1).expand(lse_shape(s))
+                           : p.sinks.view({1, -1, 1}).expand(lse_shape(s)));
+    } else {
+      p.lse.fill_(-std::numeric_limits<double>::infinity());
+    }
     return p;
   }
-  p.q = unit_last_stride(q);
-  p.k = unit_last_stride(k);
-  p.v = unit_last_stride(v);
+  p.q = as_operand(q, s.packed);
+  p.k = as_operand(k, s.packed);
+  p.v = as_operand(v, s.packed);
   p.has_work = true;
   return p;
 }
 
-// Checked operands and outputs of a backward call; grad_q/k/v are contiguous.
+// Checked operands and outputs of a backward call; grad_q/k/v hold their rows
+// in QueryRows / KeyRows order (packed: [H, total, D] storage seen as
+// [total, H, D]).
 struct AttentionBackwardPlan : AttentionParams {
   at::Tensor grad_out, q, k, v, out, lse;
-  at::Tensor grad_q, grad_k, grad_v;
+  at::Tensor grad_q, grad_k, grad_v, grad_sinks;
   bool has_work = false;
 };
 
 inline AttentionBackwardPlan plan_attention_backward(const at::Tensor& grad_out, const at::Tensor& q,
                                                      const at::Tensor& k, const at::Tensor& v,
                                                      const at::Tensor& out, const at::Tensor& lse,
-                                                     const c10::optional<at::Tensor>& mask,
-                                                     double scale, bool causal, int64_t window,
-                                                     double dropout_p,
-                                                     const c10::optional<at::Tensor>& seed) {
+                                                     const AttentionArgs& a) {
   const char* op = "fusedllm.attention_backward";
   AttentionBackwardPlan p;
-  check_attention_params(p, op, q, k, v, mask, scale, causal, window, dropout_p, seed);
+  check_attention_params(p, op, q, k, v, a);
+  const AttentionShape& s = p.shape;
   check_same(q, "q", grad_out, "grad_out", op);
   check_same(q, "q", out, "out", op);
   TORCH_CHECK_VALUE(grad_out.sizes() == q.sizes(), op, ": grad_out must have the shape of q ",
                     q.sizes(), ", got ", grad_out.sizes());
   TORCH_CHECK_VALUE(out.sizes() == q.sizes(), op, ": out must have the shape of q ", q.sizes(),
                     ", got ", out.sizes());
+  const std::vector<int64_t> want = lse_shape(s);
   TORCH_CHECK_VALUE(lse.scalar_type() == lse_dtype(q) && lse.device() == q.device() &&
-                        lse.dim() == 3 && lse.size(0) == p.shape.batch &&
-                        lse.size(1) == p.shape.q_heads && lse.size(2) == p.shape.sq,
-                    op, ": lse must be the ", dtype_name(lse_dtype(q)), " [batch, q_heads, q_len] = [",
-                    p.shape.batch, ", ", p.shape.q_heads, ", ", p.shape.sq,
-                    "] tensor returned by the forward op, got ", dtype_name(lse.scalar_type()), " ",
+                        lse.sizes() == at::IntArrayRef(want),
+                    op, ": lse must be the ", dtype_name(lse_dtype(q)), " ", at::IntArrayRef(want),
+                    " tensor returned by the forward op, got ", dtype_name(lse.scalar_type()), " ",
                     lse.sizes());
-  const auto contiguous = q.options().memory_format(at::MemoryFormat::Contiguous);
-  p.grad_q = at::empty(q.sizes(), contiguous);
-  p.grad_k = at::empty(k.sizes(), contiguous);
-  p.grad_v = at::empty(v.sizes(), contiguous);
-  if (p.grad_q.numel() == 0 || p.shape.sk == 0) {
-    // No query or no key: nothing flows anywhere.
+  p.grad_q = new_rows(q, s, s.q_heads, false);
+  p.grad_k = new_rows(k, s, s.kv_heads, true);
+  p.grad_v = new_rows(v, s, s.kv_heads, true);
+  p.grad_sinks = a.sinks.has_value() && a.sinks->defined() ? at::zeros_like(*a.sinks)
+                                                           : at::empty({0}, q.options());
+  if (p.grad_q.numel() == 0 || (s.packed ? s.total_k : s.sk) == 0) {
+    // No query or no key: nothing flows to q, k or v.
     p.grad_q.zero_();
     p.grad_k.zero_();
     p.grad_v.zero_();
-    return p;
+  } else {
+    p.grad_out = as_operand(grad_out, s.packed);
+    p.q = as_operand(q, s.packed);
+    p.k = as_operand(k, s.packed);
+    p.v = as_operand(v, s.packed);
+    p.out = as_operand(out, s.packed);
+    p.lse = lse.contiguous();
+    p.has_work = true;
   }
-  p.grad_out = unit_last_stride(grad_out);
-  p.q = unit_last_stride(q);
-  p.k = unit_last_stride(k);
-  p.v = unit_last_stride(v);
-  p.out = unit_last_stride(out);
-  p.lse = lse.contiguous();
-  p.has_work = true;
+  if (p.sinks.defined() && grad_out.numel() > 0) {
+    // d loss / d sink_h = -sum over h's rows of p_sink * rowsum(dO * O), with
+    // p_sink = exp(sink_h - lse) (lse includes the sink).
+    const at::ScalarType acc = lse_dtype(q);
+    at::Tensor delta = (grad_out.to(acc) * out.to(acc)).sum(-1);  // [B, Hq, Sq] or [total_q, Hq]
+    if (s.packed) delta = delta.t();
+    const at::Tensor sink = s.packed ? p.sinks.view({-1, 1}) : p.sinks.view({1, -1, 1});
+    at::Tensor terms = (sink - lse).exp() * delta;
+    terms = s.packed ? terms.sum(1) : terms.sum(at::IntArrayRef{0, 2});
+    p.grad_sinks.copy_(terms.neg());
+  }
   return p;
+}
+
+inline AttentionArgs attention_args(const c10::optional<at::Tensor>& mask, double scale, bool causal,
+                                    int64_t window, double dropout_p,
+                                    const c10::optional<at::Tensor>& seed, int64_t window_right,
+                                    double softcap, const c10::optional<at::Tensor>& sinks,
+                                    const c10::optional<at::Tensor>& alibi_slopes,
+                                    const c10::optional<at::Tensor>& cu_seqlens_q,
+                                    const c10::optional<at::Tensor>& cu_seqlens_k,
+                                    int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  AttentionArgs a;
+  a.mask = mask;
+  a.scale = scale;
+  a.causal = causal;
+  a.window = window;
+  a.dropout_p = dropout_p;
+  a.seed = seed;
+  a.window_right = window_right;
+  a.softcap = softcap;
+  a.sinks = sinks;
+  a.alibi_slopes = alibi_slopes;
+  a.cu_seqlens_q = cu_seqlens_q;
+  a.cu_seqlens_k = cu_seqlens_k;
+  a.max_seqlen_q = max_seqlen_q;
+  a.max_seqlen_k = max_seqlen_k;
+  return a;
 }
 
 // The two operators for one device. `Impl` provides
@@ -244,21 +439,32 @@ struct AttentionOps {
   static std::tuple<at::Tensor, at::Tensor> attention(
       const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const c10::optional<at::Tensor>& mask, double scale, bool causal, int64_t window,
-      double dropout_p, const c10::optional<at::Tensor>& seed) {
-    auto p = plan_attention_forward(q, k, v, mask, scale, causal, window, dropout_p, seed);
+      double dropout_p, const c10::optional<at::Tensor>& seed, int64_t window_right, double softcap,
+      const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& alibi_slopes,
+      const c10::optional<at::Tensor>& cu_seqlens_q, const c10::optional<at::Tensor>& cu_seqlens_k,
+      int64_t max_seqlen_q, int64_t max_seqlen_k) {
+    auto p = plan_attention_forward(
+        q, k, v, attention_args(mask, scale, causal, window, dropout_p, seed, window_right, softcap,
+                                sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k));
     if (p.has_work) Impl::forward(p);
     return {p.out, p.lse};
   }
 
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
       const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& mask,
       double scale, bool causal, int64_t window, double dropout_p,
-      const c10::optional<at::Tensor>& seed) {
-    auto p = plan_attention_backward(grad_out, q, k, v, out, lse, mask, scale, causal, window,
-                                     dropout_p, seed);
+      const c10::optional<at::Tensor>& seed, int64_t window_right, double softcap,
+      const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& alibi_slopes,
+      const c10::optional<at::Tensor>& cu_seqlens_q, const c10::optional<at::Tensor>& cu_seqlens_k,
+      int64_t max_seqlen_q, int64_t max_seqlen_k) {
+    auto p = plan_attention_backward(
+        grad_out, q, k, v, out, lse,
+        attention_args(mask, scale, causal, window, dropout_p, seed, window_right, softcap, sinks,
+                       alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k));
     if (p.has_work) Impl::backward(p);
-    return {p.grad_q, p.grad_k, p.grad_v};
+    return {p.grad_q, p.grad_k, p.grad_v, p.grad_sinks};
   }
 };
 

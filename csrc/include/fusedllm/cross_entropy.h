@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "fusedllm/activations.h"
 #include "fusedllm/macros.h"
 
 namespace fusedllm::ce {
@@ -25,18 +26,9 @@ struct Options {
   int64_t vocab = 0;
 };
 
-// s from the raw logit z.
-template <typename Math, typename V>
-FUSEDLLM_HOST_DEVICE V capped(V z, V cap) {
-  return cap * Math::tanh(z / cap);
-}
-
-// ds/dz from s, under a cap.
-template <typename V>
-FUSEDLLM_HOST_DEVICE V cap_slope(V s, V inv_cap) {
-  const V r = s * inv_cap;
-  return V(1) - r * r;
-}
+// Soft-capping of the logits (activations.h, shared with attention's scores).
+using act::cap_slope;
+using act::capped;
 
 // The loss of a row from its lse, its target's s and the sum of its s (used
 // only when smoothing).

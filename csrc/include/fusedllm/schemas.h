@@ -42,17 +42,29 @@ inline void define_ops(torch::Library& m) {
         "int offset, bool interleaved, int rotary_dim, bool inverse) -> ()");
 
   // Grouped-query flash attention: q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D]; causal is
-  // bottom-right aligned, window -1 means none. mask: bool keep-mask or additive
-  // float mask broadcastable to [B, Hq, Sq, Sk]. dropout_p > 0 drops probabilities
-  // with a counter-based RNG keyed by seed (int64 [1], on the CPU). Returns out and
-  // the per-row lse (of the probabilities before dropout).
+  // bottom-right aligned; window (a key count, left bound + 1) and window_right
+  // bound the keys a query sees, -1 meaning none. mask: bool keep-mask or additive
+  // float mask broadcastable to [B, Hq, Sq, Sk]. softcap > 0 caps the scaled
+  // scores at softcap * tanh(s / softcap); alibi_slopes [Hq] or [B, Hq] add
+  // -slope * |i - j|; sinks [Hq] join each row's softmax denominator. Packed
+  // sequences: with cu_seqlens_q/k (int32 [n + 1]) q is [total_q, Hq, D] and k/v
+  // [total_k, Hkv, D], each sequence attending within itself (max_seqlen_q/k:
+  // the longest, 0 to compute them); out is then [total_q, Hq, D] and lse
+  // [Hq, total_q]. dropout_p > 0 drops probabilities with a counter-based RNG
+  // keyed by seed (int64 [1], on the CPU). Returns out and the per-row lse (of
+  // the probabilities before dropout, sink included).
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, "
-        "int window, float dropout_p, Tensor? seed) -> (Tensor out, Tensor lse)");
+        "int window, float dropout_p, Tensor? seed, int window_right=-1, float softcap=0., "
+        "Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, "
+        "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0) -> (Tensor out, Tensor lse)");
   // Gradients of attention from the saved out and lse (probabilities and the
-  // dropout mask recomputed).
+  // dropout mask recomputed); grad_sinks is [0] without sinks.
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
         "Tensor lse, Tensor? mask, float scale, bool causal, int window, float dropout_p, "
-        "Tensor? seed) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+        "Tensor? seed, int window_right=-1, float softcap=0., Tensor? sinks=None, "
+        "Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+        "int max_seqlen_q=0, int max_seqlen_k=0) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, "
+        "Tensor grad_sinks)");
 
   // Cross-entropy of the logits hidden [N, H] @ weight[V, H]^T (+ bias) against
   // target [N] (int64; ignore_index skipped), without the [N, V] logits: chunks

@@ -81,48 +81,110 @@ def rope(x, cos, sin, positions, interleaved=False, rotary_dim=None):
     return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
 
 
-def attention(q, k, v, causal=False, scale=None, window=None, mask=None, keep=None, dropout_p=0.0):
+def window_bounds(window):
+    """(left, right) key offsets a window allows around a query's position, -1
+    where unbounded: an int w keeps the last w keys up to the position and
+    bounds nothing on the right, a (left, right) pair is taken as it is."""
+    if window is None:
+        return -1, -1
+    if isinstance(window, tuple):
+        return window
+    return window - 1, -1
+
+
+def attention(q, k, v, causal=False, scale=None, window=None, mask=None, keep=None, dropout_p=0.0,
+              softcap=None, sinks=None, alibi_slopes=None):
     """Grouped-query attention, the plain way: softmax(q k^T * scale + mask) v.
 
     q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D]. Query head h uses kv head
     h // (Hq / Hkv), done here by repeating each kv head Hq / Hkv times.
-    Masks are aligned bottom-right: query i sits at position i + Sk - Sq.
-    causal keeps keys j <= position; window w keeps keys j > position - w;
+    Masks are aligned bottom-right: query i sits at position p = i + Sk - Sq.
+    causal keeps keys j <= p; window w (an int) keeps keys j > p - w, a pair
+    (left, right) keeps p - left <= j <= p + right (-1: that side unbounded);
     `mask` is a bool keep-mask or an additive float mask. `keep` (bool,
     [B, Hq, Sq, Sk]) is a dropout pattern: kept probabilities are divided by
     1 - dropout_p, the others zeroed.
-    Returns (out in q.dtype, lse = logsumexp of the masked scores, float32 or
-    float64); a query that sees no key gets out = 0 and lse = -inf.
+    Each score, in order: s = scale * q.k; softcap * tanh(s / softcap) when
+    softcap is given; minus alibi_slopes[b, h] * |p - j| (slopes [Hq] or
+    [B, Hq]); plus a float mask; -inf where not visible. `sinks` [Hq] adds one
+    logit per head to every row's softmax whose probability multiplies no value.
+    Returns (out in q.dtype, lse = log of the softmax denominator, the sink
+    included, float32 or float64); a query that sees no key gets out = 0 (and
+    lse = -inf without sinks).
     """
     acc = accumulation_dtype(q.dtype)
-    group = q.shape[1] // k.shape[1]
+    batch, q_heads = q.shape[0], q.shape[1]
+    group = q_heads // k.shape[1]
     keys = k.to(acc).repeat_interleave(group, dim=1)
     values = v.to(acc).repeat_interleave(group, dim=1)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     scores = torch.matmul(q.to(acc), keys.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     q_len, kv_len = q.shape[2], k.shape[2]
     position = torch.arange(q_len, device=q.device).unsqueeze(1) + (kv_len - q_len)
     key = torch.arange(kv_len, device=q.device).unsqueeze(0)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(acc).expand(batch, q_heads).reshape(batch, q_heads, 1, 1)
+        scores = scores - slopes * (position - key).abs().to(acc)
     visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
     if causal:
         visible = visible & (key <= position)
-    if window is not None:
-        visible = visible & (key > position - window)
+    left, right = window_bounds(window)
+    if left >= 0:
+        visible = visible & (key >= position - left)
+    if right >= 0:
+        visible = visible & (key <= position + right)
     if mask is not None and mask.dtype == torch.bool:
         visible = visible & mask
     elif mask is not None:
         visible = visible & (mask > torch.finfo(mask.dtype).min)  # the dtype's lowest: masked
         scores = scores + mask.to(acc)
+    visible = visible.expand(scores.shape)
     scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    empty = torch.isneginf(lse).unsqueeze(-1)
-    probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)
-    probs = torch.where(visible & ~empty, probs, torch.zeros((), dtype=acc, device=q.device))
+    if sinks is None:
+        lse = torch.logsumexp(scores, dim=-1)
+        empty = torch.isneginf(lse).unsqueeze(-1)
+        probs = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)
+        probs = torch.where(visible & ~empty, probs, torch.zeros((), dtype=acc, device=q.device))
+    else:
+        # the sink is one more logit in each row's softmax; its share is dropped
+        sink = sinks.to(acc).view(1, q_heads, 1, 1).expand(batch, q_heads, q_len, 1)
+        lse = torch.logsumexp(torch.cat((scores, sink), dim=-1), dim=-1)
+        probs = torch.exp(scores - lse.unsqueeze(-1))
     if keep is not None:
         probs = probs * keep / (1.0 - dropout_p)
     out = torch.matmul(probs, values)
     return out.to(q.dtype), lse
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None, window=None,
+                     softcap=None, sinks=None, alibi_slopes=None, keeps=None, dropout_p=0.0):
+    """Packed sequences one at a time: q [total_q, Hq, D], k, v [total_k, Hkv, D];
+    sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and
+    cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v, attended with `attention`
+    alone (alibi_slopes [Hq] or [num_seqs, Hq]; keeps: one dropout pattern
+    [1, Hq, len_q, len_k] per sequence). Returns (out [total_q, Hq, D],
+    lse [Hq, total_q])."""
+    bounds_q, bounds_k = [int(x) for x in cu_seqlens_q], [int(x) for x in cu_seqlens_k]
+    outs, lses = [], []
+    for b in range(len(bounds_q) - 1):
+        q_b = q[bounds_q[b]:bounds_q[b + 1]].transpose(0, 1).unsqueeze(0)
+        k_b = k[bounds_k[b]:bounds_k[b + 1]].transpose(0, 1).unsqueeze(0)
+        v_b = v[bounds_k[b]:bounds_k[b + 1]].transpose(0, 1).unsqueeze(0)
+        slopes = alibi_slopes
+        if alibi_slopes is not None and alibi_slopes.dim() == 2:
+            slopes = alibi_slopes[b]
+        out, lse = attention(q_b, k_b, v_b, causal=causal, scale=scale, window=window,
+                             keep=None if keeps is None else keeps[b], dropout_p=dropout_p,
+                             softcap=softcap, sinks=sinks, alibi_slopes=slopes)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    acc = accumulation_dtype(q.dtype)
+    if not outs:
+        return q.new_zeros(q.shape), q.new_zeros(q.shape[1], 0, dtype=acc)
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
 def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean",

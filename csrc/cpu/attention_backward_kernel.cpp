@@ -20,7 +20,7 @@ namespace {
 // Per-slot scratch of the backward pass.
 template <typename acc_t>
 struct BackwardScratch {
-  acc_t *qt, *dot, *qs, *dor, *dq, *s, *dp, *kbuf, *vbuf, *shift, *delta, *z, *cap_slope;
+  acc_t *qt, *dot, *qs, *dor, *dq, *s, *dp, *kbuf, *vbuf, *shift, *delta, *z, *cap_slope, *cols;
   BackwardScratch(const Tiling<acc_t>& t, Arena& m)
       : qt(m.take<acc_t>(t.d * t.rows_pad)),
         dot(m.take<acc_t>(t.d * t.rows_pad)),
@@ -34,7 +34,8 @@ struct BackwardScratch {
         shift(m.take<acc_t>(t.rows_pad)),
         delta(m.take<acc_t>(t.rows_pad)),
         z(m.take<acc_t>(t.block_k * t.rows_pad)),
-        cap_slope(m.take<acc_t>(t.block_k * t.rows_pad)) {}
+        cap_slope(m.take<acc_t>(t.block_k * t.rows_pad)),
+        cols(m.take<acc_t>(2 * t.rows_pad)) {}
   static int64_t bytes(const Tiling<acc_t>& t) {
     Arena m;
     static_cast<void>(BackwardScratch(t, m));
@@ -212,7 +213,8 @@ struct BackwardKernel {
         gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, vp, v_ld, w.dot, ld, w.dp, ld);
         const TileRows tile{b, g, group, p0, npos, j0, nk};
         if (a.mods.any_score_mod()) {
-          apply_score_mods<acc_t>(w.s, ld, tile, a.mods, mask.offset, capped ? w.cap_slope : nullptr);
+          apply_score_mods<acc_t>(w.s, ld, tile, a.mods, mask.offset, capped ? w.cap_slope : nullptr,
+                                  w.cols);
         }
         if (!tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
           mask_tile(w.s, ld, nk, j0, p0, npos, group, mask);

@@ -20,7 +20,7 @@ namespace {
 // Per-slot scratch of the forward pass.
 template <typename acc_t>
 struct ForwardScratch {
-  acc_t *qt, *s, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha;
+  acc_t *qt, *s, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha, *cols;
   ForwardScratch(const Tiling<acc_t>& t, Arena& m)
       : qt(m.take<acc_t>(t.d * t.rows_pad)),
         s(m.take<acc_t>(t.block_k * t.rows_pad)),
@@ -29,7 +29,8 @@ struct ForwardScratch {
         vbuf(m.take<acc_t>(t.block_k * t.d_pad)),
         row_max(m.take<acc_t>(t.rows_pad)),
         row_sum(m.take<acc_t>(t.rows_pad)),
-        alpha(m.take<acc_t>(t.rows_pad)) {}
+        alpha(m.take<acc_t>(t.rows_pad)),
+        cols(m.take<acc_t>(2 * t.rows_pad)) {}
   static int64_t bytes(const Tiling<acc_t>& t) {
     Arena m;
     static_cast<void>(ForwardScratch(t, m));
@@ -157,7 +158,9 @@ struct ForwardKernel {
       // S^T = K (Q * scale)^T: keys x rows.
       gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
       const TileRows tile{b, g, group, p0, npos, j0, nk};
-      if (a.mods.any_score_mod()) apply_score_mods<acc_t>(w.s, ld, tile, a.mods, mask.offset, nullptr);
+      if (a.mods.any_score_mod()) {
+        apply_score_mods<acc_t>(w.s, ld, tile, a.mods, mask.offset, nullptr, w.cols);
+      }
       if (!tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
         mask_tile(w.s, ld, nk, j0, p0, npos, group, mask);
       }

@@ -45,7 +45,18 @@ struct VecOps {
     }
   }
   static V finite_or_zero(V x) { return V::blendv(x, V(acc_t(0)), x == V(kNegInf<acc_t>)); }
-  static V tanh(V x) { return x.tanh(); }
+  static V tanh(V x) {
+    if constexpr (std::is_same_v<acc_t, float>) {
+      // tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|): a third of the time
+      // of Sleef's tanh (soft-capped attention measured 1.30x the plain call
+      // with it); an absolute error of a few 1e-8.
+      const V e = (x.abs() * V(-2.f)).exp();
+      const V t = (V(1.f) - e) / (V(1.f) + e);
+      return V::blendv(t, V(0.f) - t, x < V(0.f));
+    } else {
+      return x.tanh();
+    }
+  }
 };
 
 // ---------------------------------------------------------------------------
@@ -171,9 +182,10 @@ struct TileRows {
 // s[j * ld + col] of the caller's scaled scores, before the masks. Under a
 // cap, cap_slope (when not null) receives ds/dz of each score, what backward
 // multiplies the score gradients by. offset: the sequence's Sk - Sq.
+// col_buf: scratch of 2 * ld.
 template <typename acc_t>
 void apply_score_mods(acc_t* s, int64_t ld, const TileRows& t, const attn::ScoreMods& mods,
-                      int64_t offset, acc_t* cap_slope);
+                      int64_t offset, acc_t* cap_slope, acc_t* col_buf);
 
 // Applies the caller's mask to a transposed score tile s[j * ld + col]: bool
 // False -> -inf, float masks added to the (already scaled) scores.

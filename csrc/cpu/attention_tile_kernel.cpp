@@ -25,28 +25,33 @@ void mask_tile(acc_t* s, int64_t ld, int64_t nk, int64_t j0, int64_t p0, int64_t
 
 template <typename acc_t>
 void apply_score_mods(acc_t* s, int64_t ld, const TileRows& t, const attn::ScoreMods& mods,
-                      int64_t offset, acc_t* cap_slope) {
+                      int64_t offset, acc_t* cap_slope, acc_t* col_buf) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
-  if (mods.softcap > 0) {
-    const V cap(static_cast<acc_t>(mods.softcap));
-    const V inv_cap(acc_t(1) / static_cast<acc_t>(mods.softcap));
-    for (int64_t j = 0; j < t.nk; ++j) {
-      for (int64_t c = 0; c < ld; c += W) {
-        const V x = act::capped<VecOps<acc_t>>(V::loadu(s + j * ld + c), cap);
-        x.store(s + j * ld + c);
-        if (cap_slope != nullptr) act::cap_slope(x, inv_cap).store(cap_slope + j * ld + c);
-      }
+  const bool capped = mods.softcap > 0, alibi = mods.alibi != nullptr;
+  const V cap(static_cast<acc_t>(mods.softcap));
+  const V inv_cap(capped ? acc_t(1) / static_cast<acc_t>(mods.softcap) : acc_t(0));
+  // Per column: the ALiBi slope and the absolute position (exact as acc_t
+  // below 2^24 positions), so a vector runs along a key's row of the tile.
+  acc_t* slope = col_buf;
+  acc_t* pos = col_buf + ld;
+  if (alibi) {
+    for (int64_t c = 0; c < ld; ++c) {
+      const bool real = c < t.cols();
+      slope[c] = real ? mods.slope<acc_t>(t.b, t.head(c)) : acc_t(0);
+      pos[c] = real ? static_cast<acc_t>(t.pos(c) + offset) : acc_t(0);
     }
   }
-  if (mods.alibi != nullptr) {
-    // Column by column the slope and the position are fixed; a vector runs
-    // along the keys of the transposed tile's column (stride ld).
-    for (int64_t col = 0; col < t.cols(); ++col) {
-      const acc_t slope = mods.slope<acc_t>(t.b, t.head(col));
-      const int64_t p = t.pos(col) + offset;
-      acc_t* sc = s + col;
-      for (int64_t j = 0; j < t.nk; ++j) sc[j * ld] += slope * attn::alibi_distance<acc_t>(p, t.j0 + j);
+  for (int64_t j = 0; j < t.nk; ++j) {
+    const V key(static_cast<acc_t>(t.j0 + j));
+    for (int64_t c = 0; c < ld; c += W) {
+      V x = V::loadu(s + j * ld + c);
+      if (capped) {
+        x = act::capped<VecOps<acc_t>>(x, cap);
+        if (cap_slope != nullptr) act::cap_slope(x, inv_cap).store(cap_slope + j * ld + c);
+      }
+      if (alibi) x = x - V::loadu(slope + c) * (V::loadu(pos + c) - key).abs();
+      x.store(s + j * ld + c);
     }
   }
 }
@@ -107,7 +112,7 @@ void transpose(const acc_t* src, int64_t ld_src, int64_t rows, int64_t cols, acc
   template void apply_tensor_mask<acc_t>(acc_t*, int64_t, const TileRows&,                     \
                                          const attn::TensorMask&);                             \
   template void apply_score_mods<acc_t>(acc_t*, int64_t, const TileRows&,                      \
-                                        const attn::ScoreMods&, int64_t, acc_t*);              \
+                                        const attn::ScoreMods&, int64_t, acc_t*, acc_t*);      \
   template void transpose<acc_t>(const acc_t*, int64_t, int64_t, int64_t, acc_t*, int64_t)
 FUSEDLLM_INSTANTIATE(float);
 FUSEDLLM_INSTANTIATE(double);

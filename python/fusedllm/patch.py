@@ -10,10 +10,17 @@
   ``ModernMultiHeadAttention``, ``SimpleAttention``,
   ``LLaMAGroupQueryAttention``, by their :mod:`fusedllm.compat` drop-ins;
 - Hugging Face Llama, Mistral, Qwen2/3 and Phi-3 RMSNorms (Llama casting),
-  Gemma RMSNorms (``offset=1``, Gemma casting), their gated MLPs (SwiGLU, or
-  GeGLU-tanh for Gemma; Phi-3's packed ``gate_up_proj``), and attention, by
-  switching the model to the ``"fusedllm"`` attention implementation
-  (:mod:`fusedllm.hf`);
+  Gemma, Gemma 2 and Gemma 3 RMSNorms (``offset=1``, Gemma casting), OLMo 2
+  and gpt-oss RMSNorms (weight multiplied in float32, Gemma casting without
+  the offset; OLMo 2's q/k norms over all heads' projections included),
+  their gated MLPs (SwiGLU, or GeGLU-tanh for Gemma; Phi-3's packed
+  ``gate_up_proj``), and attention, by switching the model to the
+  ``"fusedllm"`` attention implementation (:mod:`fusedllm.hf`): Llama,
+  Mistral, Qwen2/3, Phi-3, Gemma, Gemma 2 (soft-capped logits) and Gemma 3
+  text (global and sliding layers), OLMo 2, gpt-oss (attention sinks,
+  sliding layers), Cohere, GPT-NeoX. A norm whose weight has another dtype
+  than the model computes in (gpt-oss keeps some in float32 when loaded in
+  float16) is left, and the report says why;
 - Hugging Face parallel-residual decoder layers, ``x + attn(norm(x)) +
   mlp(norm(x))``: GPT-J's ``GPTJBlock``, GPT-NeoX / Pythia's ``GPTNeoXLayer``
   with ``use_parallel_residual``, Cohere's ``CohereDecoderLayer``, by fused
@@ -27,7 +34,8 @@
   the block's own forward (router jitter, shared experts) on a router that
   is :func:`fusedllm.moe_route` and experts that are
   :func:`fusedllm.moe_experts`. Other MoE blocks are left, and the report
-  says why.
+  says why (gpt-oss's: its experts' biases, interleaved gate/up rows and
+  clamped activation, and its router's bias, have no fused kernel).
 
 Every replacement holds the very same ``Parameter`` objects (and the same
 ``nn.Linear`` submodules) as the module it replaces, so an optimizer built
@@ -112,25 +120,34 @@ _NOTEBOOK_RULES = {**nb000.PATCH_RULES, **nb001.PATCH_RULES, **nb002.PATCH_RULES
 _HF_LLAMA_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm",
                    "Phi3RMSNorm"}
 _HF_GEMMA_NORMS = {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"}
+# `weight * normalized` in float32, cast last: Gemma's casting without its offset
+_HF_FLOAT32_WEIGHT_NORMS = {"Olmo2RMSNorm", "GptOssRMSNorm"}
 _HF_GATED_MLPS = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP",
-                  "CohereMLP"}
+                  "CohereMLP", "Olmo2MLP"}
 _HF_PACKED_MLPS = {"Phi3MLP"}
 # model types whose attention goes through AttentionInterface with nothing the
-# fused kernel lacks (Gemma 2 / 3 use logit soft-capping)
-_HF_ATTENTION_MODELS = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "cohere", "gpt_neox"}
+# fused kernel lacks (Gemma 2's soft-capped logits and gpt-oss's sinks it has)
+_HF_ATTENTION_MODELS = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "olmo2",
+                        "gpt_oss", "cohere", "gpt_neox"}
 # model types whose attention runs its own code, fused only inside their fused parallel layers
 _HF_OWN_ATTENTION = {"gptj": "GPT-J computes attention itself (no AttentionInterface)",
                      "falcon": "Falcon computes attention itself (no AttentionInterface)"}
 
 
-def _hf_norm(m, gemma):
+class _Reason(str):
+    """Why a module is left, when the reason is not its structure."""
+
+
+def _hf_norm(m, offset, casting, compute_dtype):
     w, eps = norm_weight(m), eps_of(m, "eps", "variance_epsilon")
     if w is None or eps is None:
         return "expected one 1-D `weight` parameter and a numeric eps"
-    if gemma:
-        new = shell(fnn.RMSNorm, w.shape[0], eps=eps, offset=1.0, casting="gemma")
-    else:
-        new = shell(fnn.RMSNorm, w.shape[0], eps=eps)
+    if compute_dtype is not None and w.dtype != compute_dtype:
+        # the fused op takes the weight in the input's dtype; casting it would
+        # change what the model computes (and the Parameter it trains)
+        return _Reason(f"its weight is {w.dtype} but the model computes in {compute_dtype} (e.g. kept in "
+                       f"float32 by _keep_in_fp32_modules); the fused RMSNorm takes the weight in the input's dtype")
+    new = shell(fnn.RMSNorm, w.shape[0], eps=eps, offset=offset, casting=casting)
     new.weight = w
     return new
 
@@ -167,21 +184,59 @@ def _hf_packed_mlp(m):
 _HF_MOE_SUFFIXES = ("SparseMoeBlock", "SparseMoE", "MoeBlock", "MoE", "MoeLayer", "MoELayer")
 
 
+# MoE blocks named otherwise (gpt-oss's holds a `router` and `experts`)
+_HF_OTHER_MOE_BLOCKS = {"GptOssMLP"}
+
+
+def _experts_problems(experts) -> list[str]:
+    """Everything in a transformers experts module that moe_experts has no kernel for."""
+    if experts is None:
+        return []
+    problems = []
+    if getattr(experts, "has_bias", False):
+        problems.append("biases on the gate/up and down products (has_bias)")
+    if getattr(experts, "is_transposed", False):
+        problems.append("weights stored transposed (is_transposed)")
+    if not getattr(experts, "is_concatenated", True):
+        problems.append("gate and up rows interleaved (is_concatenated=False), not [gate | up]")
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
+        limit, alpha = getattr(experts, "limit", None), getattr(experts, "alpha", None)
+        clamp = (f": a clamped activation (gate and up clipped at {limit:g}, gate * sigmoid({alpha:g} * gate) "
+                 f"* (up + 1))" if isinstance(limit, (int, float)) and isinstance(alpha, (int, float)) else "")
+        problems.append(f"its own gating ({type(experts).__name__}._apply_gate{clamp})")
+    if not problems:
+        problem = hf_moe.experts_problem(experts) if isinstance(experts, nn.Module) else None
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
 def _hf_moe_left(m):
-    return (f"{type(m).__name__} is not one of the sparse MoE blocks fusedllm fuses "
+    name = type(m).__name__
+    problems = _experts_problems(getattr(m, "experts", None))
+    if problems:
+        router = getattr(m, "router", getattr(m, "gate", None))
+        if isinstance(getattr(router, "bias", None), torch.Tensor):
+            problems.append("a router with a bias")
+        return (f"{name} is not one of the sparse MoE blocks fusedllm fuses, and its experts cannot run on "
+                f"moe_experts (nor experts_implementation='fusedllm'): " + "; ".join(problems))
+    return (f"{name} is not one of the sparse MoE blocks fusedllm fuses "
             f"({', '.join(hf_moe.MOE_BLOCKS)}); experts_implementation='fusedllm' may still run its experts")
 
 
-def _hf_rule(module):
+def _hf_rule(module, compute_dtype=None):
     name = type(module).__name__
     if name in hf_moe.MOE_BLOCKS:
         return "moe", hf_moe.fused_moe_block
-    if name.endswith(_HF_MOE_SUFFIXES) and hasattr(module, "experts"):
+    if (name.endswith(_HF_MOE_SUFFIXES) or name in _HF_OTHER_MOE_BLOCKS) and hasattr(module, "experts"):
         return "moe", _hf_moe_left
     if name in _HF_LLAMA_NORMS:
-        return "rms_norm", lambda m: _hf_norm(m, gemma=False)
+        return "rms_norm", lambda m: _hf_norm(m, 0.0, "llama", compute_dtype)
     if name in _HF_GEMMA_NORMS:
-        return "rms_norm", lambda m: _hf_norm(m, gemma=True)
+        return "rms_norm", lambda m: _hf_norm(m, 1.0, "gemma", compute_dtype)
+    if name in _HF_FLOAT32_WEIGHT_NORMS:
+        return "rms_norm", lambda m: _hf_norm(m, 0.0, "gemma", compute_dtype)
     if name in _HF_GATED_MLPS:
         return "swiglu", _hf_gated_mlp
     if name in _HF_PACKED_MLPS:
@@ -265,6 +320,18 @@ def _is_transformers(module) -> bool:
     return type(module).__module__.startswith("transformers")
 
 
+def _compute_dtype(model):
+    """The dtype a Hugging Face model computes in (its input embeddings'), or None."""
+    get = getattr(model, "get_input_embeddings", None)
+    if not _is_transformers(model) or not callable(get):
+        return None
+    try:
+        weight = getattr(get(), "weight", None)
+    except (NotImplementedError, AttributeError):
+        return None
+    return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else None
+
+
 def _switch_hf_attention(model, report):
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation") or not _is_transformers(model):
@@ -335,6 +402,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
              "moe": moe}
     report = PatchReport()
     registry = model.__dict__.setdefault(_REGISTRY_ATTR, [])
+    compute_dtype = _compute_dtype(model)
 
     def consider(path, module):
         """A replacement for ``module``, or None (after noting why, if it was a candidate)."""
@@ -342,7 +410,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
             return None
         kind = "hidden"
         if _is_transformers(module):
-            rule = _hf_rule(module)
+            rule = _hf_rule(module, compute_dtype)
             if rule is None:
                 return None
             flag, build = rule
@@ -359,7 +427,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
             return None
         new = build(module)
         if isinstance(new, str):
-            reason = new if flag in ("parallel", "moe") else f"same name, different structure: {new}"
+            reason = (new if flag in ("parallel", "moe") or isinstance(new, _Reason)
+                      else f"same name, different structure: {new}")
             report.left.append(Left(path, name, reason))
             return None
         new.train(module.training)

@@ -202,8 +202,9 @@ def _experts_problems(experts) -> list[str]:
     apply_gate = getattr(type(experts), "_apply_gate", None)
     if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
         limit, alpha = getattr(experts, "limit", None), getattr(experts, "alpha", None)
-        clamp = (f": a clamped activation (gate and up clipped at {limit:g}, gate * sigmoid({alpha:g} * gate) "
-                 f"* (up + 1))" if isinstance(limit, (int, float)) and isinstance(alpha, (int, float)) else "")
+        clamp = (f": a clamped activation (gate clipped above at {limit:g}, up to [-{limit:g}, {limit:g}], "
+                 f"gate * sigmoid({alpha:g} * gate) * (up + 1))"
+                 if isinstance(limit, (int, float)) and isinstance(alpha, (int, float)) else "")
         problems.append(f"its own gating ({type(experts).__name__}._apply_gate{clamp})")
     if not problems:
         problem = hf_moe.experts_problem(experts) if isinstance(experts, nn.Module) else None

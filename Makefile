@@ -101,6 +101,7 @@ bench: $(VENV)/.built $(VENV)/.dev-deps-installed
 	$(BIN)/python benchmarks/bench_swiglu.py
 	$(BIN)/python benchmarks/bench_rope.py
 	$(BIN)/python benchmarks/bench_attention.py
+	$(BIN)/python benchmarks/bench_attention_options.py
 	$(BIN)/python benchmarks/bench_decode.py
 	$(BIN)/python benchmarks/bench_model.py
 	$(BIN)/python benchmarks/bench_parallel_block.py

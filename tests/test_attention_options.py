@@ -224,6 +224,26 @@ def test_local_windows_match_reference(device, window, sq, sk, causal):
     check_against_reference(q, k, v, out, grad_out, grads, torch.float32, causal=causal, window=window)
 
 
+@pytest.mark.parametrize("option", ["softcap", "sinks", "alibi_per_batch", "window_left_right", "all"])
+def test_op_lse_matches_reference(device, option):
+    """The op's log-sum-exp [B, Hq, Sq] is the log of each row's softmax
+    denominator, the sink's term included (a row that sees no key then has
+    lse = its sink, not -inf); backward reads it."""
+    b, hq, sq, sk = 2, 4, 30, 12
+    q, k, v = make_qkv(b, hq, 2, sq, sk, 16, torch.float32, device)
+    options = make_options(option, b, hq, device)
+    left, right = _op_window(options.get("window"))
+    scale = options.get("scale", 0.25)
+    out, lse = ops.attention(q, k, v, None, scale, True, left, 0.0, None, right, options.get("softcap", 0.0),
+                             options.get("sinks"), options.get("alibi_slopes"), None, None, 0, 0)
+    ref_out, ref_lse = ref_attention(q.double(), k.double(), v.double(), causal=True,
+                                     **dict(options, scale=scale))
+    assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows without keys differ"
+    assert_close(out, ref_out, FORWARD_TOL[torch.float32], "out")
+    assert_close(lse, ref_lse.detach(), FORWARD_TOL[torch.float32], "lse")
+
+
 def test_window_pairs_equal_their_int_and_mask_forms(device):
     """An int window w is the pair (w - 1, -1); (-1, -1) is no window; any pair
     equals the bool band mask p - left <= j <= p + right."""
@@ -579,16 +599,20 @@ def test_varlen_strided_inputs(device):
     assert_close(grad, ref_grad, GRAD_TOL[torch.float32], "grad")
 
 
-def test_varlen_lse_matches_reference(device):
-    """The op's log-sum-exp: [Hq, total_q], -inf for queries that see no key."""
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no_sinks", "sinks"])
+def test_varlen_lse_matches_reference(device, with_sinks):
+    """The op's log-sum-exp: [Hq, total_q]; -inf for queries that see no key
+    (their sink's value with sinks)."""
     lengths_q, lengths_k = [3, 17, 0, 6], [5, 17, 4, 2]
     q, k, v, cu_q, cu_k = pack(lengths_q, lengths_k, 4, 2, 16, torch.float32, device)
     slopes = alibi_slopes(4, device=device)
+    sinks = make_sinks(4, device).detach() if with_sinks else None
     left, right = _op_window((6, 1))
-    out, lse = ops.attention(q, k, v, None, 0.3, True, left, 0.0, None, right, 2.5, None, slopes, cu_q, cu_k,
+    out, lse = ops.attention(q, k, v, None, 0.3, True, left, 0.0, None, right, 2.5, sinks, slopes, cu_q, cu_k,
                              17, 17)
     ref_out, ref_lse = ref_attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, causal=True,
-                                            scale=0.3, window=(6, 1), softcap=2.5, alibi_slopes=slopes)
+                                            scale=0.3, window=(6, 1), softcap=2.5, alibi_slopes=slopes,
+                                            sinks=sinks)
     assert lse.shape == (4, sum(lengths_q)) and lse.dtype == torch.float32
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     assert_close(out, ref_out, FORWARD_TOL[torch.float32], "out")

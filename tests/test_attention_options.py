@@ -7,6 +7,8 @@ import functools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import checks
 import fusedllm
@@ -403,6 +405,112 @@ def test_backward_with_options_is_deterministic(device, pairs):
     for res in results[1:]:
         for got, first in zip(res, results[0]):
             assert torch.equal(got, first)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [1, 80, 128, 256])
+def test_all_options_for_every_head_dim_class(device, head_dim, causal, dtype):
+    q, k, v = make_qkv(2, 4, 2, 19, 45, head_dim, dtype, device, requires_grad=True)
+    options = make_options("all", 2, 4, device)
+    out = fusedllm.attention(q, k, v, causal=causal, **options)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, _differentiable(q, k, v, options), grad_out)
+    check_against_reference(q, k, v, out, grad_out, grads, dtype, causal=causal, **options)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_prefill_with_all_options(device, dtype):
+    """Past several key and query tiles: 700 positions, GQA 6:2, two batches."""
+    seq = 300 if emulated() else 700
+    q, k, v = make_qkv(2, 6, 2, seq, seq, 64, dtype, device, requires_grad=True)
+    options = dict(make_options("all", 2, 6, device), window=(250, 40))
+    out = fusedllm.attention(q, k, v, **options)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, _differentiable(q, k, v, options), grad_out)
+    check_against_reference(q, k, v, out, grad_out, grads, dtype, **options)
+
+
+def test_strided_sinks_and_slopes(device):
+    """sinks and slopes as views with strides other than 1 (a column of a
+    matrix, an expanded row, a transposed matrix) read like their copies."""
+    b, hq = 2, 4
+    q, k, v = make_qkv(b, hq, 2, 11, 16, 16, torch.float32, device, requires_grad=True)
+    sinks_table = torch.randn(hq, 3, device=device, requires_grad=True)
+    sinks = sinks_table[:, 1]  # stride 3
+    slopes = alibi_slopes(hq, b, device=device).t().contiguous().t()  # [B, Hq] with strides (1, B)
+    expanded = alibi_slopes(hq, device=device)[None].expand(b, hq)  # stride 0 over the batch
+    for slope_view in (slopes, expanded):
+        out = fusedllm.attention(q, k, v, causal=True, sinks=sinks, alibi_slopes=slope_view)
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v, sinks_table), grad_out)
+        # only the column the sinks are read from gets a gradient
+        assert torch.equal(grads[3][:, [0, 2]], torch.zeros_like(grads[3][:, [0, 2]]))
+        grads = (*grads[:3], grads[3][:, 1])
+        ref_options = dict(causal=True, sinks=sinks.detach().clone().requires_grad_(),
+                           alibi_slopes=slope_view.contiguous())
+        check_against_reference(q, k, v, out, grad_out, grads, torch.float32, **ref_options)
+
+
+window_pairs = st.tuples(st.integers(-1, 60), st.integers(-1, 60))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    kv_heads=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 3, 4]),
+    q_len=st.integers(1, 90),
+    kv_extra=st.integers(-20, 90),
+    head_dim=st.integers(1, 72),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(1, 100), window_pairs),
+    softcap=st.one_of(st.none(), st.floats(0.3, 30.0)),
+    with_sinks=st.booleans(),
+    alibi=st.sampled_from([None, "heads", "batch_heads"]),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_hypothesis_options(batch, kv_heads, group, q_len, kv_extra, head_dim, causal, window, softcap,
+                            with_sinks, alibi, dtype):
+    kv_len = max(1, q_len + kv_extra)
+    q_heads = kv_heads * group
+    q, k, v = make_qkv(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, "cpu", requires_grad=True)
+    options = dict(causal=causal, window=window, softcap=softcap)
+    if with_sinks:
+        options["sinks"] = make_sinks(q_heads, "cpu")
+    if alibi is not None:
+        options["alibi_slopes"] = alibi_slopes(q_heads, batch if alibi == "batch_heads" else None)
+    out = fusedllm.attention(q, k, v, **options)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, _differentiable(q, k, v, options), grad_out)
+    check_against_reference(q, k, v, out, grad_out, grads, dtype, **options)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 70)), min_size=1, max_size=6),
+    kv_heads=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 4]),
+    head_dim=st.sampled_from([8, 16, 40, 64]),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(1, 50), window_pairs),
+    softcap=st.one_of(st.none(), st.floats(0.3, 30.0)),
+    with_sinks=st.booleans(),
+    alibi=st.sampled_from([None, "heads", "sequence_heads"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_hypothesis_varlen(lengths, kv_heads, group, head_dim, causal, window, softcap, with_sinks, alibi,
+                           dtype):
+    lengths_q, lengths_k = [lq for lq, _ in lengths], [lk for _, lk in lengths]
+    q_heads = kv_heads * group
+    q, k, v, cu_q, cu_k = pack(lengths_q, lengths_k, q_heads, kv_heads, head_dim, dtype, "cpu",
+                               requires_grad=True)
+    options = dict(causal=causal, window=window, softcap=softcap)
+    if with_sinks:
+        options["sinks"] = make_sinks(q_heads, "cpu")
+    if alibi is not None:
+        options["alibi_slopes"] = alibi_slopes(q_heads, len(lengths) if alibi == "sequence_heads" else None)
+    check_varlen(q, k, v, cu_q, cu_k, dtype, **options)
 
 
 # --- varlen ---------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 // The attention ops on CUDA and the forward kernel (one block per tile of
-// (position, head) rows of a kv head); the backward kernels are in
+// (position, head) rows of a kv head and sequence); the backward kernels are in
 // attention_dq.cu and attention_dkdv.cu, what they share in attention.cuh.
 #include "attention.cuh"
 
@@ -10,8 +10,8 @@ template <typename T, int kDL>
 __global__ void __launch_bounds__(Cfg<at::opmath_type<T>, kDL>::kFwdWarps * kWarpSize, 1)
 attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restrict__ k, Strides ks,
                          const T* __restrict__ v, Strides vs, T* __restrict__ out,
-                         at::opmath_type<T>* __restrict__ lse, attn::QueryRows rows, int d,
-                         at::opmath_type<T> scale, Mask mask, ScoreExtras extras) {
+                         at::opmath_type<T>* __restrict__ lse, attn::QueryRows rows, attn::Seqs seqs,
+                         int d, at::opmath_type<T> scale, Mask mask_all, ScoreExtras extras) {
   using acc_t = at::opmath_type<T>;
   using C = Cfg<acc_t, kDL>;
   using Ops = attn::ScalarOps<acc_t>;
@@ -21,15 +21,19 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restric
   acc_t* v_s = k_s + C::kKeys * C::kLd;
 
   const int64_t g = blockIdx.y, b = blockIdx.z;
-  const int64_t rows_total = rows.group_rows();
+  const int64_t sq = seqs.q_len(b);
+  const int64_t rows_total = sq * rows.group;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * C::kFwdRows;
+  if (row0 >= rows_total) return;  // past this (packed) sequence's end: the whole block
+  const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int d_vec = (d + C::kVec - 1) / C::kVec * C::kVec;
-  const T* kb_ptr = k + b * ks.b + g * ks.h;
-  const T* vb_ptr = v + b * vs.b + g * vs.h;
+  const int64_t k_start = seqs.k_start(b);
+  const T* kb_ptr = k + b * ks.b + g * ks.h + k_start * ks.s;
+  const T* vb_ptr = v + b * vs.b + g * vs.h + k_start * vs.s;
 
-  stage_rows<T, acc_t, C::kD, C::kLd>(q_s, C::kFwdRows, q + b * qs.b, qs, rows, g, row0, rows_total, d,
-                                       scale);
+  stage_rows<T, acc_t, C::kD, C::kLd>(q_s, C::kFwdRows, q + b * qs.b + seqs.q_start(b) * qs.s, qs, rows,
+                                       g, row0, rows_total, d, scale);
 
   acc_t m[RW], l[RW], o[RW][kDL];
   int64_t lo[RW], hi[RW];
@@ -63,7 +67,12 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restric
       const bool visible = lane < C::kKeys && key >= lo[r] && key < hi[r];
       const int64_t row = row0 + warp * RW + r;
       const int64_t h = rows.group_head(g, row), pos = rows.group_pos(row);
-      s = visible ? extras.masked(s, b, h, pos, key) : -std::numeric_limits<acc_t>::infinity();
+      if (visible) {
+        s = extras.masked(extras.modified<acc_t>(s, b, h, pos + mask.offset, key, nullptr), b, h, pos,
+                          key);
+      } else {
+        s = -std::numeric_limits<acc_t>::infinity();
+      }
       acc_t shift;
       alpha[r] = attn::online_softmax_step(m[r], warp_reduce_max(s), shift, Ops{});
       p[r] = visible ? Ops::exp(s - shift) : acc_t(0);
@@ -101,13 +110,18 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restric
     const int64_t row = row0 + warp * RW + r;
     if (row >= rows_total) continue;
     const int64_t out_row = rows.row_of_group_row(b, g, row);
-    const acc_t inv = attn::row_inv_sum(l[r]);
+    acc_t lse_r = attn::row_lse(m[r], l[r]);
+    acc_t factor = attn::row_inv_sum(l[r]);
+    // A sink joins the finished row's denominator: it scales the output and the lse includes it.
+    if (extras.mods.sinks != nullptr) {
+      factor *= attn::fold_sink(lse_r, extras.mods.sink<acc_t>(rows.group_head(g, row)));
+    }
 #pragma unroll
     for (int t = 0; t < kDL; ++t) {
       const int c = lane + kWarpSize * t;
-      if (c < d) out[out_row * d + c] = static_cast<T>(o[r][t] * inv);
+      if (c < d) out[out_row * d + c] = static_cast<T>(o[r][t] * factor);
     }
-    if (lane == 0) lse[out_row] = attn::row_lse(m[r], l[r]);
+    if (lane == 0) lse[out_row] = lse_r;
   }
 }
 
@@ -119,7 +133,7 @@ void check_grid(const AttentionShape& s) {
 
 void launch_attention_forward(const AttentionForwardPlan& p, Stream stream) {
   const AttentionShape& s = p.shape;
-  const attn::QueryRows rows = rows_of(s);
+  const attn::QueryRows rows = rows_of(p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.scalar_type(), "fusedllm_attention_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     with_head_dim(s.head_dim, [&](auto DL) {
@@ -133,7 +147,7 @@ void launch_attention_forward(const AttentionForwardPlan& p, Stream stream) {
           stream, p.q.const_data_ptr<scalar_t>(), strides_of(p.q), p.k.const_data_ptr<scalar_t>(),
           strides_of(p.k), p.v.const_data_ptr<scalar_t>(), strides_of(p.v),
           p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), rows,
-          static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p));
+          p.seqs, static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p));
     });
   });
 }
@@ -150,7 +164,7 @@ struct CudaAttention {
     check_grid(p.shape);
     const Stream stream = current_stream();
     const AttentionShape& s = p.shape;
-    at::Tensor delta = at::empty({s.batch * s.q_heads * s.sq}, p.q.options().dtype(lse_dtype(p.q)));
+    at::Tensor delta = at::empty({p.rows.count(s.batch)}, p.q.options().dtype(lse_dtype(p.q)));
     launch_attention_dq(p, delta, stream);
     launch_attention_dkdv(p, delta, stream);
   }

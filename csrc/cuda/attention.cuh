@@ -6,8 +6,14 @@
 // computes q . k_j for the warp's rows from shared memory; softmax statistics
 // are warp reductions; for P V (and dS K) each lane owns head_dim entries
 // lane, lane + 32, ... and takes p_j from lane j by shuffle. The online-softmax
-// step, masks and score gradient come from fusedllm/attention.h, the code the
-// CPU kernels run too.
+// step, masks, ALiBi distance, sink folding and score gradient come from
+// fusedllm/attention.h and soft-capping from fusedllm/activations.h: the code
+// the CPU kernels run too.
+//
+// Packed sequences: a block serves one sequence b (grid sized by the longest),
+// reads its rows from the sequence's start (Seqs) and returns at once when its
+// tile lies past that sequence's end; rows are numbered by the plan's
+// QueryRows / KeyRows.
 //
 // Backward: delta = rowsum(dO * O) once; dQ by a kernel shaped like the
 // forward (one block per tile of rows, every key tile); dK/dV by a kernel with
@@ -27,6 +33,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "fusedllm/activations.h"
 #include "fusedllm/attention.h"
 #include "fusedllm/attention_op.h"
 #include "fusedllm/dropout.h"
@@ -81,8 +88,8 @@ struct Cfg {
 };
 
 // Copies `n_rows` rows of head_dim d starting at group row row0 of kv head g
-// into shared rows of stride kLd, times `scale`; zeros past d and past row
-// rows_total.
+// of the sequence whose position 0 is at `base` into shared rows of stride
+// kLd, times `scale`; zeros past d and past row rows_total.
 template <typename T, typename acc_t, int kD, int kLd>
 __device__ __forceinline__ void stage_rows(acc_t* dst, int n_rows, const T* base, Strides st,
                                            const attn::QueryRows& rows, int64_t g, int64_t row0,
@@ -136,13 +143,30 @@ __device__ __forceinline__ acc_t smem_dot(const acc_t* a, const acc_t* b, int n)
   return sum;
 }
 
-// What a score sees besides causal/window: the caller's mask (added, or -inf
-// where a bool mask is False) and the dropout of its probability.
+// What a score sees besides causal/window: soft-capping and ALiBi, the
+// caller's mask (added, or -inf where a bool mask is False) and the dropout of
+// its probability.
 struct ScoreExtras {
+  attn::ScoreMods mods;
   attn::TensorMask mask;
   dropout::Dropout drop;
   attn::QueryRows rows;
-  int64_t sk = 0;
+  int64_t sk = 0;  // the longest sequence's keys: dropout counters
+
+  // Soft-capping then ALiBi on the scaled score s of query head h at absolute
+  // position p and key `key` of sequence b. Under a cap, *dcap (when given)
+  // receives ds/dz, what the score gradient is multiplied by.
+  template <typename acc_t>
+  __device__ __forceinline__ acc_t modified(acc_t s, int64_t b, int64_t h, int64_t p, int64_t key,
+                                            acc_t* dcap) const {
+    if (mods.softcap > 0) {
+      const acc_t cap = static_cast<acc_t>(mods.softcap);
+      s = act::capped<act::ScalarMath>(s, cap);
+      if (dcap != nullptr) *dcap = act::cap_slope(s, acc_t(1) / cap);
+    }
+    if (mods.alibi != nullptr) s += mods.slope<acc_t>(b, h) * attn::alibi_distance<acc_t>(p, key);
+    return s;
+  }
 
   template <typename acc_t>
   __device__ __forceinline__ acc_t masked(acc_t s, int64_t b, int64_t h, int64_t pos,
@@ -204,19 +228,15 @@ void allow_shared_memory(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024) allow_dynamic_shared_memory(kernel, bytes);
 }
 
-attn::QueryRows rows_of(const AttentionShape& s) {
-  attn::QueryRows r;
-  r.q_heads = s.q_heads;
-  r.group = s.group();
-  r.sq = s.sq;
-  return r;
-}
+// The plan's row numbering (packed-aware).
+attn::QueryRows rows_of(const AttentionParams& p) { return p.rows; }
 
 ScoreExtras extras_of(const AttentionParams& p) {
   ScoreExtras e;
+  e.mods = p.mods;
   e.mask = p.tensor_mask;
   e.drop = p.dropout;
-  e.rows = rows_of(p.shape);
+  e.rows = rows_of(p);
   e.sk = p.shape.sk;
   return e;
 }

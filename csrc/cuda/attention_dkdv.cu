@@ -12,8 +12,9 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
                       const T* __restrict__ k, Strides ks, const T* __restrict__ v, Strides vs,
                       const at::opmath_type<T>* __restrict__ lse,
                       const at::opmath_type<T>* __restrict__ delta, T* __restrict__ grad_k,
-                      T* __restrict__ grad_v, attn::QueryRows rows, int64_t kv_heads, int64_t sk,
-                      int d, at::opmath_type<T> scale, Mask mask, ScoreExtras extras) {
+                      T* __restrict__ grad_v, attn::QueryRows rows, attn::KeyRows key_rows,
+                      attn::Seqs seqs, int d, at::opmath_type<T> scale, Mask mask_all,
+                      ScoreExtras extras) {
   using acc_t = at::opmath_type<T>;
   using C = Cfg<acc_t, kDL>;
   using Ops = attn::ScalarOps<acc_t>;
@@ -29,13 +30,19 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
   acc_t* delta_s = shift_s + RC;
 
   const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int64_t sq = seqs.q_len(b), sk = seqs.k_len(b);
   const int64_t j0 = static_cast<int64_t>(blockIdx.x) * C::kKeys;
+  if (j0 >= sk) return;  // past this (packed) sequence's end: the whole block
   const int64_t j_end = j0 + C::kKeys < sk ? j0 + C::kKeys : sk;
+  const Mask mask = mask_all.of_lengths(sq, sk);
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int d_vec = (d + C::kVec - 1) / C::kVec * C::kVec;
+  const int64_t q_start = seqs.q_start(b), k_start = seqs.k_start(b);
 
-  stage_keys<T, acc_t, C::kD, C::kLd, C::kKeys>(k_s, k + b * ks.b + g * ks.h, ks.s, j0, j_end, d);
-  stage_keys<T, acc_t, C::kD, C::kLd, C::kKeys>(v_s, v + b * vs.b + g * vs.h, vs.s, j0, j_end, d);
+  stage_keys<T, acc_t, C::kD, C::kLd, C::kKeys>(k_s, k + b * ks.b + g * ks.h + k_start * ks.s, ks.s, j0,
+                                                 j_end, d);
+  stage_keys<T, acc_t, C::kD, C::kLd, C::kKeys>(v_s, v + b * vs.b + g * vs.h + k_start * vs.s, vs.s, j0,
+                                                 j_end, d);
 
   // Totals, and the sums of the latest kSumChunk rows, added to them when full.
   acc_t dk[KW][kDL], dv[KW][kDL], dk_part[KW][kDL], dv_part[KW][kDL];
@@ -59,10 +66,10 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
   int chunks_in_sum = 0;
 
   // Rows (position, head) of the positions that see any key of this tile.
-  const int64_t rows_begin = rows.group_row(attn::query_begin(mask, j0, rows.sq));
-  const int64_t rows_end = rows.group_row(attn::query_end(mask, j_end, rows.sq));
-  const T* qb_ptr = q + b * qs.b;
-  const T* gb_ptr = grad_out + b * gs.b;
+  const int64_t rows_begin = rows.group_row(attn::query_begin(mask, j0, sq));
+  const int64_t rows_end = rows.group_row(attn::query_end(mask, j_end, sq));
+  const T* qb_ptr = q + b * qs.b + q_start * qs.s;
+  const T* gb_ptr = grad_out + b * gs.b + q_start * gs.s;
   const int64_t key = j0 + lane;
 
   for (int64_t r0 = rows_begin; r0 < rows_end; r0 += RC) {
@@ -90,12 +97,17 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
         const int64_t pos = rows.group_pos(row);
         if (key >= attn::key_begin(mask, pos) && key < attn::key_end(mask, pos) && key < j_end) {
           const int64_t h = rows.group_head(g, row);
+          acc_t dcap = 1;
           const acc_t s = extras.masked(
-              smem_dot<acc_t, C::kVec>(q_s + warp * C::kLd, k_s + lane * C::kLd, d_vec), b, h, pos, key);
+              extras.modified<acc_t>(
+                  smem_dot<acc_t, C::kVec>(q_s + warp * C::kLd, k_s + lane * C::kLd, d_vec), b, h,
+                  pos + mask.offset, key, &dcap),
+              b, h, pos, key);
           const acc_t dp = smem_dot<acc_t, C::kVec>(do_s + warp * C::kLd, v_s + lane * C::kLd, d_vec);
           const acc_t z = extras.keep_factor<acc_t>(b, h, pos, key);
           const acc_t p_kept = Ops::exp(s - shift_s[warp]);
-          ds = attn::score_grad(p_kept, dp * z, delta_s[warp]);
+          // Through the cap: d score / d (scale q . k) = dcap (1 without one).
+          ds = attn::score_grad(p_kept, dp * z, delta_s[warp]) * dcap;
           p = p_kept * z;  // dV sees the probabilities after dropout
         }
       }
@@ -130,7 +142,7 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
   }
   fold();
 
-  const int64_t kv_row0 = (b * kv_heads + g) * sk;
+  const int64_t kv_row0 = key_rows.row(b, g, 0);
 #pragma unroll
   for (int kk = 0; kk < KW; ++kk) {
     const int64_t key_out = j0 + warp * KW + kk;
@@ -157,6 +169,7 @@ void launch_attention_dkdv(const AttentionBackwardPlan& p, const at::Tensor& del
       using C = Cfg<acc_t, kDL>;
       auto kv_kernel = attention_dkdv_kernel<scalar_t, kDL>;
       allow_shared_memory(kv_kernel, C::kv_smem());
+      // Sized by the longest sequence's keys (packed); shorter ones return early.
       const dim3 kv_grid(static_cast<unsigned>((s.sk + C::kKeys - 1) / C::kKeys),
                          static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
       launch("attention_dkdv_kernel", kv_kernel, kv_grid, C::kKvWarps * kWarpSize, C::kv_smem(),
@@ -164,8 +177,8 @@ void launch_attention_dkdv(const AttentionBackwardPlan& p, const at::Tensor& del
           p.q.const_data_ptr<scalar_t>(), strides_of(p.q), p.k.const_data_ptr<scalar_t>(),
           strides_of(p.k), p.v.const_data_ptr<scalar_t>(), strides_of(p.v),
           p.lse.const_data_ptr<acc_t>(), delta.const_data_ptr<acc_t>(),
-          p.grad_k.mutable_data_ptr<scalar_t>(), p.grad_v.mutable_data_ptr<scalar_t>(), rows_of(s),
-          s.kv_heads, s.sk, static_cast<int>(s.head_dim),
+          p.grad_k.mutable_data_ptr<scalar_t>(), p.grad_v.mutable_data_ptr<scalar_t>(), rows_of(p),
+          p.key_rows, p.seqs, static_cast<int>(s.head_dim),
           static_cast<acc_t>(p.scale), p.mask, extras_of(p));
     });
   });

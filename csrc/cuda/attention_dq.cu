@@ -4,18 +4,19 @@
 namespace fusedllm::cuda {
 namespace {
 
-// delta[row] = sum(dO * O) over head_dim, one warp per row of [B, Hq, Sq].
+// delta[row] = sum(dO * O) over head_dim, one warp per row (QueryRows order).
 template <typename T>
 __global__ void attention_delta_kernel(const T* __restrict__ grad_out, Strides gs,
                                        const T* __restrict__ out, Strides os,
                                        at::opmath_type<T>* __restrict__ delta, attn::QueryRows rows,
-                                       int64_t n_rows, int d) {
+                                       attn::Seqs seqs, int64_t n_rows, int d) {
   using acc_t = at::opmath_type<T>;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps_per_block = blockDim.x / kWarpSize;
   for (int64_t row = blockIdx.x * warps_per_block + threadIdx.x / kWarpSize; row < n_rows;
        row += static_cast<int64_t>(gridDim.x) * warps_per_block) {
-    const int64_t pos = rows.pos(row), h = rows.head(row), b = rows.batch(row);
+    const int64_t b = rows.batch(row), h = rows.head(row);
+    const int64_t pos = seqs.q_start(b) + rows.pos(row);  // in the operand (packed: from its start)
     const T* g = grad_out + b * gs.b + h * gs.h + pos * gs.s;
     const T* o = out + b * os.b + h * os.h + pos * os.s;
     acc_t sum = 0;
@@ -32,8 +33,8 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
                     const T* __restrict__ k, Strides ks, const T* __restrict__ v, Strides vs,
                     const at::opmath_type<T>* __restrict__ lse,
                     const at::opmath_type<T>* __restrict__ delta, T* __restrict__ grad_q,
-                    attn::QueryRows rows, int d, at::opmath_type<T> scale, Mask mask,
-                    ScoreExtras extras) {
+                    attn::QueryRows rows, attn::Seqs seqs, int d, at::opmath_type<T> scale,
+                    Mask mask_all, ScoreExtras extras) {
   using acc_t = at::opmath_type<T>;
   using C = Cfg<acc_t, kDL>;
   using Ops = attn::ScalarOps<acc_t>;
@@ -44,17 +45,21 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
   acc_t* v_s = k_s + C::kKeys * C::kLd;
 
   const int64_t g = blockIdx.y, b = blockIdx.z;
-  const int64_t rows_total = rows.group_rows();
+  const int64_t sq = seqs.q_len(b);
+  const int64_t rows_total = sq * rows.group;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * C::kDqRows;
+  if (row0 >= rows_total) return;  // past this (packed) sequence's end: the whole block
+  const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int d_vec = (d + C::kVec - 1) / C::kVec * C::kVec;
-  const T* kb_ptr = k + b * ks.b + g * ks.h;
-  const T* vb_ptr = v + b * vs.b + g * vs.h;
+  const int64_t q_start = seqs.q_start(b), k_start = seqs.k_start(b);
+  const T* kb_ptr = k + b * ks.b + g * ks.h + k_start * ks.s;
+  const T* vb_ptr = v + b * vs.b + g * vs.h + k_start * vs.s;
 
-  stage_rows<T, acc_t, C::kD, C::kLd>(q_s, C::kDqRows, q + b * qs.b, qs, rows, g, row0, rows_total, d,
-                                       scale);
-  stage_rows<T, acc_t, C::kD, C::kLd>(do_s, C::kDqRows, grad_out + b * gs.b, gs, rows, g, row0,
-                                       rows_total, d, acc_t(1));
+  stage_rows<T, acc_t, C::kD, C::kLd>(q_s, C::kDqRows, q + b * qs.b + q_start * qs.s, qs, rows, g, row0,
+                                       rows_total, d, scale);
+  stage_rows<T, acc_t, C::kD, C::kLd>(do_s, C::kDqRows, grad_out + b * gs.b + q_start * gs.s, gs, rows,
+                                       g, row0, rows_total, d, acc_t(1));
 
   acc_t dq[RW][kDL], shift[RW], dlt[RW];
   int64_t lo[RW], hi[RW];
@@ -85,18 +90,22 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
 #pragma unroll
     for (int r = 0; r < RW; ++r) {
       const bool visible = lane < C::kKeys && key >= lo[r] && key < hi[r];
-      acc_t p = 0, dp = 0;
+      ds[r] = 0;
       if (visible) {
         const int64_t row = row0 + warp * RW + r;
         const int64_t h = rows.group_head(g, row), pos = rows.group_pos(row);
+        acc_t dcap = 1;
         const acc_t s = extras.masked(
-            smem_dot<acc_t, C::kVec>(q_s + (warp * RW + r) * C::kLd, k_s + lane * C::kLd, d_vec), b,
-            h, pos, key);
-        dp = smem_dot<acc_t, C::kVec>(do_s + (warp * RW + r) * C::kLd, v_s + lane * C::kLd, d_vec) *
-             extras.keep_factor<acc_t>(b, h, pos, key);
-        p = Ops::exp(s - shift[r]);
+            extras.modified<acc_t>(smem_dot<acc_t, C::kVec>(q_s + (warp * RW + r) * C::kLd,
+                                                            k_s + lane * C::kLd, d_vec),
+                                   b, h, pos + mask.offset, key, &dcap),
+            b, h, pos, key);
+        const acc_t dp =
+            smem_dot<acc_t, C::kVec>(do_s + (warp * RW + r) * C::kLd, v_s + lane * C::kLd, d_vec) *
+            extras.keep_factor<acc_t>(b, h, pos, key);
+        // Through the cap: d score / d (scale q . k) = dcap (1 without one).
+        ds[r] = attn::score_grad(Ops::exp(s - shift[r]), dp, dlt[r]) * dcap;
       }
-      ds[r] = attn::score_grad(p, dp, dlt[r]);
     }
     // This tile's dS K from zero, then added to dQ (see kSumChunk).
     acc_t dq_tile[RW][kDL];
@@ -140,8 +149,8 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
 
 void launch_attention_dq(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream) {
   const AttentionShape& s = p.shape;
-  const attn::QueryRows rows = rows_of(s);
-  const int64_t n_rows = s.batch * s.q_heads * s.sq;
+  const attn::QueryRows rows = rows_of(p);
+  const int64_t n_rows = rows.count(s.batch);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.scalar_type(), "fusedllm_attention_dq_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const int delta_threads = 256;
@@ -150,7 +159,7 @@ void launch_attention_dq(const AttentionBackwardPlan& p, const at::Tensor& delta
     launch("attention_delta_kernel", attention_delta_kernel<scalar_t>, delta_blocks, delta_threads,
            0, stream, p.grad_out.const_data_ptr<scalar_t>(), strides_of(p.grad_out),
            p.out.const_data_ptr<scalar_t>(), strides_of(p.out), delta.mutable_data_ptr<acc_t>(),
-           rows, n_rows, static_cast<int>(s.head_dim));
+           rows, p.seqs, n_rows, static_cast<int>(s.head_dim));
 
     with_head_dim(s.head_dim, [&](auto DL) {
       constexpr int kDL = decltype(DL)::value;
@@ -164,7 +173,7 @@ void launch_attention_dq(const AttentionBackwardPlan& p, const at::Tensor& delta
           p.q.const_data_ptr<scalar_t>(), strides_of(p.q), p.k.const_data_ptr<scalar_t>(),
           strides_of(p.k), p.v.const_data_ptr<scalar_t>(), strides_of(p.v),
           p.lse.const_data_ptr<acc_t>(), delta.const_data_ptr<acc_t>(),
-          p.grad_q.mutable_data_ptr<scalar_t>(), rows, static_cast<int>(s.head_dim),
+          p.grad_q.mutable_data_ptr<scalar_t>(), rows, p.seqs, static_cast<int>(s.head_dim),
           static_cast<acc_t>(p.scale), p.mask, extras_of(p));
     });
   });

@@ -30,6 +30,11 @@ OPS = {
                   "test_matches_reference or (masks_match_reference and float32) or dropout_matches "
                   "or strided or test_gradcheck_float64",
                   ("attention_forward", "attention_backward")),
+    "attention options": ("test_attention_options.py",
+                          "(option_matches_reference and float32 and (17x17 or 1x300)) or "
+                          "(options_with_masks and float32) or (varlen_matches_reference and float32) "
+                          "or (test_gradcheck_float64 and all)",
+                          ("attention_forward", "attention_backward")),
     "linear_cross_entropy": ("test_cross_entropy.py",
                              "(matches_cross_entropy and not float16) or options or gradcheck",
                              ("cross_entropy_rows",)),

@@ -603,12 +603,10 @@ def check_varlen(q, k, v, cu_q, cu_k, dtype, max_seqlens=(), **options):
     return out
 
 
-def mixed_lengths():
-    """Lengths 1, 17 and 1000 in one batch, with q_len != kv_len per sequence,
+def mixed_lengths(long):
+    """Lengths 1, 17 and `long` in one batch, with q_len != kv_len per sequence,
     an empty sequence, one with queries but no keys and one with more queries
-    than keys. Under the emulator the 1000-token sequence is shortened (its own
-    test keeps it)."""
-    long = 130 if emulated() else 1000
+    than keys."""
     lengths_q = [1, 17, long, 0, 12, 9, 5]
     lengths_k = [40, 17, long - 3, 6, 0, 5, 33]
     return lengths_q, lengths_k
@@ -617,7 +615,8 @@ def mixed_lengths():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", VARLEN_CASES)
 def test_varlen_matches_reference_and_per_sequence_calls(device, case, dtype):
-    lengths_q, lengths_k = mixed_lengths()
+    # a long sequence past several tiles; 1000 tokens in the test below
+    lengths_q, lengths_k = mixed_lengths(130 if emulated() else 300)
     q, k, v, cu_q, cu_k = pack(lengths_q, lengths_k, 8, 2, 32, dtype, device, requires_grad=True)
     options = varlen_options(case, len(lengths_q), 8, device)
     cu_before = (cu_q.clone(), cu_k.clone())
@@ -625,12 +624,15 @@ def test_varlen_matches_reference_and_per_sequence_calls(device, case, dtype):
     assert torch.equal(cu_q, cu_before[0]) and torch.equal(cu_k, cu_before[1])
 
 
-@pytest.mark.parametrize("case", ["causal", "all"])
-def test_varlen_long_sequence(device, case):
-    """The 1000-token sequence between short ones (also under the emulator)."""
-    lengths_q, lengths_k = [1, 17, 1000, 3], [1, 20, 1000, 0]
-    q, k, v, cu_q, cu_k = pack(lengths_q, lengths_k, 4, 1, 16, torch.float32, device, requires_grad=True)
-    check_varlen(q, k, v, cu_q, cu_k, torch.float32, **varlen_options(case, 4, 4, device))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["causal", "all", "all_noncausal"])
+def test_varlen_long_sequence(device, case, dtype):
+    """Lengths 1, 17 and 1000 in one batch. The emulator, slow at 1000 tokens,
+    runs that length for one case (a shorter one for the others)."""
+    long = 130 if emulated() and (case, dtype) != ("all", torch.float32) else 1000
+    lengths_q, lengths_k = mixed_lengths(long)
+    q, k, v, cu_q, cu_k = pack(lengths_q, lengths_k, 4, 1, 16, dtype, device, requires_grad=True)
+    check_varlen(q, k, v, cu_q, cu_k, dtype, **varlen_options(case, len(lengths_q), 4, device))
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])
@@ -798,6 +800,8 @@ GRADCHECK_CASES = {
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", list(GRADCHECK_CASES))
 def test_gradcheck_float64(device, case, causal):
+    # Under the emulator, a random projection of the Jacobian (fast_mode): the
+    # whole one takes minutes there.
     q, k, v = make_qkv(2, 4, 2, 5, 7, 8, torch.float64, device, requires_grad=True)
     options = {name: (value.to(device) if isinstance(value, torch.Tensor) else value)
                for name, value in GRADCHECK_CASES[case].items()}
@@ -805,10 +809,10 @@ def test_gradcheck_float64(device, case, causal):
         sinks = torch.randn(4, dtype=torch.float64, device=device, requires_grad=True)
         assert torch.autograd.gradcheck(
             lambda q_, k_, v_, s_: fusedllm.attention(q_, k_, v_, causal=causal, **dict(options, sinks=s_)),
-            (q, k, v, sinks))
+            (q, k, v, sinks), fast_mode=emulated())
     else:
         assert torch.autograd.gradcheck(
-            lambda q_, k_, v_: fusedllm.attention(q_, k_, v_, causal=causal, **options), (q, k, v))
+            lambda q_, k_, v_: fusedllm.attention(q_, k_, v_, causal=causal, **options), (q, k, v), fast_mode=emulated())
 
 
 @pytest.mark.parametrize("case", ["causal", "window", "softcap", "alibi_per_sequence", "all", "all_noncausal"])
@@ -818,12 +822,12 @@ def test_varlen_gradcheck_float64(device, case):
     sinks = options.pop("sinks", None)
     if sinks is None:
         assert torch.autograd.gradcheck(
-            lambda *t: fusedllm.attention_varlen(*t, cu_q, cu_k, **options), (q, k, v))
+            lambda *t: fusedllm.attention_varlen(*t, cu_q, cu_k, **options), (q, k, v), fast_mode=emulated())
     else:
         sinks = sinks.detach().double().requires_grad_()
         assert torch.autograd.gradcheck(
             lambda q_, k_, v_, s_: fusedllm.attention_varlen(q_, k_, v_, cu_q, cu_k, sinks=s_, **options),
-            (q, k, v, sinks))
+            (q, k, v, sinks), fast_mode=emulated())
 
 
 def _opcheck_cases(device):

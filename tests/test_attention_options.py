@@ -677,6 +677,56 @@ def test_varlen_zero_length_sequences(device, lengths_q, lengths_k):
         assert g is None or torch.equal(g, torch.zeros_like(t))
 
 
+@pytest.mark.parametrize("head_dim", [1, 80, 128, 256])
+def test_varlen_every_head_dim_class(device, head_dim):
+    q, k, v, cu_q, cu_k = pack([5, 40, 1, 0], [9, 40, 70, 3], 4, 2, head_dim, torch.float32, device,
+                               requires_grad=True)
+    check_varlen(q, k, v, cu_q, cu_k, torch.float32, **varlen_options("all", 4, 4, device))
+
+
+def test_varlen_many_sequences(device):
+    """64 sequences of 0 to 40 tokens: more sequences than tiles of any one."""
+    generator = torch.Generator().manual_seed(3)
+    lengths_q = torch.randint(0, 41, (64,), generator=generator).tolist()
+    lengths_k = [n + int(extra) for n, extra in zip(lengths_q, torch.randint(0, 9, (64,), generator=generator))]
+    q, k, v, cu_q, cu_k = pack(lengths_q, lengths_k, 4, 2, 16, torch.float32, device, requires_grad=True)
+    check_varlen(q, k, v, cu_q, cu_k, torch.float32, **varlen_options("all", 64, 4, device))
+
+
+def test_varlen_strided_rows_and_offsets(device):
+    """q, k, v every other row of larger tensors, cu_seqlens every other entry
+    of a longer int32 tensor: read through their strides."""
+    lengths_q, lengths_k = [6, 1, 25], [10, 30, 25]
+    q, k, v, cu_q, cu_k = pack(lengths_q, lengths_k, 4, 2, 16, torch.float32, device)
+    q2, k2, v2 = (torch.randn(2 * t.shape[0], *t.shape[1:], device=device) for t in (q, k, v))
+    q2[::2], k2[::2], v2[::2] = q, k, v
+    q_rows, k_rows, v_rows = (t[::2] for t in (q2, k2, v2))
+    spread = lambda cu: torch.stack((cu, torch.full_like(cu, -7)), dim=1).flatten()[::2]  # noqa: E731
+    cu_q_view, cu_k_view = spread(cu_q), spread(cu_k)
+    assert cu_q_view.stride() == (2,) and q_rows.stride(0) != q_rows.shape[1] * q_rows.shape[2]
+    options = dict(causal=True, window=(8, 0), alibi_slopes=alibi_slopes(4, device=device))
+    got = fusedllm.attention_varlen(q_rows, k_rows, v_rows, cu_q_view, cu_k_view, **options)
+    expected = fusedllm.attention_varlen(q, k, v, cu_q, cu_k, **options)
+    torch.testing.assert_close(got, expected)
+    ref, _ = ref_attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, **options)
+    assert_close(got, ref, FORWARD_TOL[torch.float32])
+
+
+def test_varlen_dropout_with_all_options_gradcheck(device):
+    """Dropout with softcap, sinks, ALiBi and a window: backward follows the
+    pattern the seeded forward drew, the sinks' gradient included."""
+    q, k, v, cu_q, cu_k = pack([3, 4], [5, 4], 2, 1, 4, torch.float64, device, requires_grad=True)
+    sinks = torch.randn(2, dtype=torch.float64, device=device, requires_grad=True)
+    slopes = torch.tensor([[0.5, 0.25], [0.1, 0.7]], dtype=torch.float64, device=device)
+
+    def seeded(q_, k_, v_, s_):
+        torch.manual_seed(11)
+        return fusedllm.attention_varlen(q_, k_, v_, cu_q, cu_k, causal=True, window=(2, 0), softcap=1.3,
+                                         sinks=s_, alibi_slopes=slopes, dropout_p=0.4)
+
+    assert torch.autograd.gradcheck(seeded, (q, k, v, sinks), fast_mode=emulated())
+
+
 def test_varlen_max_seqlen_given(device):
     """Explicit max_seqlen_* (exact or larger) give what the defaults give."""
     q, k, v, cu_q, cu_k = pack([3, 40, 1], [50, 40, 7], 4, 2, 16, torch.float32, device)

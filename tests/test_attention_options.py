@@ -862,7 +862,8 @@ def test_gradcheck_float64(device, case, causal):
             (q, k, v, sinks), fast_mode=emulated())
     else:
         assert torch.autograd.gradcheck(
-            lambda q_, k_, v_: fusedllm.attention(q_, k_, v_, causal=causal, **options), (q, k, v), fast_mode=emulated())
+            lambda q_, k_, v_: fusedllm.attention(q_, k_, v_, causal=causal, **options), (q, k, v),
+            fast_mode=emulated())
 
 
 @pytest.mark.parametrize("case", ["causal", "window", "softcap", "alibi_per_sequence", "all", "all_noncausal"])

@@ -76,7 +76,8 @@ test-simt: build
 SANITIZE_DIR := build/sanitize
 # Every kernel and code path, round-robin schedule (under the sanitizers the
 # emulator runs about 15x slower; SANITIZE_TESTS="not simt-warp" runs all).
-SANITIZE_TESTS ?= not simt-warp and not long_prefill and not deterministic and not gradcheck
+SANITIZE_TESTS ?= not simt-warp and not long_prefill and not deterministic and not gradcheck \
+  and not (attention_options and (float16 or float64 or local_windows or long_sequence or head_dim_class))
 sanitize: build
 	@mkdir -p $(SANITIZE_DIR)
 	FUSEDLLM_CUDA=0 $(BIN)/cmake -S . -B $(SANITIZE_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \

@@ -430,7 +430,7 @@ def attention(q, k, v, mask, scale, causal, window, dropout_p, seed, window_righ
     total_q, heads = q.shape[0], q.shape[1]
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     if len(cq) == 1:  # no sequence at all
-        return q.new_zeros(q.shape), q.new_empty((heads, 0), dtype=lse_dtype(q))
+        return _zeros_of(q, k, v), q.new_empty((heads, 0), dtype=lse_dtype(q))
     outs, lses = [], []
     for b in range(len(cq) - 1):
         qb = q[cq[b]:cq[b + 1]].transpose(0, 1).unsqueeze(0)
@@ -447,7 +447,7 @@ def attention(q, k, v, mask, scale, causal, window, dropout_p, seed, window_righ
             counter = (rows.unsqueeze(-1) * max_k + torch.arange(kb.shape[2], device=q.device)).unsqueeze(0)
         if kb.shape[2] == 0:
             # no keys: zeros, and the sink's logit (or -inf) as lse
-            ob = qb.new_zeros(qb.shape)
+            ob = _zeros_of(qb, kb, vb)
             lb = qb.new_full((1, heads, qb.shape[2]), float("-inf"), dtype=lse_dtype(q))
             if sinks is not None:
                 lb = lb.logaddexp(sinks.to(lb.dtype).view(1, -1, 1)).detach()
@@ -457,6 +457,13 @@ def attention(q, k, v, mask, scale, causal, window, dropout_p, seed, window_righ
         outs.append(ob[0].transpose(0, 1))
         lses.append(lb[0])
     return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+def _zeros_of(q, k, v):
+    """Zeros of q's shape that autograd sees as a function of q, k and v (zero
+    gradients), as the op's outputs are, even where no key exists."""
+    never = torch.zeros((), dtype=torch.bool, device=q.device)
+    return torch.where(never, q, 0.0) + torch.where(never, k.sum() + v.sum(), 0.0).to(q.dtype)
 
 
 def lse_dtype(q):

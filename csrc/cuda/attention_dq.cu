@@ -90,22 +90,21 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
 #pragma unroll
     for (int r = 0; r < RW; ++r) {
       const bool visible = lane < C::kKeys && key >= lo[r] && key < hi[r];
-      ds[r] = 0;
+      acc_t p = 0, dp = 0, dcap = 1;
       if (visible) {
         const int64_t row = row0 + warp * RW + r;
         const int64_t h = rows.group_head(g, row), pos = rows.group_pos(row);
-        acc_t dcap = 1;
         const acc_t s = extras.masked(
             extras.modified<acc_t>(smem_dot<acc_t, C::kVec>(q_s + (warp * RW + r) * C::kLd,
                                                             k_s + lane * C::kLd, d_vec),
                                    b, h, pos + mask.offset, key, &dcap),
             b, h, pos, key);
-        const acc_t dp =
-            smem_dot<acc_t, C::kVec>(do_s + (warp * RW + r) * C::kLd, v_s + lane * C::kLd, d_vec) *
-            extras.keep_factor<acc_t>(b, h, pos, key);
-        // Through the cap: d score / d (scale q . k) = dcap (1 without one).
-        ds[r] = attn::score_grad(Ops::exp(s - shift[r]), dp, dlt[r]) * dcap;
+        dp = smem_dot<acc_t, C::kVec>(do_s + (warp * RW + r) * C::kLd, v_s + lane * C::kLd, d_vec) *
+             extras.keep_factor<acc_t>(b, h, pos, key);
+        p = Ops::exp(s - shift[r]);
       }
+      // Through the cap: d score / d (scale q . k) = dcap (1 without one).
+      ds[r] = attn::score_grad(p, dp, dlt[r]) * dcap;
     }
     // This tile's dS K from zero, then added to dQ (see kSumChunk).
     acc_t dq_tile[RW][kDL];

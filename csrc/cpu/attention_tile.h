@@ -47,16 +47,26 @@ struct VecOps {
   static V finite_or_zero(V x) { return V::blendv(x, V(acc_t(0)), x == V(kNegInf<acc_t>)); }
   static V tanh(V x) {
     if constexpr (std::is_same_v<acc_t, float>) {
-      // tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|): a third of the time
-      // of Sleef's tanh (soft-capped attention measured 1.30x the plain call
-      // with it); an absolute error of a few 1e-8.
-      const V e = (x.abs() * V(-2.f)).exp();
-      const V t = (V(1.f) - e) / (V(1.f) + e);
-      return V::blendv(t, V(0.f) - t, x < V(0.f));
+      // tanh(x) = x P(x^2) / Q(x^2), a rational fit of degrees 9 / 8 on
+      // |x| <= 7.9 and +-1 beyond (tanh(7.9) = 1 - 3e-7): no exponential, an
+      // absolute error below 4e-7 in float32 arithmetic.
+      const V c = at::vec::clamp(x, V(-kTanhClamp), V(kTanhClamp));
+      const V u = c * c;
+      V p(kTanhP[4]), q(kTanhQ[4]);
+      for (int i = 3; i >= 0; --i) {
+        p = at::vec::fmadd(p, u, V(kTanhP[i]));
+        q = at::vec::fmadd(q, u, V(kTanhQ[i]));
+      }
+      return c * p / q;
     } else {
       return x.tanh();
     }
   }
+  static constexpr float kTanhClamp = 7.9f;
+  static constexpr float kTanhP[5] = {0.9999999989562627f, 0.13505435926198753f, 0.003645318126613887f,
+                                      2.3183012783041523e-05f, 1.7223298093282935e-08f};
+  static constexpr float kTanhQ[5] = {1.0f, 0.46838768540045134f, 0.026441226393895293f,
+                                      0.0003534766194183076f, 9.289842762688627e-07f};
 };
 
 // ---------------------------------------------------------------------------

@@ -343,27 +343,41 @@ struct MoeRouteFunction : torch::autograd::Function<MoeRouteFunction> {
   }
 };
 
-using MoeExpertsBackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, c10::string_view, std::array<bool, 4>);
+using MoeExpertsBackwardFn =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::string_view,
+        std::array<bool, 4>, const OptTensor&, const OptTensor&, bool, bool, double, double,
+        std::array<bool, 2>);
 
+// The biases follow down_proj so that the tensor inputs present number the
+// edges: hidden 0, indices 1, weights 2, gate_up_proj 3, down_proj 4, then
+// gate_up_bias and down_bias where given.
 struct MoeExpertsFunction : torch::autograd::Function<MoeExpertsFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden,
                                const at::Tensor& indices, const at::Tensor& weights,
                                const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
-                               c10::string_view activation, bool save_for_backward) {
+                               const OptTensor& gate_up_bias, const OptTensor& down_bias,
+                               c10::string_view activation, bool save_for_backward,
+                               bool transposed, bool interleaved, double alpha, double limit) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto fn = op<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                   at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&, c10::string_view, bool)>(
-        "fusedllm::moe_experts");
-    auto [out, order, position, offsets, gate_up, expert_out] = fn.call(
-        hidden, indices, weights, gate_up_proj, down_proj, activation, save_for_backward);
+                                   at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+        const at::Tensor&, c10::string_view, bool, const OptTensor&, const OptTensor&, bool, bool,
+        double, double)>("fusedllm::moe_experts");
+    auto [out, order, position, offsets, gate_up, expert_out] =
+        fn.call(hidden, indices, weights, gate_up_proj, down_proj, activation, save_for_backward,
+                gate_up_bias, down_bias, transposed, interleaved, alpha, limit);
     ctx->save_for_backward({hidden, indices, weights, gate_up_proj, down_proj, order, position,
-                            offsets, gate_up, expert_out});
+                            offsets, gate_up, expert_out, value_or_undefined(gate_up_bias),
+                            value_or_undefined(down_bias)});
     ctx->saved_data["activation"] = std::string(activation);
+    ctx->saved_data["transposed"] = transposed;
+    ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["limit"] = limit;
     ctx->mark_non_differentiable({order, position, offsets, gate_up, expert_out});
     return {out, order, position, offsets, gate_up, expert_out};
   }
@@ -371,17 +385,31 @@ struct MoeExpertsFunction : torch::autograd::Function<MoeExpertsFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto fn = op<MoeExpertsBackwardFn>("fusedllm::moe_experts_backward");
     const auto s = ctx->get_saved_variables();
-    variable_list out(7);
+    const at::Tensor& gate_up_bias = s[10];
+    const at::Tensor& down_bias = s[11];
+    variable_list out(13);
     const std::array<bool, 4> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(2),
                                       ctx->needs_input_grad(3), ctx->needs_input_grad(4)};
-    if (!grads[0].defined() || !(mask[0] || mask[1] || mask[2] || mask[3])) return out;
-    auto [grad_hidden, grad_weights, grad_gate_up, grad_down] =
+    const size_t down_bias_edge = gate_up_bias.defined() ? 6 : 5;
+    const std::array<bool, 2> bias_mask = {
+        gate_up_bias.defined() && ctx->needs_input_grad(5),
+        down_bias.defined() && ctx->needs_input_grad(down_bias_edge)};
+    if (!grads[0].defined() || !(mask[0] || mask[1] || mask[2] || mask[3] || bias_mask[0] ||
+                                 bias_mask[1])) {
+      return out;
+    }
+    auto [grad_hidden, grad_weights, grad_gate_up, grad_down, grad_gu_bias, grad_down_bias] =
         fn.call(grads[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9],
-                ctx->saved_data["activation"].toStringRef(), mask);
+                ctx->saved_data["activation"].toStringRef(), mask, as_optional(gate_up_bias),
+                as_optional(down_bias), ctx->saved_data["transposed"].toBool(),
+                ctx->saved_data["interleaved"].toBool(), ctx->saved_data["alpha"].toDouble(),
+                ctx->saved_data["limit"].toDouble(), bias_mask);
     if (mask[0]) out[0] = grad_hidden;
     if (mask[1]) out[2] = grad_weights;
     if (mask[2]) out[3] = grad_gate_up;
     if (mask[3]) out[4] = grad_down;
+    if (bias_mask[0]) out[5] = grad_gu_bias;
+    if (bias_mask[1]) out[6] = grad_down_bias;
     return out;
   }
 };
@@ -453,13 +481,19 @@ std::tuple<at::Tensor, at::Tensor> moe_route_autograd(const at::Tensor& logits, 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 moe_experts_autograd(const at::Tensor& hidden, const at::Tensor& indices, const at::Tensor& weights,
                      const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
-                     c10::string_view activation, bool save_for_backward) {
+                     c10::string_view activation, bool save_for_backward,
+                     const OptTensor& gate_up_bias, const OptTensor& down_bias, bool transposed,
+                     bool interleaved, double alpha, double limit) {
   // Backward needs the gate/up rows whenever a gradient will be asked for.
+  const auto wants = [](const OptTensor& t) { return t.has_value() && t->requires_grad(); };
   const bool grads = at::GradMode::is_enabled() &&
                      (hidden.requires_grad() || weights.requires_grad() ||
-                      gate_up_proj.requires_grad() || down_proj.requires_grad());
-  auto r = MoeExpertsFunction::apply(hidden, indices, weights, gate_up_proj, down_proj, activation,
-                                     save_for_backward || grads);
+                      gate_up_proj.requires_grad() || down_proj.requires_grad() ||
+                      wants(gate_up_bias) || wants(down_bias));
+  auto r = MoeExpertsFunction::apply(hidden, indices, weights, gate_up_proj, down_proj,
+                                     gate_up_bias, down_bias, activation,
+                                     save_for_backward || grads, transposed, interleaved, alpha,
+                                     limit);
   return {r[0], r[1], r[2], r[3], r[4], r[5]};
 }
 

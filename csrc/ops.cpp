@@ -31,6 +31,12 @@ py::list split_list(const std::string& s) {
 
 }  // namespace
 
+#ifdef FUSEDLLM_WITH_CUDA
+namespace fusedllm::cuda {
+std::vector<std::string> attention_kernels();  // csrc/cuda/attention.cu
+}
+#endif
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fusedllm compiled kernels";
   m.def("build_info", [] {
@@ -47,7 +53,13 @@ PYBIND11_MODULE(_C, m) {
     py::dict ran;
     for (const auto& [table, isa] : fusedllm::cpu::kernels_ran()) ran[py::str(table)] = isa;
     info["cpu_kernels_ran"] = ran;
+    py::list attention;
+#ifdef FUSEDLLM_WITH_CUDA
+    for (const std::string& name : fusedllm::cuda::attention_kernels()) attention.append(name);
+#endif
+    info["cuda_attention_kernels"] = attention;
     return info;
   }, "How this extension was built: torch version, CUDA kernels and architectures, CPU variants "
-     "(compiled, active, and the one each CPU kernel called so far in this process ran).");
+     "(compiled, active, and the one each CPU kernel called so far in this process ran), the CUDA "
+     "attention kernels.");
 }

@@ -239,19 +239,40 @@ def moe_route(logits, top_k, scoring="softmax", normalize=True, correction_bias=
     return torch.stack(weights), torch.tensor(indices, dtype=torch.int64)
 
 
-def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation="silu"):
-    """Token by token, choice by choice: weights[t, j] * down @ (act(gate) * up)
-    of expert indices[t, j], in float64."""
-    act = silu if activation == "silu" else gelu_tanh
+def gpt_oss_gated(gate, up, alpha=1.702, limit=7.0):
+    """gpt-oss's clamped SwiGLU: gate clipped above at limit, up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation="silu", gate_up_bias=None,
+                down_bias=None, transposed=False, interleaved=False, alpha=1.702, limit=7.0):
+    """Token by token, choice by choice: weights[t, j] * (down @ gated(gate_up @ x + b1) + b2)
+    of expert e = indices[t, j], in float64. transposed: gate_up_proj [E, H, 2I] and
+    down_proj [E, I, H] (x @ W); interleaved: gate = gate_up[0::2], up = gate_up[1::2]
+    (else the halves); gated = act(gate) * up, or gpt_oss_gated."""
     h, w = hidden.double(), weights.double()
     gu, dn = gate_up_proj.double(), down_proj.double()
-    inter = gu.shape[1] // 2
+    b1 = None if gate_up_bias is None else gate_up_bias.double()
+    b2 = None if down_bias is None else down_bias.double()
     out = []
     for t in range(h.shape[0]):
         row = h.new_zeros(h.shape[1])
         for j in range(indices.shape[1]):
             e = int(indices[t, j])
-            gate_up = gu[e] @ h[t]
-            row = row + w[t, j] * (dn[e] @ (act(gate_up[:inter]) * gate_up[inter:]))
+            gate_up = h[t] @ gu[e] if transposed else gu[e] @ h[t]
+            if b1 is not None:
+                gate_up = gate_up + b1[e]
+            gate, up = (gate_up[0::2], gate_up[1::2]) if interleaved else gate_up.chunk(2)
+            if activation == "gpt_oss":
+                acted = gpt_oss_gated(gate, up, alpha, limit)
+            else:
+                acted = (silu if activation == "silu" else gelu_tanh)(gate) * up
+            y = acted @ dn[e] if transposed else dn[e] @ acted
+            if b2 is not None:
+                y = y + b2[e]
+            row = row + w[t, j] * y
         out.append(row)
     return torch.stack(out) if out else h.new_zeros(h.shape)

@@ -52,9 +52,26 @@ def _deepseek_v3(**extra):
     return model
 
 
+GPT_OSS_LIMIT = 0.3  # swiglu_limit: small enough that the tiny model's gate/up values cross it
+
+
+def _gpt_oss(**extra):
+    cfg = transformers.GptOssConfig(intermediate_size=32, num_local_experts=4, head_dim=16, swiglu_limit=GPT_OSS_LIMIT,
+                                    **COMMON, **extra)
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():  # biases that matter (the experts' are zeros at init, the router's tiny)
+        for m in model.modules():
+            if type(m).__name__ == "GptOssExperts":
+                m.gate_up_proj_bias.normal_(0.0, 0.2)
+                m.down_proj_bias.normal_(0.0, 0.2)
+            if type(m).__name__ == "GptOssTopKRouter":
+                m.bias.normal_(0.0, 0.5)
+    return model
+
+
 BUILDERS = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
-            "deepseek_v3": _deepseek_v3}
-SPARSE_BLOCKS = {"mixtral": 2, "qwen2_moe": 2, "qwen3_moe": 2, "olmoe": 2, "deepseek_v3": 1}
+            "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss}
+SPARSE_BLOCKS = {"mixtral": 2, "qwen2_moe": 2, "qwen3_moe": 2, "olmoe": 2, "deepseek_v3": 1, "gpt_oss": 2}
 
 
 def _model(family, **extra):
@@ -126,7 +143,8 @@ def test_patch_matches_unpatched(family):
     blocks = [m for m in fused.modules() if isinstance(m, hf_moe._FusedBlock)]
     assert len(blocks) == SPARSE_BLOCKS[family]
     for block in blocks:
-        assert isinstance(block.gate, hf_moe._FusedRouter) and isinstance(block.experts, hf_moe._FusedExperts)
+        router = block.router if family == "gpt_oss" else block.gate
+        assert isinstance(router, hf_moe._FusedRouter) and isinstance(block.experts, hf_moe._FusedExperts)
     ids = _inputs()
     _assert_same(_step(eager, ids), _step(fused, ids))
     eager.eval(), fused.eval()
@@ -265,3 +283,33 @@ def test_bfloat16_weights_dtype_semantics():
             out = model(ids).logits.float()
         assert out.dtype == ref.dtype
         torch.testing.assert_close(out, ref, atol=0.1, rtol=0.05)
+
+
+def test_gpt_oss_clamps_and_biases_are_exercised():
+    """The gpt-oss model of these tests: its experts' gate/up values cross swiglu_limit both
+    ways, so the clamps (and their zero gradients) take part in the comparisons above, and
+    patch() keeps the very Parameter objects of router and experts, biases included."""
+    model = _model("gpt_oss")
+    seen = []
+    experts = model.model.layers[0].mlp.experts
+    handle = experts.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+    with torch.no_grad():
+        model(_inputs())
+    handle.remove()
+    gate_up = torch.einsum("th,ehn->etn", seen[0], experts.gate_up_proj) + experts.gate_up_proj_bias[:, None]
+    gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+    for values in (gate, up.abs()):
+        crossed = (values > GPT_OSS_LIMIT).float().mean()
+        assert 0.02 < crossed < 0.9, crossed
+    block = model.model.layers[0].mlp
+    params = dict(model.named_parameters())
+    report = fusedllm.patch(model)
+    fused = model.model.layers[0].mlp
+    assert fused is not block and isinstance(fused.router, hf_moe._FusedRouter)
+    assert fused.router.bias is block.router.bias and fused.experts.down_proj_bias is block.experts.down_proj_bias
+    assert all(p is params[name] for name, p in model.named_parameters())
+    note = next(r.note for r in report.replaced if r.path == "model.layers.0.mlp")
+    assert "clamped SwiGLU" in note and f"limit={GPT_OSS_LIMIT:g}" in note, note
+    assert not [item for item in report.left if "mlp" in item.path], str(report)
+    fusedllm.unpatch(model)
+    assert model.model.layers[0].mlp is block

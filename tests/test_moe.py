@@ -29,35 +29,64 @@ def make_experts(tokens, hidden, inter, experts, top_k, dtype, device, seed=0, w
             cast(down), cast(logits))
 
 
-def experts_and_grads(fn, x, indices, weights, gate_up, down, grad_out, activation="silu"):
-    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, gate_up, down)]
-    out = fn(leaves[0], indices, leaves[1], leaves[2], leaves[3], activation)
+def experts_and_grads(fn, x, indices, weights, gate_up, down, grad_out, activation="silu", gate_up_bias=None,
+                      down_bias=None, **flags):
+    """out and the gradients of hidden, weights, gate_up, down and the biases given."""
+    tensors = [x, weights, gate_up, down] + [b for b in (gate_up_bias, down_bias) if b is not None]
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    biases = iter(leaves[4:])
+    kw = dict(flags)
+    if gate_up_bias is not None:
+        kw["gate_up_bias"] = next(biases)
+    if down_bias is not None:
+        kw["down_bias"] = next(biases)
+    out = fn(leaves[0], indices, leaves[1], leaves[2], leaves[3], activation, **kw)
     out.backward(grad_out)
     return out.detach(), [t.grad for t in leaves]
 
 
-def check_experts(x, indices, weights, gate_up, down, activation="silu"):
+def check_experts(x, indices, weights, gate_up, down, activation="silu", **options):
+    """Forward (with and without grad) and every gradient against the float64 reference;
+    options: the biases, transposed, interleaved, alpha, limit."""
     dtype = x.dtype
-    before = [t.clone() for t in (x, indices, weights, gate_up, down)]
+    biases = [options.get(name) for name in ("gate_up_bias", "down_bias")]
+    tensors = [x, weights, gate_up, down] + [b for b in biases if b is not None]
+    names = ["hidden", "weights", "gate_up_proj", "down_proj"] + [
+        name for name, b in zip(("gate_up_bias", "down_bias"), biases) if b is not None]
+    before = [t.clone() for t in (*tensors, indices)]
     grad_out = torch.randn(x.shape, dtype=dtype, device=x.device)
     out, grads = experts_and_grads(fusedllm.moe_experts, x, indices, weights, gate_up, down, grad_out,
-                                   activation)
+                                   activation, **options)
+    wide = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in options.items()}
     ref, ref_grads = experts_and_grads(ref_experts, x.double(), indices, weights.double(),
-                                       gate_up.double(), down.double(), grad_out.double(), activation)
+                                       gate_up.double(), down.double(), grad_out.double(), activation, **wide)
     assert out.dtype == dtype and out.shape == x.shape
     assert_close(out, ref, FORWARD_TOL[dtype], "out", upcast=True)
     with torch.no_grad():  # inference: no rows kept for backward, summed in another order
-        inference = fusedllm.moe_experts(x, indices, weights, gate_up, down, activation)
+        inference = fusedllm.moe_experts(x, indices, weights, gate_up, down, activation, **options)
     assert_close(inference, ref, FORWARD_TOL[dtype], "out without grad", upcast=True)
-    for name, g, r, t in zip(("hidden", "weights", "gate_up_proj", "down_proj"), grads, ref_grads,
-                             (x, weights, gate_up, down)):
+    for name, g, r, t in zip(names, grads, ref_grads, tensors):
         assert g.dtype == t.dtype and g.shape == t.shape, name
         assert_close(g, r, GRAD_TOL[dtype], f"grad {name}", upcast=True)
-    after = (x, indices, weights, gate_up, down)
+    after = (*tensors, indices)
     assert all(torch.equal(a, b) for a, b in zip(before, after)), "an input was modified"
 
 
 # --- moe_experts -----------------------------------------------------------------------------
+
+
+def assert_compiled_matches_eager(fn, tensors):
+    """torch.compile(fn, fullgraph=True) gives fn's output and gradients for every tensor."""
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    eager_leaves = [t.clone().requires_grad_() for t in tensors]
+    out = torch.compile(fn, fullgraph=True)(*leaves)
+    ref = fn(*eager_leaves)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(leaves, eager_leaves):
+        torch.testing.assert_close(a.grad, b.grad)
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 8, 6, 4, 1), (37, 16, 12, 8, 2), (19, 24, 20, 16, 8)],
@@ -166,6 +195,15 @@ def test_opcheck(requires_grad):
         t.requires_grad_(requires_grad)
     for save in (False, True):
         torch.library.opcheck(ops.moe_experts.default, (x, indices, weights, gate_up, down, "silu", save))
+    args, activation, options = make_gpt_oss(6, 8, 4, 4, 2, torch.float32, "cpu")
+    x, indices, weights, gate_up, down = args
+    b1, b2 = options["gate_up_bias"], options["down_bias"]
+    for t in (x, weights, gate_up, down, b1, b2):
+        t.requires_grad_(requires_grad)
+    for save in (False, True):
+        torch.library.opcheck(ops.moe_experts.default,
+                              (x, indices, weights, gate_up, down, activation, save, b1, b2, True, True,
+                               1.702, options["limit"]))
     torch.library.opcheck(ops.moe_route.default, (logits, 2, "softmax", True, None, 1, 1, 1.0))
     torch.library.opcheck(ops.moe_route.default,
                           (logits, 2, "sigmoid", True, torch.randn(4), 2, 1, 2.5))
@@ -179,15 +217,176 @@ def test_compiles_fullgraph():
         w, idx = fusedllm.moe_route(logits_, 2)
         return fusedllm.moe_experts(x_, idx, w, gu_, dn_)
 
-    leaves = [t.clone().requires_grad_() for t in (x, logits, gate_up, down)]
-    eager_leaves = [t.clone().requires_grad_() for t in (x, logits, gate_up, down)]
-    out = torch.compile(layer, fullgraph=True)(*leaves)
-    ref = layer(*eager_leaves)
-    out.square().sum().backward()
-    ref.square().sum().backward()
-    torch.testing.assert_close(out, ref)
-    for a, b in zip(leaves, eager_leaves):
-        torch.testing.assert_close(a.grad, b.grad)
+    assert_compiled_matches_eager(layer, (x, logits, gate_up, down))
+
+
+# --- gpt-oss's experts: biases, transposed weights, interleaved gate/up, clamped activation ----------
+
+def pre_activations(x, indices, gate_up, gate_up_bias=None, transposed=False, interleaved=False):
+    """The gate and up values the experts compute (float64), [T * k, I] each."""
+    gu = gate_up.double()[indices.reshape(-1)]                       # [T * k, ., .]
+    rows = x.double().repeat_interleave(indices.shape[1], 0)
+    v = torch.einsum("ph,phn->pn", rows, gu) if transposed else torch.einsum("ph,pnh->pn", rows, gu)
+    if gate_up_bias is not None:
+        v = v + gate_up_bias.double()[indices.reshape(-1)]
+    return (v[:, 0::2], v[:, 1::2]) if interleaved else v.chunk(2, dim=-1)
+
+
+def limit_between(gate, up):
+    """A clamp limit that some gate and up values exceed and most do not, in the widest
+    gap between the values (so that rounding in any dtype, bfloat16 by up to 0.4%, clamps the same values
+    the float64 reference does); with the margin to the nearest value."""
+    values = torch.cat([gate.flatten(), up.flatten().abs()]).sort().values
+    lo, hi = int(0.6 * len(values)), int(0.95 * len(values))
+    window = values[lo:hi + 1]
+    gaps = window[1:] - window[:-1]
+    i = int(gaps.argmax())
+    return float((window[i] + window[i + 1]) / 2), float(gaps[i] / 2)
+
+
+def make_gpt_oss(tokens, hidden, inter, experts, top_k, dtype, device, seed=0, biases=True, transposed=True,
+                 interleaved=True, activation="gpt_oss"):
+    """Inputs and options of moe_experts in gpt-oss's layout (or the variant asked for),
+    with a limit that clamps some gate and up values."""
+    x, indices, weights, gate_up, down, _ = make_experts(tokens, hidden, inter, experts, top_k, dtype, device,
+                                                         seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    options = dict(transposed=transposed, interleaved=interleaved)
+    if transposed:
+        gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+    if biases:
+        options["gate_up_bias"] = (torch.randn(experts, 2 * inter, generator=g) * 0.5).to(dtype=dtype, device=device)
+        options["down_bias"] = (torch.randn(experts, hidden, generator=g) * 0.5).to(dtype=dtype, device=device)
+    if activation == "gpt_oss":
+        gate, up = pre_activations(x, indices, gate_up, options.get("gate_up_bias"), transposed, interleaved)
+        limit, margin = limit_between(gate, up)
+        assert margin > 0.005 * limit, f"no clean limit in these values (margin {margin:g} at {limit:g})"
+        assert (gate > limit).any() and (up.abs() > limit).any() and (gate < limit).any()
+        options.update(alpha=1.702, limit=limit)
+    return (x, indices, weights, gate_up, down), activation, options
+
+
+# (biases, transposed, interleaved, activation): gpt-oss's, and each difference from Mixtral's alone
+GPT_OSS_VARIANTS = {
+    "gpt_oss": (True, True, True, "gpt_oss"),
+    "biases": (True, False, False, "silu"),
+    "transposed": (False, True, False, "gelu_tanh"),
+    "interleaved": (False, False, True, "silu"),
+    "clamped": (False, False, False, "gpt_oss"),
+}
+
+
+# gpt-oss's layout in every dtype, the variants in float32 and bfloat16
+@pytest.mark.parametrize("variant,dtype", [("gpt_oss", d) for d in DTYPES] + [
+    (v, d) for v in list(GPT_OSS_VARIANTS)[1:] for d in (torch.float32, torch.bfloat16)], ids=str)
+def test_gpt_oss_experts_match_reference(device, dtype, variant):
+    biases, transposed, interleaved, activation = GPT_OSS_VARIANTS[variant]
+    args, activation, options = make_gpt_oss(29, 16, 12, 6, 2, dtype, device, biases=biases,
+                                             transposed=transposed, interleaved=interleaved, activation=activation)
+    check_experts(*args, activation, **options)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_gpt_oss_chunks_of_rows(device, grad, monkeypatch):
+    """The biases of each expert where the CUDA kernels' chunks of rows cut the experts' groups."""
+    monkeypatch.setenv("FUSEDLLM_MOE_CHUNK_ROWS", "7")
+    args, activation, options = make_gpt_oss(23, 16, 8, 4, 2, torch.float32, device)
+    if grad:
+        check_experts(*args, activation, **options)
+    else:
+        with torch.no_grad():
+            out = fusedllm.moe_experts(*args, activation, **options)
+        assert_close(out, ref_experts(*args, activation, **options), FORWARD_TOL[torch.float32], upcast=True)
+
+
+def test_gpt_oss_gradients_of_some_inputs(device):
+    """One bias given (the other None), gradients asked of some inputs only."""
+    args, activation, options = make_gpt_oss(13, 8, 6, 4, 2, torch.float32, device)
+    x, indices, weights, gate_up, down = args
+    down_bias = options.pop("down_bias").clone().requires_grad_()
+    w = weights.clone().requires_grad_()
+    out = fusedllm.moe_experts(x, indices, w, gate_up, down, activation, down_bias=down_bias, **options)
+    g_w, g_b = torch.autograd.grad(out.square().sum(), (w, down_bias))
+    wr, br = weights.double().requires_grad_(), down_bias.detach().double().requires_grad_()
+    wide = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in options.items()}
+    ref = ref_experts(x, indices, wr, gate_up, down, activation, down_bias=br, **wide)
+    r_w, r_b = torch.autograd.grad(ref.square().sum(), (wr, br))
+    assert_close(g_w, r_w, GRAD_TOL[torch.float32], "grad weights", upcast=True)
+    assert_close(g_b, r_b, GRAD_TOL[torch.float32], "grad down_bias", upcast=True)
+    # a bias alone asking for its gradient
+    gu_bias = options["gate_up_bias"].clone().requires_grad_()
+    out = fusedllm.moe_experts(x, indices, weights, gate_up, down, activation,
+                               **{**options, "gate_up_bias": gu_bias})
+    (g,) = torch.autograd.grad(out.sum(), gu_bias)
+    br = options["gate_up_bias"].double().requires_grad_()
+    (r,) = torch.autograd.grad(ref_experts(x, indices, weights, gate_up, down, activation,
+                                           **{**wide, "gate_up_bias": br}).sum(), br)
+    assert_close(g, r, GRAD_TOL[torch.float32], "grad gate_up_bias", upcast=True)
+
+
+def test_gpt_oss_gradcheck_float64(device):
+    args, activation, options = make_gpt_oss(6, 5, 3, 4, 2, torch.float64, device)
+    x, indices, weights, gate_up, down = args
+    inputs = tuple(t.requires_grad_() for t in (x, weights, gate_up, down, options.pop("gate_up_bias"),
+                                                 options.pop("down_bias")))
+    assert torch.autograd.gradcheck(
+        lambda x_, w_, gu_, dn_, b1, b2: fusedllm.moe_experts(x_, indices, w_, gu_, dn_, activation,
+                                                             gate_up_bias=b1, down_bias=b2, **options), inputs)
+
+
+def test_gpt_oss_activation_is_transformers_formula():
+    """activation="gpt_oss" with interleaved=True is GptOssExperts._apply_gate as written
+    in transformers (gate = gate_up[..., ::2], up = gate_up[..., 1::2]), limit 7 and alpha 1.702
+    by default; with the limit crossed both ways."""
+    from fusedllm import _plain
+
+    gate_up = torch.randn(40, 32, dtype=torch.float64) * 6
+    gate, up = gate_up[..., ::2].clamp(max=7.0), gate_up[..., 1::2].clamp(-7.0, 7.0)
+    expected = (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+    assert (gate_up.abs() > 7).any()
+    torch.testing.assert_close(_plain._expert_gated(gate_up, "gpt_oss", True, 1.702, 7.0), expected)
+    # and the op's default alpha and limit are those: one expert, identity-like weights
+    x = torch.randn(5, 4, dtype=torch.float64) * 6
+    eye = torch.eye(4, dtype=torch.float64)
+    gu = torch.stack([eye, eye], -1).reshape(4, 8)[None]             # [1, H, 2I]: gate = up = x
+    dn = torch.eye(4, dtype=torch.float64)[None]                     # [1, I, H]
+    out = fusedllm.moe_experts(x, torch.zeros(5, 1, dtype=torch.long), torch.ones(5, 1, dtype=torch.float64),
+                               gu, dn, "gpt_oss", transposed=True, interleaved=True)
+    g, u = x.clamp(max=7.0), x.clamp(-7.0, 7.0)
+    torch.testing.assert_close(out, (u + 1) * g * torch.sigmoid(1.702 * g))
+
+
+@pytest.mark.slow
+def test_gpt_oss_compiles_fullgraph():
+    """gpt-oss's MLP as transformers writes it (router linear with a bias, top-k, softmax of the
+    chosen) on moe_route and moe_experts, compiled whole, forward and backward."""
+    args, activation, options = make_gpt_oss(33, 16, 8, 8, 2, torch.float32, "cpu")
+    x, _, _, gate_up, down = args
+    router_w = torch.randn(8, 16) * 0.3
+    router_b = torch.randn(8) * 0.1
+    b1, b2 = options.pop("gate_up_bias"), options.pop("down_bias")
+
+    def mlp(x_, rw, rb, gu, dn, b1_, b2_):
+        w, idx = fusedllm.moe_route(torch.nn.functional.linear(x_, rw, rb), 2)
+        return fusedllm.moe_experts(x_, idx, w, gu, dn, activation, gate_up_bias=b1_, down_bias=b2_, **options)
+
+    assert_compiled_matches_eager(mlp, (x, router_w, router_b, gate_up, down, b1, b2))
+
+
+def test_gpt_oss_router_is_moe_route():
+    """GptOssTopKRouter: softmax over the top-k logits (with the router's bias in them) equals
+    moe_route's softmax over all experts renormalized over the chosen ones."""
+    logits = torch.randn(64, 16)
+    top, idx = torch.topk(logits, 4, dim=-1)
+    weights, indices = fusedllm.moe_route(logits, 4, "softmax", True)
+    assert torch.equal(indices, idx)
+    torch.testing.assert_close(weights, top.softmax(-1))
+    z = logits.clone().requires_grad_()
+    zr = logits.clone().requires_grad_()
+    g = torch.randn(64, 4)
+    (fusedllm.moe_route(z, 4)[0] * g).sum().backward()
+    (torch.topk(zr, 4, dim=-1).values.softmax(-1) * g).sum().backward()
+    torch.testing.assert_close(z.grad, zr.grad)
 
 
 # --- moe_route -------------------------------------------------------------------------------
@@ -319,7 +518,28 @@ def test_bad_inputs_name_the_argument(device):
         (lambda: fusedllm.moe_experts(x, indices, weights, gate_up[:, :7], down), "gate_up_proj must be [num_experts, 2 * intermediate, 8]"),
         (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down[:, :, :3]), "down_proj must be [4, 8, 4]"),
         (lambda: fusedllm.moe_experts(x, indices, weights, gate_up.double(), down), "gate_up_proj has dtype torch.float64"),
-        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, "relu"), "activation must be 'silu' or 'gelu_tanh'"),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, "relu"),
+         "activation must be 'silu', 'gelu_tanh' or 'gpt_oss', got 'relu'"),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, gate_up_bias=torch.zeros(4, 4)),
+         "gate_up_bias must be [4, 8] (num_experts, 2 * intermediate), got shape [4, 4]"),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, down_bias=torch.zeros(8)),
+         "down_bias must be [4, 8] (num_experts, hidden_size), got shape [8]"),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, down_bias=torch.zeros(4, 8).double()),
+         "down_bias has dtype torch.float64 but hidden has dtype torch.float32"),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, gate_up_bias=torch.zeros(4, 8).long()),
+         "gate_up_bias has dtype torch.int64"),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up[:, :6], down, transposed=True),
+         "gate_up_proj must be [num_experts, 8, 2 * intermediate] (hidden's last dim; transposed=True)"),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up.transpose(1, 2), down, transposed=True),
+         "down_proj must be [4, 4, 8] (num_experts, intermediate, hidden_size; transposed=True)"),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, "gpt_oss", limit=0.0),
+         "limit must be positive (inf: no clamp), got 0"),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, "gpt_oss", alpha=float("nan")),
+         "alpha must be finite, got nan"),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, "gpt_oss", alpha="1.7"),
+         "alpha must be a number"),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, interleaved=1),
+         "interleaved must be a bool, got 1"),
         (lambda: fusedllm.moe_load_balancing_loss(logits, indices.int()), "indices must be int64"),
     ]
     for call, words in cases:
@@ -344,6 +564,10 @@ def test_plain_path_matches_reference():
         torch.testing.assert_close(w, ref_w)
     out = _plain.moe_experts(x, indices, weights, gate_up, down, "gelu_tanh", False)[0]
     torch.testing.assert_close(out, ref_experts(x, indices, weights, gate_up, down, "gelu_tanh"))
+    args, activation, options = make_gpt_oss(13, 8, 6, 8, 2, torch.float64, "cpu")
+    out = _plain.moe_experts(*args, activation, False, options["gate_up_bias"], options["down_bias"], True, True,
+                             options["alpha"], options["limit"])[0]
+    torch.testing.assert_close(out, ref_experts(*args, activation, **options))
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <vector>
 
+#include "fusedllm/activations.h"
 #include "fusedllm/moe.h"
 #include "fusedllm/moe_op.h"
 
@@ -196,8 +197,7 @@ struct CpuMoe {
   // gate/up rows and activation exist per thread (`rows` is not needed).
   static void expert_mlp(at::Tensor& expert_out, at::Tensor& gate_up, const at::Tensor& hidden,
                          const at::Tensor& order, const at::Tensor& offsets, int64_t k,
-                         const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
-                         c10::string_view activation, int64_t /*rows*/) {
+                         const MoeExpertWeights& w, int64_t /*rows*/) {
     const int64_t* off = offsets.const_data_ptr<int64_t>();
     const int64_t* ord = order.const_data_ptr<int64_t>();
     const bool keep = gate_up.size(0) > 0;
@@ -205,18 +205,36 @@ struct CpuMoe {
     for_blocks(list, [&](const Block& b) {
       const int64_t p0 = off[b.expert] + b.first;
       at::Tensor y = expert_out.narrow(0, p0, b.rows);
-      block_mlp(hidden, ord, p0, b.rows, k, b.expert, gate_up_proj, down_proj, activation,
+      block_mlp(hidden, ord, p0, b.rows, k, b.expert, w,
                 keep ? gate_up.narrow(0, p0, b.rows) : at::Tensor(), &y);
     });
+  }
+
+  // out = a @ weight (+ bias), weight [K, N] (a view), bias [N] or undefined.
+  static void product(at::Tensor& out, const at::Tensor& a, const at::Tensor& weight,
+                      const at::Tensor& bias) {
+    if (bias.defined()) {
+      at::addmm_out(out, bias, a, weight);
+    } else {
+      at::mm_out(out, a, weight);
+    }
+  }
+
+  // Expert e's gate/up (down) weight as the [K, N] right operand of a row product.
+  static at::Tensor right_operand(const at::Tensor& weight, int64_t e, bool transposed) {
+    return transposed ? weight[e] : weight[e].t();
+  }
+
+  static at::Tensor bias_of(const at::Tensor& bias, int64_t e) {
+    return bias.defined() ? bias[e] : at::Tensor();
   }
 
   // Rows p0 .. p0 + n of expert e (all in one expert): gathered, gate/up
   // product (into gate_up when given), gated activation, down product (into
   // *out when given, else a new tensor, returned).
   static at::Tensor block_mlp(const at::Tensor& hidden, const int64_t* ord, int64_t p0, int64_t n,
-                              int64_t k, int64_t e, const at::Tensor& gate_up_proj,
-                              const at::Tensor& down_proj, c10::string_view activation,
-                              at::Tensor gate_up, at::Tensor* out = nullptr) {
+                              int64_t k, int64_t e, const MoeExpertWeights& w, at::Tensor gate_up,
+                              at::Tensor* out = nullptr) {
     const int64_t cols = hidden.size(1);
     at::Tensor rows = at::empty({n, cols}, hidden.options());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "moe_gather", [&] {
@@ -227,12 +245,13 @@ struct CpuMoe {
                                           static_cast<const scalar_t*>(nullptr), cols, 0, 1);
       }
     });
-    if (!gate_up.defined()) gate_up = at::empty({n, gate_up_proj.size(1)}, hidden.options());
-    at::mm_out(gate_up, rows, gate_up_proj[e].t());
-    const at::Tensor acted = MoeOps<CpuMoe>::gated(gate_up, activation);
-    if (out == nullptr) return at::mm(acted, down_proj[e].t());
-    at::mm_out(*out, acted, down_proj[e].t());
-    return *out;
+    const int64_t two_inter = w.transposed ? w.gate_up_proj.size(2) : w.gate_up_proj.size(1);
+    if (!gate_up.defined()) gate_up = at::empty({n, two_inter}, hidden.options());
+    product(gate_up, rows, right_operand(w.gate_up_proj, e, w.transposed), bias_of(w.gate_up_bias, e));
+    const at::Tensor acted = MoeOps<CpuMoe>::gated(gate_up, w);
+    at::Tensor y = out != nullptr ? *out : at::empty({n, cols}, hidden.options());
+    product(y, acted, right_operand(w.down_proj, e, w.transposed), bias_of(w.down_bias, e));
+    return y;
   }
 
   // Without backward to feed: the experts one after another, each expert's
@@ -244,8 +263,7 @@ struct CpuMoe {
   // and float64 (a [T, H] float32 buffer for half types).
   static void expert_mlp_combined(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& order,
                                   const at::Tensor& /*position*/, const at::Tensor& offsets, int64_t k,
-                                  const at::Tensor& weights, const at::Tensor& gate_up_proj,
-                                  const at::Tensor& down_proj, c10::string_view activation,
+                                  const at::Tensor& weights, const MoeExpertWeights& mw,
                                   int64_t /*rows*/) {
     const int64_t* off = offsets.const_data_ptr<int64_t>();
     const int64_t* ord = order.const_data_ptr<int64_t>();
@@ -265,8 +283,7 @@ struct CpuMoe {
           }
           for_blocks(list, [&](const Block& b) {
             const int64_t p0 = off[e] + b.first, n = b.rows;
-            const at::Tensor y = block_mlp(hidden, ord, p0, n, k, e, gate_up_proj, down_proj, activation,
-                                           at::Tensor());
+            const at::Tensor y = block_mlp(hidden, ord, p0, n, k, e, mw, at::Tensor());
             const scalar_t* yd = y.const_data_ptr<scalar_t>();
             for (int64_t p = 0; p < n; ++p) {
               const int64_t pair = ord[p0 + p];
@@ -282,6 +299,61 @@ struct CpuMoe {
     if (!sum.is_same(out)) out.copy_(sum);
   }
 
+  // The gated activations the swiglu ops do not compute (interleaved
+  // gate/up, gpt-oss's), row by row on torch's threads.
+  static void gated(at::Tensor& out, const at::Tensor& gate_up, const moe::Gating& o) {
+    const int64_t rows = out.size(0), inter = out.size(1);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "moe_gated", [&] {
+      using A = MoeAcc<scalar_t>;
+      scalar_t* d = out.mutable_data_ptr<scalar_t>();
+      const scalar_t* gu = gate_up.const_data_ptr<scalar_t>();
+      at::parallel_for(0, rows, grain(2 * inter), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          moe::gated_row<act::ScalarMath, A>(o, d + r * inter, gu + r * 2 * inter, inter, 0, 1);
+        }
+      });
+    });
+  }
+
+  static void gated_backward(at::Tensor& grad_gate_up, const at::Tensor& grad, const at::Tensor& gate_up,
+                             const moe::Gating& o) {
+    const int64_t rows = grad.size(0), inter = grad.size(1);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad.scalar_type(), "moe_gated_backward", [&] {
+      using A = MoeAcc<scalar_t>;
+      scalar_t* d = grad_gate_up.mutable_data_ptr<scalar_t>();
+      const scalar_t* g = grad.const_data_ptr<scalar_t>();
+      const scalar_t* gu = gate_up.const_data_ptr<scalar_t>();
+      at::parallel_for(0, rows, grain(3 * inter), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          moe::gated_row_backward<act::ScalarMath, A>(o, d + r * 2 * inter, g + r * inter,
+                                                      gu + r * 2 * inter, inter, 0, 1);
+        }
+      });
+    });
+  }
+
+  // out[e] = the sum of group e's rows of src, in A, row after row (one
+  // order whatever the thread count); experts spread over threads.
+  static void group_sum(at::Tensor& out, const at::Tensor& src, const at::Tensor& offsets) {
+    const int64_t* off = offsets.const_data_ptr<int64_t>();
+    const int64_t experts = out.size(0), cols = out.size(1);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "moe_group_sum", [&] {
+      using A = MoeAcc<scalar_t>;
+      scalar_t* d = out.mutable_data_ptr<scalar_t>();
+      const scalar_t* x = src.const_data_ptr<scalar_t>();
+      at::parallel_for(0, experts, 1, [&](int64_t e0, int64_t e1) {
+        std::vector<A> acc(cols);
+        for (int64_t e = e0; e < e1; ++e) {
+          std::fill(acc.begin(), acc.end(), A(0));
+          for (int64_t r = off[e]; r < off[e + 1]; ++r) {
+            for (int64_t c = 0; c < cols; ++c) acc[c] += static_cast<A>(x[r * cols + c]);
+          }
+          for (int64_t c = 0; c < cols; ++c) d[e * cols + c] = static_cast<scalar_t>(acc[c]);
+        }
+      });
+    });
+  }
+
   // Each expert's product in blocks of rows (output rows for the weight
   // gradient, each over all of the expert's rows), one single-threaded BLAS
   // call each. The blocks depend on the shapes only, so every element comes
@@ -291,7 +363,7 @@ struct CpuMoe {
   // threads idle). Experts without rows cost nothing (a weight gradient's is
   // zeros).
   static void grouped_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
-                         const at::Tensor& offsets, GroupedProduct kind) {
+                         const at::Tensor& offsets, GroupedProduct kind, const at::Tensor& bias) {
     const int64_t* off = offsets.const_data_ptr<int64_t>();
     const int64_t experts = offsets.numel() - 1;
     const bool weight_grad = kind == GroupedProduct::kWeightGradient;
@@ -308,7 +380,7 @@ struct CpuMoe {
       } else {
         at::Tensor o = out.narrow(0, first + t.first, t.rows);
         const at::Tensor w = kind == GroupedProduct::kRowsTimesWeightT ? b[t.expert].t() : b[t.expert];
-        at::mm_out(o, a.narrow(0, first + t.first, t.rows), w);
+        product(o, a.narrow(0, first + t.first, t.rows), w, bias_of(bias, t.expert));
       }
     });
   }

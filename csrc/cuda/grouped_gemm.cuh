@@ -24,8 +24,9 @@
 // - float32 / float64, and 16-bit types below sm_80: a SIMT kernel, 256 threads
 //   of 4 x 4 outputs, K-steps of 16 staged (converted to the accumulator type)
 //   in shared memory.
-// Both write each output once, rounded once from float32 (float64) sums; no
-// atomics, so the result does not depend on scheduling.
+// Both write each output once, rounded once from float32 (float64) sums (plus
+// the group's bias row, where the row products have one); no atomics, so the
+// result does not depend on scheduling.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -76,6 +77,7 @@ struct Args {
   const int64_t* offsets;                 // [experts + 1], contiguous
   int64_t rows, experts;                  // S, E
   int64_t m, n, k;  // the weight gradient's M and N; the row products' N and K (m unused)
+  const T* bias;    // row products: [E, N] (row stride n) added to group e's rows, or null
   bool a_chunks, b_chunks;  // 16-byte copies possible (aligned pointer, strides multiples of 8)
 };
 
@@ -119,6 +121,7 @@ struct Block {
   const T* a0;
   const T* b0;
   T* c0;
+  const T* bias0;  // the tile's first column of its group's bias, or null
   int64_t m_valid, n_valid, k;
 };
 
@@ -133,6 +136,7 @@ __device__ __forceinline__ bool locate(const Args<T>& p, Block<T>& blk) {
     blk.a0 = p.a + first * p.a_stride + m0;
     blk.b0 = p.b + first * p.b_stride + n0;
     blk.c0 = p.out + e * p.out_expert_stride + m0 * p.out_stride + n0;
+    blk.bias0 = nullptr;
     blk.m_valid = p.m - m0;
     blk.n_valid = p.n - n0;
     blk.k = last > first ? last - first : 0;  // an empty group's tile is written as zeros
@@ -145,6 +149,7 @@ __device__ __forceinline__ bool locate(const Args<T>& p, Block<T>& blk) {
     const T* b = p.b + e * p.b_expert_stride;
     blk.b0 = kKind == GroupedProduct::kRowsTimesWeightT ? b + n0 * p.b_stride : b + n0;
     blk.c0 = p.out + begin * p.out_stride + n0;
+    blk.bias0 = p.bias != nullptr ? p.bias + e * p.n + n0 : nullptr;
     blk.m_valid = end - begin;
     blk.n_valid = p.n - n0;
     blk.k = p.k;
@@ -208,6 +213,9 @@ __device__ __forceinline__ void stage_tc_operand(T* s, const T* x0, int64_t stri
 
 template <typename T, GroupedProduct kKind>
 __global__ void __launch_bounds__(kTcThreads) grouped_mm_tc_kernel(Args<T> p) {
+#if FUSEDLLM_BELOW_SM80
+  __trap();  // grouped_mm launches the SIMT kernel below sm_80
+#else
   constexpr bool kAK = kAIsKContiguous<kKind>, kBK = kBIsKContiguous<kKind>;
   using TileA = TcTile<kAK>;
   using TileB = TcTile<kBK>;
@@ -278,20 +286,27 @@ __global__ void __launch_bounds__(kTcThreads) grouped_mm_tc_kernel(Args<T> p) {
 
   const int group = lane / 4, quad = lane % 4;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int t = 0; t < 4; ++t) {
+    const int col = wn + t * 8 + 2 * quad;
+    // The bias of this lane's two columns, added to the float32 sums (rounded once).
+    float bias[2] = {0.f, 0.f};
+    if (blk.bias0 != nullptr) {
+      if (col < blk.n_valid) bias[0] = static_cast<float>(blk.bias0[col]);
+      if (col + 1 < blk.n_valid) bias[1] = static_cast<float>(blk.bias0[col + 1]);
+    }
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const int col = wn + t * 8 + 2 * quad;
+    for (int i = 0; i < 2; ++i) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // rows group and group + 8
         const int row = wm + i * 16 + group + half * 8;
         if (row >= blk.m_valid) continue;
         T* c = blk.c0 + row * p.out_stride + col;
-        if (col < blk.n_valid) c[0] = T(acc[i][t].r[2 * half]);
-        if (col + 1 < blk.n_valid) c[1] = T(acc[i][t].r[2 * half + 1]);
+        if (col < blk.n_valid) c[0] = T(acc[i][t].r[2 * half] + bias[0]);
+        if (col + 1 < blk.n_valid) c[1] = T(acc[i][t].r[2 * half + 1] + bias[1]);
       }
     }
   }
+#endif
 }
 
 // ---- SIMT kernel (float32 / float64, and 16-bit types below sm_80) ----------
@@ -346,6 +361,13 @@ __global__ void __launch_bounds__(kSimtThreads) grouped_mm_simt_kernel(Args<T> p
     }
     __syncthreads();  // all reads done before the next step's staging
   }
+  Acc bias[4] = {};  // this thread's columns' bias, added to the sums (rounded once)
+  if (blk.bias0 != nullptr) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (tx + 16 * j < blk.n_valid) bias[j] = static_cast<Acc>(blk.bias0[tx + 16 * j]);
+    }
+  }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int row = ty + 16 * i;
@@ -353,7 +375,7 @@ __global__ void __launch_bounds__(kSimtThreads) grouped_mm_simt_kernel(Args<T> p
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int col = tx + 16 * j;
-      if (col < blk.n_valid) blk.c0[row * p.out_stride + col] = static_cast<T>(acc[i][j]);
+      if (col < blk.n_valid) blk.c0[row * p.out_stride + col] = static_cast<T>(acc[i][j] + bias[j]);
     }
   }
 }
@@ -406,7 +428,8 @@ void launch_grouped_mm(const Args<T>& p, bool tensor_cores, Stream stream) {
 // grouped_mm with the kernel choice exposed: tensor_cores = false runs the
 // SIMT kernel for 16-bit types too (tests; GPUs below sm_80 do it anyway).
 inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
-                       const at::Tensor& offsets, GroupedProduct kind, bool tensor_cores) {
+                       const at::Tensor& offsets, GroupedProduct kind, bool tensor_cores,
+                       const at::Tensor& bias = at::Tensor()) {
   const bool weight_gradient = kind == GroupedProduct::kWeightGradient;
   TORCH_CHECK_VALUE(a.dim() == 2, "grouped_mm: a must be 2-D [S, ", weight_gradient ? "M" : "K",
                     "], got ", a.sizes());
@@ -445,6 +468,15 @@ inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Ten
   } else {
     TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == rows && out.size(1) == n,
                       "grouped_mm: out must be [S, N] = [", rows, ", ", n, "], got ", out.sizes());
+  }
+  if (bias.defined()) {
+    TORCH_CHECK_VALUE(!weight_gradient, "grouped_mm: a bias is for the row products only");
+    TORCH_CHECK_VALUE(bias.dim() == 2 && bias.size(0) == experts && bias.size(1) == n &&
+                          bias.is_contiguous() && bias.scalar_type() == out.scalar_type() &&
+                          bias.device() == out.device(),
+                      "grouped_mm: bias must be a contiguous [E, N] = [", experts, ", ", n,
+                      "] tensor of out's dtype and device, got ", bias.scalar_type(), " ",
+                      bias.sizes(), " on ", bias.device());
   }
   TORCH_CHECK_VALUE(experts > 0 || rows == 0,
                     "grouped_mm: offsets has no groups (E = 0) but a has ", rows, " rows");
@@ -486,6 +518,7 @@ inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Ten
     p.m = m;
     p.n = n;
     p.k = k;
+    p.bias = bias.defined() ? bias.const_data_ptr<T>() : nullptr;
     p.a_chunks = chunks_aligned(p.a, {p.a_stride});
     p.b_chunks = chunks_aligned(p.b, {p.b_expert_stride, p.b_stride});
     switch (kind) {
@@ -523,10 +556,13 @@ inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Ten
 // float16), one device, unit stride along the last dimension (other strides
 // arbitrary); out is written, not accumulated into. offsets: int64 [E + 1] on
 // the same device, offsets[0] = 0, nondecreasing, offsets[E] = S; never read by
-// the host. Sums in float32 (float64 for float64), rounded once; deterministic.
+// the host. bias (row products only): contiguous [E, N] or undefined, bias[e]
+// added to the rows of group e. Sums in float32 (float64 for float64), bias
+// included, rounded once; deterministic.
 inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
-                       const at::Tensor& offsets, GroupedProduct kind) {
-  grouped::grouped_mm(out, a, b, offsets, kind, /*tensor_cores=*/true);
+                       const at::Tensor& offsets, GroupedProduct kind,
+                       const at::Tensor& bias = at::Tensor()) {
+  grouped::grouped_mm(out, a, b, offsets, kind, /*tensor_cores=*/true, bias);
 }
 
 }  // namespace fusedllm::cuda

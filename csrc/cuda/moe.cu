@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "fusedllm/activations.h"
 #include "fusedllm/moe.h"
 #include "fusedllm/moe_op.h"
 #include "grouped_gemm.cuh"
@@ -135,6 +136,45 @@ __global__ void moe_weights_grad_kernel(A* __restrict__ grad, const T* __restric
   }
 }
 
+// The gated activation (moe::gated_row) of rows of 2 * inter gate/up values,
+// grid-stride over rows, the block's threads along the row.
+template <typename T>
+__global__ void moe_gated_kernel(T* __restrict__ out, const T* __restrict__ gate_up,
+                                 moe::Gating o, int64_t rows, int64_t inter) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    moe::gated_row<act::ScalarMath, MoeAcc<T>>(o, out + r * inter, gate_up + r * 2 * inter, inter,
+                                               threadIdx.x, blockDim.x);
+  }
+}
+
+template <typename T>
+__global__ void moe_gated_backward_kernel(T* __restrict__ grad_gate_up, const T* __restrict__ grad,
+                                          const T* __restrict__ gate_up, moe::Gating o,
+                                          int64_t rows, int64_t inter) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    moe::gated_row_backward<act::ScalarMath, MoeAcc<T>>(o, grad_gate_up + r * 2 * inter,
+                                                        grad + r * inter, gate_up + r * 2 * inter,
+                                                        inter, threadIdx.x, blockDim.x);
+  }
+}
+
+// out[e, c] = the sum of rows offsets[e] .. offsets[e + 1] of column c of src
+// (a bias gradient): block (column tile, e), one thread per column adding the
+// group's rows in order (coalesced along the row; deterministic).
+template <typename T>
+__global__ void moe_group_sum_kernel(T* __restrict__ out, const T* __restrict__ src,
+                                     const int64_t* __restrict__ offsets, int64_t rows,
+                                     int64_t cols) {
+  const int64_t e = blockIdx.y;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  const auto clamp_row = [&](int64_t v) { return v < 0 ? 0 : (v > rows ? rows : v); };
+  const int64_t first = clamp_row(offsets[e]), last = clamp_row(offsets[e + 1]);
+  MoeAcc<T> acc = 0;
+  for (int64_t r = first; r < last; ++r) acc += static_cast<MoeAcc<T>>(src[r * cols + c]);
+  out[e * cols + c] = static_cast<T>(acc);
+}
+
 int row_blocks(int64_t rows) {
   return static_cast<int>(std::clamp<int64_t>(
       rows, 1, static_cast<int64_t>(device_properties().multiProcessorCount) * 16));
@@ -250,47 +290,83 @@ struct CudaMoe {
     });
   }
 
+  static void gated(at::Tensor& out, const at::Tensor& gate_up, const moe::Gating& o) {
+    const DeviceGuard guard(out.device());
+    const int64_t rows = out.size(0), inter = out.size(1);
+    for_dtype(out.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      launch("moe_gated_kernel", moe_gated_kernel<T>, row_blocks(rows), kThreads, 0,
+             current_stream(), out.mutable_data_ptr<T>(), gate_up.const_data_ptr<T>(), o, rows,
+             inter);
+    });
+  }
+
+  static void gated_backward(at::Tensor& grad_gate_up, const at::Tensor& grad,
+                             const at::Tensor& gate_up, const moe::Gating& o) {
+    const DeviceGuard guard(grad.device());
+    const int64_t rows = grad.size(0), inter = grad.size(1);
+    for_dtype(grad.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      launch("moe_gated_backward_kernel", moe_gated_backward_kernel<T>, row_blocks(rows), kThreads,
+             0, current_stream(), grad_gate_up.mutable_data_ptr<T>(), grad.const_data_ptr<T>(),
+             gate_up.const_data_ptr<T>(), o, rows, inter);
+    });
+  }
+
+  static void group_sum(at::Tensor& out, const at::Tensor& src, const at::Tensor& offsets) {
+    const DeviceGuard guard(out.device());
+    const int64_t experts = out.size(0), cols = out.size(1);
+    TORCH_CHECK_VALUE(experts <= 65535, "fusedllm moe: ", experts,
+                      " experts are too many for one bias-gradient launch");
+    for_dtype(out.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      launch("moe_group_sum_kernel", moe_group_sum_kernel<T>,
+             dim3(static_cast<unsigned>(thread_blocks(cols, kThreads)), static_cast<unsigned>(experts)),
+             kThreads, 0, current_stream(), out.mutable_data_ptr<T>(), src.const_data_ptr<T>(),
+             offsets.const_data_ptr<int64_t>(), src.size(0), cols);
+    });
+  }
+
   // The grouped products a chunk of `rows` expert-ordered rows at a time,
   // wherever the experts' bounds fall (the host does not know them without
   // waiting for the device): the groups' bounds are clipped to the chunk on
-  // the device.
+  // the device. The biases join the products' epilogues.
   static void expert_mlp(at::Tensor& expert_out, at::Tensor& gate_up, const at::Tensor& hidden,
                          const at::Tensor& order, const at::Tensor& offsets, int64_t k,
-                         const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
-                         c10::string_view activation, int64_t rows) {
+                         const MoeExpertWeights& w, int64_t rows) {
     const int64_t pairs = order.numel(), cols = hidden.size(1);
+    const int64_t two_inter = w.transposed ? w.gate_up_proj.size(2) : w.gate_up_proj.size(1);
     const bool keep = gate_up.size(0) > 0;
     const int64_t chunk = std::min(rows, pairs);
     at::Tensor gathered = at::empty({chunk, cols}, hidden.options());
-    at::Tensor gu_chunk = keep ? at::Tensor() : at::empty({chunk, gate_up_proj.size(1)}, hidden.options());
+    at::Tensor gu_chunk = keep ? at::Tensor() : at::empty({chunk, two_inter}, hidden.options());
     for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
       const int64_t n = std::min(chunk, pairs - p0);
       const at::Tensor bounds = n == pairs ? offsets : (offsets.clamp(p0, p0 + n) - p0);
       at::Tensor r = gathered.narrow(0, 0, n);
       gather(r, hidden, order.narrow(0, p0, n), k, at::Tensor());
       at::Tensor gu = keep ? gate_up.narrow(0, p0, n) : gu_chunk.narrow(0, 0, n);
-      grouped_mm(gu, r, gate_up_proj, bounds, GroupedProduct::kRowsTimesWeightT);
+      grouped_mm(gu, r, w.gate_up_proj, bounds, w.forward_product(), w.gate_up_bias);
       at::Tensor y = expert_out.narrow(0, p0, n);
-      grouped_mm(y, MoeOps<CudaMoe>::gated(gu, activation), down_proj, bounds,
-                 GroupedProduct::kRowsTimesWeightT);
+      grouped_mm(y, MoeOps<CudaMoe>::gated(gu, w), w.down_proj, bounds, w.forward_product(),
+                 w.down_bias);
     }
   }
 
   static void expert_mlp_combined(at::Tensor& out, const at::Tensor& hidden, const at::Tensor& order,
                                   const at::Tensor& position, const at::Tensor& offsets, int64_t k,
-                                  const at::Tensor& weights, const at::Tensor& gate_up_proj,
-                                  const at::Tensor& down_proj, c10::string_view activation,
-                                  int64_t rows) {
+                                  const at::Tensor& weights, const MoeExpertWeights& w, int64_t rows) {
     at::Tensor expert_out = at::empty({order.numel(), hidden.size(1)}, hidden.options());
-    at::Tensor none = hidden.new_empty({0, gate_up_proj.size(1)});
-    expert_mlp(expert_out, none, hidden, order, offsets, k, gate_up_proj, down_proj, activation, rows);
+    const int64_t two_inter = w.transposed ? w.gate_up_proj.size(2) : w.gate_up_proj.size(1);
+    at::Tensor none = hidden.new_empty({0, two_inter});
+    expert_mlp(expert_out, none, hidden, order, offsets, k, w, rows);
     combine(out, expert_out, position, k, weights);
   }
 
   static void grouped_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
-                         const at::Tensor& offsets, GroupedProduct kind) {
+                         const at::Tensor& offsets, GroupedProduct kind, const at::Tensor& bias) {
     const at::Tensor bc = b.stride(-1) == 1 ? b : b.contiguous();
-    cuda::grouped_mm(out, a, bc, offsets, kind);
+    cuda::grouped_mm(out, a, bc, offsets, kind, bias);
   }
 };
 

@@ -124,24 +124,32 @@ def _register_moe(ns: str) -> None:
 
     @torch.library.register_fake(f"{ns}::moe_experts")
     def _moe_experts_fake(hidden, indices, weights, gate_up_proj, down_proj, activation,
-                          save_for_backward):
+                          save_for_backward, gate_up_bias=None, down_bias=None, transposed=False,
+                          interleaved=False, alpha=1.702, limit=7.0):
         pairs = indices.shape[0] * indices.shape[1]
+        two_inter = gate_up_proj.shape[2] if transposed else gate_up_proj.shape[1]
         return (
             hidden.new_empty(hidden.shape),
             indices.new_empty((pairs,)),
             indices.new_empty((pairs,)),
             indices.new_empty((gate_up_proj.shape[0] + 1,)),
-            hidden.new_empty((pairs if save_for_backward else 0, gate_up_proj.shape[1])),
+            hidden.new_empty((pairs if save_for_backward else 0, two_inter)),
             hidden.new_empty((pairs if save_for_backward else 0, hidden.shape[1])),
         )
 
     @torch.library.register_fake(f"{ns}::moe_experts_backward")
     def _moe_experts_backward_fake(grad_out, hidden, indices, weights, gate_up_proj, down_proj, order,
-                                   position, offsets, gate_up, expert_out, activation, output_mask):
-        shapes = (hidden.shape, weights.shape, gate_up_proj.shape, down_proj.shape)
-        dtypes = (hidden.dtype, weights.dtype, hidden.dtype, hidden.dtype)
+                                   position, offsets, gate_up, expert_out, activation, output_mask,
+                                   gate_up_bias=None, down_bias=None, transposed=False,
+                                   interleaved=False, alpha=1.702, limit=7.0,
+                                   bias_mask=(False, False)):
+        biases = (gate_up_bias, down_bias)
+        shapes = (hidden.shape, weights.shape, gate_up_proj.shape, down_proj.shape,
+                  *(b.shape if b is not None else (0,) for b in biases))
+        dtypes = (hidden.dtype, weights.dtype, hidden.dtype, hidden.dtype, hidden.dtype, hidden.dtype)
+        wanted = (*output_mask, *(want and b is not None for want, b in zip(bias_mask, biases)))
         return tuple(hidden.new_empty(shape if want else (0,), dtype=dtype)
-                     for shape, dtype, want in zip(shapes, dtypes, output_mask))
+                     for shape, dtype, want in zip(shapes, dtypes, wanted))
 
 
 def register_fakes(ns: str) -> None:

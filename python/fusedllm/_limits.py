@@ -26,3 +26,4 @@ def check_rotary_dim(op: str, rotary_dim, head_dim: int) -> int:
     return rotary_dim
 
 MOE_SCORINGS = ("softmax", "sigmoid")
+MOE_ACTIVATIONS = ("silu", "gelu_tanh", "gpt_oss")  # the experts' (moe_experts)

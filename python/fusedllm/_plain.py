@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from ._limits import (ACTIVATIONS, CASTINGS, FLOAT_DTYPES, MAX_HEAD_DIM, MOE_SCORINGS, REDUCTIONS,
-                      check_rotary_dim)
+from ._limits import (ACTIVATIONS, CASTINGS, FLOAT_DTYPES, MAX_HEAD_DIM, MOE_ACTIVATIONS, MOE_SCORINGS,
+                      REDUCTIONS, check_rotary_dim)
 
 # --- argument checks: the words of csrc/include/fusedllm/*_op.h, numbers printed as C++ does
 
@@ -597,7 +597,8 @@ def _stable_topk(x, k):
     return order[:, :k].contiguous()
 
 
-def check_moe_experts(op, hidden, indices, weights, gate_up_proj, down_proj, activation):
+def check_moe_experts(op, hidden, indices, weights, gate_up_proj, down_proj, activation,
+                      gate_up_bias=None, down_bias=None, transposed=False, alpha=1.702, limit=7.0):
     _check_float(op, "hidden", hidden)
     if hidden.dim() != 2:
         _fail(op, f"hidden must be [tokens, hidden_size], got shape {list(hidden.shape)}")
@@ -617,28 +618,66 @@ def check_moe_experts(op, hidden, indices, weights, gate_up_proj, down_proj, act
         _fail(op, f"weights must have indices' shape {list(indices.shape)}, got {list(weights.shape)}")
     _check_same(op, "hidden", hidden, "gate_up_proj", gate_up_proj)
     _check_same(op, "hidden", hidden, "down_proj", down_proj)
-    if (gate_up_proj.dim() != 3 or gate_up_proj.shape[0] < 1 or gate_up_proj.shape[1] % 2
-            or gate_up_proj.shape[2] != hidden_size):
-        _fail(op, f"gate_up_proj must be [num_experts, 2 * intermediate, {hidden_size}] (hidden's last "
-                  f"dim), got shape {list(gate_up_proj.shape)}")
-    experts, inter = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
-    if list(down_proj.shape) != [experts, hidden_size, inter]:
+    gu_in, gu_out = (1, 2) if transposed else (2, 1)
+    if (gate_up_proj.dim() != 3 or gate_up_proj.shape[0] < 1 or gate_up_proj.shape[gu_out] % 2
+            or gate_up_proj.shape[gu_in] != hidden_size):
+        expected = (f"[num_experts, {hidden_size}, 2 * intermediate]" if transposed
+                    else f"[num_experts, 2 * intermediate, {hidden_size}]")
+        _fail(op, f"gate_up_proj must be {expected} (hidden's last dim{'; transposed=True' if transposed else ''}), "
+                  f"got shape {list(gate_up_proj.shape)}")
+    experts, inter = gate_up_proj.shape[0], gate_up_proj.shape[gu_out] // 2
+    if transposed:
+        if list(down_proj.shape) != [experts, inter, hidden_size]:
+            _fail(op, f"down_proj must be [{experts}, {inter}, {hidden_size}] (num_experts, intermediate, "
+                      f"hidden_size; transposed=True), got shape {list(down_proj.shape)}")
+    elif list(down_proj.shape) != [experts, hidden_size, inter]:
         _fail(op, f"down_proj must be [{experts}, {hidden_size}, {inter}] (num_experts, hidden_size, "
                   f"intermediate), got shape {list(down_proj.shape)}")
-    _check_activation(op, activation)
+    if gate_up_bias is not None:
+        _check_same(op, "hidden", hidden, "gate_up_bias", gate_up_bias)
+        if list(gate_up_bias.shape) != [experts, 2 * inter]:
+            _fail(op, f"gate_up_bias must be [{experts}, {2 * inter}] (num_experts, 2 * intermediate), got shape "
+                      f"{list(gate_up_bias.shape)}")
+    if down_bias is not None:
+        _check_same(op, "hidden", hidden, "down_bias", down_bias)
+        if list(down_bias.shape) != [experts, hidden_size]:
+            _fail(op, f"down_bias must be [{experts}, {hidden_size}] (num_experts, hidden_size), got shape "
+                      f"{list(down_bias.shape)}")
+    if activation not in MOE_ACTIVATIONS:
+        _fail(op, f"activation must be 'silu', 'gelu_tanh' or 'gpt_oss', got '{activation}'")
+    if not math.isfinite(alpha):
+        _fail(op, f"alpha must be finite, got {alpha:g}")
+    if not limit > 0:
+        _fail(op, f"limit must be positive (inf: no clamp), got {limit:g}")
     bad = (indices < 0) | (indices >= experts)
     if not indices.is_cuda and bool(bad.any()):
         t, j = (int(i) for i in bad.nonzero()[0])
         _fail(op, f"indices[{t}, {j}] = {int(indices[t, j])} is not an expert index in [0, {experts})")
 
 
-def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation, save_for_backward):
+def _expert_gated(gate_up, activation, interleaved, alpha, limit):
+    """The experts' gated activation of gate/up rows, in float32 (float64)."""
+    acc = _accumulation(gate_up)
+    x = gate_up.to(acc)
+    gate, up = (x[:, 0::2], x[:, 1::2]) if interleaved else x.chunk(2, dim=-1)
+    if activation == "gpt_oss":
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+        out = (up + 1) * gate * torch.sigmoid(gate * alpha)
+    else:
+        out = _activation(gate, activation) * up
+    return out.to(gate_up.dtype)
+
+
+def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation, save_for_backward,
+                gate_up_bias=None, down_bias=None, transposed=False, interleaved=False, alpha=1.702,
+                limit=7.0):
     """The experts op, one expert at a time: a reference, not a fast path.
     Returns (out, order, position, offsets, gate_up, expert_out) as the op does."""
     check_moe_experts("fusedllm.moe_experts", hidden, indices, weights, gate_up_proj, down_proj,
-                      activation)
+                      activation, gate_up_bias, down_bias, transposed, alpha, limit)
     tokens, top_k = indices.shape
-    experts, inter = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+    experts = gate_up_proj.shape[0]
     flat = indices.reshape(-1)
     order = torch.sort(flat, stable=True).indices
     position = torch.empty_like(order)
@@ -646,9 +685,17 @@ def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation, s
     counts = torch.bincount(flat, minlength=experts)
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     rows = hidden[order // top_k]
-    gate_up = torch.cat([rows[offsets[e]:offsets[e + 1]] @ gate_up_proj[e].T for e in range(experts)])
-    acted = _gated(gate_up[:, :inter], gate_up[:, inter:], activation)
-    expert_out = torch.cat([acted[offsets[e]:offsets[e + 1]] @ down_proj[e].T for e in range(experts)])
+
+    def product(x, w, bias, e):
+        y = x @ (w[e] if transposed else w[e].T)
+        return y if bias is None else y + bias[e]
+
+    bounds = offsets.tolist()
+    gate_up = torch.cat([product(rows[bounds[e]:bounds[e + 1]], gate_up_proj, gate_up_bias, e)
+                         for e in range(experts)])
+    acted = _expert_gated(gate_up, activation, interleaved, alpha, limit)
+    expert_out = torch.cat([product(acted[bounds[e]:bounds[e + 1]], down_proj, down_bias, e)
+                            for e in range(experts)])
     acc = _accumulation(hidden)
     picked = expert_out[position].view(tokens, top_k, hidden.shape[1]).to(acc)
     out = (picked * weights.to(acc).unsqueeze(-1)).sum(1).to(hidden.dtype)

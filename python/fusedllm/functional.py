@@ -422,7 +422,9 @@ def moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
 
 def moe_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                 gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                activation: str = "silu") -> torch.Tensor:
+                activation: str = "silu", *, gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None, transposed: bool = False,
+                interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """The experts of a mixture-of-experts layer, each token through its chosen ones.
 
     ``hidden`` ``[..., hidden_size]``; ``indices`` (int64) and ``weights``
@@ -433,6 +435,22 @@ def moe_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tens
     token ``t`` and choice ``j``, with ``e = indices[t, j]``:
     ``out[t] += weights[t, j] * down_proj[e] @ (act(gate) * up)`` where
     ``[gate | up] = gate_up_proj[e] @ hidden[t]``, ``act`` silu or gelu_tanh.
+
+    gpt-oss's experts (``GptOssExperts``) are the same with four options:
+    ``gate_up_bias`` ``[num_experts, 2 * intermediate]`` and ``down_bias``
+    ``[num_experts, hidden_size]`` are added to expert ``e``'s gate/up and down
+    products (in the products' epilogues); ``transposed=True`` reads the
+    weights stored as ``gate_up_proj [num_experts, hidden_size, 2 *
+    intermediate]`` and ``down_proj [num_experts, intermediate, hidden_size]``
+    (``hidden @ gate_up_proj[e]``), where they lie, without a transposed copy;
+    ``interleaved=True`` takes the gate from the even columns of the gate/up
+    product and up from the odd ones; ``activation="gpt_oss"`` is the clamped
+    SwiGLU ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with
+    ``g = clamp(gate, max=limit)`` (``limit`` is the config's
+    ``swiglu_limit``; its gradient is zero where a clamp holds, as autograd of
+    that formula gives; ``limit=inf`` clamps nothing). The options combine
+    freely with each other and with silu and gelu_tanh.
+
     Tokens are grouped by expert (a stable counting sort), each expert's rows
     multiplied at once, and each token's outputs summed in float32 in a fixed
     order (deterministic: choice order when a gradient will be needed; on the
@@ -440,11 +458,12 @@ def moe_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tens
     gathered rows and their gate/up rows and activation exist a part at a
     time; when a gradient will be needed the gate/up rows and the experts'
     outputs are kept whole for backward. Out has hidden's dtype;
-    differentiable in hidden, weights and both projections.
+    differentiable in hidden, weights, both projections and both biases.
     """
     op = "fusedllm.moe_experts"
     _require_tensors(op, "hidden", hidden, indices=indices, weights=weights,
-                     gate_up_proj=gate_up_proj, down_proj=down_proj)
+                     gate_up_proj=gate_up_proj, down_proj=down_proj, gate_up_bias=gate_up_bias,
+                     down_bias=down_bias)
     if hidden.dim() < 1:
         raise ValueError(f"{op}: hidden must be [..., hidden_size], got a scalar")
     lead = tuple(hidden.shape[:-1])
@@ -454,9 +473,14 @@ def moe_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tens
     if tuple(weights.shape) != tuple(indices.shape):
         raise ValueError(f"{op}: weights must have indices' shape {list(indices.shape)}, "
                          f"got {list(weights.shape)}")
+    for name, flag in (("transposed", transposed), ("interleaved", interleaved)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{op}: {name} must be a bool, got {flag!r}")
     top_k = indices.shape[-1]
     out = _impl.moe_experts(hidden.reshape(-1, hidden.shape[-1]), indices.reshape(-1, top_k),
-                            weights.reshape(-1, top_k), gate_up_proj, down_proj, activation, False)[0]
+                            weights.reshape(-1, top_k), gate_up_proj, down_proj, activation, False,
+                            gate_up_bias, down_bias, transposed, interleaved,
+                            _number(op, "alpha", alpha), _number(op, "limit", limit))[0]
     return out.reshape(hidden.shape)
 
 

@@ -30,12 +30,13 @@
   LayerNorms and ungated GELUs stay torch's, and the report lists them as
   left; Falcon's layers are left, and the report says why;
 - Hugging Face sparse mixture-of-experts blocks (Mixtral, Qwen2-MoE,
-  Qwen3-MoE, OLMoE, DeepSeek-V3) by fused twins (:mod:`fusedllm.hf_moe`):
-  the block's own forward (router jitter, shared experts) on a router that
-  is :func:`fusedllm.moe_route` and experts that are
-  :func:`fusedllm.moe_experts`. Other MoE blocks are left, and the report
-  says why (gpt-oss's: its experts' biases, interleaved gate/up rows and
-  clamped activation, and its router's bias, have no fused kernel).
+  Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss's ``GptOssMLP``) by fused twins
+  (:mod:`fusedllm.hf_moe`): the block's own forward (router jitter, shared
+  experts) on a router that is :func:`fusedllm.moe_route` (gpt-oss's with
+  its bias in the logits) and experts that are :func:`fusedllm.moe_experts`
+  (gpt-oss's biases, transposed weights, interleaved gate/up and clamped
+  SwiGLU included). Other MoE blocks, and experts the op cannot run, are
+  left, and the report says why.
 
 Every replacement holds the very same ``Parameter`` objects (and the same
 ``nn.Linear`` submodules) as the module it replaces, so an optimizer built
@@ -184,42 +185,18 @@ def _hf_packed_mlp(m):
 _HF_MOE_SUFFIXES = ("SparseMoeBlock", "SparseMoE", "MoeBlock", "MoE", "MoeLayer", "MoELayer")
 
 
-# MoE blocks named otherwise (gpt-oss's holds a `router` and `experts`)
-_HF_OTHER_MOE_BLOCKS = {"GptOssMLP"}
-
-
 def _experts_problems(experts) -> list[str]:
-    """Everything in a transformers experts module that moe_experts has no kernel for."""
-    if experts is None:
+    """What in a transformers experts module moe_experts has no kernel for."""
+    if not isinstance(experts, nn.Module):
         return []
-    problems = []
-    if getattr(experts, "has_bias", False):
-        problems.append("biases on the gate/up and down products (has_bias)")
-    if getattr(experts, "is_transposed", False):
-        problems.append("weights stored transposed (is_transposed)")
-    if not getattr(experts, "is_concatenated", True):
-        problems.append("gate and up rows interleaved (is_concatenated=False), not [gate | up]")
-    apply_gate = getattr(type(experts), "_apply_gate", None)
-    if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
-        limit, alpha = getattr(experts, "limit", None), getattr(experts, "alpha", None)
-        clamp = (f": a clamped activation (gate clipped above at {limit:g}, up to [-{limit:g}, {limit:g}], "
-                 f"gate * sigmoid({alpha:g} * gate) * (up + 1))"
-                 if isinstance(limit, (int, float)) and isinstance(alpha, (int, float)) else "")
-        problems.append(f"its own gating ({type(experts).__name__}._apply_gate{clamp})")
-    if not problems:
-        problem = hf_moe.experts_problem(experts) if isinstance(experts, nn.Module) else None
-        if problem is not None:
-            problems.append(problem)
-    return problems
+    problem = hf_moe.experts_problem(experts)
+    return [] if problem is None else [problem]
 
 
 def _hf_moe_left(m):
     name = type(m).__name__
     problems = _experts_problems(getattr(m, "experts", None))
     if problems:
-        router = getattr(m, "router", getattr(m, "gate", None))
-        if isinstance(getattr(router, "bias", None), torch.Tensor):
-            problems.append("a router with a bias")
         return (f"{name} is not one of the sparse MoE blocks fusedllm fuses, and its experts cannot run on "
                 f"moe_experts (nor experts_implementation='fusedllm'): " + "; ".join(problems))
     return (f"{name} is not one of the sparse MoE blocks fusedllm fuses "
@@ -230,7 +207,7 @@ def _hf_rule(module, compute_dtype=None):
     name = type(module).__name__
     if name in hf_moe.MOE_BLOCKS:
         return "moe", hf_moe.fused_moe_block
-    if (name.endswith(_HF_MOE_SUFFIXES) or name in _HF_OTHER_MOE_BLOCKS) and hasattr(module, "experts"):
+    if name.endswith(_HF_MOE_SUFFIXES) and hasattr(module, "experts"):
         return "moe", _hf_moe_left
     if name in _HF_LLAMA_NORMS:
         return "rms_norm", lambda m: _hf_norm(m, 0.0, "llama", compute_dtype)
@@ -256,7 +233,8 @@ def _probe_inputs(module, kind, new):
     dtype = param.dtype if param.is_floating_point() else torch.float32
     device = param.device
     if kind == "moe":
-        return (torch.randn(2, 5, module.gate.weight.shape[1], dtype=dtype, device=device),), {}
+        router = getattr(module, hf_moe.router_name(hf_moe.MOE_BLOCKS[type(module).__name__]))
+        return (torch.randn(2, 5, router.weight.shape[1], dtype=dtype, device=device),), {}
     if kind == "rope":
         d = 2 * module.cos_cached.shape[1]
         q = torch.randn(2, 2, 5, d, dtype=dtype, device=device)
@@ -376,7 +354,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
     rather than replaced); ``parallel`` the Hugging Face parallel-residual
     decoder layers (GPT-J, GPT-NeoX with ``use_parallel_residual``, Cohere),
     replaced whole; ``moe`` the Hugging Face sparse MoE blocks (Mixtral,
-    Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3), whose routers and experts are
+    Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss), whose routers and experts are
     replaced by fused twins. Replacements keep the original ``Parameter``
     objects, submodules and training mode; an optimizer built before patching
     keeps working, and so do ``state_dict`` / ``load_state_dict``.

@@ -85,4 +85,27 @@ FUSEDLLM_HOST_DEVICE void gated_grad(V dh, V gate, V up, V& grad_gate, V& grad_u
   grad_up = dh * value;
 }
 
+// gpt-oss's clamped SwiGLU: g = min(gate, limit), u = clamp(up, -limit, limit),
+// h = (u + 1) * g * sigmoid(alpha * g). A NaN stays NaN, as torch's clamp.
+template <typename Math, typename V>
+FUSEDLLM_HOST_DEVICE V gpt_oss_gated(V gate, V up, V alpha, V limit) {
+  const V g = gate > limit ? limit : gate;
+  const V u = up > limit ? limit : (up < -limit ? -limit : up);
+  return (u + V(1)) * g * sigmoid<Math>(alpha * g);
+}
+
+// Its gradients from dh, as autograd of that formula gives them: a clamp
+// passes the gradient where its input lies within the bounds (bounds
+// included) and zero elsewhere (NaN included).
+template <typename Math, typename V>
+FUSEDLLM_HOST_DEVICE void gpt_oss_gated_grad(V dh, V gate, V up, V alpha, V limit, V& grad_gate,
+                                             V& grad_up) {
+  const bool gate_free = gate <= limit, up_free = up >= -limit && up <= limit;
+  const V g = gate > limit ? limit : gate;
+  const V u = up > limit ? limit : (up < -limit ? -limit : up);
+  const V s = sigmoid<Math>(alpha * g);
+  grad_gate = gate_free ? dh * (u + V(1)) * s * (V(1) + alpha * g * (V(1) - s)) : V(0);
+  grad_up = up_free ? dh * g * s : V(0);
+}
+
 }  // namespace fusedllm::act

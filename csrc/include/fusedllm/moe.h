@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "fusedllm/activations.h"
 #include "fusedllm/macros.h"
 
 namespace fusedllm::moe {
@@ -32,6 +33,77 @@ enum class GroupedProduct {
   kRowsTimesWeight,   // out[r] = a[r] @ b[e]              a [S, K], b [E, K, N], out [S, N]
   kWeightGradient,    // out[e] = a[rows_e]^T @ b[rows_e]  a [S, M], b [S, N], out [E, M, N]
 };
+
+// The experts' gated activation of a gate/up row of 2I values into I values:
+// gate and up as the halves [gate | up] or interleaved (gate at 2i, up at
+// 2i + 1: gpt-oss); act(gate) * up with silu or gelu_tanh, or gpt-oss's
+// clamped SwiGLU (act::gpt_oss_gated, with alpha and limit).
+enum class Gate : int { kSilu = 0, kGeluTanh = 1, kGptOss = 2 };
+
+struct Gating {
+  Gate gate = Gate::kSilu;
+  bool interleaved = false;
+  double alpha = 1.702, limit = 7.0;
+};
+
+// Where the gate and the up value of output column c sit in a gate/up row.
+FUSEDLLM_HOST_DEVICE int64_t gate_column(const Gating& o, int64_t c) {
+  return o.interleaved ? 2 * c : c;
+}
+FUSEDLLM_HOST_DEVICE int64_t up_column(const Gating& o, int64_t c, int64_t inter) {
+  return o.interleaved ? 2 * c + 1 : inter + c;
+}
+
+template <typename Math, typename A>
+FUSEDLLM_HOST_DEVICE A gated_value(const Gating& o, A gate, A up) {
+  switch (o.gate) {
+    case Gate::kSilu: return act::gated<act::Activation::kSilu, Math>(gate, up);
+    case Gate::kGeluTanh: return act::gated<act::Activation::kGeluTanh, Math>(gate, up);
+    default: return act::gpt_oss_gated<Math>(gate, up, static_cast<A>(o.alpha), static_cast<A>(o.limit));
+  }
+}
+
+template <typename Math, typename A>
+FUSEDLLM_HOST_DEVICE void gated_value_grad(const Gating& o, A dh, A gate, A up, A& grad_gate,
+                                           A& grad_up) {
+  switch (o.gate) {
+    case Gate::kSilu:
+      act::gated_grad<act::Activation::kSilu, Math>(dh, gate, up, grad_gate, grad_up);
+      break;
+    case Gate::kGeluTanh:
+      act::gated_grad<act::Activation::kGeluTanh, Math>(dh, gate, up, grad_gate, grad_up);
+      break;
+    default:
+      act::gpt_oss_gated_grad<Math>(dh, gate, up, static_cast<A>(o.alpha), static_cast<A>(o.limit),
+                                    grad_gate, grad_up);
+  }
+}
+
+// Columns c = first, first + step, ... < inter of one row: out = the gated
+// activation of the gate/up row gu (forward), or grad_gu = its gradient
+// from the activation's gradient g (backward), in A.
+template <typename Math, typename A, typename T>
+FUSEDLLM_HOST_DEVICE void gated_row(const Gating& o, T* out, const T* gu, int64_t inter,
+                                    int64_t first, int64_t step) {
+  for (int64_t c = first; c < inter; c += step) {
+    const A gate = static_cast<A>(gu[gate_column(o, c)]);
+    const A up = static_cast<A>(gu[up_column(o, c, inter)]);
+    out[c] = static_cast<T>(gated_value<Math>(o, gate, up));
+  }
+}
+
+template <typename Math, typename A, typename T>
+FUSEDLLM_HOST_DEVICE void gated_row_backward(const Gating& o, T* grad_gu, const T* g, const T* gu,
+                                             int64_t inter, int64_t first, int64_t step) {
+  for (int64_t c = first; c < inter; c += step) {
+    const int64_t gc = gate_column(o, c), uc = up_column(o, c, inter);
+    A grad_gate, grad_up;
+    gated_value_grad<Math>(o, static_cast<A>(g[c]), static_cast<A>(gu[gc]), static_cast<A>(gu[uc]),
+                           grad_gate, grad_up);
+    grad_gu[gc] = static_cast<T>(grad_gate);
+    grad_gu[uc] = static_cast<T>(grad_up);
+  }
+}
 
 struct RouteOptions {
   Scoring scoring = Scoring::kSoftmax;

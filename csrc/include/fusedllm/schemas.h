@@ -97,15 +97,28 @@ inline void define_ops(torch::Library& m) {
   // position (the permutation of the T * k pairs and its inverse), offsets
   // [E + 1] (each expert's rows), gate_up [T * k, 2I] and expert_out [T * k, H].
   // Without save_for_backward, gate_up is [0, 2I] and expert_out [0, H]:
-  // neither is ever whole (what inference needs).
+  // neither is ever whole (what inference needs). gate_up_bias [E, 2I] and
+  // down_bias [E, H] are added to each expert's products; transposed: the
+  // weights are gate_up_proj [E, H, 2I] and down_proj [E, I, H] (gpt-oss);
+  // interleaved: gate and up alternate along 2I (gate at even columns)
+  // instead of [gate | up]; activation "silu", "gelu_tanh", or "gpt_oss"
+  // (gate clamped above at limit, up to [-limit, limit],
+  // (up + 1) * gate * sigmoid(alpha * gate)).
   m.def("moe_experts(Tensor hidden, Tensor indices, Tensor weights, Tensor gate_up_proj, "
-        "Tensor down_proj, str activation, bool save_for_backward) -> (Tensor out, "
+        "Tensor down_proj, str activation, bool save_for_backward, Tensor? gate_up_bias=None, "
+        "Tensor? down_bias=None, bool transposed=False, bool interleaved=False, "
+        "float alpha=1.702, float limit=7.0) -> (Tensor out, "
         "Tensor order, Tensor position, Tensor offsets, Tensor gate_up, Tensor expert_out)");
+  // Gradients as output_mask asks (hidden, weights, gate_up_proj, down_proj)
+  // and bias_mask (gate_up_bias, down_bias, where given); [0] for the others.
   m.def("moe_experts_backward(Tensor grad_out, Tensor hidden, Tensor indices, Tensor weights, "
         "Tensor gate_up_proj, Tensor down_proj, Tensor order, Tensor position, Tensor offsets, "
-        "Tensor gate_up, Tensor expert_out, str activation, bool[4] output_mask)"
-        " -> (Tensor grad_hidden, Tensor grad_weights, Tensor grad_gate_up_proj, "
-        "Tensor grad_down_proj)");
+        "Tensor gate_up, Tensor expert_out, str activation, bool[4] output_mask, "
+        "Tensor? gate_up_bias=None, Tensor? down_bias=None, bool transposed=False, "
+        "bool interleaved=False, float alpha=1.702, float limit=7.0, "
+        "bool[2] bias_mask=[False, False]) -> (Tensor grad_hidden, Tensor grad_weights, "
+        "Tensor grad_gate_up_proj, Tensor grad_down_proj, Tensor grad_gate_up_bias, "
+        "Tensor grad_down_bias)");
 }
 
 }  // namespace fusedllm

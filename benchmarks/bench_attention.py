@@ -1,6 +1,8 @@
 """Causal grouped-query attention: the notebook's per-head loop, eager softmax
 attention with repeated K/V, F.scaled_dot_product_attention(enable_gqa=True),
-torch.compile of the eager version, and fusedllm.attention.
+torch.compile of the eager version, and fusedllm.attention; on a GPU also SDPA
+restricted to each of its backends (flash, cuDNN, memory-efficient, math) and
+fusedllm held to its SIMT kernels.
 
     python benchmarks/bench_attention.py            # B=1, Hq=32, Hkv=8, D=128, S in 512/2048/4096
     python benchmarks/bench_attention.py --quick    # small sizes, fewer repetitions
@@ -71,8 +73,39 @@ def fused_core(q, k, v):
     return fusedllm.attention(q, k, v, causal=True)
 
 
-def candidates(with_compile):
+# On a GPU, SDPA restricted to each of its backends as well as left to choose.
+SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
+                 "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_math": "MATH"}
+
+
+def sdpa_backend_core(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def core(q, k, v):
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return sdpa_core(q, k, v)
+    return core
+
+
+def fused_simt_core(q, k, v):
+    """fusedllm.attention held to its SIMT kernels (FUSEDLLM_CUDA_ATTENTION=simt),
+    which bfloat16 / float16 calls leave for the tensor-core kernels on sm_80+."""
+    saved = os.environ.get("FUSEDLLM_CUDA_ATTENTION")
+    os.environ["FUSEDLLM_CUDA_ATTENTION"] = "simt"
+    try:
+        return fused_core(q, k, v)
+    finally:
+        if saved is None:
+            del os.environ["FUSEDLLM_CUDA_ATTENTION"]
+        else:
+            os.environ["FUSEDLLM_CUDA_ATTENTION"] = saved
+
+
+def candidates(with_compile, device):
     c = {"notebook": notebook_core, "eager": eager_core, "sdpa": sdpa_core}
+    if device.type == "cuda":
+        c.update({name: sdpa_backend_core(backend) for name, backend in SDPA_BACKENDS.items()})
+        c["fusedllm_simt"] = fused_simt_core
     if with_compile:
         # A fresh compilation per case: each shape and dtype is its own graph.
         torch._dynamo.reset()
@@ -98,6 +131,14 @@ def bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cor
     with torch.no_grad():
         reference = cores["sdpa"](q, k, v).float()
         max_diff = (cores["fusedllm"](q, k, v).float() - reference).abs().max().item()
+        unsupported = {}
+        for n in [n for n in names if n in SDPA_BACKENDS]:
+            try:  # a backend that cannot run this case (dtype, GQA, GPU) raises; it is listed as skipped
+                with torch.enable_grad():
+                    cores[n](*[t.detach().requires_grad_() for t in (q, k, v)]).sum().backward()
+            except RuntimeError as e:
+                unsupported[n] = f"unsupported here: {str(e).splitlines()[0][:80]}"
+        names = [n for n in names if n not in unsupported]
 
     def forward(fn):
         def run():
@@ -145,7 +186,7 @@ def bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cor
             shape=dict(batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim),
             ms={n: t * 1e3 for n, t in times.items()},
             timed_once=slow,
-            skipped={n: f"predicted {predicted[n]:.0f} s per call" for n in skipped},
+            skipped={**{n: f"predicted {predicted[n]:.0f} s per call" for n in skipped}, **unsupported},
             gflops={n: flops / t / 1e9 for n, t in times.items()},
             peak_mb={n: b / 2**20 for n, b in peaks.items()},
             max_abs_diff_vs_sdpa=max_diff,
@@ -172,6 +213,8 @@ COLUMNS = [
     ("vs_eager", "× eager", ".2f"),
     ("vs_sdpa", "× SDPA", ".2f"),
     ("vs_compile", "× compile", ".2f"),
+    *((f"vs_{name}", f"× SDPA {name[5:]}", ".2f") for name in SDPA_BACKENDS),
+    ("vs_fusedllm_simt", "× fusedllm SIMT kernel", ".2f"),
     ("fused_gflops", "fusedllm GFLOP/s", ".0f"),
     ("sdpa_gflops", "SDPA GFLOP/s", ".0f"),
     ("fusedllm_mb", "fusedllm peak MB", ".0f"),
@@ -196,7 +239,7 @@ def cases(args, device):
         history = {}
         for seq in seqs:
             reps = args.reps or (3 if args.quick else (5 if seq <= 2048 else 3))
-            cores = candidates(not args.no_compile)
+            cores = candidates(not args.no_compile, device)
             yield from bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cores,
                                   history, args.max_call_seconds)
 

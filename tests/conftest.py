@@ -35,8 +35,22 @@ def device(request):
         pytest.skip("slow tests do not run under the SIMT emulator")
     import fusedllm.simt
 
-    with fusedllm.simt.kernels(schedule=SIMT_SCHEDULES[request.param]) as mode:
-        yield "cpu"
+    # The emulated tensor-core attention kernels cost several times the SIMT
+    # ones: they run the grid of tests/test_attention_tensor_core.py, and every
+    # other emulated attention test runs the SIMT kernels (on a GPU, both run
+    # as dispatch chooses).
+    kernel_choice = None if request.module.__name__.endswith("test_attention_tensor_core") else "simt"
+    saved = os.environ.get("FUSEDLLM_CUDA_ATTENTION")
+    if kernel_choice is not None:
+        os.environ["FUSEDLLM_CUDA_ATTENTION"] = kernel_choice
+    try:
+        with fusedllm.simt.kernels(schedule=SIMT_SCHEDULES[request.param]) as mode:
+            yield "cpu"
+    finally:
+        if saved is None:
+            os.environ.pop("FUSEDLLM_CUDA_ATTENTION", None)
+        else:
+            os.environ["FUSEDLLM_CUDA_ATTENTION"] = saved
     # A simt test that ran no fusedllm op would be a CPU test under another name.
     assert mode.calls > 0, "this test ran no fusedllm op under the SIMT emulator"
 

@@ -150,3 +150,16 @@ def test_out_of_range_positions_are_a_device_assert_naming_the_condition():
     with pytest.raises(RuntimeError, match=r"rope_kernel, block \(\d+,0,0\), thread \(\d+,0,0\): "
                                            r"CUDA_KERNEL_ASSERT\(pos >= 0 && pos < table_rows\) failed"):
         torch.ops.fusedllm_simt.rope(q, q, cos, sin, positions, 0, False, 8, False)
+
+
+@pytest.mark.parametrize("stride,conflicts", [(128, 28), (144, 0)])
+def test_bank_conflicts_are_counted(stride, conflicts):
+    """One cp.async and one ldmatrix x4 over 8 shared rows `stride` bytes apart:
+    128-byte rows put each 8-lane phase in the same 4 banks (7 extra wavefronts
+    per phase), 144-byte rows spread them over all 32."""
+    simt.reset_stats()
+    simt.run_selftest(f"bank_conflicts_{stride}")
+    stats = simt.stats()
+    assert (stats["cp_async"], stats["ldmatrix"]) == (1, 1)
+    assert (stats["cp_async_conflicts"], stats["ldmatrix_conflicts"]) == (conflicts, conflicts)
+    assert stats["kernel_launches"] == {"bank_conflicts_kernel": 1}

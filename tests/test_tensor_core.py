@@ -3,10 +3,12 @@ ldmatrix with and without .trans, cp.async), through the 64x64x64 check tile of
 csrc/cuda/mma_check.cuh: under the emulator (their portable forms, through
 torch.ops.fusedllm_simt_selftest.mma_tile), compiled for
 sm_80 and sm_90 (the instructions they become), and on a GPU (the hardware
-instructions and the portable forms on the same inputs)."""
+instructions and the portable forms on the same inputs); and the machine code of
+the built extension's tensor-core kernels (attention forward, grouped products)."""
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 
@@ -97,6 +99,51 @@ def test_primitives_compile_to_tensor_core_instructions(tmp_path, arch):
     for instruction in ("HMMA.16816.F32.BF16", "HMMA.16816.F32 ", "LDSM.16.M88.4", "LDSM.16.MT88.4",
                         "LDGSTS.E.BYPASS.128"):
         assert instruction in sass, f"{instruction.strip()} not in the {arch} machine code"
+
+
+def _functions_sass(cuobjdump, library, arch, name_part):
+    """{mangled name: SASS} of the library's `arch` machine-code functions whose
+    name holds name_part."""
+    sass = subprocess.run([cuobjdump, "-sass", "-arch", arch, library], check=True, capture_output=True,
+                          text=True).stdout
+    found = {}
+    for section in re.split(r"\n\s*Function : ", sass)[1:]:
+        name, _, body = section.partition("\n")
+        if name_part in name:
+            found[name.strip()] = body
+    return found
+
+
+@pytest.mark.slow
+def test_built_tensor_core_kernels_hold_tensor_core_instructions():
+    """Evidence from the installed build itself, without a GPU, where it holds
+    machine code for sm_75, sm_80 and sm_90 (FUSEDLLM_CUDA=1, as CI builds): on
+    sm_80 and sm_90 every instantiation of the tensor-core attention forward (two
+    dtypes x four head dims) and of the grouped products holds HMMA (mma.sync;
+    .BF16 for bfloat16), ldmatrix (LDSM) and cp.async (LDGSTS); on sm_75, below
+    the tensor-core kernels' architecture, they compile to a trap and hold none."""
+    import fusedllm
+    from fusedllm import _extension
+
+    archs = fusedllm.build_info().get("cuda_archs", [])
+    if not {"75-real", "80-real", "90-real"} <= set(archs):
+        pytest.skip(f"this build holds machine code for {archs or 'no GPU'} (FUSEDLLM_CUDA=1 builds sm_75, 80 and 90)")
+    cuobjdump = _cuobjdump()
+    assert cuobjdump, "the build holds CUDA machine code but cuobjdump is not here (the toolkit's, or triton's copy)"
+    library = _extension._C.__file__
+    for arch in ("sm_80", "sm_90"):
+        attention = _functions_sass(cuobjdump, library, arch, "attention_mma_forward_kernel")
+        grouped = _functions_sass(cuobjdump, library, arch, "grouped_mm_tc_kernel")
+        assert len(attention) == 8 and len(grouped) == 6, (arch, list(attention), list(grouped))
+        for name, body in {**attention, **grouped}.items():
+            hmma = "HMMA.16816.F32.BF16" if "BFloat16" in name else "HMMA.16816.F32 "
+            assert hmma in body and "LDGSTS.E.BYPASS.128" in body, (arch, name)
+            assert "LDSM.16.M88.4" in body or "LDSM.16.MT88.4" in body, (arch, name)
+        for name, body in attention.items():  # Q K^T plain, P V through .trans
+            assert "LDSM.16.M88.4" in body and "LDSM.16.MT88.4" in body, (arch, name)
+    old = {**_functions_sass(cuobjdump, library, "sm_75", "attention_mma_forward_kernel"),
+           **_functions_sass(cuobjdump, library, "sm_75", "grouped_mm_tc_kernel")}
+    assert len(old) == 14 and not any("HMMA" in body or "LDGSTS" in body for body in old.values()), list(old)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
-// The attention ops on CUDA and the forward kernel (one block per tile of
-// (position, head) rows of a kv head and sequence); the backward kernels are in
-// attention_dq.cu and attention_dkdv.cu, what they share in attention.cuh.
-#include "attention.cuh"
+// The attention ops on CUDA and the SIMT forward kernel (one block per tile of
+// (position, head) rows of a kv head and sequence). The SIMT backward kernels
+// are in attention_dq.cu and attention_dkdv.cu, what they share in
+// attention.cuh; the tensor-core kernels in attention_mma*.cu, chosen per call
+// by choose_attention_kernel (attention_mma.cuh).
+#include "attention_mma.cuh"
 
 namespace fusedllm::cuda {
 namespace {
@@ -156,7 +158,11 @@ struct CudaAttention {
   static void forward(const AttentionForwardPlan& p) {
     const DeviceGuard guard(p.q.device());
     check_grid(p.shape);
-    launch_attention_forward(p, current_stream());
+    if (choose_attention_kernel(p, p.q.scalar_type()) == AttentionKernel::kTensorCore) {
+      launch_attention_mma_forward(p, current_stream());
+    } else {
+      launch_attention_forward(p, current_stream());
+    }
   }
 
   static void backward(const AttentionBackwardPlan& p) {
@@ -171,6 +177,11 @@ struct CudaAttention {
 };
 
 }  // namespace
+
+std::vector<std::string> attention_kernels() {
+  return {"attention_forward_kernel (SIMT)", "attention_dq_kernel (SIMT)", "attention_dkdv_kernel (SIMT)",
+          "attention_mma_forward_kernel (tensor cores: bfloat16/float16, sm_80+)"};
+}
 
 FUSEDLLM_CUDA_OPS_IMPL(m) { FUSEDLLM_IMPL_ATTENTION_OPS(m, CudaAttention); }
 

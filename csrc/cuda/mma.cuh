@@ -5,9 +5,12 @@
 // Each has two forms: the PTX instruction (nvcc, sm_80+), and a portable form
 // built from warp shuffles and plain loads that follows the fragment layouts of
 // the PTX ISA ("Matrix Fragments for mma.m16n8k16", "Warp-level matrix load
-// instruction: ldmatrix"). The emulated build (FUSEDLLM_SIMT) and older GPUs run
-// the portable form; `kPortable = true` selects it on any GPU, which is how a
-// test on a GPU compares it with the hardware.
+// instruction: ldmatrix"). The emulated build (FUSEDLLM_SIMT) runs the portable
+// form (below sm_80 only the layout check of mma_check.cuh does); `kPortable =
+// true` selects it on any GPU, which is how a test on a GPU compares it with the
+// hardware. Under the emulator the portable
+// ldmatrix and cp.async also report their shared-memory rows, whose bank
+// conflicts fusedllm.simt counts.
 //
 // Layouts, for lane = 4 * group + quad (group 0..7, quad 0..3):
 //   A (16x16, row-major): r[0] = A[group][2q, 2q+1], r[1] = A[group+8][2q, 2q+1],
@@ -30,6 +33,15 @@
 #define FUSEDLLM_HAS_MMA_SM80 1
 #else
 #define FUSEDLLM_HAS_MMA_SM80 0
+#endif
+
+// Device code for a GPU below sm_80 (sm_75 builds): the tensor-core kernels
+// compile there to a trap, since dispatch never launches them below sm_80 and
+// their portable form would only cost build time.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800 && !defined(FUSEDLLM_SIMT)
+#define FUSEDLLM_BELOW_SM80 1
+#else
+#define FUSEDLLM_BELOW_SM80 0
 #endif
 
 namespace fusedllm::cuda::mma {
@@ -146,6 +158,9 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
     return;
   }
 #endif
+#if defined(FUSEDLLM_SIMT)
+  simt::detail::record_shared_access(simt::detail::SharedAccess::kLdmatrix, row);
+#endif
   const int lane = threadIdx.x % kWarpSize;
   const int group = lane / 4, quad = lane % 4;
   const auto mine = static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(row));
@@ -177,7 +192,33 @@ __device__ __forceinline__ void cp_async_16(void* shared, const void* global) {
     return;
   }
 #endif
+#if defined(FUSEDLLM_SIMT)
+  simt::detail::record_shared_access(simt::detail::SharedAccess::kCpAsync, shared);
+#endif
   *static_cast<Pack<uint32_t, 4>*>(shared) = *static_cast<const Pack<uint32_t, 4>*>(global);
+}
+
+// cp_async_16, or 16 zero bytes into `shared` when !valid (cp.async with a
+// source size of 0: `global` is not read), so that every lane of a staging loop
+// issues the same copies whether its chunk lies inside the operand or not.
+template <bool kPortable = false>
+__device__ __forceinline__ void cp_async_16_or_zero(void* shared, const void* global, bool valid) {
+#if FUSEDLLM_HAS_MMA_SM80
+  if constexpr (!kPortable) {
+    const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+    const uint32_t bytes = valid ? 16u : 0u;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global), "r"(bytes));
+    return;
+  }
+#endif
+  if (valid) {
+    cp_async_16<true>(shared, global);
+    return;
+  }
+#if defined(FUSEDLLM_SIMT)
+  simt::detail::record_shared_access(simt::detail::SharedAccess::kCpAsync, shared);
+#endif
+  *static_cast<Pack<uint32_t, 4>*>(shared) = Pack<uint32_t, 4>{{0u, 0u, 0u, 0u}};
 }
 
 // Closes the group of cp.async copies issued since the last commit.

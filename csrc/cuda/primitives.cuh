@@ -121,6 +121,25 @@ __device__ __forceinline__ T block_reduce_max(T v, T* scratch) {
                       -std::numeric_limits<T>::infinity());
 }
 
+// Maximum / sum over the 4 lanes of this lane's quad (lanes 4g .. 4g+3, which
+// together hold one row of a tensor-core accumulator fragment, mma.cuh).
+template <typename T>
+__device__ __forceinline__ T quad_reduce_max(T v) {
+#pragma unroll
+  for (int offset = 1; offset < 4; offset *= 2) {
+    const T other = __shfl_xor_sync(kFullMask, v, offset);
+    v = other > v ? other : v;
+  }
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ T quad_reduce_sum(T v) {
+#pragma unroll
+  for (int offset = 1; offset < 4; offset *= 2) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
 // Lane `src`'s value of v, to every lane.
 template <typename T>
 __device__ __forceinline__ T warp_broadcast(T v, int src) {

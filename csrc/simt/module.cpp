@@ -19,6 +19,9 @@ TORCH_LIBRARY(fusedllm_simt, m) {
 namespace fusedllm::simt {
 std::vector<float> run_selftest(const std::string& name);  // selftest.cpp
 }
+namespace fusedllm::cuda {
+std::vector<std::string> attention_kernels();  // csrc/cuda/attention.cu
+}
 
 namespace py = pybind11;
 namespace simt = fusedllm::simt;
@@ -43,9 +46,18 @@ PYBIND11_MODULE(_simt, m) {
     d["threads"] = s.threads;
     d["barriers"] = s.barriers;
     d["collectives"] = s.collectives;
+    d["ldmatrix"] = s.ldmatrix;
+    d["ldmatrix_conflicts"] = s.ldmatrix_conflicts;
+    d["cp_async"] = s.cp_async;
+    d["cp_async_conflicts"] = s.cp_async_conflicts;
+    py::dict kernels;
+    for (const auto& [name, count] : s.kernel_launches) kernels[py::str(name)] = count;
+    d["kernel_launches"] = kernels;
     return d;
   });
   m.def("reset_stats", &simt::reset_stats);
+  m.def("attention_kernels", &fusedllm::cuda::attention_kernels,
+        "The attention kernels of the emulated build, as their launches name them.");
   m.def("run_selftest", &simt::run_selftest, "Runs one of the deliberately broken test kernels.");
   m.def("device_properties", [] {
     const simt::DeviceProperties& p = simt::device_properties();

@@ -2,7 +2,7 @@
 // the emulator catches what it claims: a missing barrier, shared memory read
 // past its end, divergent and mismatched barriers, a full-mask shuffle in a
 // partial warp, a shuffle waiting on lanes held at a barrier, a failed device
-// assert, and launches over the device's limits. Also the tensor-core check tile
+// assert, launches over the device's limits, and shared-memory bank conflicts. Also the tensor-core check tile
 // (mma_check.cuh) and the grouped matrix products (grouped_gemm.cuh) on CPU
 // tensors. Built only into fusedllm._simt.
 #include <ATen/ATen.h>
@@ -74,6 +74,24 @@ __global__ void failed_assert_kernel(float* out, int limit) {
 
 __global__ void plain_kernel(float* out) { out[threadIdx.x] = 1.0f; }
 
+// One warp: each lane copies a 16-byte chunk with cp.async into row lane % 8,
+// chunk lane / 8 of shared rows `stride` bytes apart, then ldmatrix x4 reads
+// rows 0..7 (chunk i for matrix i). With 128-byte rows every phase's 8 rows
+// fall in the same 4 banks (8 wavefronts each: 7 conflicts per phase, 28 per
+// instruction); with 144-byte rows none do.
+__global__ void bank_conflicts_kernel(float* out, int stride) {
+  unsigned char* s = dynamic_shared<unsigned char>();
+  const int lane = threadIdx.x;
+  unsigned char* row = s + (lane % 8) * stride + (lane / 8) * 16;
+  cuda::mma::cp_async_16(row, reinterpret_cast<const unsigned char*>(out) + lane * 16);
+  cuda::mma::cp_async_commit();
+  cuda::mma::cp_async_wait<0>();
+  __syncwarp();
+  uint32_t r[4];
+  cuda::mma::ldmatrix_x4<false>(r, row);
+  out[256 + lane] = static_cast<float>(r[0] & 0xffu);
+}
+
 }  // namespace
 
 // Runs self-test `name`; returns the block's output (64 floats).
@@ -96,6 +114,9 @@ std::vector<float> run_selftest(const std::string& name) {
     cuda::launch("shuffle_waits_on_barrier_kernel", shuffle_waits_on_barrier_kernel, 1, 64, 0, stream, o);
   } else if (name == "failed_assert") {
     cuda::launch("failed_assert_kernel", failed_assert_kernel, 2, 64, 0, stream, o, 40);
+  } else if (name == "bank_conflicts_128" || name == "bank_conflicts_144") {
+    const int stride = name == "bank_conflicts_128" ? 128 : 144;
+    cuda::launch("bank_conflicts_kernel", bank_conflicts_kernel, 1, cuda::kWarpSize, 8 * stride, stream, o, stride);
   } else if (name == "too_many_threads") {
     cuda::launch("plain_kernel", plain_kernel, 1, 1025, 0, stream, o);
   } else if (name == "grid_too_large") {

@@ -179,6 +179,10 @@ std::atomic<int> g_schedule{-1};
 std::atomic<int> g_workers{0};
 std::atomic<uint64_t> g_seed{0};
 std::atomic<int64_t> g_launches{0}, g_blocks{0}, g_threads{0}, g_barriers{0}, g_collectives{0};
+// Per SharedAccess kind: warp instructions and their bank conflicts.
+std::atomic<int64_t> g_shared_accesses[2]{}, g_shared_conflicts[2]{};
+std::mutex g_kernel_launches_mutex;
+std::map<std::string, int64_t> g_kernel_launches;
 
 std::mutex g_attr_mutex;
 std::unordered_map<const void*, size_t> g_max_dynamic_smem;
@@ -214,6 +218,8 @@ struct ThreadState {
   Context ctx;
   GuardedRegion* stack = nullptr;
   BlockState* block = nullptr;
+  // Shared-memory offsets of its ldmatrix / cp.async rows since the last barrier.
+  std::vector<int64_t> shared_accesses[2];
 };
 
 struct PendingCollective {
@@ -284,6 +290,7 @@ struct BlockState {
   const void* scheduler_stack = nullptr;  // for AddressSanitizer's fiber switches
   size_t scheduler_stack_size = 0;
   int64_t barriers = 0, collectives = 0;
+  int64_t shared_accesses[2] = {0, 0}, shared_conflicts[2] = {0, 0};
 };
 
 namespace {
@@ -471,6 +478,44 @@ void release(BlockState& b, const int* ids, int n) {
   }
 }
 
+// Scores the recorded ldmatrix / cp.async rows of every warp (see
+// detail::record_shared_access) and forgets them.
+void score_shared_accesses(BlockState& b) {
+  constexpr int kPhaseLanes = 8, kBanks = 32;
+  for (int kind = 0; kind < 2; ++kind) {
+    for (const WarpState& w : b.warps) {
+      size_t n = 0;
+      for (int lane = 0; lane < kWarpSize && w.first + lane < b.n; ++lane) {
+        n = std::max(n, b.threads[w.first + lane].shared_accesses[kind].size());
+      }
+      for (size_t i = 0; i < n; ++i) {
+        ++b.shared_accesses[kind];
+        for (int phase = 0; phase < kWarpSize / kPhaseLanes; ++phase) {
+          int64_t words[kBanks][kPhaseLanes];  // distinct words seen per bank
+          int count[kBanks] = {};
+          int wavefronts = 1;
+          for (int l = phase * kPhaseLanes; l < (phase + 1) * kPhaseLanes; ++l) {
+            if (w.first + l >= b.n) break;
+            const std::vector<int64_t>& rows = b.threads[w.first + l].shared_accesses[kind];
+            if (i >= rows.size()) continue;
+            for (int64_t word = rows[i] / 4; word < (rows[i] + 16) / 4; ++word) {
+              const int bank = static_cast<int>(((word % kBanks) + kBanks) % kBanks);
+              bool seen = false;
+              for (int k = 0; k < count[bank]; ++k) seen = seen || words[bank][k] == word;
+              if (!seen) {
+                words[bank][count[bank]++] = word;
+                wavefronts = std::max(wavefronts, count[bank]);
+              }
+            }
+          }
+          b.shared_conflicts[kind] += wavefronts - 1;
+        }
+      }
+    }
+    for (ThreadState& t : b.threads) t.shared_accesses[kind].clear();
+  }
+}
+
 void release_all(BlockState& b) {
   if (reverse_schedule(b.schedule)) {
     for (int i = b.n - 1; i >= 0; --i) make_ready(b, i);
@@ -549,6 +594,7 @@ bool resolve_stall(BlockState& b) {
       return false;
     }
     ++b.barriers;
+    score_shared_accesses(b);
     release_all(b);
     return true;
   }
@@ -733,6 +779,14 @@ const uint3& block_idx() { return tl_block->idx; }
 const dim3& block_dim() { return tl_block->block_dim; }
 const dim3& grid_dim() { return tl_block->grid_dim; }
 unsigned char* dynamic_shared_base() { return tl_block->smem; }
+
+void record_shared_access(SharedAccess kind, const void* address) {
+  // Banks are counted from the dynamic shared memory's base (a GPU aligns it
+  // to at least 128 bytes; the emulator's copy only to 16).
+  const auto* p = static_cast<const unsigned char*>(address);
+  const int64_t offset = tl_block->smem != nullptr ? p - tl_block->smem : reinterpret_cast<intptr_t>(p);
+  tl_thread->shared_accesses[static_cast<int>(kind)].push_back(offset);
+}
 
 void syncthreads(const char* file, int line) {
   ThreadState& t = *tl_thread;
@@ -936,11 +990,20 @@ Stats stats() {
   s.threads = g_threads;
   s.barriers = g_barriers;
   s.collectives = g_collectives;
+  s.ldmatrix = g_shared_accesses[0];
+  s.ldmatrix_conflicts = g_shared_conflicts[0];
+  s.cp_async = g_shared_accesses[1];
+  s.cp_async_conflicts = g_shared_conflicts[1];
+  std::lock_guard<std::mutex> lock(g_kernel_launches_mutex);
+  s.kernel_launches = g_kernel_launches;
   return s;
 }
 
 void reset_stats() {
   g_launches = g_blocks = g_threads = g_barriers = g_collectives = 0;
+  for (int kind = 0; kind < 2; ++kind) g_shared_accesses[kind] = g_shared_conflicts[kind] = 0;
+  std::lock_guard<std::mutex> lock(g_kernel_launches_mutex);
+  g_kernel_launches.clear();
 }
 
 void set_max_dynamic_shared_memory(const void* kernel, size_t bytes) {
@@ -1018,6 +1081,7 @@ void launch(const char* name, const void* kernel, dim3 grid, dim3 block, size_t 
       b->rng.seed(seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(i));
       b->smem = dynamic_smem > 0 ? tl_resources->shared(dynamic_smem) : nullptr;
       run_block(*b);
+      score_shared_accesses(*b);
       if (!b->error.empty()) {
         std::lock_guard<std::mutex> lock(error_mutex);
         if (first_error.empty()) first_error = b->error;
@@ -1026,6 +1090,10 @@ void launch(const char* name, const void* kernel, dim3 grid, dim3 block, size_t 
     }
     barriers += b->barriers;
     collectives += b->collectives;
+    for (int kind = 0; kind < 2; ++kind) {
+      g_shared_accesses[kind] += b->shared_accesses[kind];
+      g_shared_conflicts[kind] += b->shared_conflicts[kind];
+    }
   };
 
   if (n_workers <= 1) {
@@ -1037,6 +1105,10 @@ void launch(const char* name, const void* kernel, dim3 grid, dim3 block, size_t 
     for (auto& th : pool) th.join();
   }
   ++g_launches;
+  {
+    std::lock_guard<std::mutex> lock(g_kernel_launches_mutex);
+    ++g_kernel_launches[name];
+  }
   g_blocks += n_blocks;
   g_threads += n_blocks * n;
   g_barriers += barriers;

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -70,6 +71,16 @@ enum class Collective : int { kShfl, kShflUp, kShflDown, kShflXor, kBallot, kAny
 // this lane's result bits once all of them have arrived.
 uint64_t warp_collective(Collective kind, unsigned mask, uint64_t value, int arg, int width,
                          const char* file, int line);
+// The tensor-core wrappers' shared-memory accesses, one 16-byte row per lane:
+// ldmatrix (x4: lanes 8i..8i+7 address matrix i's rows) and cp.async (16-byte
+// stores). A GPU serves each group of 8 lanes (a phase) in as many wavefronts
+// as the most distinct 4-byte words that fall in one of its 32 banks. Lanes
+// run one after another between sync points, so the n-th access of each lane
+// since the last barrier is taken as one warp instruction; the warp's
+// instructions are scored when the block's threads next meet at a barrier or
+// the block ends.
+enum class SharedAccess : int { kLdmatrix = 0, kCpAsync = 1 };
+void record_shared_access(SharedAccess kind, const void* address);
 FUSEDLLM_SIMT_NORETURN void kernel_assert_failed(const char* cond, const char* file, int line);
 
 template <typename T>
@@ -114,9 +125,15 @@ void set_workers(int workers);  // OS threads running blocks at once
 int workers();
 void set_random_seed(uint64_t seed);
 
-// Counters since the last reset, for tests and reports.
+// Counters since the last reset, for tests and reports. Shared-memory bank
+// conflicts are counted for the portable forms of ldmatrix and cp.async
+// (csrc/cuda/mma.cuh; see record_shared_access): `ldmatrix` and `cp_async` are
+// the warp instructions seen, `*_conflicts` the extra shared-memory wavefronts
+// they would take on a GPU.
 struct Stats {
   int64_t launches = 0, blocks = 0, threads = 0, barriers = 0, collectives = 0;
+  int64_t ldmatrix = 0, ldmatrix_conflicts = 0, cp_async = 0, cp_async_conflicts = 0;
+  std::map<std::string, int64_t> kernel_launches;  // by the name a launch gives
 };
 Stats stats();
 void reset_stats();

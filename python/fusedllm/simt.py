@@ -76,8 +76,12 @@ run_selftest = _simt.run_selftest
 
 
 def stats() -> dict:
-    """Launches, blocks, threads, barriers released and warp collectives
-    completed since the last ``reset_stats()``."""
+    """Since the last ``reset_stats()``: launches, blocks, threads, barriers
+    released and warp collectives completed; ``kernel_launches`` by kernel name
+    (which kernel an op's dispatch chose); ``ldmatrix`` and ``cp_async``, the
+    warp instructions of the tensor-core wrappers' portable forms, and their
+    shared-memory bank conflicts (``*_conflicts``: wavefronts past the first of
+    each 8-lane phase, 32 banks of 4 bytes)."""
     return dict(_simt.stats())
 
 

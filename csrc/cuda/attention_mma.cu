@@ -1,0 +1,201 @@
+// The tensor-core attention forward (bfloat16 / float16, sm_80+), FlashAttention-2
+// style: a block holds 64 query rows (position, head) of one kv head and
+// sequence, numbered as the SIMT kernel numbers them (QueryRows), so every
+// K/V tile it stages serves all query heads of the group; each of its 4 warps
+// owns 16 rows. K/V tiles are double-buffered (cp.async for the next tile
+// while the tensor cores work on this one). Per tile: S = Q K^T on the tensor
+// cores, the online softmax on S's accumulator fragments in registers (row
+// statistics over a quad of lanes, exp2 on log2-scaled scores), P rounded to
+// 16 bits straight into A fragments and O += P V. Key tiles outside the
+// block's causal / window bounds are never staged.
+#include "attention_mma.cuh"
+
+namespace fusedllm::cuda {
+namespace {
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(tc::kThreads, 1)
+attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restrict__ k, Strides ks,
+                             const T* __restrict__ v, Strides vs, T* __restrict__ out,
+                             float* __restrict__ lse, attn::QueryRows rows, attn::Seqs seqs, int d,
+                             float scale, Mask mask_all, ScoreExtras extras, bool q_chunks,
+                             bool kv_chunks) {
+#if FUSEDLLM_BELOW_SM80
+  __trap();  // dispatch (choose_attention_kernel) never launches it below sm_80
+#else
+  using Tl = tc::Tile<kD>;
+  constexpr int kKeys = Tl::kKeys, kStride = Tl::kStride, kN = Tl::kNTiles;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  T* q_s = dynamic_shared<T>();                 // [kRows][kStride]
+  T* k_s = q_s + tc::kRows * kStride;           // [2][kKeys][kStride]
+  T* v_s = k_s + 2 * kKeys * kStride;           // [2][kKeys][kStride]
+
+  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int64_t sq = seqs.q_len(b);
+  const int64_t rows_total = sq * rows.group;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * tc::kRows;
+  if (row0 >= rows_total) return;  // past this (packed) sequence's end: the whole block
+  const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int group = lane / 4, quad = lane % 4;
+  const T* q_b = q + b * qs.b + seqs.q_start(b) * qs.s;
+  const int64_t k_start = seqs.k_start(b);
+  const T* k_b = k + b * ks.b + g * ks.h + k_start * ks.s;
+  const T* v_b = v + b * vs.b + g * vs.h + k_start * vs.s;
+
+  const int64_t last_row = (row0 + tc::kRows < rows_total ? row0 + tc::kRows : rows_total) - 1;
+  const int64_t key_lo = attn::key_begin(mask, rows.group_pos(row0));
+  const int64_t key_hi = attn::key_end(mask, rows.group_pos(last_row));
+  const int64_t n_tiles = key_hi > key_lo ? (key_hi - key_lo + kKeys - 1) / kKeys : 0;
+
+  tc::stage_tile<T, kD, tc::kRows>(q_s, [&](int r) -> const T* {
+    const int64_t row = row0 + r;
+    return row < rows_total ? q_b + rows.group_head(g, row) * qs.h + rows.group_pos(row) * qs.s : nullptr;
+  }, d, q_chunks);
+  const auto stage_kv = [&](int64_t tile) {
+    const int64_t j0 = key_lo + tile * kKeys;
+    const int buffer = static_cast<int>(tile % 2);
+    tc::stage_tile<T, kD, kKeys>(k_s + buffer * kKeys * kStride, [&](int r) -> const T* {
+      return j0 + r < key_hi ? k_b + (j0 + r) * ks.s : nullptr;
+    }, d, kv_chunks);
+    tc::stage_tile<T, kD, kKeys>(v_s + buffer * kKeys * kStride, [&](int r) -> const T* {
+      return j0 + r < key_hi ? v_b + (j0 + r) * vs.s : nullptr;
+    }, d, kv_chunks);
+  };
+  if (n_tiles > 0) stage_kv(0);
+  mma::cp_async_commit();
+
+  // This lane's two rows (half 0: row `group` of the warp's 16, half 1: group + 8).
+  int64_t head[2], pos[2], lo[2], hi[2];
+  bool valid[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = row0 + warp * 16 + group + 8 * half;
+    valid[half] = row < rows_total;
+    head[half] = rows.group_head(g, row);
+    pos[half] = rows.group_pos(row);
+    lo[half] = valid[half] ? attn::key_begin(mask, pos[half]) : 0;
+    hi[half] = valid[half] ? attn::key_end(mask, pos[half]) : 0;
+  }
+  const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
+  const float scale_log2 = scale * tc::kLog2e;
+
+  mma::FragC o[kN];
+  float m[2] = {-kInf, -kInf}, l[2] = {0.f, 0.f};  // running max (log2 units), this lane's sum
+  for (int64_t tile = 0; tile < n_tiles; ++tile) {
+    if (tile + 1 < n_tiles) {
+      stage_kv(tile + 1);  // its buffer was last read before the previous tile's closing barrier
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+    } else {
+      mma::cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int buffer = static_cast<int>(tile % 2);
+    const int64_t j0 = key_lo + tile * kKeys;
+
+    mma::FragC s[kKeys / 8];
+    tc::mma_rows_rows<T, kD, kKeys, kStride>(s, q_s + warp * 16 * kStride, k_s + buffer * kKeys * kStride);
+
+    // Scores in log2 units, -inf where a key is not visible.
+    float tile_max[2] = {-kInf, -kInf};
+#pragma unroll
+    for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int half = e / 2;
+        const int64_t key = j0 + n * 8 + 2 * quad + (e % 2);
+        float x = -kInf;
+        if (key >= lo[half] && key < hi[half]) {
+          if (plain) {
+            x = s[n].r[e] * scale_log2;
+          } else {
+            const float z = extras.modified<float>(s[n].r[e] * scale, b, head[half], pos[half] + mask.offset,
+                                                   key, nullptr);
+            x = extras.masked(z, b, head[half], pos[half], key) * tc::kLog2e;
+          }
+        }
+        s[n].r[e] = x;
+        tile_max[half] = fmaxf(tile_max[half], x);
+      }
+    }
+    float shift[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float alpha = attn::online_softmax_step(m[half], quad_reduce_max(tile_max[half]),
+                                                    shift[half], tc::Exp2Ops{});
+      l[half] *= alpha;
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+        o[n].r[2 * half] *= alpha;
+        o[n].r[2 * half + 1] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int half = e / 2;
+        float p = exp2f(s[n].r[e] - shift[half]);
+        l[half] += p;  // the sum (and so the lse) is that of the probabilities before dropout
+        if (extras.drop.enabled && p > 0.f) {
+          p *= extras.keep_factor<float>(b, head[half], pos[half], j0 + n * 8 + 2 * quad + (e % 2));
+        }
+        s[n].r[e] = p;
+      }
+    }
+    mma::FragA pa[kKeys / 16];
+    tc::to_a_frags<T, kKeys>(pa, s);
+    tc::mma_frags_rows<T, kKeys, kD, kStride>(o, pa, v_s + buffer * kKeys * kStride);
+    __syncthreads();  // every warp is done with this buffer before it is staged again
+  }
+
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float sum = quad_reduce_sum(l[half]);
+    if (!valid[half]) continue;
+    const int64_t row = row0 + warp * 16 + group + 8 * half;
+    const int64_t out_row = rows.row_of_group_row(b, g, row);
+    float lse_r = attn::row_lse(m[half] * tc::kLn2, sum);
+    float factor = attn::row_inv_sum(sum);
+    // A sink joins the finished row's denominator: it scales the output and the lse includes it.
+    if (extras.mods.sinks != nullptr) factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(head[half]));
+    T* o_row = out + out_row * d;
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const int c = n * 8 + 2 * quad;
+      if (c < d) o_row[c] = T(o[n].r[2 * half] * factor);
+      if (c + 1 < d) o_row[c + 1] = T(o[n].r[2 * half + 1] * factor);
+    }
+    if (quad == 0) lse[out_row] = lse_r;
+  }
+#endif
+}
+
+}  // namespace
+
+void launch_attention_mma_forward(const AttentionForwardPlan& p, Stream stream) {
+  const AttentionShape& s = p.shape;
+  const attn::QueryRows rows = rows_of(p);
+  const bool q_chunks = tc::chunks_aligned(p.q.const_data_ptr(), strides_of(p.q));
+  const bool kv_chunks = tc::chunks_aligned(p.k.const_data_ptr(), strides_of(p.k)) &&
+                         tc::chunks_aligned(p.v.const_data_ptr(), strides_of(p.v));
+  tc::with_mma_dtype(p.q.scalar_type(), [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    tc::with_mma_head_dim(s.head_dim, [&](auto D) {
+      constexpr int kD = decltype(D)::value;
+      auto kernel = attention_mma_forward_kernel<T, kD>;
+      const size_t smem = tc::Tile<kD>::forward_smem(sizeof(T));
+      allow_shared_memory(kernel, smem);
+      const dim3 grid(static_cast<unsigned>((rows.group_rows() + tc::kRows - 1) / tc::kRows),
+                      static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+      launch("attention_mma_forward_kernel", kernel, grid, tc::kThreads, smem, stream,
+             p.q.const_data_ptr<T>(), strides_of(p.q), p.k.const_data_ptr<T>(), strides_of(p.k),
+             p.v.const_data_ptr<T>(), strides_of(p.v), p.out.mutable_data_ptr<T>(),
+             p.lse.mutable_data_ptr<float>(), rows, p.seqs, static_cast<int>(s.head_dim),
+             static_cast<float>(p.scale), p.mask, extras_of(p), q_chunks, kv_chunks);
+    });
+  });
+}
+
+}  // namespace fusedllm::cuda

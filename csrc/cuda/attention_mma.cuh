@@ -1,0 +1,237 @@
+// Tensor-core attention (bfloat16 / float16, sm_80+): the tile pieces the
+// forward (attention_mma.cu) and backward kernels share, and the choice
+// between them and the SIMT kernels of attention.cuh.
+//
+// Operands are staged in shared memory as rows of kD 16-bit elements (the head
+// dim zero-padded to 64, 96, 128 or 256) with a stride of kD + 8 elements: an
+// odd number of 16-byte chunks, so the 8 rows one ldmatrix phase reads and the
+// 8 chunks one cp.async phase writes (8 consecutive rows of one chunk column,
+// see stage_tile) fall in 8 distinct groups of 4 banks. Products run on
+// mma.m16n8k16 with float32 accumulators; a warp owns 16 rows of a tile.
+// Fragment layouts are those of mma.cuh; an accumulator fragment's r[0..1]
+// belong to row `group` (lane / 4) and r[2..3] to row group + 8, columns
+// 2 * quad (+1) (quad = lane % 4) of its 8-column n-tile.
+#pragma once
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "attention.cuh"
+#include "mma.cuh"
+
+namespace fusedllm::cuda {
+
+// The attention kernels a call can run (kernel_name: the name its launch gives).
+enum class AttentionKernel { kSimt, kTensorCore };
+
+namespace {
+
+namespace tc {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * kWarpSize;
+constexpr int kRows = kWarps * 16;  // query rows of a forward block: 16 per warp
+// Fewer query rows than one warp's m-tile (decoding) leave the tensor cores
+// mostly idle: the SIMT kernel serves them.
+constexpr int64_t kMinRows = 16;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <int kD_>
+struct Tile {
+  static constexpr int kD = kD_;                   // padded head dim
+  static constexpr int kStride = kD + 8;           // shared row stride (elements)
+  static constexpr int kKeys = kD <= 128 ? 64 : 16;  // keys per K/V tile (registers at kD = 256)
+  static constexpr int kNTiles = kD / 8;           // 8-column n-tiles of a [16, kD] accumulator
+  // Backward: the tile a block iterates over (keys for dQ, query rows for dK/dV).
+  static constexpr int kBwdTile = 32;
+
+  // Forward: Q rows, then K and V, each double-buffered.
+  static constexpr size_t forward_smem(size_t elem) {
+    return elem * static_cast<size_t>(kStride) * (kRows + 4 * kKeys);
+  }
+  // dQ: Q and dO rows, then K and V, each double-buffered.
+  static constexpr size_t dq_smem(size_t elem) {
+    return elem * static_cast<size_t>(kStride) * (2 * kRows + 4 * kBwdTile);
+  }
+  // dK/dV: K and V rows, then Q and dO, each double-buffered, and each staged
+  // row's lse and delta.
+  static constexpr size_t dkdv_smem(size_t elem) {
+    return elem * static_cast<size_t>(kStride) * (2 * kRows + 4 * kBwdTile) + sizeof(float) * 4 * kBwdTile;
+  }
+};
+
+// dK and dV accumulate 2 x [16, kD] per warp: past 128 they would not fit in registers.
+constexpr int kMaxDkdvHeadDim = 128;
+
+// Calls f(T{}) for the 16-bit type of dtype.
+template <typename F>
+void with_mma_dtype(at::ScalarType dtype, F&& f) {
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf,
+              "fusedllm.attention: the tensor-core kernels take bfloat16 or float16, got ", dtype);
+  if (dtype == at::kBFloat16) {
+    f(c10::BFloat16{});
+  } else {
+    f(c10::Half{});
+  }
+}
+
+// Calls f(std::integral_constant<int, kD>) for the padded head dim of d.
+template <typename F>
+void with_mma_head_dim(int64_t d, F&& f) {
+  if (d <= 64) {
+    f(std::integral_constant<int, 64>{});
+  } else if (d <= 96) {
+    f(std::integral_constant<int, 96>{});
+  } else if (d <= 128) {
+    f(std::integral_constant<int, 128>{});
+  } else {
+    f(std::integral_constant<int, 256>{});
+  }
+}
+
+inline size_t forward_smem(int64_t d, size_t elem) {
+  size_t bytes = 0;
+  with_mma_head_dim(d, [&](auto D) { bytes = Tile<decltype(D)::value>::forward_smem(elem); });
+  return bytes;
+}
+
+// True when every row of the operand can be copied in 16-byte chunks: an
+// aligned pointer and strides that are multiples of 8 elements.
+inline bool chunks_aligned(const void* ptr, Strides s) {
+  return pack_aligned<uint16_t, 8>(ptr) && s.b % 8 == 0 && s.h % 8 == 0 && s.s % 8 == 0;
+}
+
+// Stages kTileRows rows (a multiple of 8) of head dim d into dst (stride
+// Tile<kD>::kStride): row r from src_row(r) (nullptr: a row of zeros), zeros
+// past d. The block's threads take 16-byte chunks so that each group of 8
+// lanes writes one chunk column of 8 consecutive rows (conflict-free with the
+// odd chunk stride; in global memory a warp reads 8 rows x 64 contiguous
+// bytes); cp.async (zero-filling outside the operand) where `chunks` allows and
+// the chunk is whole or past d, element by element otherwise. The caller
+// commits the cp.async group.
+template <typename T, int kD, int kTileRows, typename RowFn>
+__device__ __forceinline__ void stage_tile(T* dst, RowFn&& src_row, int d, bool chunks) {
+  constexpr int kChunks = kD / 8, kStride = Tile<kD>::kStride;
+  constexpr int kSlabsPerOctet = kChunks / 4;  // a slab: 8 rows x 4 chunks, one warp's turn
+  static_assert(kTileRows % 8 == 0 && kChunks % 4 == 0, "tiles are whole slabs");
+  constexpr int kUnits = kTileRows * kChunks;
+  for (int u = threadIdx.x; u < kUnits; u += kThreads) {
+    const int slab = u / kWarpSize, lane = u % kWarpSize;
+    const int row = 8 * (slab / kSlabsPerOctet) + lane % 8;
+    const int col = 8 * (4 * (slab % kSlabsPerOctet) + lane / 8);
+    T* to = dst + row * kStride + col;
+    const T* from = src_row(row);
+    if (chunks && (from == nullptr || col + 8 <= d || col >= d)) {
+      // Whole chunks and zeros alike by cp.async: every lane issues the same copies.
+      const bool inside = from != nullptr && col < d;
+      mma::cp_async_16_or_zero(to, inside ? from + col : dst, inside);
+    } else if (from == nullptr || col >= d) {
+      store_pack<uint32_t, 4>(reinterpret_cast<uint32_t*>(to), Pack<uint32_t, 4>{{0u, 0u, 0u, 0u}});
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) to[e] = col + e < d ? from[col + e] : T(0.f);
+    }
+  }
+}
+
+// c[16, kN] += a[16, kK] b[kN, kK]^T: a's 16 rows and b's kN rows from shared
+// memory (row stride kStride), as in S = Q K^T.
+template <typename T, int kK, int kN, int kStride>
+__device__ __forceinline__ void mma_rows_rows(mma::FragC (&c)[kN / 8], const T* a, const T* b) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int matrix = lane / 8, matrix_row = lane % 8;  // the 8x8 matrix this lane addresses
+#pragma unroll
+  for (int k = 0; k < kK; k += 16) {
+    mma::FragA fa;
+    mma::ldmatrix_x4<false>(fa.r, a + ((matrix % 2) * 8 + matrix_row) * kStride + k + (matrix / 2) * 8);
+#pragma unroll
+    for (int n = 0; n < kN; n += 16) {
+      uint32_t r[4];  // n-tiles n and n + 8: {r[0], r[1]} and {r[2], r[3]}
+      mma::ldmatrix_x4<false>(r, b + (n + (matrix / 2) * 8 + matrix_row) * kStride + k + (matrix % 2) * 8);
+      mma::mma_16816<T>(c[n / 8], fa, mma::FragB{{r[0], r[1]}});
+      mma::mma_16816<T>(c[n / 8 + 1], fa, mma::FragB{{r[2], r[3]}});
+    }
+  }
+}
+
+// c[16, kN] += a[16, kK] b[kK, kN]: a in registers (kK / 16 A fragments), b's
+// kK rows of kN from shared memory (ldmatrix .trans), as in O += P V.
+template <typename T, int kK, int kN, int kStride>
+__device__ __forceinline__ void mma_frags_rows(mma::FragC (&c)[kN / 8], const mma::FragA (&a)[kK / 16],
+                                               const T* b) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int matrix = lane / 8, matrix_row = lane % 8;
+#pragma unroll
+  for (int k = 0; k < kK; k += 16) {
+#pragma unroll
+    for (int n = 0; n < kN; n += 16) {
+      uint32_t r[4];
+      mma::ldmatrix_x4<true>(r, b + (k + (matrix % 2) * 8 + matrix_row) * kStride + n + (matrix / 2) * 8);
+      mma::mma_16816<T>(c[n / 8], a[k / 16], mma::FragB{{r[0], r[1]}});
+      mma::mma_16816<T>(c[n / 8 + 1], a[k / 16], mma::FragB{{r[2], r[3]}});
+    }
+  }
+}
+
+// Accumulator fragments of a [16, kN] product as the A fragments of the next
+// product's [16, kN] left operand, rounded to T: n-tiles 2i and 2i + 1 hold
+// exactly the rows and columns A fragment i wants (the layouts of mma.cuh),
+// so no value leaves its lane.
+template <typename T, int kN>
+__device__ __forceinline__ void to_a_frags(mma::FragA (&a)[kN / 16], const mma::FragC (&c)[kN / 8]) {
+#pragma unroll
+  for (int i = 0; i < kN / 16; ++i) {
+    const mma::FragC& lo = c[2 * i];
+    const mma::FragC& hi = c[2 * i + 1];
+    a[i].r[0] = mma::pack2(T(lo.r[0]), T(lo.r[1]));
+    a[i].r[1] = mma::pack2(T(lo.r[2]), T(lo.r[3]));
+    a[i].r[2] = mma::pack2(T(hi.r[0]), T(hi.r[1]));
+    a[i].r[3] = mma::pack2(T(hi.r[2]), T(hi.r[3]));
+  }
+}
+
+// The online-softmax operations on scores in log2 units (exp2 replaces exp:
+// scores are pre-multiplied by log2(e)).
+struct Exp2Ops : attn::ScalarOps<float> {
+  __device__ __forceinline__ static float exp(float x) { return exp2f(x); }
+};
+
+}  // namespace tc
+
+// FUSEDLLM_CUDA_ATTENTION=simt keeps every call on the SIMT kernels: benchmarks
+// compare the two, and the emulated test suite runs its broad attention grid on
+// the SIMT kernels (the tensor-core kernels have their own grid). Unset or
+// "auto": the choice below.
+inline bool simt_attention_requested() {
+  const char* value = std::getenv("FUSEDLLM_CUDA_ATTENTION");
+  if (value == nullptr || *value == '\0' || std::string(value) == "auto") return false;
+  TORCH_CHECK_VALUE(std::string(value) == "simt",
+                    "FUSEDLLM_CUDA_ATTENTION must be 'auto' or 'simt', got '", value, "'");
+  return true;
+}
+
+// Which kernel serves a call: the tensor-core kernels for bfloat16 / float16
+// on sm_80+ (the emulated device is one) when the query rows of a kv head fill
+// a warp's m-tile and the tiles fit in shared memory; the SIMT kernels
+// otherwise (float32 / float64, decoding, older GPUs).
+inline AttentionKernel choose_attention_kernel(const AttentionParams& p, at::ScalarType dtype) {
+  if (simt_attention_requested()) return AttentionKernel::kSimt;
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return AttentionKernel::kSimt;
+  const auto& props = device_properties();
+  if (props.major < 8) return AttentionKernel::kSimt;
+  if (p.rows.group_rows() < tc::kMinRows) return AttentionKernel::kSimt;
+  if (tc::forward_smem(p.shape.head_dim, 2) > props.sharedMemPerBlockOptin) return AttentionKernel::kSimt;
+  return AttentionKernel::kTensorCore;
+}
+
+}  // namespace
+
+// The tensor-core forward (attention_mma.cu).
+void launch_attention_mma_forward(const AttentionForwardPlan& p, Stream stream);
+
+// The attention kernels this build holds, as their launches name them (build_info).
+std::vector<std::string> attention_kernels();
+
+}  // namespace fusedllm::cuda

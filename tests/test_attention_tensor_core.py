@@ -1,0 +1,290 @@
+"""The tensor-core attention kernels (bfloat16 / float16 on sm_80+,
+csrc/cuda/attention_mma*.cu): which kernel dispatch picks; values, log-sum-exp
+and gradients against the float64 reference over group ratios, lengths, head
+dims, masks and every option; the dropout pattern; packed sequences; and no
+shared-memory bank conflicts. They run under the emulator ("simt", "simt-warp")
+and on a GPU ("cuda"), never on the CPU kernels."""
+
+import contextlib
+import functools
+import sys
+
+import pytest
+import torch
+
+import checks
+import fusedllm
+from checks import FORWARD_TOL, GRAD_TOL
+from conftest import DEVICES
+from reference import attention as ref_attention
+from test_attention import make_qkv
+from test_attention_options import (_differentiable, _op_window, alibi_slopes, check_against_reference,
+                                    check_varlen, make_options, make_sinks, mixed_lengths, pack,
+                                    reference_results, varlen_options)
+
+ops = torch.ops.fusedllm
+pytestmark = pytest.mark.parametrize("device", [d for d in DEVICES if not isinstance(d, str)], indirect=True)
+
+assert_close = functools.partial(checks.assert_close, upcast=True)
+
+FORWARD = "attention_mma_forward_kernel"
+SIMT_FORWARD = "attention_forward_kernel"
+
+
+def _emulator():
+    simt = sys.modules.get("fusedllm.simt")
+    return simt if simt is not None and simt.active() else None
+
+
+@contextlib.contextmanager
+def launches():
+    """The emulated kernels launched inside the block, by name, with their
+    counts, and the emulator's other counters' increments; None on a GPU,
+    where nothing counts them."""
+    simt = _emulator()
+    if simt is None:
+        yield None
+        return
+    before = simt.stats()
+    got = {}
+    yield got
+    after = simt.stats()
+    got["kernels"] = {name: n - before["kernel_launches"].get(name, 0)
+                      for name, n in after["kernel_launches"].items()
+                      if n > before["kernel_launches"].get(name, 0)}
+    for key in ("ldmatrix", "ldmatrix_conflicts", "cp_async", "cp_async_conflicts"):
+        got[key] = after[key] - before[key]
+
+
+def check_ran(counts, *kernels, absent=()):
+    if counts is None:
+        return
+    for name in kernels:
+        assert name in counts["kernels"], f"{name} did not run: {counts['kernels']}"
+    for name in absent:
+        assert name not in counts["kernels"], f"{name} ran: {counts['kernels']}"
+
+
+def op_lse(q, k, v, causal=False, window=None, mask=None, scale=None, softcap=None, sinks=None,
+           alibi_slopes=None):
+    """The op's log-sum-exp for fusedllm.attention's keyword arguments."""
+    left, right = _op_window(window)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return ops.attention(q, k, v, mask, scale, causal, left, 0.0, None, right, softcap or 0.0, sinks,
+                         alibi_slopes, None, None, 0, 0)[1]
+
+
+def run_and_check(q, k, v, dtype, check_lse=True, **options):
+    """attention forward and backward against the float64 reference (the lse
+    too, through the op); returns the emulator's counts, checked to show the
+    tensor-core forward ran and the SIMT one did not."""
+    with launches() as counts:
+        out = fusedllm.attention(q, k, v, **options)
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, _differentiable(q, k, v, options), grad_out)
+        lse = op_lse(q, k, v, **options) if check_lse else None
+    check_ran(counts, FORWARD, absent=(SIMT_FORWARD,))
+    check_against_reference(q, k, v, out, grad_out, grads, dtype, **options)
+    if check_lse:
+        _, ref_lse, _ = reference_results(q, k, v, grad_out, **options)
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows without keys differ"
+        assert_close(lse, ref_lse, FORWARD_TOL[dtype], "lse")
+    return counts
+
+
+# --- dispatch -----------------------------------------------------------------------------
+
+# (dtype, q_heads, kv_heads, q_len): the tensor cores serve 16-bit types once a kv
+# head's query rows (q_len x group) fill a warp's 16-row tile; decoding with
+# few heads per kv head and float32 stay on the SIMT kernel.
+DISPATCH_CASES = [
+    (torch.bfloat16, 2, 2, 16, FORWARD),
+    (torch.float16, 4, 1, 4, FORWARD),
+    (torch.bfloat16, 16, 1, 1, FORWARD),
+    (torch.bfloat16, 8, 1, 1, SIMT_FORWARD),
+    (torch.float16, 2, 2, 15, SIMT_FORWARD),
+    (torch.float32, 4, 4, 64, SIMT_FORWARD),
+]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,sq,expected", DISPATCH_CASES, ids=lambda x: str(x))
+def test_dispatch_picks_the_kernel(device, dtype, hq, hkv, sq, expected):
+    q, k, v = make_qkv(1, hq, hkv, sq, 20, 32, dtype, device)
+    with launches() as counts:
+        out = fusedllm.attention(q, k, v)
+    if counts is None:
+        pytest.skip("only the emulator counts launches")
+    other = SIMT_FORWARD if expected == FORWARD else FORWARD
+    check_ran(counts, expected, absent=(other,))
+    ref, _ = ref_attention(q.double(), k.double(), v.double())
+    assert_close(out, ref, FORWARD_TOL[dtype], "out")
+
+
+def test_simt_kernel_on_request(device, monkeypatch):
+    """FUSEDLLM_CUDA_ATTENTION=simt keeps a call the tensor cores would take on
+    the SIMT kernel; another value is refused by name."""
+    q, k, v = make_qkv(1, 2, 2, 16, 20, 32, torch.bfloat16, device)
+    monkeypatch.setenv("FUSEDLLM_CUDA_ATTENTION", "simt")
+    with launches() as counts:
+        out = fusedllm.attention(q, k, v)
+    if counts is None:
+        pytest.skip("only the emulator counts launches")
+    check_ran(counts, SIMT_FORWARD, absent=(FORWARD,))
+    ref, _ = ref_attention(q.double(), k.double(), v.double())
+    assert_close(out, ref, FORWARD_TOL[torch.bfloat16], "out")
+    monkeypatch.setenv("FUSEDLLM_CUDA_ATTENTION", "tensor-cores")
+    with pytest.raises(ValueError, match="FUSEDLLM_CUDA_ATTENTION must be 'auto' or 'simt'"):
+        fusedllm.attention(q, k, v)
+
+
+def test_build_lists_the_attention_kernels(device):
+    fusedllm.attention(*make_qkv(1, 2, 2, 3, 3, 8, torch.float32, device))  # an op for the simt fixture
+    simt = _emulator()
+    names = simt._simt.attention_kernels() if simt is not None else fusedllm.build_info()["cuda_attention_kernels"]
+    assert any(name.startswith(FORWARD) for name in names), names
+    assert any(name.startswith(SIMT_FORWARD) for name in names), names
+
+
+# --- values and gradients -------------------------------------------------------------
+
+# (batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal, window, dtype), pairwise
+# over group ratios 1, 2, 4, 8 and MQA; lengths 1, 17 and 257 with q_len == kv_len
+# and not (more queries than keys: rows that see nothing under causal); head dims
+# 64, 80 (padded to 96), 96, 128, 256; causal, windows and neither; both dtypes.
+BF16, FP16 = torch.bfloat16, torch.float16
+SHAPES = [
+    (2, 2, 2, 17, 17, 64, True, None, BF16),
+    (2, 2, 2, 17, 17, 64, True, None, FP16),
+    (1, 4, 2, 257, 257, 80, False, 33, FP16),
+    (1, 8, 2, 33, 100, 96, True, 7, BF16),
+    (1, 16, 1, 1, 257, 128, False, None, BF16),
+    (1, 8, 1, 17, 40, 256, True, None, FP16),
+    (1, 8, 1, 17, 40, 256, False, None, BF16),
+    (1, 16, 2, 17, 17, 128, False, None, FP16),
+    (1, 4, 4, 40, 17, 64, True, None, FP16),
+    (1, 4, 1, 257, 33, 96, False, (5, 9), BF16),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:8])) + f"-{s[8]}")
+def test_matches_reference(device, shape):
+    b, hq, hkv, sq, sk, d, causal, window, dtype = shape
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, dtype, device, requires_grad=True)
+    run_and_check(q, k, v, dtype, causal=causal, window=window)
+
+
+def test_long_prefill(device):
+    """1000 positions, causal + sliding window, GQA 4:2."""
+    q, k, v = make_qkv(1, 4, 2, 1000, 1000, 64, torch.bfloat16, device, requires_grad=True)
+    run_and_check(q, k, v, torch.bfloat16, check_lse=False, causal=True, window=300)
+
+
+# (option, causal, dtype)
+OPTION_CASES = [
+    ("softcap", True, torch.bfloat16),
+    ("sinks", False, torch.float16),
+    ("alibi_per_batch", True, torch.float16),
+    ("window_left_right", False, torch.bfloat16),
+    ("all", True, torch.float16),
+    ("all", False, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("option,causal,dtype", OPTION_CASES, ids=lambda x: str(x))
+def test_options_match_reference(device, option, causal, dtype):
+    q, k, v = make_qkv(2, 4, 2, 40, 70, 64, dtype, device, requires_grad=True)
+    run_and_check(q, k, v, dtype, causal=causal, **make_options(option, 2, 4, device))
+
+
+# (mask shape, kind): broadcast over batch, heads, queries; rows masked entirely.
+MASK_CASES = [((40, 70), "bool"), ((2, 1, 40, 70), "float"), ((1, 4, 1, 70), "bfloat16"),
+              ((40, 1), "bool_rows")]
+
+
+@pytest.mark.parametrize("shape,kind", MASK_CASES, ids=lambda x: str(x))
+def test_masks_match_reference(device, shape, kind):
+    dtype = torch.float16 if kind == "float" else torch.bfloat16
+    q, k, v = make_qkv(2, 4, 2, 40, 70, 64, dtype, device, requires_grad=True)
+    if kind == "bool":
+        mask = torch.rand(shape, device=device) > 0.3
+        mask[5] = False  # a row that sees nothing: zeros
+    elif kind == "bool_rows":
+        mask = torch.arange(40, device=device).view(40, 1) % 3 != 0
+    else:
+        mask = torch.randn(shape, device=device).to(torch.float32 if kind == "float" else torch.bfloat16)
+        mask[..., 3] = torch.finfo(mask.dtype).min  # "masked" as Hugging Face writes it
+    run_and_check(q, k, v, dtype, mask=mask)
+    if kind.startswith("bool"):
+        out = fusedllm.attention(q, k, v, mask=mask)
+        rows = (~mask.expand(2, 4, 40, 70)).all(-1)
+        assert rows.any() and torch.equal(out[rows], torch.zeros_like(out[rows])), "masked rows are not zero"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_dropout_keeps_what_the_cpu_op_keeps(device, dtype):
+    """With uniform probabilities (q = 0) and one-hot values, out[..., c] is
+    nonzero exactly where probability (row, key c) is kept: the pattern must be
+    the CPU op's (fusedllm._plain.dropout_keep), element by element."""
+    from fusedllm import _plain
+
+    p, seed = 0.3, 123456789
+    b, hq, hkv, sq, sk = 2, 4, 2, 40, 64
+    q = torch.zeros(b, hq, sq, 64, dtype=dtype, device=device)
+    k = torch.randn(b, hkv, sk, 64, dtype=dtype, device=device)
+    v = torch.eye(sk, 64, dtype=dtype, device=device).expand(b, hkv, sk, 64).contiguous()
+    with launches() as counts:
+        out, _ = ops.attention(q, k, v, None, 0.125, False, -1, p, torch.tensor([seed]), -1, 0.0, None,
+                               None, None, None, 0, 0)
+    check_ran(counts, FORWARD)
+    keep = _plain.dropout_keep(seed, (b, hq, sq, sk), p, q.device)
+    assert torch.equal(out != 0, keep), "dropout kept other probabilities than the CPU op"
+    assert_close(out, (keep.double() / sk / (1 - p)), FORWARD_TOL[dtype], "kept values")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_dropout_with_options_matches_reference(device, dtype):
+    from fusedllm import _plain
+
+    p, seed = 0.2, 55
+    b, hq, hkv, sq, sk = 1, 4, 2, 33, 80
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, 64, dtype, device, requires_grad=True)
+    sinks = make_sinks(hq, device)
+    slopes = alibi_slopes(hq, b, device=device)
+    left, right = _op_window((40, 4))
+    with launches() as counts:
+        out, _ = ops.attention(q, k, v, None, 0.5, False, left, p, torch.tensor([seed]), right, 2.0, sinks,
+                               slopes, None, None, 0, 0)
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v, sinks), grad_out)
+    check_ran(counts, FORWARD)
+    keep = _plain.dropout_keep(seed, (b, hq, sq, sk), p, q.device)
+    check_against_reference(q, k, v, out, grad_out, grads, dtype, scale=0.5, window=(40, 4), keep=keep,
+                            dropout_p=p, softcap=2.0, sinks=sinks, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("case,dtype", [("causal", torch.bfloat16), ("all", torch.float16),
+                                        ("all_noncausal", torch.bfloat16)], ids=lambda x: str(x))
+def test_varlen_matches_reference(device, case, dtype):
+    lengths_q, lengths_k = mixed_lengths(70)
+    q, k, v, cu_q, cu_k = pack(lengths_q, lengths_k, 8, 2, 64, dtype, device, requires_grad=True)
+    with launches() as counts:
+        check_varlen(q, k, v, cu_q, cu_k, dtype, **varlen_options(case, len(lengths_q), 8, device))
+    check_ran(counts, FORWARD)
+
+
+# --- shared memory ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_no_bank_conflicts(device, head_dim):
+    """The emulator scores every ldmatrix and cp.async of the portable forms:
+    none takes more than one shared-memory wavefront per 8-lane phase."""
+    q, k, v = make_qkv(1, 4, 2, 40, 70, head_dim, torch.bfloat16, device, requires_grad=True)
+    with launches() as counts:
+        out = fusedllm.attention(q, k, v, causal=True)
+        out.backward(torch.randn_like(out))
+    if counts is None:
+        pytest.skip("only the emulator counts bank conflicts")
+    check_ran(counts, FORWARD)
+    assert counts["ldmatrix"] > 0 and counts["cp_async"] > 0
+    assert counts["ldmatrix_conflicts"] == 0 and counts["cp_async_conflicts"] == 0, counts

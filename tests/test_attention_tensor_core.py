@@ -29,6 +29,16 @@ assert_close = functools.partial(checks.assert_close, upcast=True)
 
 FORWARD = "attention_mma_forward_kernel"
 SIMT_FORWARD = "attention_forward_kernel"
+DQ, SIMT_DQ = "attention_mma_dq_kernel", "attention_dq_kernel"
+DKDV, SIMT_DKDV = "attention_mma_dkdv_kernel", "attention_dkdv_kernel"
+MAX_DKDV_HEAD_DIM = 128  # wider heads: dK and dV on the SIMT kernel (tc::kMaxDkdvHeadDim)
+
+
+def backward_kernels(head_dim):
+    """The backward kernels the tensor-core path launches, and those it must not."""
+    if head_dim <= MAX_DKDV_HEAD_DIM:
+        return (DQ, DKDV), (SIMT_DQ, SIMT_DKDV)
+    return (DQ, SIMT_DKDV), (SIMT_DQ, DKDV)
 
 
 def _emulator():
@@ -77,13 +87,15 @@ def op_lse(q, k, v, causal=False, window=None, mask=None, scale=None, softcap=No
 def run_and_check(q, k, v, dtype, check_lse=True, **options):
     """attention forward and backward against the float64 reference (the lse
     too, through the op); returns the emulator's counts, checked to show the
-    tensor-core forward ran and the SIMT one did not."""
+    tensor-core kernels ran and the SIMT ones did not (dK/dV: SIMT past head
+    dim 128)."""
     with launches() as counts:
         out = fusedllm.attention(q, k, v, **options)
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, _differentiable(q, k, v, options), grad_out)
         lse = op_lse(q, k, v, **options) if check_lse else None
-    check_ran(counts, FORWARD, absent=(SIMT_FORWARD,))
+    ran, absent = backward_kernels(q.shape[-1])
+    check_ran(counts, FORWARD, *ran, absent=(SIMT_FORWARD, *absent))
     check_against_reference(q, k, v, out, grad_out, grads, dtype, **options)
     if check_lse:
         _, ref_lse, _ = reference_results(q, k, v, grad_out, **options)
@@ -110,12 +122,17 @@ DISPATCH_CASES = [
 @pytest.mark.parametrize("dtype,hq,hkv,sq,expected", DISPATCH_CASES, ids=lambda x: str(x))
 def test_dispatch_picks_the_kernel(device, dtype, hq, hkv, sq, expected):
     q, k, v = make_qkv(1, hq, hkv, sq, 20, 32, dtype, device)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     with launches() as counts:
         out = fusedllm.attention(q, k, v)
+        out.backward(torch.randn_like(out))
     if counts is None:
         pytest.skip("only the emulator counts launches")
-    other = SIMT_FORWARD if expected == FORWARD else FORWARD
-    check_ran(counts, expected, absent=(other,))
+    # The backward follows the forward's choice.
+    tensor_cores = (FORWARD, DQ, DKDV)
+    simt = (SIMT_FORWARD, SIMT_DQ, SIMT_DKDV)
+    ran, other = (tensor_cores, simt) if expected == FORWARD else (simt, tensor_cores)
+    check_ran(counts, *ran, absent=other)
     ref, _ = ref_attention(q.double(), k.double(), v.double())
     assert_close(out, ref, FORWARD_TOL[dtype], "out")
 
@@ -141,8 +158,8 @@ def test_build_lists_the_attention_kernels(device):
     fusedllm.attention(*make_qkv(1, 2, 2, 3, 3, 8, torch.float32, device))  # an op for the simt fixture
     simt = _emulator()
     names = simt._simt.attention_kernels() if simt is not None else fusedllm.build_info()["cuda_attention_kernels"]
-    assert any(name.startswith(FORWARD) for name in names), names
-    assert any(name.startswith(SIMT_FORWARD) for name in names), names
+    for kernel in (FORWARD, SIMT_FORWARD, DQ, SIMT_DQ, DKDV, SIMT_DKDV):
+        assert any(name.startswith(kernel + " ") for name in names), (kernel, names)
 
 
 # --- values and gradients -------------------------------------------------------------
@@ -171,6 +188,18 @@ def test_matches_reference(device, shape):
     b, hq, hkv, sq, sk, d, causal, window, dtype = shape
     q, k, v = make_qkv(b, hq, hkv, sq, sk, d, dtype, device, requires_grad=True)
     run_and_check(q, k, v, dtype, causal=causal, window=window)
+
+
+def test_backward_is_deterministic(device):
+    """dK and dV are summed over the query-head group inside one block, without
+    atomics: two backward passes give the same bits (under "simt-warp" the
+    emulator also reorders the warps between them)."""
+    q, k, v = make_qkv(1, 8, 2, 70, 70, 64, torch.bfloat16, device, requires_grad=True)
+    grad_out = torch.randn(1, 8, 70, 64, dtype=torch.bfloat16, device=device)
+    first, second = (torch.autograd.grad(fusedllm.attention(q, k, v, causal=True), (q, k, v), grad_out)
+                     for _ in range(2))
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
 
 
 def test_long_prefill(device):
@@ -256,7 +285,7 @@ def test_dropout_with_options_matches_reference(device, dtype):
                                slopes, None, None, 0, 0)
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v, sinks), grad_out)
-    check_ran(counts, FORWARD)
+    check_ran(counts, FORWARD, DQ, DKDV)
     keep = _plain.dropout_keep(seed, (b, hq, sq, sk), p, q.device)
     check_against_reference(q, k, v, out, grad_out, grads, dtype, scale=0.5, window=(40, 4), keep=keep,
                             dropout_p=p, softcap=2.0, sinks=sinks, alibi_slopes=slopes)
@@ -269,7 +298,7 @@ def test_varlen_matches_reference(device, case, dtype):
     q, k, v, cu_q, cu_k = pack(lengths_q, lengths_k, 8, 2, 64, dtype, device, requires_grad=True)
     with launches() as counts:
         check_varlen(q, k, v, cu_q, cu_k, dtype, **varlen_options(case, len(lengths_q), 8, device))
-    check_ran(counts, FORWARD)
+    check_ran(counts, FORWARD, DQ, DKDV)
 
 
 # --- shared memory ------------------------------------------------------------------------
@@ -285,6 +314,6 @@ def test_no_bank_conflicts(device, head_dim):
         out.backward(torch.randn_like(out))
     if counts is None:
         pytest.skip("only the emulator counts bank conflicts")
-    check_ran(counts, FORWARD)
+    check_ran(counts, FORWARD, *backward_kernels(head_dim)[0])
     assert counts["ldmatrix"] > 0 and counts["cp_async"] > 0
     assert counts["ldmatrix_conflicts"] == 0 and counts["cp_async_conflicts"] == 0, counts

@@ -101,25 +101,29 @@ def test_primitives_compile_to_tensor_core_instructions(tmp_path, arch):
         assert instruction in sass, f"{instruction.strip()} not in the {arch} machine code"
 
 
-def _functions_sass(cuobjdump, library, arch, name_part):
+def _functions_sass(cuobjdump, library, arch, pattern):
     """{mangled name: SASS} of the library's `arch` machine-code functions whose
-    name holds name_part."""
+    name matches the regular expression `pattern`."""
     sass = subprocess.run([cuobjdump, "-sass", "-arch", arch, library], check=True, capture_output=True,
                           text=True).stdout
     found = {}
     for section in re.split(r"\n\s*Function : ", sass)[1:]:
         name, _, body = section.partition("\n")
-        if name_part in name:
+        if re.search(pattern, name):
             found[name.strip()] = body
     return found
+
+
+ATTENTION_KERNELS = r"attention_mma_(forward|dq|dkdv)_kernel"
 
 
 @pytest.mark.slow
 def test_built_tensor_core_kernels_hold_tensor_core_instructions():
     """Evidence from the installed build itself, without a GPU, where it holds
     machine code for sm_75, sm_80 and sm_90 (FUSEDLLM_CUDA=1, as CI builds): on
-    sm_80 and sm_90 every instantiation of the tensor-core attention forward (two
-    dtypes x four head dims) and of the grouped products holds HMMA (mma.sync;
+    sm_80 and sm_90 every instantiation of the tensor-core attention kernels (the
+    forward and dQ for two dtypes x four head dims, dK/dV for three) and of the
+    grouped products holds HMMA (mma.sync;
     .BF16 for bfloat16), ldmatrix (LDSM) and cp.async (LDGSTS); on sm_75, below
     the tensor-core kernels' architecture, they compile to a trap and hold none."""
     import fusedllm
@@ -132,18 +136,18 @@ def test_built_tensor_core_kernels_hold_tensor_core_instructions():
     assert cuobjdump, "the build holds CUDA machine code but cuobjdump is not here (the toolkit's, or triton's copy)"
     library = _extension._C.__file__
     for arch in ("sm_80", "sm_90"):
-        attention = _functions_sass(cuobjdump, library, arch, "attention_mma_forward_kernel")
+        attention = _functions_sass(cuobjdump, library, arch, ATTENTION_KERNELS)
         grouped = _functions_sass(cuobjdump, library, arch, "grouped_mm_tc_kernel")
-        assert len(attention) == 8 and len(grouped) == 6, (arch, list(attention), list(grouped))
+        assert len(attention) == 22 and len(grouped) == 6, (arch, list(attention), list(grouped))
         for name, body in {**attention, **grouped}.items():
             hmma = "HMMA.16816.F32.BF16" if "BFloat16" in name else "HMMA.16816.F32 "
             assert hmma in body and "LDGSTS.E.BYPASS.128" in body, (arch, name)
             assert "LDSM.16.M88.4" in body or "LDSM.16.MT88.4" in body, (arch, name)
-        for name, body in attention.items():  # Q K^T plain, P V through .trans
+        for name, body in attention.items():  # Q K^T plain, P V (dS K, P^T dO, dS^T Q) through .trans
             assert "LDSM.16.M88.4" in body and "LDSM.16.MT88.4" in body, (arch, name)
-    old = {**_functions_sass(cuobjdump, library, "sm_75", "attention_mma_forward_kernel"),
+    old = {**_functions_sass(cuobjdump, library, "sm_75", ATTENTION_KERNELS),
            **_functions_sass(cuobjdump, library, "sm_75", "grouped_mm_tc_kernel")}
-    assert len(old) == 14 and not any("HMMA" in body or "LDGSTS" in body for body in old.values()), list(old)
+    assert len(old) == 28 and not any("HMMA" in body or "LDGSTS" in body for body in old.values()), list(old)
 
 
 @pytest.fixture(scope="module")

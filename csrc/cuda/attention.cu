@@ -171,8 +171,18 @@ struct CudaAttention {
     const Stream stream = current_stream();
     const AttentionShape& s = p.shape;
     at::Tensor delta = at::empty({p.rows.count(s.batch)}, p.q.options().dtype(lse_dtype(p.q)));
-    launch_attention_dq(p, delta, stream);
-    launch_attention_dkdv(p, delta, stream);
+    launch_attention_delta(p, delta, stream);
+    const bool tensor_cores = choose_attention_kernel(p, p.q.scalar_type()) == AttentionKernel::kTensorCore;
+    if (tensor_cores) {
+      launch_attention_mma_dq(p, delta, stream);
+    } else {
+      launch_attention_dq(p, delta, stream);
+    }
+    if (tensor_cores && s.head_dim <= tc::kMaxDkdvHeadDim) {
+      launch_attention_mma_dkdv(p, delta, stream);
+    } else {
+      launch_attention_dkdv(p, delta, stream);
+    }
   }
 };
 
@@ -180,7 +190,9 @@ struct CudaAttention {
 
 std::vector<std::string> attention_kernels() {
   return {"attention_forward_kernel (SIMT)", "attention_dq_kernel (SIMT)", "attention_dkdv_kernel (SIMT)",
-          "attention_mma_forward_kernel (tensor cores: bfloat16/float16, sm_80+)"};
+          "attention_mma_forward_kernel (tensor cores: bfloat16/float16, sm_80+)",
+          "attention_mma_dq_kernel (tensor cores: bfloat16/float16, sm_80+)",
+          "attention_mma_dkdv_kernel (tensor cores: bfloat16/float16, sm_80+, head dims up to 128)"};
 }
 
 FUSEDLLM_CUDA_OPS_IMPL(m) { FUSEDLLM_IMPL_ATTENTION_OPS(m, CudaAttention); }

@@ -41,8 +41,10 @@
 
 namespace fusedllm::cuda {
 
-// The backward kernels' launches on `stream`, for the plan's dtype and head
-// dim: delta = rowsum(dO * O) into `delta`, then dQ; then dK and dV.
+// The SIMT backward kernels' launches on `stream`, for the plan's dtype and
+// head dim: delta = rowsum(dO * O) into `delta` (the tensor-core backward's
+// too), dQ, and dK and dV.
+void launch_attention_delta(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 void launch_attention_dq(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 void launch_attention_dkdv(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 

@@ -1,4 +1,4 @@
-// attention backward on CUDA, first part: delta = rowsum(dO * O), then dQ.
+// attention backward on CUDA, first part: delta = rowsum(dO * O), then dQ (SIMT).
 #include "attention.cuh"
 
 namespace fusedllm::cuda {
@@ -146,11 +146,11 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
 
 }  // namespace
 
-void launch_attention_dq(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream) {
+void launch_attention_delta(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream) {
   const AttentionShape& s = p.shape;
   const attn::QueryRows rows = rows_of(p);
   const int64_t n_rows = rows.count(s.batch);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.scalar_type(), "fusedllm_attention_dq_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.scalar_type(), "fusedllm_attention_delta_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const int delta_threads = 256;
     const int64_t warps = delta_threads / kWarpSize;
@@ -159,7 +159,14 @@ void launch_attention_dq(const AttentionBackwardPlan& p, const at::Tensor& delta
            0, stream, p.grad_out.const_data_ptr<scalar_t>(), strides_of(p.grad_out),
            p.out.const_data_ptr<scalar_t>(), strides_of(p.out), delta.mutable_data_ptr<acc_t>(),
            rows, p.seqs, n_rows, static_cast<int>(s.head_dim));
+  });
+}
 
+void launch_attention_dq(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream) {
+  const AttentionShape& s = p.shape;
+  const attn::QueryRows rows = rows_of(p);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.scalar_type(), "fusedllm_attention_dq_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
     with_head_dim(s.head_dim, [&](auto DL) {
       constexpr int kDL = decltype(DL)::value;
       using C = Cfg<acc_t, kDL>;

@@ -48,19 +48,11 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
   const int64_t key_hi = attn::key_end(mask, rows.group_pos(last_row));
   const int64_t n_tiles = key_hi > key_lo ? (key_hi - key_lo + kKeys - 1) / kKeys : 0;
 
-  tc::stage_tile<T, kD, tc::kRows>(q_s, [&](int r) -> const T* {
-    const int64_t row = row0 + r;
-    return row < rows_total ? q_b + rows.group_head(g, row) * qs.h + rows.group_pos(row) * qs.s : nullptr;
-  }, d, q_chunks);
+  tc::stage_group_rows<T, kD, tc::kRows>(q_s, q_b, qs, rows, g, row0, rows_total, d, q_chunks);
   const auto stage_kv = [&](int64_t tile) {
-    const int64_t j0 = key_lo + tile * kKeys;
     const int buffer = static_cast<int>(tile % 2);
-    tc::stage_tile<T, kD, kKeys>(k_s + buffer * kKeys * kStride, [&](int r) -> const T* {
-      return j0 + r < key_hi ? k_b + (j0 + r) * ks.s : nullptr;
-    }, d, kv_chunks);
-    tc::stage_tile<T, kD, kKeys>(v_s + buffer * kKeys * kStride, [&](int r) -> const T* {
-      return j0 + r < key_hi ? v_b + (j0 + r) * vs.s : nullptr;
-    }, d, kv_chunks);
+    tc::stage_key_rows<T, kD, kKeys>(k_s + buffer * kKeys * kStride, v_s + buffer * kKeys * kStride, k_b,
+                                     ks.s, v_b, vs.s, key_lo + tile * kKeys, key_hi, d, kv_chunks);
   };
   if (n_tiles > 0) stage_kv(0);
   mma::cp_async_commit();

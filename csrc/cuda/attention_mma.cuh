@@ -13,6 +13,7 @@
 // 2 * quad (+1) (quad = lane % 4) of its 8-column n-tile.
 #pragma once
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -44,8 +45,9 @@ struct Tile {
   static constexpr int kStride = kD + 8;           // shared row stride (elements)
   static constexpr int kKeys = kD <= 128 ? 64 : 16;  // keys per K/V tile (registers at kD = 256)
   static constexpr int kNTiles = kD / 8;           // 8-column n-tiles of a [16, kD] accumulator
-  // Backward: the tile a block iterates over (keys for dQ, query rows for dK/dV).
-  static constexpr int kBwdTile = 32;
+  // Backward: the tile a block iterates over (keys for dQ, query rows for dK/dV);
+  // at kD = 256 dQ's accumulator takes 128 registers, so the tiles are halved.
+  static constexpr int kBwdTile = kD <= 128 ? 32 : 16;
 
   // Forward: Q rows, then K and V, each double-buffered.
   static constexpr size_t forward_smem(size_t elem) {
@@ -91,9 +93,16 @@ void with_mma_head_dim(int64_t d, F&& f) {
   }
 }
 
-inline size_t forward_smem(int64_t d, size_t elem) {
+// The most shared memory a block of the forward or backward kernels takes at
+// head dim d: the tensor-core kernels serve a call only where all of them fit,
+// so that a forward on them has its backward on them too.
+inline size_t max_smem(int64_t d, size_t elem) {
   size_t bytes = 0;
-  with_mma_head_dim(d, [&](auto D) { bytes = Tile<decltype(D)::value>::forward_smem(elem); });
+  with_mma_head_dim(d, [&](auto D) {
+    using Tl = Tile<decltype(D)::value>;
+    bytes = std::max(Tl::forward_smem(elem), Tl::dq_smem(elem));
+    if (Tl::kD <= kMaxDkdvHeadDim) bytes = std::max(bytes, Tl::dkdv_smem(elem));
+  });
   return bytes;
 }
 
@@ -134,6 +143,31 @@ __device__ __forceinline__ void stage_tile(T* dst, RowFn&& src_row, int d, bool 
       for (int e = 0; e < 8; ++e) to[e] = col + e < d ? from[col + e] : T(0.f);
     }
   }
+}
+
+// Stages keys [j0, j0 + kTileRows) of one kv head's K and V (rows k + j *
+// k_stride; keys at or past `end`: zeros) into k_dst and v_dst.
+template <typename T, int kD, int kTileRows>
+__device__ __forceinline__ void stage_key_rows(T* k_dst, T* v_dst, const T* k, int64_t k_stride, const T* v,
+                                               int64_t v_stride, int64_t j0, int64_t end, int d, bool chunks) {
+  stage_tile<T, kD, kTileRows>(k_dst, [&](int r) -> const T* {
+    return j0 + r < end ? k + (j0 + r) * k_stride : nullptr;
+  }, d, chunks);
+  stage_tile<T, kD, kTileRows>(v_dst, [&](int r) -> const T* {
+    return j0 + r < end ? v + (j0 + r) * v_stride : nullptr;
+  }, d, chunks);
+}
+
+// Stages rows [r0, r0 + kTileRows) (position, head) of kv head g's group from
+// the operand x_b (its batch and sequence start; strides s); rows at or past
+// `end`: zeros.
+template <typename T, int kD, int kTileRows>
+__device__ __forceinline__ void stage_group_rows(T* dst, const T* x_b, Strides s, const attn::QueryRows& rows,
+                                                 int64_t g, int64_t r0, int64_t end, int d, bool chunks) {
+  stage_tile<T, kD, kTileRows>(dst, [&](int r) -> const T* {
+    const int64_t row = r0 + r;
+    return row < end ? x_b + rows.group_head(g, row) * s.h + rows.group_pos(row) * s.s : nullptr;
+  }, d, chunks);
 }
 
 // c[16, kN] += a[16, kK] b[kN, kK]^T: a's 16 rows and b's kN rows from shared
@@ -222,14 +256,17 @@ inline AttentionKernel choose_attention_kernel(const AttentionParams& p, at::Sca
   const auto& props = device_properties();
   if (props.major < 8) return AttentionKernel::kSimt;
   if (p.rows.group_rows() < tc::kMinRows) return AttentionKernel::kSimt;
-  if (tc::forward_smem(p.shape.head_dim, 2) > props.sharedMemPerBlockOptin) return AttentionKernel::kSimt;
+  if (tc::max_smem(p.shape.head_dim, 2) > props.sharedMemPerBlockOptin) return AttentionKernel::kSimt;
   return AttentionKernel::kTensorCore;
 }
 
 }  // namespace
 
-// The tensor-core forward (attention_mma.cu).
+// The tensor-core forward (attention_mma.cu) and backward (attention_mma_backward.cu;
+// dK/dV up to head dim kMaxDkdvHeadDim, the SIMT kernel above it).
 void launch_attention_mma_forward(const AttentionForwardPlan& p, Stream stream);
+void launch_attention_mma_dq(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
+void launch_attention_mma_dkdv(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 
 // The attention kernels this build holds, as their launches name them (build_info).
 std::vector<std::string> attention_kernels();

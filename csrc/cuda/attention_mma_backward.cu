@@ -1,0 +1,350 @@
+// The tensor-core attention backward (bfloat16 / float16, sm_80+), FlashAttention-2
+// style, in two kernels that share nothing but delta = rowsum(dO * O) (computed
+// first by the SIMT delta kernel, attention_dq.cu):
+//
+//   dQ: a block holds 64 query rows (position, head) of one kv head, as the
+//       forward does, with their Q and dO rows; K/V tiles stream through it
+//       double-buffered. Per tile: S = Q K^T and dP = dO V^T on the tensor
+//       cores, P = exp2(S - lse) and dS = P (dP - delta) on the accumulator
+//       fragments, dS rounded to 16 bits straight into A fragments and
+//       dQ += dS K.
+//   dK, dV: a block holds 64 keys of one kv head; tiles of the query rows (of
+//       every head of the group) that see them stream through it, with their
+//       lse and delta. Per tile: S^T = K Q^T and dP^T = V dO^T, P^T and dS^T on
+//       the fragments, then dV += P^T dO and dK += dS^T Q. The block sums over
+//       the whole group in registers: deterministic, no atomics.
+//
+// Scores follow the forward exactly (scale, soft-capping with its slope dcap,
+// ALiBi, masks, the dropout draws of the same Philox stream).
+#include "attention_mma.cuh"
+
+namespace fusedllm::cuda {
+namespace {
+
+// The score of (q row, key) from its accumulator value, in log2 units, and
+// d score / d (scale q . k) in dcap; -inf when the key is not visible.
+__device__ __forceinline__ float score_log2(float acc, bool visible, bool plain, float scale,
+                                            const ScoreExtras& extras, const Mask& mask, int64_t b,
+                                            int64_t head, int64_t pos, int64_t key, float& dcap) {
+  dcap = 1.f;
+  if (!visible) return -std::numeric_limits<float>::infinity();
+  if (plain) return acc * scale * tc::kLog2e;
+  const float z = extras.modified<float>(acc * scale, b, head, pos + mask.offset, key, &dcap);
+  return extras.masked(z, b, head, pos, key) * tc::kLog2e;
+}
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(tc::kThreads, 1)
+attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restrict__ q, Strides qs,
+                        const T* __restrict__ k, Strides ks, const T* __restrict__ v, Strides vs,
+                        const float* __restrict__ lse, const float* __restrict__ delta,
+                        T* __restrict__ grad_q, attn::QueryRows rows, attn::Seqs seqs, int d, float scale,
+                        Mask mask_all, ScoreExtras extras, bool q_chunks, bool kv_chunks) {
+#if FUSEDLLM_BELOW_SM80
+  __trap();  // dispatch (choose_attention_kernel) never launches it below sm_80
+#else
+  using Tl = tc::Tile<kD>;
+  constexpr int kKeys = Tl::kBwdTile, kStride = Tl::kStride, kN = Tl::kNTiles;
+  T* q_s = dynamic_shared<T>();               // [kRows][kStride]
+  T* do_s = q_s + tc::kRows * kStride;        // [kRows][kStride]
+  T* k_s = do_s + tc::kRows * kStride;        // [2][kKeys][kStride]
+  T* v_s = k_s + 2 * kKeys * kStride;         // [2][kKeys][kStride]
+
+  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int64_t sq = seqs.q_len(b);
+  const int64_t rows_total = sq * rows.group;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * tc::kRows;
+  if (row0 >= rows_total) return;  // past this (packed) sequence's end: the whole block
+  const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int group = lane / 4, quad = lane % 4;
+  const int64_t q_start = seqs.q_start(b), k_start = seqs.k_start(b);
+  const T* q_b = q + b * qs.b + q_start * qs.s;
+  const T* g_b = grad_out + b * gs.b + q_start * gs.s;
+  const T* k_b = k + b * ks.b + g * ks.h + k_start * ks.s;
+  const T* v_b = v + b * vs.b + g * vs.h + k_start * vs.s;
+
+  const int64_t last_row = (row0 + tc::kRows < rows_total ? row0 + tc::kRows : rows_total) - 1;
+  const int64_t key_lo = attn::key_begin(mask, rows.group_pos(row0));
+  const int64_t key_hi = attn::key_end(mask, rows.group_pos(last_row));
+  const int64_t n_tiles = key_hi > key_lo ? (key_hi - key_lo + kKeys - 1) / kKeys : 0;
+
+  tc::stage_group_rows<T, kD, tc::kRows>(q_s, q_b, qs, rows, g, row0, rows_total, d, q_chunks);
+  tc::stage_group_rows<T, kD, tc::kRows>(do_s, g_b, gs, rows, g, row0, rows_total, d, q_chunks);
+  const auto stage_kv = [&](int64_t tile) {
+    const int buffer = static_cast<int>(tile % 2);
+    tc::stage_key_rows<T, kD, kKeys>(k_s + buffer * kKeys * kStride, v_s + buffer * kKeys * kStride, k_b,
+                                     ks.s, v_b, vs.s, key_lo + tile * kKeys, key_hi, d, kv_chunks);
+  };
+  if (n_tiles > 0) stage_kv(0);
+  mma::cp_async_commit();
+
+  // This lane's two rows (half 0: row `group` of the warp's 16, half 1: group + 8).
+  int64_t head[2], pos[2], lo[2], hi[2];
+  float lse2[2], dlt[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = row0 + warp * 16 + group + 8 * half;
+    const bool valid = row < rows_total;
+    const int64_t lrow = valid ? rows.row_of_group_row(b, g, row) : 0;
+    head[half] = rows.group_head(g, row);
+    pos[half] = rows.group_pos(row);
+    lo[half] = valid ? attn::key_begin(mask, pos[half]) : 0;
+    hi[half] = valid ? attn::key_end(mask, pos[half]) : 0;
+    lse2[half] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[lrow]) * tc::kLog2e : 0.f;
+    dlt[half] = valid ? delta[lrow] : 0.f;
+  }
+  const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
+
+  mma::FragC dq[kN];
+  for (int64_t tile = 0; tile < n_tiles; ++tile) {
+    if (tile + 1 < n_tiles) {
+      stage_kv(tile + 1);  // its buffer was last read before the previous tile's closing barrier
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+    } else {
+      mma::cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int buffer = static_cast<int>(tile % 2);
+    const int64_t j0 = key_lo + tile * kKeys;
+    const T* k_tile = k_s + buffer * kKeys * kStride;
+
+    mma::FragC s[kKeys / 8], dp[kKeys / 8];
+    tc::mma_rows_rows<T, kD, kKeys, kStride>(s, q_s + warp * 16 * kStride, k_tile);
+    tc::mma_rows_rows<T, kD, kKeys, kStride>(dp, do_s + warp * 16 * kStride, v_s + buffer * kKeys * kStride);
+#pragma unroll
+    for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int half = e / 2;
+        const int64_t key = j0 + n * 8 + 2 * quad + (e % 2);
+        const bool visible = key >= lo[half] && key < hi[half];
+        float dcap;
+        const float x = score_log2(s[n].r[e], visible, plain, scale, extras, mask, b, head[half], pos[half],
+                                   key, dcap);
+        const float p = exp2f(x - lse2[half]);
+        float dpe = visible ? dp[n].r[e] : 0.f;
+        if (extras.drop.enabled && visible) dpe *= extras.keep_factor<float>(b, head[half], pos[half], key);
+        // Through the cap: d score / d (scale q . k) = dcap (1 without one).
+        s[n].r[e] = attn::score_grad(p, dpe, dlt[half]) * dcap;
+      }
+    }
+    mma::FragA ds[kKeys / 16];
+    tc::to_a_frags<T, kKeys>(ds, s);
+    tc::mma_frags_rows<T, kKeys, kD, kStride>(dq, ds, k_tile);
+    __syncthreads();  // every warp is done with this buffer before it is staged again
+  }
+
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = row0 + warp * 16 + group + 8 * half;
+    if (row >= rows_total) continue;
+    T* dq_row = grad_q + rows.row_of_group_row(b, g, row) * d;
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const int c = n * 8 + 2 * quad;
+      if (c < d) dq_row[c] = T(dq[n].r[2 * half] * scale);
+      if (c + 1 < d) dq_row[c + 1] = T(dq[n].r[2 * half + 1] * scale);
+    }
+  }
+#endif
+}
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(tc::kThreads, 1)
+attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restrict__ q, Strides qs,
+                          const T* __restrict__ k, Strides ks, const T* __restrict__ v, Strides vs,
+                          const float* __restrict__ lse, const float* __restrict__ delta,
+                          T* __restrict__ grad_k, T* __restrict__ grad_v, attn::QueryRows rows,
+                          attn::KeyRows key_rows, attn::Seqs seqs, int d, float scale, Mask mask_all,
+                          ScoreExtras extras, bool q_chunks, bool kv_chunks) {
+#if FUSEDLLM_BELOW_SM80
+  __trap();  // dispatch (choose_attention_kernel) never launches it below sm_80
+#else
+  static_assert(kD <= tc::kMaxDkdvHeadDim, "dK and dV of wider heads do not fit in registers");
+  using Tl = tc::Tile<kD>;
+  constexpr int kTile = Tl::kBwdTile, kStride = Tl::kStride, kN = Tl::kNTiles;
+  T* k_s = dynamic_shared<T>();               // [kRows][kStride] (this block's keys)
+  T* v_s = k_s + tc::kRows * kStride;         // [kRows][kStride]
+  T* q_s = v_s + tc::kRows * kStride;         // [2][kTile][kStride]
+  T* do_s = q_s + 2 * kTile * kStride;        // [2][kTile][kStride]
+  float* lse_s = reinterpret_cast<float*>(do_s + 2 * kTile * kStride);  // [2][kTile], log2 units
+  float* delta_s = lse_s + 2 * kTile;                                   // [2][kTile]
+
+  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int64_t sq = seqs.q_len(b), sk = seqs.k_len(b);
+  const int64_t j0 = static_cast<int64_t>(blockIdx.x) * tc::kRows;
+  if (j0 >= sk) return;  // past this (packed) sequence's end: the whole block
+  const int64_t j_end = j0 + tc::kRows < sk ? j0 + tc::kRows : sk;
+  const Mask mask = mask_all.of_lengths(sq, sk);
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int group = lane / 4, quad = lane % 4;
+  const int64_t q_start = seqs.q_start(b), k_start = seqs.k_start(b);
+  const T* q_b = q + b * qs.b + q_start * qs.s;
+  const T* g_b = grad_out + b * gs.b + q_start * gs.s;
+  const T* k_b = k + b * ks.b + g * ks.h + k_start * ks.s;
+  const T* v_b = v + b * vs.b + g * vs.h + k_start * vs.s;
+
+  tc::stage_key_rows<T, kD, tc::kRows>(k_s, v_s, k_b, ks.s, v_b, vs.s, j0, j_end, d, kv_chunks);
+
+  // Rows (position, head) of the positions that see any key of this block.
+  const int64_t rows_begin = rows.group_row(attn::query_begin(mask, j0, sq));
+  const int64_t rows_end = rows.group_row(attn::query_end(mask, j_end, sq));
+  const int64_t n_tiles = rows_end > rows_begin ? (rows_end - rows_begin + kTile - 1) / kTile : 0;
+  const auto stage_rows = [&](int64_t tile) {
+    const int64_t r0 = rows_begin + tile * kTile;
+    const int buffer = static_cast<int>(tile % 2);
+    tc::stage_group_rows<T, kD, kTile>(q_s + buffer * kTile * kStride, q_b, qs, rows, g, r0, rows_end, d,
+                                       q_chunks);
+    tc::stage_group_rows<T, kD, kTile>(do_s + buffer * kTile * kStride, g_b, gs, rows, g, r0, rows_end, d,
+                                       q_chunks);
+    if (threadIdx.x < kTile) {
+      const int64_t row = r0 + threadIdx.x;
+      float l2 = 0.f, de = 0.f;
+      if (row < rows_end) {
+        const int64_t lrow = rows.row_of_group_row(b, g, row);
+        l2 = attn::ScalarOps<float>::finite_or_zero(lse[lrow]) * tc::kLog2e;
+        de = delta[lrow];
+      }
+      lse_s[buffer * kTile + threadIdx.x] = l2;
+      delta_s[buffer * kTile + threadIdx.x] = de;
+    }
+  };
+  if (n_tiles > 0) stage_rows(0);
+  mma::cp_async_commit();
+
+  // This lane's two keys (half 0: key `group` of the warp's 16, half 1: group + 8).
+  int64_t key[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) key[half] = j0 + warp * 16 + group + 8 * half;
+  const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
+
+  mma::FragC dk[kN], dv[kN];
+  for (int64_t tile = 0; tile < n_tiles; ++tile) {
+    if (tile + 1 < n_tiles) {
+      stage_rows(tile + 1);  // its buffer was last read before the previous tile's closing barrier
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+    } else {
+      mma::cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int buffer = static_cast<int>(tile % 2);
+    const int64_t r0 = rows_begin + tile * kTile;
+    const T* q_tile = q_s + buffer * kTile * kStride;
+    const T* do_tile = do_s + buffer * kTile * kStride;
+
+    mma::FragC s[kTile / 8], dp[kTile / 8];  // S^T and dP^T: [16 keys, kTile rows]
+    tc::mma_rows_rows<T, kD, kTile, kStride>(s, k_s + warp * 16 * kStride, q_tile);
+    tc::mma_rows_rows<T, kD, kTile, kStride>(dp, v_s + warp * 16 * kStride, do_tile);
+#pragma unroll
+    for (int n = 0; n < kTile / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = n * 8 + 2 * quad + (e % 2);
+        const int64_t row = r0 + col, j = key[e / 2];
+        const int64_t p_row = rows.group_pos(row), h = rows.group_head(g, row);
+        const bool visible = row < rows_end && j < j_end && j >= attn::key_begin(mask, p_row) &&
+                             j < attn::key_end(mask, p_row);
+        float dcap;
+        const float x = score_log2(s[n].r[e], visible, plain, scale, extras, mask, b, h, p_row, j, dcap);
+        const float p = exp2f(x - lse_s[buffer * kTile + col]);
+        float keep = 1.f;
+        if (extras.drop.enabled && visible) keep = extras.keep_factor<float>(b, h, p_row, j);
+        const float dpe = visible ? dp[n].r[e] * keep : 0.f;
+        // Through the cap: d score / d (scale q . k) = dcap (1 without one).
+        dp[n].r[e] = attn::score_grad(p, dpe, delta_s[buffer * kTile + col]) * dcap;
+        s[n].r[e] = p * keep;  // dV sees the probabilities after dropout
+      }
+    }
+    mma::FragA pa[kTile / 16], dsa[kTile / 16];
+    tc::to_a_frags<T, kTile>(pa, s);
+    tc::mma_frags_rows<T, kTile, kD, kStride>(dv, pa, do_tile);
+    tc::to_a_frags<T, kTile>(dsa, dp);
+    tc::mma_frags_rows<T, kTile, kD, kStride>(dk, dsa, q_tile);
+    __syncthreads();  // every warp is done with this buffer before it is staged again
+  }
+
+  const int64_t kv_row0 = key_rows.row(b, g, 0);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (key[half] >= j_end) continue;
+    T* dk_row = grad_k + (kv_row0 + key[half]) * d;
+    T* dv_row = grad_v + (kv_row0 + key[half]) * d;
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const int c = n * 8 + 2 * quad;
+      if (c < d) {
+        dk_row[c] = T(dk[n].r[2 * half] * scale);
+        dv_row[c] = T(dv[n].r[2 * half]);
+      }
+      if (c + 1 < d) {
+        dk_row[c + 1] = T(dk[n].r[2 * half + 1] * scale);
+        dv_row[c + 1] = T(dv[n].r[2 * half + 1]);
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace
+
+void launch_attention_mma_dq(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream) {
+  const AttentionShape& s = p.shape;
+  const attn::QueryRows rows = rows_of(p);
+  const bool q_chunks = tc::chunks_aligned(p.q.const_data_ptr(), strides_of(p.q)) &&
+                        tc::chunks_aligned(p.grad_out.const_data_ptr(), strides_of(p.grad_out));
+  const bool kv_chunks = tc::chunks_aligned(p.k.const_data_ptr(), strides_of(p.k)) &&
+                         tc::chunks_aligned(p.v.const_data_ptr(), strides_of(p.v));
+  tc::with_mma_dtype(p.q.scalar_type(), [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    tc::with_mma_head_dim(s.head_dim, [&](auto D) {
+      constexpr int kD = decltype(D)::value;
+      auto kernel = attention_mma_dq_kernel<T, kD>;
+      const size_t smem = tc::Tile<kD>::dq_smem(sizeof(T));
+      allow_shared_memory(kernel, smem);
+      const dim3 grid(static_cast<unsigned>((rows.group_rows() + tc::kRows - 1) / tc::kRows),
+                      static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+      launch("attention_mma_dq_kernel", kernel, grid, tc::kThreads, smem, stream,
+             p.grad_out.const_data_ptr<T>(), strides_of(p.grad_out), p.q.const_data_ptr<T>(),
+             strides_of(p.q), p.k.const_data_ptr<T>(), strides_of(p.k), p.v.const_data_ptr<T>(),
+             strides_of(p.v), p.lse.const_data_ptr<float>(), delta.const_data_ptr<float>(),
+             p.grad_q.mutable_data_ptr<T>(), rows, p.seqs, static_cast<int>(s.head_dim),
+             static_cast<float>(p.scale), p.mask, extras_of(p), q_chunks, kv_chunks);
+    });
+  });
+}
+
+void launch_attention_mma_dkdv(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream) {
+  const AttentionShape& s = p.shape;
+  TORCH_CHECK(s.head_dim <= tc::kMaxDkdvHeadDim, "fusedllm.attention: the tensor-core dK/dV kernel takes head dims "
+              "up to ", tc::kMaxDkdvHeadDim, ", got ", s.head_dim);
+  const bool q_chunks = tc::chunks_aligned(p.q.const_data_ptr(), strides_of(p.q)) &&
+                        tc::chunks_aligned(p.grad_out.const_data_ptr(), strides_of(p.grad_out));
+  const bool kv_chunks = tc::chunks_aligned(p.k.const_data_ptr(), strides_of(p.k)) &&
+                         tc::chunks_aligned(p.v.const_data_ptr(), strides_of(p.v));
+  tc::with_mma_dtype(p.q.scalar_type(), [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    tc::with_mma_head_dim(s.head_dim, [&](auto D) {
+      constexpr int kD = decltype(D)::value;
+      if constexpr (kD <= tc::kMaxDkdvHeadDim) {
+        auto kernel = attention_mma_dkdv_kernel<T, kD>;
+        const size_t smem = tc::Tile<kD>::dkdv_smem(sizeof(T));
+        allow_shared_memory(kernel, smem);
+        // Sized by the longest sequence's keys (packed); shorter ones return early.
+        const dim3 grid(static_cast<unsigned>((s.sk + tc::kRows - 1) / tc::kRows),
+                        static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+        launch("attention_mma_dkdv_kernel", kernel, grid, tc::kThreads, smem, stream,
+               p.grad_out.const_data_ptr<T>(), strides_of(p.grad_out), p.q.const_data_ptr<T>(),
+               strides_of(p.q), p.k.const_data_ptr<T>(), strides_of(p.k), p.v.const_data_ptr<T>(),
+               strides_of(p.v), p.lse.const_data_ptr<float>(), delta.const_data_ptr<float>(),
+               p.grad_k.mutable_data_ptr<T>(), p.grad_v.mutable_data_ptr<T>(), rows_of(p), p.key_rows,
+               p.seqs, static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras_of(p),
+               q_chunks, kv_chunks);
+      }
+    });
+  });
+}
+
+}  // namespace fusedllm::cuda

@@ -39,10 +39,9 @@ def device(request):
     # ones: they run the grid of tests/test_attention_tensor_core.py, and every
     # other emulated attention test runs the SIMT kernels (on a GPU, both run
     # as dispatch chooses).
-    kernel_choice = None if request.module.__name__.endswith("test_attention_tensor_core") else "simt"
+    tensor_core_grid = request.module.__name__.endswith("test_attention_tensor_core")
     saved = os.environ.get("FUSEDLLM_CUDA_ATTENTION")
-    if kernel_choice is not None:
-        os.environ["FUSEDLLM_CUDA_ATTENTION"] = kernel_choice
+    os.environ["FUSEDLLM_CUDA_ATTENTION"] = "auto" if tensor_core_grid else "simt"
     try:
         with fusedllm.simt.kernels(schedule=SIMT_SCHEDULES[request.param]) as mode:
             yield "cpu"

@@ -54,8 +54,7 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
     tc::stage_key_rows<T, kD, kKeys>(k_s + buffer * kKeys * kStride, v_s + buffer * kKeys * kStride, k_b,
                                      ks.s, v_b, vs.s, key_lo + tile * kKeys, key_hi, d, kv_chunks);
   };
-  if (n_tiles > 0) stage_kv(0);
-  mma::cp_async_commit();
+  tc::pipeline_start(n_tiles, stage_kv);
 
   // This lane's two rows (half 0: row `group` of the warp's 16, half 1: group + 8).
   int64_t head[2], pos[2], lo[2], hi[2];
@@ -75,14 +74,7 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
   mma::FragC o[kN];
   float m[2] = {-kInf, -kInf}, l[2] = {0.f, 0.f};  // running max (log2 units), this lane's sum
   for (int64_t tile = 0; tile < n_tiles; ++tile) {
-    if (tile + 1 < n_tiles) {
-      stage_kv(tile + 1);  // its buffer was last read before the previous tile's closing barrier
-      mma::cp_async_commit();
-      mma::cp_async_wait<1>();
-    } else {
-      mma::cp_async_wait<0>();
-    }
-    __syncthreads();
+    tc::pipeline_next(tile, n_tiles, stage_kv);
     const int buffer = static_cast<int>(tile % 2);
     const int64_t j0 = key_lo + tile * kKeys;
 

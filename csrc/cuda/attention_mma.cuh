@@ -170,6 +170,29 @@ __device__ __forceinline__ void stage_group_rows(T* dst, const T* x_b, Strides s
   }, d, chunks);
 }
 
+// The double-buffered tile pipeline: `stage(t)` issues tile t's cp.async copies
+// into buffer t % 2. pipeline_start stages tile 0; pipeline_next, at the top of
+// iteration `tile`, stages tile + 1 (its buffer was last read before the
+// previous iteration's closing barrier) and waits until tile's copies have
+// landed for the whole block.
+template <typename Stage>
+__device__ __forceinline__ void pipeline_start(int64_t n_tiles, Stage&& stage) {
+  if (n_tiles > 0) stage(int64_t{0});
+  mma::cp_async_commit();
+}
+
+template <typename Stage>
+__device__ __forceinline__ void pipeline_next(int64_t tile, int64_t n_tiles, Stage&& stage) {
+  if (tile + 1 < n_tiles) {
+    stage(tile + 1);
+    mma::cp_async_commit();
+    mma::cp_async_wait<1>();
+  } else {
+    mma::cp_async_wait<0>();
+  }
+  __syncthreads();
+}
+
 // c[16, kN] += a[16, kK] b[kN, kK]^T: a's 16 rows and b's kN rows from shared
 // memory (row stride kStride), as in S = Q K^T.
 template <typename T, int kK, int kN, int kStride>

@@ -76,8 +76,7 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
     tc::stage_key_rows<T, kD, kKeys>(k_s + buffer * kKeys * kStride, v_s + buffer * kKeys * kStride, k_b,
                                      ks.s, v_b, vs.s, key_lo + tile * kKeys, key_hi, d, kv_chunks);
   };
-  if (n_tiles > 0) stage_kv(0);
-  mma::cp_async_commit();
+  tc::pipeline_start(n_tiles, stage_kv);
 
   // This lane's two rows (half 0: row `group` of the warp's 16, half 1: group + 8).
   int64_t head[2], pos[2], lo[2], hi[2];
@@ -98,14 +97,7 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
 
   mma::FragC dq[kN];
   for (int64_t tile = 0; tile < n_tiles; ++tile) {
-    if (tile + 1 < n_tiles) {
-      stage_kv(tile + 1);  // its buffer was last read before the previous tile's closing barrier
-      mma::cp_async_commit();
-      mma::cp_async_wait<1>();
-    } else {
-      mma::cp_async_wait<0>();
-    }
-    __syncthreads();
+    tc::pipeline_next(tile, n_tiles, stage_kv);
     const int buffer = static_cast<int>(tile % 2);
     const int64_t j0 = key_lo + tile * kKeys;
     const T* k_tile = k_s + buffer * kKeys * kStride;
@@ -211,8 +203,7 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
       delta_s[buffer * kTile + threadIdx.x] = de;
     }
   };
-  if (n_tiles > 0) stage_rows(0);
-  mma::cp_async_commit();
+  tc::pipeline_start(n_tiles, stage_rows);
 
   // This lane's two keys (half 0: key `group` of the warp's 16, half 1: group + 8).
   int64_t key[2];
@@ -222,14 +213,7 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
 
   mma::FragC dk[kN], dv[kN];
   for (int64_t tile = 0; tile < n_tiles; ++tile) {
-    if (tile + 1 < n_tiles) {
-      stage_rows(tile + 1);  // its buffer was last read before the previous tile's closing barrier
-      mma::cp_async_commit();
-      mma::cp_async_wait<1>();
-    } else {
-      mma::cp_async_wait<0>();
-    }
-    __syncthreads();
+    tc::pipeline_next(tile, n_tiles, stage_rows);
     const int buffer = static_cast<int>(tile % 2);
     const int64_t r0 = rows_begin + tile * kTile;
     const T* q_tile = q_s + buffer * kTile * kStride;

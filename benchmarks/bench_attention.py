@@ -10,7 +10,10 @@ fusedllm held to its SIMT kernels.
 GFLOP/s counts the useful matrix products only: a causal forward is
 4*B*Hq*S*S*D / 2 FLOPs (QK^T and PV over the visible half), forward+backward
 three times that (the backward's four products; recomputation not counted), the
-same figure for every candidate. Peak memory is what torch allocates during
+same figure for every candidate. "matmul GFLOP/s" is torch.matmul's rate on
+[S, Hq*D] @ [Hq*D, Hq*D] in the same dtype, timed interleaved with the
+candidates: the machine's matrix-multiply rate that attention's products are
+measured against ("fusedllm % of matmul"). Peak memory is what torch allocates during
 one call beyond the inputs (see testkit.memory.peak_memory_bytes).
 """
 
@@ -153,6 +156,18 @@ def bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cor
             fn(*leaves).backward(grad_out)
         return run
 
+    # The machine's matrix-multiply rate in the same dtype, timed in the same
+    # interleaved run: x [S, Hq*D] @ W [Hq*D, Hq*D], the output projection
+    # that follows this attention in a model.
+    width = q_heads * head_dim
+    mm_x = torch.randn(seq, width, dtype=dtype, device=device)
+    mm_w = torch.randn(width, width, dtype=dtype, device=device)
+    matmul_flops = 2 * seq * width * width
+
+    def matmul_roof():
+        with torch.no_grad():
+            torch.matmul(mm_x, mm_w)
+
     rows = []
     flops_fwd = 4 * batch * q_heads * seq * seq * head_dim / 2
     for mode, wrap, flops in (("fwd", forward, flops_fwd), ("fwd+bwd", forward_backward, 3 * flops_fwd)):
@@ -165,8 +180,9 @@ def bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cor
                    and predicted.get(n, 0.0) > max_call_s]
         slow = [n for n in names if n not in skipped and predicted.get(n, 0.0) > max_call_s / 10]
         calls = {n: wrap(cores[n]) for n in names if n not in skipped}
-        times = interleaved_medians({n: f for n, f in calls.items() if n not in slow}, device, reps,
-                                    warmup=1)
+        times = interleaved_medians({**{n: f for n, f in calls.items() if n not in slow},
+                                     "matmul": matmul_roof}, device, reps, warmup=1)
+        matmul_s = times.pop("matmul")
         for n in slow:
             times[n] = interleaved_medians({n: calls[n]}, device, 1, warmup=1)[n]
         for n, t in times.items():
@@ -196,7 +212,8 @@ def bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cor
             row[f"{n}_mb"] = peaks[n] / 2**20
             if n != "fusedllm":
                 row[f"vs_{n}"] = times[n] / fused_t
-        row.update(roofline_row(flops, times, key="fused", unit="gflops"))
+        row.update(roofline_row(flops, {**times, "matmul": matmul_s}, {"matmul": matmul_flops},
+                                key="fused", unit="gflops"))
         row.update(roofline_row(flops, times, subject="sdpa", key="sdpa", unit="gflops"))
         rows.append(row)
     return rows
@@ -216,6 +233,8 @@ COLUMNS = [
     *((f"vs_{name}", f"× SDPA {name[5:]}", ".2f") for name in SDPA_BACKENDS),
     ("vs_fusedllm_simt", "× fusedllm SIMT kernel", ".2f"),
     ("fused_gflops", "fusedllm GFLOP/s", ".0f"),
+    ("matmul_gflops", "matmul GFLOP/s", ".0f"),
+    ("pct_matmul", "fusedllm % of matmul", ".0f"),
     ("sdpa_gflops", "SDPA GFLOP/s", ".0f"),
     ("fusedllm_mb", "fusedllm peak MB", ".0f"),
     ("sdpa_mb", "SDPA peak MB", ".0f"),
@@ -247,7 +266,8 @@ def cases(args, device):
 def describe(row):
     ratios = "   ".join(f"x{value:.2f} {key[3:]}" for key, value in row.items() if key.startswith("vs_"))
     return (f"{row['case']:<26} fusedllm {row['fusedllm_ms']:9.1f} ms "
-            f"({row['fused_gflops']:.0f} GFLOP/s, {row['fusedllm_mb']:.0f} MB)   {ratios}"
+            f"({row['fused_gflops']:.0f} GFLOP/s = {row['pct_matmul']:.0f}% of matmul's "
+            f"{row['matmul_gflops']:.0f}, {row['fusedllm_mb']:.0f} MB)   {ratios}"
             + (f"   skipped {row['skipped']}" if row["skipped"] else "")
             + f"   max|diff| vs SDPA {row['max_abs_diff_vs_sdpa']:.1e}")
 

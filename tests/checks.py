@@ -46,11 +46,16 @@ _ISA_FLAGS = {
     "DEFAULT": set(),
     "AVX2": {"avx2", "fma", "bmi2"},
     "AVX512": {"avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
+    "AVX512_BF16": {"avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
 }
+
+# ATEN_CPU_CAPABILITY for each variant: torch has no AVX512-BF16 level, so that
+# variant runs under torch's AVX512 with FUSEDLLM_CPU_ISA naming it.
+ATEN_CAPABILITY = {"DEFAULT": "default", "AVX2": "avx2", "AVX512": "avx512", "AVX512_BF16": "avx512"}
 
 
 def compiled_cpu_isas():
-    """The CPU variants the extension was built with (DEFAULT, AVX2, AVX512)."""
+    """The CPU variants the extension was built with (DEFAULT, AVX2, AVX512, AVX512_BF16)."""
     import fusedllm
 
     return list(fusedllm.build_info().get("cpu_isas", []))
@@ -74,7 +79,8 @@ def run_python(*parts, timeout=300, **env_overrides):
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     code = "\n".join(textwrap.dedent(part) for part in parts)
     env = dict(os.environ)
-    for name in ("FUSEDLLM_REQUIRE_EXTENSION", "FUSEDLLM_DISABLE_EXTENSION", "ATEN_CPU_CAPABILITY"):
+    for name in ("FUSEDLLM_REQUIRE_EXTENSION", "FUSEDLLM_DISABLE_EXTENSION", "ATEN_CPU_CAPABILITY",
+                 "FUSEDLLM_CPU_ISA"):
         env.pop(name, None)
     env.update(env_overrides)
     env["PYTHONPATH"] = tests_dir + os.pathsep + env.get("PYTHONPATH", "")

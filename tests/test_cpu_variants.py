@@ -1,8 +1,10 @@
 """Each op's correctness tests under each compiled CPU variant (DEFAULT, AVX2,
-AVX512) this machine can execute.
+AVX512, AVX512_BF16) this machine can execute, and the instructions the
+variants were built to use.
 
 A case runs a selection of the op's own tests in a fresh interpreter with
-ATEN_CPU_CAPABILITY set (fusedllm follows torch's choice), then asks that same
+ATEN_CPU_CAPABILITY and FUSEDLLM_CPU_ISA set (fusedllm follows torch's choice,
+capped by its own variable), then asks that same
 interpreter which variant every CPU kernel of the op ran, so a case cannot pass
 on another variant than the one it names.
 """
@@ -11,7 +13,12 @@ import json
 
 import pytest
 
-from checks import compiled_cpu_isas, run_python, runnable_cpu_isas
+import os
+import re
+import shutil
+import subprocess
+
+from checks import ATEN_CAPABILITY, compiled_cpu_isas, run_python, runnable_cpu_isas
 
 # op: (its test file, -k selection of its core correctness tests, its CPU kernel tables)
 OPS = {
@@ -55,12 +62,13 @@ RUN_TESTS = """
 
 
 def run_op_tests(op: str, isa: str):
-    """Runs `op`'s selected tests with ATEN_CPU_CAPABILITY=isa; returns the
+    """Runs `op`'s selected tests on the variant `isa`; returns the
     process result and the variant each CPU kernel ran there."""
     test_file, selection, _ = OPS[op]
     args = ["-q", "-p", "no:cacheprovider", "-m", MARKS, "-k", selection, f"tests/{test_file}"]
     res = run_python(f"import sys; sys.argv[1:] = {args!r}", RUN_TESTS,
-                     ATEN_CPU_CAPABILITY=isa.lower(), FUSEDLLM_REQUIRE_EXTENSION="1")
+                     ATEN_CPU_CAPABILITY=ATEN_CAPABILITY[isa], FUSEDLLM_CPU_ISA=isa.lower(),
+                     FUSEDLLM_REQUIRE_EXTENSION="1")
     line = next((x for x in res.stdout.splitlines() if x.startswith("KERNELS_RAN ")), None)
     ran = json.loads(line.split(" ", 1)[1]) if line else None
     return res, ran
@@ -78,3 +86,68 @@ def test_op_under_every_cpu_variant(op, isa):
     assert ran is not None, output
     for table in OPS[op][2]:
         assert ran.get(table) == isa, f"kernel {table} ran {ran.get(table)}, not {isa}: {ran}"
+
+
+def _disassembly(symbol_pattern):
+    """{demangled function name: its instructions} for the extension's
+    functions whose name matches symbol_pattern."""
+    import fusedllm._C as ext
+
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump is not installed")
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", ext.__file__],
+                         capture_output=True, text=True, check=True).stdout
+    functions, name = {}, None
+    for line in out.splitlines():
+        head = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if head:
+            name = head.group(1) if re.search(symbol_pattern, head.group(1)) else None
+            if name:
+                functions[name] = []
+        elif name and "\t" in line:
+            functions[name].append(line.split("\t", 1)[1].strip())
+    return functions
+
+
+@pytest.mark.skipif("AVX512_BF16" not in compiled_cpu_isas(), reason="no AVX512-BF16 variant built")
+@pytest.mark.parametrize("kernel, instruction", [
+    ("flash::(anonymous namespace)::ForwardKernel<c10::BFloat16>", "vdpbf16ps"),
+    ("flash::(anonymous namespace)::BackwardKernel<c10::BFloat16>", "vdpbf16ps"),
+    ("rms_norm", "vcvtne2ps2bf16"),
+    ("swiglu", "vcvtne2ps2bf16"),
+])
+def test_bf16_variant_uses_the_bf16_instructions(kernel, instruction):
+    """The AVX512_BF16 variant's bfloat16 attention runs its products on
+    vdpbf16ps and the other ops narrow float32 to bfloat16 with
+    vcvtne2ps2bf16; the AVX512 variant's code uses neither."""
+    def uses(isa):
+        funcs = _disassembly(rf"fusedllm::cpu::{isa}::.*{re.escape(kernel)}")
+        assert funcs, f"no {isa} function matches {kernel}"
+        return any(ins.startswith(instruction) for body in funcs.values() for ins in body)
+
+    assert uses("AVX512_BF16")
+    assert not uses("AVX512")
+
+
+@pytest.mark.skipif(not any(i in compiled_cpu_isas() for i in ("AVX2", "AVX512")),
+                    reason="no AVX2 or AVX-512 variant built")
+def test_float16_variants_convert_with_f16c():
+    """float16 rows convert with vcvtph2ps / vcvtps2ph (F16C, AVX-512F)
+    wherever the variant has them."""
+    for isa in [i for i in compiled_cpu_isas() if i != "DEFAULT"]:
+        funcs = _disassembly(rf"fusedllm::cpu::{isa}::.*rms_norm")
+        body = [ins for b in funcs.values() for ins in b]
+        assert any(ins.startswith("vcvtph2ps") for ins in body), isa
+        assert any(ins.startswith("vcvtps2ph") for ins in body), isa
+
+
+def test_unknown_cpu_isa_is_refused():
+    res = run_python("""
+        try:
+            import torch, fusedllm
+            fusedllm.rms_norm(torch.randn(4, 8), torch.ones(8))
+        except Exception as e:
+            print("ERROR", e)
+    """, FUSEDLLM_CPU_ISA="avx1024", FUSEDLLM_REQUIRE_EXTENSION="1")
+    assert "FUSEDLLM_CPU_ISA=avx1024 is not one of default, avx2, avx512, avx512_bf16" in res.stdout, \
+        res.stdout + res.stderr

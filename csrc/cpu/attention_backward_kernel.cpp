@@ -172,6 +172,21 @@ struct BackwardKernel {
     const int64_t d = t.d, d_pad = t.d_pad;
     const int64_t group = t.group;
     const bool capped = a.mods.softcap > 0;
+#if defined(__AVX512BF16__)
+    // bfloat16 on vdpbf16ps: every product's operands as pair words (see
+    // attention_gemm.h), in the float32 buffers of the other path.
+    constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
+    const int64_t dp = (d + 1) / 2;
+    uint32_t* const qp = reinterpret_cast<uint32_t*>(w.qt);
+    uint32_t* const dop = reinterpret_cast<uint32_t*>(w.dot);
+    uint32_t* const q_across = reinterpret_cast<uint32_t*>(w.qs);
+    uint32_t* const do_across = reinterpret_cast<uint32_t*>(w.dor);
+    uint32_t* const k_pairs = reinterpret_cast<uint32_t*>(w.kbuf);
+    uint32_t* const k_across = k_pairs + t.block_k * d_pad / 2;
+    uint32_t* const v_pairs = reinterpret_cast<uint32_t*>(w.vbuf);
+#else
+    constexpr bool kPairs = false;
+#endif
 
     for (int64_t qt = 0; qt * t.block_q < sq; ++qt) {
       const int64_t p0 = qt * t.block_q;
@@ -187,9 +202,29 @@ struct BackwardKernel {
 
       std::fill(w.dq, w.dq + rows * d_pad, acc_t(0));
       if (any) {
-        gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, scale, w.qs, w.qt);
-        gather_both(go, a.grad_out.head_stride, a.grad_out.seq_stride, t, g, p0, rows, ld, acc_t(1),
-                    w.dor, w.dot);
+        if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+          // Q and dO as pair words twice: along head_dim, transposed (the
+          // right operands of S^T and dP^T), and across rows (of dK and dV).
+          const auto q_row = [&](int64_t i) {
+            return q + t.head_of(g, i) * a.q.head_stride + t.pos_of(p0, i) * a.q.seq_stride;
+          };
+          const auto go_row = [&](int64_t i) {
+            return go + t.head_of(g, i) * a.grad_out.head_stride + t.pos_of(p0, i) * a.grad_out.seq_stride;
+          };
+          pack_rows_transposed(q_row, rows, ld, d, qp);
+          pack_rows_transposed(go_row, rows, ld, d, dop);
+          pack_rows_across(q_row, rows, d, q_across, d_pad);
+          pack_rows_across(go_row, rows, d, do_across, d_pad);
+          const int64_t packed = (rows + 1) / 2 * d_pad;
+          std::fill(q_across + packed, q_across + ld / 2 * d_pad, 0u);
+          std::fill(do_across + packed, do_across + ld / 2 * d_pad, 0u);
+#endif
+        } else {
+          gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, scale, w.qs, w.qt);
+          gather_both(go, a.grad_out.head_stride, a.grad_out.seq_stride, t, g, p0, rows, ld, acc_t(1),
+                      w.dor, w.dot);
+        }
         for (int64_t i = 0; i < ld; ++i) {
           if (i < rows) {
             const int64_t row = t.row_of(b, g, p0, i);
@@ -205,12 +240,23 @@ struct BackwardKernel {
       for (int64_t i = i0; i < tiles.count; i += chunks) {
         const int64_t j0 = tiles.start(i);
         const int64_t nk = tiles.stop(i) - j0;
-        int64_t k_ld, v_ld;
-        const acc_t* kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, w.kbuf, k_ld);
-        const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
+        int64_t k_ld = 0, v_ld = 0;
+        const acc_t* kp = nullptr;
         // S^T = K (Q * scale)^T and dP^T = V dO^T: keys x rows.
-        gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
-        gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, vp, v_ld, w.dot, ld, w.dp, ld);
+        if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+          pack_rows_along(k + j0 * kss, kss, nk, d, k_pairs, dp);
+          pack_rows_along(v + j0 * vss, vss, nk, d, v_pairs, dp);
+          pack_rows_across([&](int64_t j) { return k + (j0 + j) * kss; }, nk, d, k_across, d_pad);
+          gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, k_pairs, dp, qp, ld, w.s, ld, nullptr, scale);
+          gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, v_pairs, dp, dop, ld, w.dp, ld);
+#endif
+        } else {
+          kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, w.kbuf, k_ld);
+          const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
+          gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
+          gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, vp, v_ld, w.dot, ld, w.dp, ld);
+        }
         const TileRows tile{b, g, group, p0, npos, j0, nk};
         if (a.mods.any_score_mod()) {
           apply_score_mods<acc_t>(w.s, ld, tile, a.mods, mask.offset, capped ? w.cap_slope : nullptr,
@@ -242,10 +288,27 @@ struct BackwardKernel {
         // is the inner dimension of these products.
         acc_t* dv_rows = dv + j0 * d_pad;
         acc_t* dk_rows = dk + j0 * d_pad;
-        gemm<acc_t, ALayout::kRowMajor, true>(nk, d_pad, rows, w.s, ld, w.dor, d_pad, dv_rows, d_pad);
-        gemm<acc_t, ALayout::kRowMajor, true>(nk, d_pad, rows, w.dp, ld, w.qs, d_pad, dk_rows, d_pad);
-        // dQ (unscaled) += dS K, dS read column-major out of the transposed tile.
-        gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.dp, ld, kp, k_ld, w.dq, d_pad);
+        if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+          // dS as column pairs (dQ's left operand) into z, then P and dS as
+          // row pairs in place; the rows' pairs run to ceil(rows / 2), the
+          // right operands' rows past `rows` being zero.
+          const uint32_t* ds_cols = pack_tile_pairs(w.dp, ld, nk, reinterpret_cast<uint32_t*>(w.z));
+          const uint32_t* p_rows = pack_tile_rows_in_place(w.s, ld, nk);
+          const uint32_t* ds_rows = pack_tile_rows_in_place(w.dp, ld, nk);
+          const int64_t rp = (rows + 1) / 2;
+          gemm_pairs<ALayout::kRowMajor, true>(nk, d_pad, rp, p_rows, ld / 2, do_across, d_pad, dv_rows, d_pad);
+          gemm_pairs<ALayout::kRowMajor, true>(nk, d_pad, rp, ds_rows, ld / 2, q_across, d_pad, dk_rows, d_pad,
+                                               nullptr, scale);
+          gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, ds_cols, ld, k_across, d_pad, w.dq,
+                                               d_pad);
+#endif
+        } else {
+          gemm<acc_t, ALayout::kRowMajor, true>(nk, d_pad, rows, w.s, ld, w.dor, d_pad, dv_rows, d_pad);
+          gemm<acc_t, ALayout::kRowMajor, true>(nk, d_pad, rows, w.dp, ld, w.qs, d_pad, dk_rows, d_pad);
+          // dQ (unscaled) += dS K, dS read column-major out of the transposed tile.
+          gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.dp, ld, kp, k_ld, w.dq, d_pad);
+        }
       }
 
       for (int64_t i = 0; i < rows; ++i) {

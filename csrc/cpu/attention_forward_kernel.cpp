@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "attention_gemm.h"
@@ -142,9 +143,29 @@ struct ForwardKernel {
     const int64_t rows = npos * group;
     const int64_t ld = round_up(rows, Vectorized<acc_t>::size());
 
-    // (Q * scale)^T, staged row-major in the output buffer first.
-    gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, static_cast<acc_t>(a.scale),
-                w.o, w.qt);
+    const acc_t scale = static_cast<acc_t>(a.scale);
+#if defined(__AVX512BF16__)
+    // bfloat16 on vdpbf16ps: Q^T as pair words (the scale applied to the
+    // products), K as pair words along its rows, P and V packed per tile.
+    constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
+    const int64_t dp = (d + 1) / 2;
+    uint32_t* const qp = reinterpret_cast<uint32_t*>(w.qt);
+    uint32_t* const kp32 = reinterpret_cast<uint32_t*>(w.kbuf);
+    uint32_t* const vp32 = reinterpret_cast<uint32_t*>(w.vbuf);
+    const auto q_row = [&](int64_t i) {
+      return q + t.head_of(g, i) * a.q.head_stride + t.pos_of(p0, i) * a.q.seq_stride;
+    };
+#else
+    constexpr bool kPairs = false;
+#endif
+    if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+      pack_rows_transposed(q_row, rows, ld, d, qp);
+#endif
+    } else {
+      // (Q * scale)^T, staged row-major in the output buffer first.
+      gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, scale, w.o, w.qt);
+    }
     std::fill(w.o, w.o + ld * d_pad, acc_t(0));
     std::fill(w.row_max, w.row_max + ld, kNegInf<acc_t>);
     std::fill(w.row_sum, w.row_sum + ld, acc_t(0));
@@ -154,9 +175,16 @@ struct ForwardKernel {
       const int64_t j0 = tiles.start(i);
       const int64_t nk = tiles.stop(i) - j0;
       int64_t k_ld, v_ld;
-      const acc_t* kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, w.kbuf, k_ld);
       // S^T = K (Q * scale)^T: keys x rows.
-      gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
+      if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+        pack_rows_along(k + j0 * kss, kss, nk, d, kp32, dp);
+        gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp32, dp, qp, ld, w.s, ld, nullptr, scale);
+#endif
+      } else {
+        const acc_t* kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, w.kbuf, k_ld);
+        gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
+      }
       const TileRows tile{b, g, group, p0, npos, j0, nk};
       if (a.mods.any_score_mod()) {
         apply_score_mods<acc_t>(w.s, ld, tile, a.mods, mask.offset, nullptr, w.cols);
@@ -175,10 +203,19 @@ struct ForwardKernel {
           p = keep ? p * kept : acc_t(0);
         });
       }
-      const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
       // O = diag(alpha) O + P V, P read column-major out of the transposed tile.
-      gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.s, ld, vp, v_ld, w.o, d_pad,
-                                            w.alpha);
+      if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+        const uint32_t* pp = pack_tile_pairs(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s));
+        pack_rows_across([&](int64_t j) { return v + (j0 + j) * vss; }, nk, d, vp32, d_pad);
+        gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, pp, ld, vp32, d_pad, w.o, d_pad,
+                                             w.alpha);
+#endif
+      } else {
+        const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
+        gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.s, ld, vp, v_ld, w.o, d_pad,
+                                              w.alpha);
+      }
     }
 
     for (int64_t i = 0; i < rows; ++i) {

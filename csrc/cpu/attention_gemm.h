@@ -5,6 +5,14 @@
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -169,6 +177,205 @@ void gemm(int64_t M, int64_t N, int64_t K, const acc_t* a, int64_t lda, const ac
     gemm_panel<acc_t, 1, kA, kLoadC>(M, K, a, lda, b + j, ldb, c + j, ldc, row_scale);
   }
 }
+
+#if defined(__AVX512BF16__)
+// ---------------------------------------------------------------------------
+// bfloat16 products on vdpbf16ps (AVX512-BF16): C (+)= A B with float32
+// accumulators, two bfloat16 terms of the inner dimension per instruction.
+//
+// Operands are pair-packed: a uint32 word holds terms k = 2p (low half) and
+// 2p + 1 (high half) of one row or column, zero where k runs past K. A's word
+// (i, p) is a[i * lda + p] (kRowMajor) or a[p * lda + i] (kColMajor); B's
+// word (p, n) is b[p * ldb + n], N a multiple of 16. The instruction adds both
+// products of a pair into one float32 lane, so each lane sums its K terms in
+// float32 as the float32 kernel does.
+// ---------------------------------------------------------------------------
+
+constexpr int kMRPairs = 6;  // rows per micro-kernel
+constexpr int kNVPairs = 4;  // vectors of 16 columns per micro-kernel (24 accumulators)
+
+// C[MR x NV*16] = out_scale * A B + (kLoadC ? diag(row_scale) C : 0), row_scale
+// null meaning ones.
+template <int MR, int NV, ALayout kA, bool kLoadC>
+inline void micro_kernel_pairs(int64_t KP, const uint32_t* __restrict a, int64_t lda,
+                               const uint32_t* __restrict b, int64_t ldb, float* __restrict c,
+                               int64_t ldc, const float* __restrict row_scale, float out_scale) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  }
+#pragma GCC unroll 2
+  for (int64_t p = 0; p < KP; ++p) {
+    __m512i bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_si512(b + p * ldb + v * 16);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512i ai = _mm512_set1_epi32(
+          static_cast<int>(kA == ALayout::kRowMajor ? a[i * lda + p] : a[p * lda + i]));
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)ai, (__m512bh)bv[v]);
+    }
+  }
+  const __m512 os = _mm512_set1_ps(out_scale);
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    const __m512 rs = _mm512_set1_ps(row_scale != nullptr ? row_scale[i] : 1.0f);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      float* ci = c + i * ldc + v * 16;
+      __m512 r = _mm512_mul_ps(acc[i][v], os);
+      if constexpr (kLoadC) r = _mm512_fmadd_ps(_mm512_loadu_ps(ci), rs, r);
+      _mm512_storeu_ps(ci, r);
+    }
+  }
+}
+
+template <int NV, ALayout kA, bool kLoadC>
+inline void gemm_pairs_panel(int64_t M, int64_t KP, const uint32_t* a, int64_t lda, const uint32_t* b,
+                             int64_t ldb, float* c, int64_t ldc, const float* row_scale,
+                             float out_scale) {
+  const auto a_rows = [lda](const uint32_t* base, int64_t i) {
+    return kA == ALayout::kRowMajor ? base + i * lda : base + i;
+  };
+  int64_t i = 0;
+  for (; i + kMRPairs <= M; i += kMRPairs) {
+    micro_kernel_pairs<kMRPairs, NV, kA, kLoadC>(KP, a_rows(a, i), lda, b, ldb, c + i * ldc, ldc,
+                                                 row_scale ? row_scale + i : nullptr, out_scale);
+  }
+  const uint32_t* ai = a_rows(a, i);
+  float* ci = c + i * ldc;
+  const float* si = row_scale ? row_scale + i : nullptr;
+  switch (M - i) {
+    case 1: micro_kernel_pairs<1, NV, kA, kLoadC>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale); break;
+    case 2: micro_kernel_pairs<2, NV, kA, kLoadC>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale); break;
+    case 3: micro_kernel_pairs<3, NV, kA, kLoadC>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale); break;
+    case 4: micro_kernel_pairs<4, NV, kA, kLoadC>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale); break;
+    case 5: micro_kernel_pairs<5, NV, kA, kLoadC>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale); break;
+    default: break;
+  }
+}
+
+// C[M x N] = out_scale * A B + (kLoadC ? diag(row_scale) C : 0) over KP pairs of
+// the inner dimension; N a multiple of 16.
+template <ALayout kA, bool kLoadC>
+void gemm_pairs(int64_t M, int64_t N, int64_t KP, const uint32_t* a, int64_t lda, const uint32_t* b,
+                int64_t ldb, float* c, int64_t ldc, const float* row_scale = nullptr,
+                float out_scale = 1.0f) {
+  int64_t j = 0;
+  for (; j + kNVPairs * 16 <= N; j += kNVPairs * 16) {
+    gemm_pairs_panel<kNVPairs, kA, kLoadC>(M, KP, a, lda, b + j, ldb, c + j, ldc, row_scale, out_scale);
+  }
+  for (; j + 32 <= N; j += 32) {
+    gemm_pairs_panel<2, kA, kLoadC>(M, KP, a, lda, b + j, ldb, c + j, ldc, row_scale, out_scale);
+  }
+  for (; j < N; j += 16) {
+    gemm_pairs_panel<1, kA, kLoadC>(M, KP, a, lda, b + j, ldb, c + j, ldc, row_scale, out_scale);
+  }
+}
+
+// Packing. A pair word: bfloat16 bits of term 2p in the low half, 2p + 1 in
+// the high half.
+inline uint32_t pair_word(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
+
+// Rows of bfloat16 as pair words along the row, transposed: dst[p * ld + i]
+// for p < ceil(n / 2) and i < rows, zero for i in [rows, ld). row(i) gives
+// row i's first element.
+template <typename Row>
+inline void pack_rows_transposed(const Row& row, int64_t rows, int64_t ld, int64_t n, uint32_t* dst) {
+  const int64_t np = (n + 1) / 2;
+  for (int64_t p = 0; p < np; ++p) std::fill(dst + p * ld + rows, dst + (p + 1) * ld, 0u);
+  for (int64_t i = 0; i < rows; ++i) {
+    const c10::BFloat16* r = row(i);
+    for (int64_t p = 0; p < n / 2; ++p) {
+      uint32_t w;
+      std::memcpy(&w, r + 2 * p, sizeof(w));
+      dst[p * ld + i] = w;
+    }
+    if (n % 2 != 0) dst[(np - 1) * ld + i] = pair_word(r[n - 1].x, 0);
+  }
+}
+
+// Rows of bfloat16 as pair words along the row: dst[i * ldp + p] for
+// p < ceil(n / 2), a zero high half past n (odd n).
+inline void pack_rows_along(const c10::BFloat16* src, int64_t stride, int64_t rows, int64_t n,
+                            uint32_t* dst, int64_t ldp) {
+  const int64_t full = n / 2;
+  for (int64_t i = 0; i < rows; ++i) {
+    const c10::BFloat16* r = src + i * stride;
+    uint32_t* out = dst + i * ldp;
+    std::memcpy(out, r, sizeof(uint32_t) * full);
+    if (n % 2 != 0) out[full] = pair_word(r[n - 1].x, 0);
+  }
+}
+
+// Rows r, r + 1 of bfloat16 interleaved: dst[p * ldp + c] = (row 2p, row 2p + 1)
+// of column c, for p < ceil(rows / 2) and c < n (zero for c in [n, ldp) and for
+// the missing row of an odd count). row(i) gives row i's first element.
+template <typename Row>
+inline void pack_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
+  for (int64_t p = 0; p * 2 < rows; ++p) {
+    const c10::BFloat16* r0 = row(2 * p);
+    const c10::BFloat16* r1 = 2 * p + 1 < rows ? row(2 * p + 1) : nullptr;
+    uint32_t* out = dst + p * ldp;
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + c)));
+      const __m512i hi = r1 != nullptr
+          ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + c)))
+          : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+    for (; c < n; ++c) out[c] = pair_word(r0[c].x, r1 != nullptr ? r1[c].x : 0);
+    for (; c < ldp; ++c) out[c] = 0;
+  }
+}
+
+// A transposed float32 tile s[j * ld + col] (j < nk) rounded to bfloat16 and
+// packed as column pairs along j: word (p, col) at out[p * ld + col] for
+// p < ceil(nk / 2). out may be s itself: row p is written after rows 2p and
+// 2p + 1 are read, and no later pair reads it.
+inline uint32_t* pack_tile_pairs(const float* s, int64_t ld, int64_t nk, uint32_t* out) {
+  for (int64_t p = 0; p * 2 < nk; ++p) {
+    const float* r0 = s + 2 * p * ld;
+    const float* r1 = 2 * p + 1 < nk ? r0 + ld : nullptr;
+    for (int64_t c = 0; c < ld; c += 16) {
+      const __m512 x0 = _mm512_loadu_ps(r0 + c);
+      const __m512 x1 = r1 != nullptr ? _mm512_loadu_ps(r1 + c) : _mm512_setzero_ps();
+      // One conversion of both rows: x0's 16 values in the low half, x1's high.
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(both));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1));
+      _mm512_storeu_si512(out + p * ld + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+  return out;
+}
+
+// A float32 tile s[j * ld + col] (j < nk, ld even) rounded to bfloat16 and
+// packed in place as pair words along each row: word (j, p) at
+// reinterpret_cast<uint32_t*>(s)[j * ld / 2 + p]. Row j's bfloat16 bytes lie
+// in float32 rows <= j, already read.
+inline uint32_t* pack_tile_rows_in_place(float* s, int64_t ld, int64_t nk) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(s);
+  for (int64_t j = 0; j < nk; ++j) {
+    const float* r = s + j * ld;
+    for (int64_t c = 0; c < ld; c += 32) {
+      const __m512 x0 = _mm512_loadu_ps(r + c);
+      const __m512 x1 = c + 16 < ld ? _mm512_loadu_ps(r + c + 16) : _mm512_setzero_ps();
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+      if (c + 16 < ld) {
+        _mm512_storeu_si512(out + j * ld + c, both);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * ld + c), _mm512_castsi512_si256(both));
+      }
+    }
+  }
+  return reinterpret_cast<uint32_t*>(s);
+}
+#endif  // __AVX512BF16__
 
 }  // namespace flash
 }  // namespace CPU_CAPABILITY

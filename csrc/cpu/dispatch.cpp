@@ -2,6 +2,11 @@
 
 #include <ATen/Version.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <stdexcept>
+
 namespace fusedllm::cpu {
 
 Isa active_isa() {
@@ -15,12 +20,29 @@ Isa active_isa() {
     const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                         __builtin_cpu_supports("avx512dq");
-    if (avx512 && torch_choice == "AVX512") {
+    const bool avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+    if (avx512_bf16 && torch_choice == "AVX512") {
+      best = Isa::kAvx512Bf16;
+    } else if (avx512 && torch_choice == "AVX512") {
       best = Isa::kAvx512;
     } else if (avx2 && (torch_choice == "AVX2" || torch_choice == "AVX512")) {
       best = Isa::kAvx2;
     }
 #endif
+    if (const char* cap = std::getenv("FUSEDLLM_CPU_ISA"); cap != nullptr && *cap != '\0') {
+      const std::string want(cap);
+      int limit = -1;
+      for (int i = 0; i < kNumIsas; ++i) {
+        std::string name = isa_name(static_cast<Isa>(i));
+        for (char& ch : name) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+        if (name == want) limit = i;
+      }
+      if (limit < 0) {
+        throw std::invalid_argument("FUSEDLLM_CPU_ISA=" + want +
+                                    " is not one of default, avx2, avx512, avx512_bf16");
+      }
+      best = static_cast<Isa>(std::min(limit, static_cast<int>(best)));
+    }
     return best;
   }();
   return isa;
@@ -56,6 +78,7 @@ std::vector<std::pair<std::string, std::string>> kernels_ran() {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::kAvx512Bf16: return "AVX512_BF16";
     case Isa::kAvx512: return "AVX512";
     case Isa::kAvx2: return "AVX2";
     default: return "DEFAULT";

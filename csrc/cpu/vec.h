@@ -11,6 +11,10 @@
 #include <algorithm>
 #include <type_traits>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace fusedllm::cpu {
 inline namespace CPU_CAPABILITY {
 
@@ -46,12 +50,8 @@ struct VecIO<T, std::enable_if_t<std::is_same_v<T, c10::BFloat16> || std::is_sam
   static void load(const T* p, int64_t count, AV (&out)[kParts]) {
     split(TV::loadu(p, count), out);
   }
-  static void store(T* p, const AV (&v)[kParts]) {
-    at::vec::convert_from_float<T>(v[0], v[1]).store(p);
-  }
-  static void store(T* p, const AV (&v)[kParts], int64_t count) {
-    at::vec::convert_from_float<T>(v[0], v[1]).store(p, count);
-  }
+  static void store(T* p, const AV (&v)[kParts]) { narrow(v).store(p); }
+  static void store(T* p, const AV (&v)[kParts], int64_t count) { narrow(v).store(p, count); }
   // Round to T and back: what a value becomes once stored in a T tensor.
   static AV round(AV v) {
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -70,6 +70,19 @@ struct VecIO<T, std::enable_if_t<std::is_same_v<T, c10::BFloat16> || std::is_sam
   }
 
  private:
+  // float32 -> T, rounding to nearest even. With AVX512-BF16, bfloat16 takes
+  // one vcvtne2ps2bf16 (ATen's conversion is integer arithmetic); float16
+  // takes ATen's vcvtps2ph (F16C / AVX-512F) in every variant but DEFAULT.
+  static TV narrow(const AV (&v)[kParts]) {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      // Flushes float32 subnormals (below 1.2e-38) to zero, as the instruction does.
+      return TV((__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+    }
+#endif
+    return at::vec::convert_from_float<T>(v[0], v[1]);
+  }
+
   static void split(const TV& v, AV (&out)[kParts]) {
     auto [a, b] = at::vec::convert_to_float<T>(v);
     out[0] = a;

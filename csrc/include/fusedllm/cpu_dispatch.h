@@ -9,11 +9,14 @@
 
 namespace fusedllm::cpu {
 
-enum class Isa : int { kDefault = 0, kAvx2 = 1, kAvx512 = 2 };
-constexpr int kNumIsas = 3;
+// kAvx512Bf16 is the AVX-512 variant built with AVX512-BF16 as well: native
+// float32 -> bfloat16 conversions and bfloat16 dot products (vdpbf16ps).
+enum class Isa : int { kDefault = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+constexpr int kNumIsas = 4;
 
 // The best variant this CPU runs, capped by torch's own choice (so
-// ATEN_CPU_CAPABILITY=default or =avx2 also limits fusedllm).
+// ATEN_CPU_CAPABILITY=default or =avx2 also limits fusedllm) and by
+// FUSEDLLM_CPU_ISA (default, avx2, avx512 or avx512_bf16) when it is set.
 Isa active_isa();
 const char* isa_name(Isa isa);
 
@@ -46,7 +49,9 @@ std::vector<std::pair<std::string, std::string>> kernels_ran();
 
 }  // namespace fusedllm::cpu
 
-#if defined(FUSEDLLM_ISA_AVX512)
+#if defined(FUSEDLLM_ISA_AVX512_BF16)
+#define FUSEDLLM_ISA_INDEX 3
+#elif defined(FUSEDLLM_ISA_AVX512)
 #define FUSEDLLM_ISA_INDEX 2
 #elif defined(FUSEDLLM_ISA_AVX2)
 #define FUSEDLLM_ISA_INDEX 1

@@ -5,7 +5,9 @@ torch.compile and fusedllm, for two model families of the same size.
     python benchmarks/bench_model.py --quick   # hidden 256, 2 layers, batch 2 x 128, fewer repetitions
     OMP_NUM_THREADS=1 python benchmarks/bench_model.py   # one thread: steadier on a shared machine
 
-(a) notebook 003's LLaMA ("From GPT-2 to LLaMA"), in float32:
+    python benchmarks/bench_model.py --dtype bfloat16   # the same models in bfloat16 (results/model_bfloat16.*)
+
+(a) notebook 003's LLaMA ("From GPT-2 to LLaMA"), in float32 (or --dtype):
     - "notebook eager": the plain-PyTorch classes of testkit/notebook_models.py
       (per-head attention loop, complex-number RoPE, unfused RMSNorm / SwiGLU);
     - "notebook compile": torch.compile of that model;
@@ -15,8 +17,9 @@ torch.compile and fusedllm, for two model families of the same size.
     - "fusedllm patch": fusedllm.patch() of a copy of the eager model (norms,
       MLP and attention swapped; the block's residual adds stay eager).
 (b) a Hugging Face LlamaForCausalLM of the same size: attention "eager",
-    "sdpa", torch.compile of the sdpa model, and fusedllm.patch() of the sdpa
-    model (RMSNorms, gated MLPs and the "fusedllm" attention backend).
+    "sdpa", torch.compile of the sdpa model, fusedllm.patch() of the sdpa
+    model (RMSNorms, gated MLPs and the "fusedllm" attention backend), and
+    torch.compile of that patched model.
 
 Training step: forward on a [batch, seq] batch of token ids, cross-entropy
 against the next tokens, backward, AdamW step, gradients set to None. All
@@ -41,6 +44,7 @@ eager model.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import os
 import sys
@@ -199,8 +203,10 @@ def hf_logits(model, ids):
     return model(ids, use_cache=False).logits
 
 
-def build_candidates(size, with_compile):
+def build_candidates(size, with_compile, dtype=torch.float32):
     eager, fused = notebook_models(size)
+    eager.to(dtype)
+    fused.to(dtype)
     patched = copy.deepcopy(eager)
     fusedllm.patch(patched)
     cached = CachedLLaMA(fused)
@@ -221,21 +227,28 @@ def build_candidates(size, with_compile):
     out.append(Candidate("notebook", "fusedllm patch", patched, notebook_logits,
                          lambda ids, new: generate_without_cache(patched, ids, new)))
 
-    hf = {attn: hf_model(size, attn) for attn in ("eager", "sdpa")}
+    hf = {attn: hf_model(size, attn).to(dtype) for attn in ("eager", "sdpa")}
     out.append(Candidate("HF Llama", "eager", hf["eager"], hf_logits,
                          lambda ids, new: generate_hf(hf["eager"], ids, new)))
     out.append(Candidate("HF Llama", "sdpa", hf["sdpa"], hf_logits,
                          lambda ids, new: generate_hf(hf["sdpa"], ids, new)))
     if with_compile:
-        own = hf_model(size, "sdpa")
+        own = hf_model(size, "sdpa").to(dtype)
         compiled = torch.compile(own)
         decode_compiled = torch.compile(own, dynamic=True)
         out.append(Candidate("HF Llama", "compile(sdpa)", compiled, hf_logits,
                              lambda ids, new, m=decode_compiled: generate_hf(m, ids, new), base=own))
-    patched_hf = hf_model(size, "sdpa")
+    patched_hf = hf_model(size, "sdpa").to(dtype)
     fusedllm.patch(patched_hf)
     out.append(Candidate("HF Llama", "fusedllm patch", patched_hf, hf_logits,
                          lambda ids, new: generate_hf(patched_hf, ids, new)))
+    if with_compile:
+        own = hf_model(size, "sdpa").to(dtype)
+        fusedllm.patch(own)
+        compiled = torch.compile(own)
+        decode_compiled = torch.compile(own, dynamic=True)
+        out.append(Candidate("HF Llama", "compile(fusedllm patch)", compiled, hf_logits,
+                             lambda ids, new, m=decode_compiled: generate_hf(m, ids, new), base=own))
     return out
 
 
@@ -364,17 +377,34 @@ def plot(rows, path, machine):
         ax.set_xticks(range(len(values)))
         ax.set_xticklabels([r["case"] for r in subset], rotation=40, ha="right", fontsize=7)
         ax.set_title(label, fontsize=9)
-    fig.suptitle(f"whole models, float32, {machine}", fontsize=10)
+    fig.suptitle(f"whole models, {rows[0]['dtype'] if rows else ''}, {machine}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def targets(rows):
-    """Whether fusedllm meets the product's targets on the training step."""
+    """Whether fusedllm meets the product's targets on the training step:
+    in float32 against the eager models, in bfloat16 also against
+    torch.compile of the eager model of the same family."""
     by = {r["case"]: r for r in rows}
     nb_eager, sdpa = by["notebook: eager"], by["HF Llama: sdpa"]
     lines = []
+    if rows and rows[0].get("dtype") == "bfloat16":
+        for case, ref, goal, ref_name in (("notebook: fusedllm compat", nb_eager, 1.3, "notebook eager"),
+                                          ("notebook: fusedllm patch", nb_eager, 1.3, "notebook eager"),
+                                          ("HF Llama: fusedllm patch", sdpa, 1.15, "HF sdpa")):
+            r = by[case]
+            speed = ref["train_ms"] / r["train_ms"]
+            compiled = by.get(f"{r['family']}: " + ("compile" if r["family"] == "notebook" else "compile(sdpa)"))
+            line = f"{case}: training step ×{speed:.2f} {ref_name} (target ≥ {goal})"
+            met = speed >= goal
+            if compiled is not None:
+                vs = compiled["train_ms"] / r["train_ms"]
+                line += f", ×{vs:.2f} {compiled['case']} (target ≥ 1)"
+                met = met and vs >= 1.0
+            lines.append(f"{line}: {'met' if met else 'NOT met'}")
+        return lines
     for case, ref, goal, ref_name in (("notebook: fusedllm compat", nb_eager, 1.5, "notebook eager"),
                                       ("notebook: fusedllm patch", nb_eager, 1.5, "notebook eager"),
                                       ("HF Llama: fusedllm patch", sdpa, 1.2, "HF sdpa")):
@@ -387,14 +417,20 @@ def targets(rows):
     return lines
 
 
+def options(parser):
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the models' dtype (results/model_bfloat16.* for bfloat16)")
+
+
 def cases(args, device):
     size = QUICK if args.quick else FULL
     reps = args.reps or (3 if args.quick else 7)
+    dtype = getattr(torch, args.dtype)
     print(f"model: vocab {size['vocab']}, hidden {size['hidden']}, intermediate {size['intermediate']}, "
-          f"{size['layers']} layers, {size['heads']} heads, {size['kv_heads']} kv heads; float32; training batch "
+          f"{size['layers']} layers, {size['heads']} heads, {size['kv_heads']} kv heads; {args.dtype}; training batch "
           f"{size['batch']} x {size['seq']} tokens; decode batch 1, prompt {size['prompt']}, {size['new']} new tokens")
     with torch.device(device):
-        candidates = build_candidates(size, not args.no_compile)
+        candidates = build_candidates(size, not args.no_compile, dtype)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=generator).to(device)
 
@@ -427,17 +463,21 @@ def cases(args, device):
             r["train_vs_sdpa"] = sdpa["train_ms"] / r["train_ms"]
             r["peak_vs_notebook"] = r["peak_mb"] / nb_eager["peak_mb"]
             r["peak_vs_sdpa"] = r["peak_mb"] / sdpa["peak_mb"]
-        r.update(size={k: v for k, v in size.items()}, reps=reps)
+        r.update(size={k: v for k, v in size.items()}, reps=reps, dtype=args.dtype)
     print()
     yield from rows
 
 
 BENCHMARK = Benchmark("model", __doc__, cases, COLUMNS, "train_vs_notebook",
-                      "training step speedup over notebook eager", plot=plot, notes=targets)
+                      "training step speedup over notebook eager", plot=plot, notes=targets,
+                      options=options)
 
 
 def main(argv=None):
-    return run(BENCHMARK, argv)
+    args = sys.argv[1:] if argv is None else argv
+    bfloat16 = "bfloat16" in [a.split("=")[-1] for a in args if a.startswith("--dtype")] or \
+        any(a == "--dtype" and b == "bfloat16" for a, b in zip(args, args[1:]))
+    return run(dataclasses.replace(BENCHMARK, name="model_bfloat16") if bfloat16 else BENCHMARK, argv)
 
 
 if __name__ == "__main__":

@@ -172,10 +172,10 @@ struct BackwardKernel {
     const int64_t d = t.d, d_pad = t.d_pad;
     const int64_t group = t.group;
     const bool capped = a.mods.softcap > 0;
+    // bfloat16 on vdpbf16ps where the variant has it: every product's
+    // operands as pair words (attention_gemm.h), in the other path's buffers.
+    constexpr bool kPairs = kPairProducts<T>;
 #if defined(__AVX512BF16__)
-    // bfloat16 on vdpbf16ps: every product's operands as pair words (see
-    // attention_gemm.h), in the float32 buffers of the other path.
-    constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
     const int64_t dp = (d + 1) / 2;
     uint32_t* const qp = reinterpret_cast<uint32_t*>(w.qt);
     uint32_t* const dop = reinterpret_cast<uint32_t*>(w.dot);
@@ -184,8 +184,6 @@ struct BackwardKernel {
     uint32_t* const k_pairs = reinterpret_cast<uint32_t*>(w.kbuf);
     uint32_t* const k_across = k_pairs + t.block_k * d_pad / 2;
     uint32_t* const v_pairs = reinterpret_cast<uint32_t*>(w.vbuf);
-#else
-    constexpr bool kPairs = false;
 #endif
 
     for (int64_t qt = 0; qt * t.block_q < sq; ++qt) {
@@ -206,11 +204,9 @@ struct BackwardKernel {
 #if defined(__AVX512BF16__)
           // Q and dO as pair words twice: along head_dim, transposed (the
           // right operands of S^T and dP^T), and across rows (of dK and dV).
-          const auto q_row = [&](int64_t i) {
-            return q + t.head_of(g, i) * a.q.head_stride + t.pos_of(p0, i) * a.q.seq_stride;
-          };
+          const auto q_row = [&](int64_t i) { return t.row_in(q, a.q.head_stride, a.q.seq_stride, g, p0, i); };
           const auto go_row = [&](int64_t i) {
-            return go + t.head_of(g, i) * a.grad_out.head_stride + t.pos_of(p0, i) * a.grad_out.seq_stride;
+            return t.row_in(go, a.grad_out.head_stride, a.grad_out.seq_stride, g, p0, i);
           };
           pack_rows_transposed(q_row, rows, ld, d, qp);
           pack_rows_transposed(go_row, rows, ld, d, dop);

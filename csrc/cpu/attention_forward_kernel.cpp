@@ -144,19 +144,16 @@ struct ForwardKernel {
     const int64_t ld = round_up(rows, Vectorized<acc_t>::size());
 
     const acc_t scale = static_cast<acc_t>(a.scale);
+    // bfloat16 on vdpbf16ps where the variant has it: Q^T as pair words (the
+    // scale applied to the products), K as pair words along its rows, P and V
+    // packed per tile (attention_gemm.h).
+    constexpr bool kPairs = kPairProducts<T>;
 #if defined(__AVX512BF16__)
-    // bfloat16 on vdpbf16ps: Q^T as pair words (the scale applied to the
-    // products), K as pair words along its rows, P and V packed per tile.
-    constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
     const int64_t dp = (d + 1) / 2;
     uint32_t* const qp = reinterpret_cast<uint32_t*>(w.qt);
     uint32_t* const kp32 = reinterpret_cast<uint32_t*>(w.kbuf);
     uint32_t* const vp32 = reinterpret_cast<uint32_t*>(w.vbuf);
-    const auto q_row = [&](int64_t i) {
-      return q + t.head_of(g, i) * a.q.head_stride + t.pos_of(p0, i) * a.q.seq_stride;
-    };
-#else
-    constexpr bool kPairs = false;
+    const auto q_row = [&](int64_t i) { return t.row_in(q, a.q.head_stride, a.q.seq_stride, g, p0, i); };
 #endif
     if constexpr (kPairs) {
 #if defined(__AVX512BF16__)

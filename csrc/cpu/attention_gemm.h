@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -177,6 +178,15 @@ void gemm(int64_t M, int64_t N, int64_t K, const acc_t* a, int64_t lda, const ac
     gemm_panel<acc_t, 1, kA, kLoadC>(M, K, a, lda, b + j, ldb, c + j, ldc, row_scale);
   }
 }
+
+// Whether a T operand's products run on the pair kernels below in this variant.
+template <typename T>
+constexpr bool kPairProducts =
+#if defined(__AVX512BF16__)
+    std::is_same_v<T, c10::BFloat16>;
+#else
+    false;
+#endif
 
 #if defined(__AVX512BF16__)
 // ---------------------------------------------------------------------------

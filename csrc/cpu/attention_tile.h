@@ -157,6 +157,12 @@ struct Tiling {
   int64_t row_of(int64_t b, int64_t g, int64_t p0, int64_t i) const {
     return query_rows.row_of_group_row(b, g, query_rows.group_row(p0) + i);
   }
+  // Column i's row of a [heads, seq, d] operand at base.
+  template <typename T>
+  const T* row_in(const T* base, int64_t head_stride, int64_t seq_stride, int64_t g, int64_t p0,
+                  int64_t i) const {
+    return base + head_of(g, i) * head_stride + pos_of(p0, i) * seq_stride;
+  }
 };
 
 // Runs fn(task, slot) for every task in [0, n_tasks) on `slots` threads (from
@@ -270,8 +276,7 @@ template <typename T, typename acc_t>
 void gather_rows(const T* base, int64_t head_stride, int64_t seq_stride, const Tiling<acc_t>& t,
                  int64_t g, int64_t p0, int64_t rows, acc_t scale, acc_t* dst) {
   for (int64_t i = 0; i < rows; ++i) {
-    const T* row = base + t.head_of(g, i) * head_stride + t.pos_of(p0, i) * seq_stride;
-    load_row(row, t.d, t.d_pad, scale, dst + i * t.d_pad);
+    load_row(t.row_in(base, head_stride, seq_stride, g, p0, i), t.d, t.d_pad, scale, dst + i * t.d_pad);
   }
 }
 

@@ -139,6 +139,7 @@ COLUMNS = [
     ("mm_gflops", "at::mm GFLOP/s", ".1f"),
     ("pairs_vs_brgemm", "× brgemm", ".2f"),
     ("pairs_vs_mm", "× mm", ".2f"),
+    ("max_diff_vs_brgemm", "max |pairs - brgemm|", ".1e"),
     ("brgemm_error", "brgemm", "s"),
 ]
 

@@ -15,11 +15,17 @@ torch.compile and fusedllm, for two model families of the same size.
       state dict (fused RMSNorm with the residual add, packed SwiGLU, fused
       RoPE and attention);
     - "fusedllm patch": fusedllm.patch() of a copy of the eager model (norms,
-      MLP and attention swapped; the block's residual adds stay eager).
+      MLP and attention swapped; the block's residual adds stay eager);
+    - "fusedllm compat, fused loss": the compat model computing its own loss
+      (forward(ids, labels=ids): fusedllm.linear_cross_entropy, no logits).
 (b) a Hugging Face LlamaForCausalLM of the same size: attention "eager",
     "sdpa", torch.compile of the sdpa model, fusedllm.patch() of the sdpa
-    model (RMSNorms, gated MLPs and the "fusedllm" attention backend), and
-    torch.compile of that patched model.
+    model (RMSNorms, gated MLPs and the "fusedllm" attention backend),
+    torch.compile of that patched model, and "fusedllm patch, fused loss":
+    patch(model, cross_entropy=True) trained as transformers trains, with
+    model(ids, labels=ids).loss (no logits).
+The other candidates' loss is F.cross_entropy over their logits, outside the
+model. The fused-loss candidates do not decode (they are the same models).
 
 Training step: forward on a [batch, seq] batch of token ids, cross-entropy
 against the next tokens, backward, AdamW step, gradients set to None. All
@@ -173,8 +179,9 @@ def generate_hf(model, ids, new):
 # --- candidates -------------------------------------------------------------------------
 
 class Candidate:
-    def __init__(self, family, name, model, logits_of, generate, base=None):
+    def __init__(self, family, name, model, logits_of, generate, base=None, loss_of=None):
         self.family, self.name = family, name
+        self.loss_of = loss_of                    # (model, ids) -> loss without logits, or None
         self.model = model                        # what is called (maybe compiled)
         self.base = base if base is not None else model   # the nn.Module holding the parameters
         self.logits_of = logits_of                # (model, ids) -> logits [B, S, V]
@@ -183,6 +190,8 @@ class Candidate:
         self.row = dict(family=family, candidate=name, case=f"{family}: {name}")
 
     def loss(self, ids):
+        if self.loss_of is not None:  # the model's own fused LM head + loss: no logits
+            return None, self.loss_of(self.model, ids)
         logits = self.logits_of(self.model, ids)
         return logits, F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
@@ -226,6 +235,10 @@ def build_candidates(size, with_compile, dtype=torch.float32):
     out[-1].extra_generate = ("fusedllm compat + KVCache", cached.generate)
     out.append(Candidate("notebook", "fusedllm patch", patched, notebook_logits,
                          lambda ids, new: generate_without_cache(patched, ids, new)))
+    # The compat model's own loss (labels=): fused LM head + cross-entropy, no logits.
+    fused_loss = copy.deepcopy(fused)
+    out.append(Candidate("notebook", "fusedllm compat, fused loss", fused_loss, notebook_logits, None,
+                         loss_of=lambda model, ids: model(ids, labels=ids)))
 
     hf = {attn: hf_model(size, attn).to(dtype) for attn in ("eager", "sdpa")}
     out.append(Candidate("HF Llama", "eager", hf["eager"], hf_logits,
@@ -242,6 +255,11 @@ def build_candidates(size, with_compile, dtype=torch.float32):
     fusedllm.patch(patched_hf)
     out.append(Candidate("HF Llama", "fusedllm patch", patched_hf, hf_logits,
                          lambda ids, new: generate_hf(patched_hf, ids, new)))
+    # Trained the way transformers trains (labels=), with patch(cross_entropy=True).
+    fused_loss_hf = hf_model(size, "sdpa").to(dtype)
+    fusedllm.patch(fused_loss_hf, cross_entropy=True)
+    out.append(Candidate("HF Llama", "fusedllm patch, fused loss", fused_loss_hf, hf_logits, None,
+                         loss_of=lambda model, ids: model(ids, labels=ids, use_cache=False).loss))
     if with_compile:
         own = hf_model(size, "sdpa").to(dtype)
         fusedllm.patch(own)
@@ -265,6 +283,9 @@ def check(candidates, ids):
         first = time.perf_counter() - t0
         grads = {n: p.grad.detach().clone() for n, p in c.base.named_parameters()}
         c.optimizer.zero_grad(set_to_none=True)
+        if logits is None:
+            with torch.no_grad():
+                logits = c.logits_of(c.model, ids)
         logits = logits.detach()
         if c.family not in reference:
             reference[c.family] = (logits, grads)
@@ -286,7 +307,7 @@ def bench_decode(candidates, size, reps, device):
     new = size["new"]
     calls, tokens, owner = {}, {}, {}
     for c in candidates:
-        entries = [(c.name, c.generate)]
+        entries = [(c.name, c.generate)] if c.generate is not None else []
         if hasattr(c, "extra_generate"):
             entries.append(c.extra_generate)
         for name, gen in entries:
@@ -393,7 +414,10 @@ def targets(rows):
     if rows and rows[0].get("dtype") == "bfloat16":
         for case, ref, goal, ref_name in (("notebook: fusedllm compat", nb_eager, 1.3, "notebook eager"),
                                           ("notebook: fusedllm patch", nb_eager, 1.3, "notebook eager"),
-                                          ("HF Llama: fusedllm patch", sdpa, 1.15, "HF sdpa")):
+                                          ("notebook: fusedllm compat, fused loss", nb_eager, 1.3,
+                                           "notebook eager"),
+                                          ("HF Llama: fusedllm patch", sdpa, 1.15, "HF sdpa"),
+                                          ("HF Llama: fusedllm patch, fused loss", sdpa, 1.15, "HF sdpa")):
             r = by[case]
             speed = ref["train_ms"] / r["train_ms"]
             compiled = by.get(f"{r['family']}: " + ("compile" if r["family"] == "notebook" else "compile(sdpa)"))
@@ -447,7 +471,7 @@ def cases(args, device):
 
     rows = []
     for c in candidates:
-        c.row.update(decode_rows[c.row["case"]])
+        c.row.update(decode_rows.get(c.row["case"], {}))
         rows.append(c.row)
         extra = getattr(c, "extra_generate", None)
         if extra:
@@ -457,7 +481,8 @@ def cases(args, device):
     nb_eager, sdpa = by["notebook: eager"], by["HF Llama: sdpa"]
     for r in rows:
         family_eager = by[f"{r['family']}: eager"]
-        r["decode_vs_eager"] = r["decode_tok_s"] / family_eager["decode_tok_s"]
+        if "decode_tok_s" in r:
+            r["decode_vs_eager"] = r["decode_tok_s"] / family_eager["decode_tok_s"]
         if r.get("train_ms"):
             r["train_vs_notebook"] = nb_eager["train_ms"] / r["train_ms"]
             r["train_vs_sdpa"] = sdpa["train_ms"] / r["train_ms"]

@@ -257,6 +257,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     return out
 
 
+def _attention_with_lse(q, k, v, causal=False, window=None, mask=None, dropout_p=0.0):
+    """:func:`attention` and its float32 log-sum-exp ``[batch, q_heads, q_len]``
+    (``-inf`` for a query that sees no key): what merging the outputs of
+    attention over disjoint key sets needs (fusedllm.nn.KVCache's ring)."""
+    scale, window, right, softcap, mask, dropout_p, seed = _attention_args(
+        "fusedllm.attention", q, k, v, causal, None, window, mask, dropout_p)
+    return _impl.attention(q, k, v, mask, scale, causal, window, dropout_p, seed, right, softcap,
+                           None, None, None, None, 0, 0)
+
+
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None,
                      max_seqlen_k: int | None = None, causal: bool = False, scale: float | None = None,

@@ -265,22 +265,45 @@ class KVCache:
     appending tensors that require grad (decoding without ``torch.no_grad()``
     while parameters require grad) is an error rather than silently cutting
     gradients. Make one cache per layer, e.g. ``KVCache.layers(n_layers)``.
+
+    **Sliding window.** ``KVCache(window=W, sink=s)`` keeps only what a sliding
+    window of ``W`` positions needs (Mistral, the local layers of Gemma 2/3):
+    the last ``W`` positions in a ring buffer, plus the first ``s`` positions
+    kept for good (StreamingLLM's attention sinks), so its memory is
+    ``W + s`` positions for any generation length; ``length`` still counts
+    every position appended (the next position's RoPE offset). Each query at
+    position ``p`` attends to keys ``j`` with ``p - W < j <= p``, and to the
+    first ``s`` positions. The attention modules call :meth:`attend`, which
+    runs attention over the ring where it lies (the sink positions, the
+    ring's two contiguous parts and the new keys, merged by their
+    log-sum-exp), then stores the new keys. ``keys`` / ``values`` and
+    ``append``'s result are then the held positions in order, copied when
+    the ring has wrapped.
     """
 
-    def __init__(self, capacity: int = 256):
+    def __init__(self, capacity: int = 256, window: int | None = None, sink: int = 0):
+        owner = "fusedllm.nn.KVCache"
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"fusedllm.nn.KVCache: capacity must be a positive int, got {capacity!r}")
+            raise ValueError(f"{owner}: capacity must be a positive int, got {capacity!r}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"{owner}: window must be None or a positive int, got {window!r}")
+        if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
+            raise ValueError(f"{owner}: sink must be an int >= 0, got {sink!r}")
+        if sink and window is None:
+            raise ValueError(f"{owner}: sink={sink} needs a window: without one every position is kept anyway")
         self._initial_capacity = capacity
+        self.window, self.sink = window, sink
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self.length = 0
 
     @classmethod
-    def layers(cls, n_layers: int, capacity: int = 256) -> list["KVCache"]:
+    def layers(cls, n_layers: int, capacity: int = 256, window: int | None = None,
+               sink: int = 0) -> list["KVCache"]:
         """One empty cache per layer."""
         if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 0:
             raise ValueError(f"fusedllm.nn.KVCache.layers: n_layers must be an int >= 0, got {n_layers!r}")
-        return [cls(capacity) for _ in range(n_layers)]
+        return [cls(capacity, window, sink) for _ in range(n_layers)]
 
     def __len__(self) -> int:
         return self.length
@@ -292,13 +315,47 @@ class KVCache:
 
     @property
     def keys(self) -> torch.Tensor | None:
-        """View of the keys held, ``[batch, kv_heads, length, head_dim]`` (None before any append)."""
-        return None if self._k is None else self._k[:, :, :self.length]
+        """The keys held, ``[batch, kv_heads, held, head_dim]`` in position order
+        (None before any append): a view, or with a window a copy once the ring
+        has wrapped."""
+        return None if self._k is None else self._held(self._k)
 
     @property
     def values(self) -> torch.Tensor | None:
-        """View of the values held, ``[batch, kv_heads, length, head_dim]`` (None before any append)."""
-        return None if self._v is None else self._v[:, :, :self.length]
+        """The values held, like :attr:`keys`."""
+        return None if self._v is None else self._held(self._v)
+
+    @property
+    def positions(self) -> list[int]:
+        """The positions held, in the order of :attr:`keys`."""
+        return [p for a, b in self._ring_parts() for p in range(a, b)]
+
+    def _slot(self, position: int) -> int:
+        """Where a held position lies in the storage."""
+        if self.window is None or position < self.sink:
+            return position
+        return self.sink + (position - self.sink) % self.window
+
+    def _ring_parts(self) -> list[tuple[int, int]]:
+        """The held positions as contiguous runs ``(first, stop)`` whose slots are
+        contiguous too: the sink positions, then the ring in at most two parts."""
+        if self.window is None:
+            return [(0, self.length)] if self.length else []
+        sink = min(self.sink, self.length)
+        parts = [(0, sink)] if sink else []
+        first = max(sink, self.length - self.window)
+        while first < self.length:
+            slot = self._slot(first)
+            stop = min(self.length, first + self.sink + self.window - slot)
+            parts.append((first, stop))
+            first = stop
+        return parts
+
+    def _held(self, storage: torch.Tensor) -> torch.Tensor:
+        parts = [storage[:, :, self._slot(a):self._slot(a) + (b - a)] for a, b in self._ring_parts()]
+        if len(parts) == 1:
+            return parts[0]
+        return storage[:, :, :0] if not parts else torch.cat(parts, dim=2)
 
     def reset(self) -> None:
         """Forget every position. The storage is kept and reused when the next
@@ -334,6 +391,8 @@ class KVCache:
             raise ValueError(f"{op}: the cache is on {held.device} but k is on {k.device}")
 
     def _reserve(self, k: torch.Tensor, needed: int) -> None:
+        if self.window is not None:  # a fixed storage: the sink positions, then the ring
+            needed = self.sink + self.window
         fits = (self._k is not None and self._k.dtype == k.dtype and self._k.device == k.device
                 and self._k.shape[0] == k.shape[0] and self._k.shape[1] == k.shape[1]
                 and self._k.shape[3] == k.shape[3]
@@ -341,7 +400,9 @@ class KVCache:
                 and (torch.is_inference_mode_enabled() or not self._k.is_inference()))
         if fits and needed <= self.capacity:
             return
-        if not fits:  # first append, or a reset cache reused for another shape
+        if self.window is not None:
+            capacity = needed
+        elif not fits:  # first append, or a reset cache reused for another shape
             capacity = max(needed, self._initial_capacity)
         else:
             capacity = max(needed, 2 * self.capacity)
@@ -355,21 +416,88 @@ class KVCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [batch, kv_heads, new_len, head_dim]`` after the positions
-        held; return views of all ``length`` keys and values (valid until the
-        next append that grows the storage)."""
+        held; return all held keys and values (views, valid until the next
+        append that grows the storage; see the class notes for windows)."""
         self._check(k, v)
-        end = self.length + k.shape[2]
-        self._reserve(k, end)
-        self._k[:, :, self.length:end].copy_(k)
-        self._v[:, :, self.length:end].copy_(v)
-        self.length = end
+        self._store(k, v)
         return self.keys, self.values
 
+    def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        new = k.shape[2]
+        end = self.length + new
+        self._reserve(k, end)
+        if self.window is None:
+            self._k[:, :, self.length:end].copy_(k)
+            self._v[:, :, self.length:end].copy_(v)
+        else:
+            # only the sink positions and the last `window` ones are kept
+            keep = [p for p in range(self.length, end) if p < self.sink or p >= end - self.window]
+            first = 0
+            while first < len(keep):  # runs of positions with contiguous slots
+                slot, stop = self._slot(keep[first]), first + 1
+                while (stop < len(keep) and keep[stop] == keep[stop - 1] + 1
+                       and self._slot(keep[stop]) == slot + stop - first):
+                    stop += 1
+                rows = slice(keep[first] - self.length, keep[stop - 1] + 1 - self.length)
+                self._k[:, :, slot:slot + stop - first].copy_(k[:, :, rows])
+                self._v[:, :, slot:slot + stop - first].copy_(v[:, :, rows])
+                first = stop
+        self.length = end
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
+               dropout_p: float = 0.0) -> torch.Tensor:
+        """Causal attention of ``q [batch, q_heads, new_len, head_dim]`` (positions
+        ``length .. length + new_len - 1``) over the held keys and the new ``k, v``,
+        then ``k, v`` stored: what :class:`GQAttention` and :class:`ParallelBlock`
+        run with a cache. ``window`` (the module's sliding window) may be at most
+        the cache's. Without a cache window this is ``append`` then attention."""
+        op = "fusedllm.nn.KVCache.attend"
+        self._check(k, v)
+        if window is not None and self.window is not None and window > self.window:
+            raise ValueError(f"{op}: the layer's window ({window}) is wider than the cache's "
+                             f"({self.window}), which does not keep the keys it needs")
+        if self.window is None:
+            self._store(k, v)
+            return FF.attention(q, self.keys, self.values, causal=True, window=window, dropout_p=dropout_p)
+        w = self.window if window is None else window
+        start, new = self.length, k.shape[2]
+        dev = q.device
+        q_pos = torch.arange(start, start + new, device=dev)[:, None]
+        pieces = []  # (out, lse) of each key set
+        for a, b in self._ring_parts():
+            if a >= self.sink:  # ring keys: visible within the window only
+                first = max(a, start - w + 1) if new == 1 else a
+                if first >= b:
+                    continue
+            else:
+                first = a
+            slots = slice(self._slot(first), self._slot(first) + (b - first))
+            mask = None
+            if a >= self.sink and new > 1 and first <= start + new - 1 - w:
+                mask = torch.arange(first, b, device=dev)[None, :] > q_pos - w
+            pieces.append(FF._attention_with_lse(q, self._k[:, :, slots], self._v[:, :, slots], mask=mask,
+                                                 dropout_p=dropout_p))
+        if start < self.sink and new > w:
+            # sink positions among the new keys stay visible past the window
+            k_pos = torch.arange(start, start + new, device=dev)[None, :]
+            mask = (k_pos <= q_pos) & ((k_pos > q_pos - w) | (k_pos < self.sink))
+            pieces.append(FF._attention_with_lse(q, k, v, mask=mask, dropout_p=dropout_p))
+        else:
+            pieces.append(FF._attention_with_lse(q, k, v, causal=True, window=w, dropout_p=dropout_p))
+        self._store(k, v)
+        if len(pieces) == 1:
+            return pieces[0][0]
+        lse = torch.logsumexp(torch.stack([l for _, l in pieces]), dim=0)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = sum(o.to(acc) * torch.exp(l - lse).unsqueeze(-1) for o, l in pieces)
+        return out.to(q.dtype)
+
     def __repr__(self) -> str:
+        bounds = "" if self.window is None else f", window={self.window}, sink={self.sink}"
         if self._k is None:
-            return "KVCache(length=0, capacity=0)"
+            return f"KVCache(length=0, capacity=0{bounds})"
         b, h, _, d = self._k.shape
-        return (f"KVCache(length={self.length}, capacity={self.capacity}, batch={b}, kv_heads={h}, "
+        return (f"KVCache(length={self.length}, capacity={self.capacity}{bounds}, batch={b}, kv_heads={h}, "
                 f"head_dim={d}, dtype={self._k.dtype}, device={self._k.device})")
 
 
@@ -414,6 +542,16 @@ def _attention_repr(m, middle: str = "") -> str:
     if m.dropout:
         text += f", dropout={m.dropout}"
     return text
+
+
+def _window_cache_call(owner: str, mask, return_weights: bool) -> None:
+    """What a module cannot combine with a sliding-window cache, whose keys are
+    not one [kv_len] sequence a mask or the weights could index."""
+    if mask is not None:
+        raise ValueError(f"{owner}: mask cannot be combined with a KVCache with a window (its keys "
+                         f"are a ring, not the sequence the mask would index)")
+    if return_weights:
+        raise ValueError(f"{owner}: return_weights=True needs a KVCache without a window")
 
 
 def _sequence_input(owner: str, x, d_model: int, cache, position_offset) -> int:
@@ -494,10 +632,14 @@ class GQAttention(nn.Module):
         v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, k, position_offset=position_offset)
-        if cache is not None:
-            k, v = cache.append(k, v)
         dropout_p = self.dropout if self.training else 0.0
         weights = None
+        if cache is not None and cache.window is not None:
+            _window_cache_call("fusedllm.nn.GQAttention", mask, return_weights)
+            out = cache.attend(q, k, v, window=self.window, dropout_p=dropout_p)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
+        if cache is not None:
+            k, v = cache.append(k, v)
         if return_weights:
             out, weights = FF.attention_with_weights(q, k, v, causal=True, window=self.window, mask=mask,
                                                     dropout_p=dropout_p)
@@ -762,10 +904,14 @@ class ParallelBlock(nn.Module):
         v = v.view(batch, seq, kv_heads, d).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q, k, position_offset=position_offset)
-        if cache is not None:
-            k, v = cache.append(k, v)
-        attn = FF.attention(q, k, v, causal=True, window=self.window, mask=mask,
-                            dropout_p=self.dropout if self.training else 0.0)
+        dropout_p = self.dropout if self.training else 0.0
+        if cache is not None and cache.window is not None:
+            _window_cache_call(owner, mask, False)
+            attn = cache.attend(q, k, v, window=self.window, dropout_p=dropout_p)
+        else:
+            if cache is not None:
+                k, v = cache.append(k, v)
+            attn = FF.attention(q, k, v, causal=True, window=self.window, mask=mask, dropout_p=dropout_p)
         del q, k, v
         hidden = FF.swiglu(gate_up, activation=self.activation)
         del gate_up, proj  # without autograd the projection's memory is free from here

@@ -12,7 +12,9 @@
 // (keys x rows), so the per-row softmax statistics are vectors across rows
 // and need no horizontal reductions. Both products (K Q^T and P V) run on a
 // register-blocked micro-kernel over float32 (float64) tiles; bfloat16 and
-// float16 operands are converted to float32 tiles once per tile.
+// float16 operands are converted to float32 tiles once per tile, except
+// bfloat16 in the AVX512_BF16 variant, whose products run on vdpbf16ps over
+// operands packed as bfloat16 pairs (attention_gemm.h).
 //
 // Backward: a task owns the dK/dV rows of one (batch, kv head) pair (or of a
 // strided subset of its key tiles when there are few pairs) and walks every

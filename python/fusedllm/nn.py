@@ -461,6 +461,13 @@ class KVCache:
             return FF.attention(q, self.keys, self.values, causal=True, window=window, dropout_p=dropout_p)
         w = self.window if window is None else window
         start, new = self.length, k.shape[2]
+        if new == 1 and w == self.window:
+            # One token: it lands in the slot of the one position leaving the
+            # window, after which the storage holds exactly what it sees, in
+            # some order; softmax does not care, so one call, no mask.
+            self._store(k, v)
+            held = min(self.length, self.sink + self.window)
+            return FF.attention(q, self._k[:, :, :held], self._v[:, :, :held], dropout_p=dropout_p)
         dev = q.device
         q_pos = torch.arange(start, start + new, device=dev)[:, None]
         pieces = []  # (out, lse) of each key set

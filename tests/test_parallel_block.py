@@ -261,15 +261,16 @@ def test_projections_are_views():
     assert views["o_proj.weight"].shape == (32, 32) and views["down_proj.weight"].shape == (32, 40)
 
 
+@pytest.mark.parametrize("ring", [False, True], ids=["whole cache", "window ring"])
 @pytest.mark.parametrize("chunks", [[7, 1, 1, 1], [4, 3, 2, 1]])
-def test_kv_cache_decoding_equals_full_forward(chunks):
+def test_kv_cache_decoding_equals_full_forward(chunks, ring):
     fused, plain = make_pair(window=5)
     fused.eval()
     x = torch.randn(2, sum(chunks), 48)
     with torch.no_grad():
         full = fused(x)
         ref, _ = plain(x)
-        cache = KVCache(capacity=2)
+        cache = KVCache(window=5) if ring else KVCache(capacity=2)
         pieces, start = [], 0
         for n in chunks:
             pieces.append(fused(x[:, start:start + n], cache=cache))

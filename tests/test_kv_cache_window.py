@@ -76,6 +76,21 @@ def test_ring_holds_the_last_positions_in_order_at_every_offset(sink):
     assert len(cache) == 0 and cache.positions == [] and cache.keys.shape[2] == 0
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_cache_filled_under_inference_mode_keeps_its_positions(window):
+    """Storage made under torch.inference_mode() cannot be written outside it:
+    the cache copies it then, keeping every position held."""
+    cache = KVCache(capacity=8, window=window)
+    with torch.inference_mode():
+        for step in range(5):
+            cache.append(*(torch.full((1, 1, 1, 2), float(step)),) * 2)
+    with torch.no_grad():
+        cache.append(*(torch.full((1, 1, 1, 2), 5.0),) * 2)
+    expected = list(range(6)) if window is None else [3, 4, 5]
+    assert cache.positions == expected
+    assert cache.keys[0, 0, :, 0].tolist() == [float(p) for p in expected]
+
+
 def test_narrower_layer_window_and_module_decoding(device):
     torch.manual_seed(0)
     layer = GQAttention(48, 4, n_kv_heads=2, window=4).to(device).eval()

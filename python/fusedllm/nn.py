@@ -393,25 +393,26 @@ class KVCache:
     def _reserve(self, k: torch.Tensor, needed: int) -> None:
         if self.window is not None:  # a fixed storage: the sink positions, then the ring
             needed = self.sink + self.window
-        fits = (self._k is not None and self._k.dtype == k.dtype and self._k.device == k.device
+        same = (self._k is not None and self._k.dtype == k.dtype and self._k.device == k.device
                 and self._k.shape[0] == k.shape[0] and self._k.shape[1] == k.shape[1]
-                and self._k.shape[3] == k.shape[3]
-                # storage made under inference_mode cannot be written outside it
-                and (torch.is_inference_mode_enabled() or not self._k.is_inference()))
-        if fits and needed <= self.capacity:
+                and self._k.shape[3] == k.shape[3])
+        # storage made under inference_mode cannot be written outside it: copied then
+        writable = same and (torch.is_inference_mode_enabled() or not self._k.is_inference())
+        if writable and needed <= self.capacity:
             return
-        if self.window is not None:
-            capacity = needed
-        elif not fits:  # first append, or a reset cache reused for another shape
+        if self.window is not None or (same and needed <= self.capacity):
+            capacity = max(needed, self.capacity if same else 0)
+        elif not same:  # first append, or a reset cache reused for another shape
             capacity = max(needed, self._initial_capacity)
         else:
             capacity = max(needed, 2 * self.capacity)
         batch, heads, _, head_dim = k.shape
         new_k = k.new_empty(batch, heads, capacity, head_dim)
         new_v = k.new_empty(batch, heads, capacity, head_dim)
-        if fits and self.length:
-            new_k[:, :, :self.length].copy_(self._k[:, :, :self.length])
-            new_v[:, :, :self.length].copy_(self._v[:, :, :self.length])
+        if same and self.length:
+            kept = self.capacity if self.window is not None else self.length  # a ring: every slot
+            new_k[:, :, :kept].copy_(self._k[:, :, :kept])
+            new_v[:, :, :kept].copy_(self._v[:, :, :kept])
         self._k, self._v = new_k, new_v
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -125,6 +125,8 @@ def test_window_cache_module_without_its_own_window_is_streaming(device):
     (lambda: KVCache(window=3).attend(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4),
                                       window=4),
      "the layer's window \\(4\\) is wider than the cache's \\(3\\)"),
+    (lambda: KVCache(window=3).attend(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4)),
+     "q must be \\[batch, q_heads, new_len, head_dim\\] with k's batch and new_len"),
     (lambda: GQAttention(16, 2)(torch.randn(1, 2, 16), mask=torch.ones(1, 1, 2, 2, dtype=torch.bool),
                                 cache=KVCache(window=4)),
      "mask cannot be combined with a KVCache with a window"),

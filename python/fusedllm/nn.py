@@ -454,6 +454,10 @@ class KVCache:
         the cache's. Without a cache window this is ``append`` then attention."""
         op = "fusedllm.nn.KVCache.attend"
         self._check(k, v)
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+            raise ValueError(f"{op}: q must be [batch, q_heads, new_len, head_dim] with k's batch and new_len "
+                             f"(the queries are the new positions), got q {list(getattr(q, 'shape', []))} "
+                             f"and k {list(k.shape)}")
         if window is not None and self.window is not None and window > self.window:
             raise ValueError(f"{op}: the layer's window ({window}) is wider than the cache's "
                              f"({self.window}), which does not keep the keys it needs")

@@ -151,3 +151,26 @@ def test_unknown_cpu_isa_is_refused():
     """, FUSEDLLM_CPU_ISA="avx1024", FUSEDLLM_REQUIRE_EXTENSION="1")
     assert "FUSEDLLM_CPU_ISA=avx1024 is not one of default, avx2, avx512, avx512_bf16" in res.stdout, \
         res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("isa", compiled_cpu_isas())
+def test_bfloat16_rounding_equals_torch_under_every_variant(isa):
+    """Outputs narrowed to bfloat16 equal torch's rounding in every variant,
+    subnormals (which vcvtne2ps2bf16 alone would flush to zero), signed zeros,
+    infinities and ties included."""
+    if isa not in runnable_cpu_isas():
+        pytest.skip(f"this CPU cannot execute the {isa} variant")
+    res = run_python("""
+        import torch, fusedllm
+        tiny = torch.tensor([3e-39, -7e-39, 1e-45, 1.2e-38, 0.0, -0.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8,
+                             3.0e38, float("inf"), -float("inf"), 65504.0, 1e-30, 5.5])
+        up = tiny.repeat(5)[:64]
+        gate = torch.full((64,), 20.0)  # silu(20) = 20 * sigmoid(20): up times almost 20
+        out = fusedllm.swiglu(gate.bfloat16(), up.bfloat16())
+        ref = (torch.nn.functional.silu(gate.bfloat16().float()) * up.bfloat16().float()).bfloat16()
+        same = torch.equal(out.view(torch.int16), ref.view(torch.int16))
+        print("SAME", same, fusedllm.build_info()["cpu_kernels_ran"].get("swiglu_forward"))
+        if not same:
+            print(out.float().tolist()); print(ref.float().tolist())
+    """, ATEN_CPU_CAPABILITY=ATEN_CAPABILITY[isa], FUSEDLLM_CPU_ISA=isa.lower(), FUSEDLLM_REQUIRE_EXTENSION="1")
+    assert f"SAME True {isa}" in res.stdout, res.stdout + res.stderr

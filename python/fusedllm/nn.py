@@ -431,18 +431,21 @@ class KVCache:
             self._k[:, :, self.length:end].copy_(k)
             self._v[:, :, self.length:end].copy_(v)
         else:
-            # only the sink positions and the last `window` ones are kept
+            # only the sink positions and the last `window` ones are kept, each in its slot
             keep = [p for p in range(self.length, end) if p < self.sink or p >= end - self.window]
-            first = 0
-            while first < len(keep):  # runs of positions with contiguous slots
-                slot, stop = self._slot(keep[first]), first + 1
-                while (stop < len(keep) and keep[stop] == keep[stop - 1] + 1
-                       and self._slot(keep[stop]) == slot + stop - first):
-                    stop += 1
-                rows = slice(keep[first] - self.length, keep[stop - 1] + 1 - self.length)
-                self._k[:, :, slot:slot + stop - first].copy_(k[:, :, rows])
-                self._v[:, :, slot:slot + stop - first].copy_(v[:, :, rows])
-                first = stop
+            slots = [self._slot(p) for p in keep]
+            if not keep:  # no new position
+                pass
+            elif slots == list(range(slots[0], slots[0] + len(slots))) and keep[-1] - keep[0] == len(keep) - 1:
+                # one run (a decoding step, or a chunk that does not wrap): no index tensors
+                rows = slice(keep[0] - self.length, keep[-1] + 1 - self.length)
+                self._k[:, :, slots[0]:slots[-1] + 1].copy_(k[:, :, rows])
+                self._v[:, :, slots[0]:slots[-1] + 1].copy_(v[:, :, rows])
+            else:
+                rows = torch.tensor([p - self.length for p in keep], device=k.device)
+                index = torch.tensor(slots, device=k.device)
+                self._k.index_copy_(2, index, k.index_select(2, rows))
+                self._v.index_copy_(2, index, v.index_select(2, rows))
         self.length = end
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,

@@ -235,8 +235,8 @@ def moe_route(logits, top_k, scoring="softmax", normalize=True, correction_bias=
         weights.append(w * scaling)
         indices.append(chosen)
     if tokens == 0:
-        return z.new_zeros(0, top_k), torch.zeros(0, top_k, dtype=torch.int64)
-    return torch.stack(weights), torch.tensor(indices, dtype=torch.int64)
+        return z.new_zeros(0, top_k), torch.zeros(0, top_k, dtype=torch.int64, device=z.device)
+    return torch.stack(weights), torch.tensor(indices, dtype=torch.int64, device=z.device)
 
 
 def gpt_oss_gated(gate, up, alpha=1.702, limit=7.0):

@@ -45,7 +45,7 @@ def reference(h, w, b, t, grad_out=None, **kw):
 def check_against_reference(h, w, b, t, dtype, **kw):
     before = [x.clone() for x in (h, w, b, t) if x is not None]
     reduction = kw.get("reduction", "mean")
-    grad_out = torch.randn(t.shape, dtype=dtype) if reduction == "none" else None
+    grad_out = torch.randn(t.shape, dtype=dtype, device=t.device) if reduction == "none" else None
     loss, grads = loss_and_grads(fusedllm.linear_cross_entropy, h, w, b, t, grad_out, **kw)
     ref_loss, ref_grads = reference(h, w, b, t, grad_out, **kw)
     assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)

@@ -137,7 +137,7 @@ def test_single_token_and_no_tokens(device):
     check_experts(*make_experts(1, 16, 8, 8, 2, torch.float32, device)[:5])
     x, indices, weights, gate_up, down, _ = make_experts(0, 16, 8, 8, 2, torch.float32, device)
     out, grads = experts_and_grads(fusedllm.moe_experts, x, indices, weights, gate_up, down,
-                                   torch.zeros(0, 16))
+                                   torch.zeros(0, 16, device=device))
     assert out.shape == (0, 16)
     assert not grads[2].any() and not grads[3].any()
 
@@ -168,7 +168,7 @@ def test_only_the_gradients_asked_for(device):
 
 def test_deterministic(device):
     x, indices, weights, gate_up, down, _ = make_experts(64, 32, 16, 8, 2, torch.float32, device)
-    grad_out = torch.randn(64, 32)
+    grad_out = torch.randn(64, 32).to(device)
 
     def run():
         out, grads = experts_and_grads(fusedllm.moe_experts, x, indices, weights, gate_up, down,
@@ -400,10 +400,10 @@ ROUTINGS = {
 }
 
 
-def route_args(name, experts, seed=1):
+def route_args(name, experts, device="cpu", seed=1):
     kw = dict(ROUTINGS[name])
     if kw.pop("correction_bias", False):
-        kw["correction_bias"] = torch.randn(experts, generator=torch.Generator().manual_seed(seed)) * 0.1
+        kw["correction_bias"] = (torch.randn(experts, generator=torch.Generator().manual_seed(seed)) * 0.1).to(device)
     return kw
 
 
@@ -411,7 +411,7 @@ def route_args(name, experts, seed=1):
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 @pytest.mark.parametrize("experts,top_k", [(8, 1), (8, 2), (16, 8), (64, 6)], ids=str)
 def test_route_matches_reference(device, dtype, routing, experts, top_k):
-    kw = route_args(routing, experts)
+    kw = route_args(routing, experts, device)
     logits = torch.randn(23, experts).to(dtype=dtype, device=device).requires_grad_()
     weights, indices = fusedllm.moe_route(logits, top_k, **kw)
     ref_w, ref_i = ref_route(logits.detach().double(), top_k, **kw)
@@ -420,7 +420,7 @@ def test_route_matches_reference(device, dtype, routing, experts, top_k):
     assert torch.equal(indices, ref_i)
     assert_close(weights, ref_w, FORWARD_TOL[torch.float32 if dtype != torch.float64 else dtype],
                  upcast=True)
-    grad = torch.randn(weights.shape, dtype=weights.dtype)
+    grad = torch.randn(weights.shape, dtype=weights.dtype, device=weights.device)
     (g,) = torch.autograd.grad((weights * grad).sum(), logits)
     z = logits.detach().double().requires_grad_()
     (r,) = torch.autograd.grad((ref_route(z, top_k, **kw)[0] * grad.double()).sum(), z)
@@ -460,7 +460,7 @@ def test_route_leading_shape_and_no_tokens(device):
 
 def test_route_gradcheck_float64(device):
     for routing in ROUTINGS:
-        kw = route_args(routing, 8)
+        kw = route_args(routing, 8, device)
         logits = torch.randn(6, 8, dtype=torch.float64, device=device, requires_grad=True)
         assert torch.autograd.gradcheck(lambda z: fusedllm.moe_route(z, 3, **kw)[0], (logits,))
 
@@ -497,6 +497,7 @@ def test_load_balancing_loss_is_transformers_formula():
 
 def test_bad_inputs_name_the_argument(device):
     x, indices, weights, gate_up, down, logits = make_experts(5, 8, 4, 4, 2, torch.float32, device)
+    zeros = lambda *shape: torch.zeros(*shape, device=device)  # noqa: E731
     cases = [
         (lambda: fusedllm.moe_route(logits, 5), "top_k must be in [1, num_experts = 4], got 5"),
         (lambda: fusedllm.moe_route(logits, 0), "top_k must be in [1, num_experts = 4], got 0"),
@@ -504,7 +505,7 @@ def test_bad_inputs_name_the_argument(device):
         (lambda: fusedllm.moe_route(logits, 2, num_groups=3), "num_groups must be a positive divisor"),
         (lambda: fusedllm.moe_route(logits, 2, num_groups=2, top_groups=3), "top_groups must be in"),
         (lambda: fusedllm.moe_route(logits, 3, num_groups=2, top_groups=1), "top_k = 3 is more than"),
-        (lambda: fusedllm.moe_route(logits, 2, correction_bias=torch.zeros(3)), "correction_bias must be [4]"),
+        (lambda: fusedllm.moe_route(logits, 2, correction_bias=zeros(3)), "correction_bias must be [4]"),
         (lambda: fusedllm.moe_route(logits, 2.0), "top_k must be an int"),
         (lambda: fusedllm.moe_route(logits.long(), 2), "router_logits must be float32"),
         (lambda: fusedllm.moe_experts(x, indices + 4, weights, gate_up, down),
@@ -520,13 +521,13 @@ def test_bad_inputs_name_the_argument(device):
         (lambda: fusedllm.moe_experts(x, indices, weights, gate_up.double(), down), "gate_up_proj has dtype torch.float64"),
         (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, "relu"),
          "activation must be 'silu', 'gelu_tanh' or 'gpt_oss', got 'relu'"),
-        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, gate_up_bias=torch.zeros(4, 4)),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, gate_up_bias=zeros(4, 4)),
          "gate_up_bias must be [4, 8] (num_experts, 2 * intermediate), got shape [4, 4]"),
-        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, down_bias=torch.zeros(8)),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, down_bias=zeros(8)),
          "down_bias must be [4, 8] (num_experts, hidden_size), got shape [8]"),
-        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, down_bias=torch.zeros(4, 8).double()),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, down_bias=zeros(4, 8).double()),
          "down_bias has dtype torch.float64 but hidden has dtype torch.float32"),
-        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, gate_up_bias=torch.zeros(4, 8).long()),
+        (lambda: fusedllm.moe_experts(x, indices, weights, gate_up, down, gate_up_bias=zeros(4, 8).long()),
          "gate_up_bias has dtype torch.int64"),
         (lambda: fusedllm.moe_experts(x, indices, weights, gate_up[:, :6], down, transposed=True),
          "gate_up_proj must be [num_experts, 8, 2 * intermediate] (hidden's last dim; transposed=True)"),

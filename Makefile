@@ -104,6 +104,8 @@ bench: $(VENV)/.built $(VENV)/.dev-deps-installed
 	$(BIN)/python benchmarks/bench_attention.py
 	$(BIN)/python benchmarks/bench_attention_options.py
 	$(BIN)/python benchmarks/bench_decode.py
+	$(BIN)/python benchmarks/bench_kv_cache.py
+	$(BIN)/python benchmarks/bench_hf_cache.py
 	$(BIN)/python benchmarks/bench_model.py
 	$(BIN)/python benchmarks/bench_parallel_block.py
 	$(BIN)/python benchmarks/bench_cross_entropy.py

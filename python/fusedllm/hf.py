@@ -22,6 +22,8 @@ Qwen2/3, Phi-3, Gemma, Cohere, GPT-NeoX, and
   sliding-window layers, projection biases;
 
 with padding masks, sliding windows, KV caches and dropout in training.
+``fusedllm.hf.FusedCache`` (:mod:`fusedllm.hf_cache`) is a transformers
+``Cache`` whose decoding steps write only the new positions.
 
 Packed sequences (padding-free training): several sequences concatenated in
 one row, as ``DataCollatorWithFlattening`` makes them, run on
@@ -231,6 +233,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     out = FF.attention(query, key, value, causal=causal, scale=scaling, window=window, mask=mask,
                        dropout_p=dropout_p, softcap=softcap, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
+
+
+def __getattr__(name: str):
+    # FusedCache needs transformers 5's cache layers: imported when asked for
+    if name == "FusedCache":
+        from .hf_cache import FusedCache
+
+        return FusedCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register() -> None:

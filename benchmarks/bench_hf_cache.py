@@ -1,0 +1,111 @@
+"""Decoding a Hugging Face Llama with transformers' DynamicCache against
+fusedllm.hf.FusedCache, at several context lengths and batch sizes.
+
+    python benchmarks/bench_hf_cache.py           # contexts 1k, 8k, 32k; batch 1 and 8; bf16 and float32
+    python benchmarks/bench_hf_cache.py --quick   # contexts 1k, 4k; batch 1 and 4; bf16
+
+A small LlamaForCausalLM (hidden 256, 4 layers, 8 query / 2 kv heads of 32,
+vocabulary 32000) with the "fusedllm" attention backend. Each layer's cache
+is filled with the context's keys and values (random, not timed); then `new`
+greedy decoding steps of one token each through the whole model, the median
+step time. DynamicCache concatenates each layer's whole past with the new
+position at every step; FusedCache writes only the new position. "cache
+MiB": the keys' and values' storage after the steps (FusedCache's grows by
+half when full, here once, at the first step after the context).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+if not __package__:  # run as a file: import from the repository root, as `python -m` does
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.harness import Benchmark, dtype_name, run, time_once  # noqa: E402
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import fusedllm.hf  # noqa: E402,F401  (registers "fusedllm")
+from fusedllm.hf import FusedCache  # noqa: E402
+
+CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=2, vocab_size=32000, max_position_embeddings=65536)
+
+
+def storage_mib(cache):
+    tensors = [t for layer in cache.layers
+               for t in ((layer._k, layer._v) if hasattr(layer, "_k") else (layer.keys, layer.values))]
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+
+def bench_one(model, cache, batch, context, new, device, dtype):
+    head_dim = CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for idx in range(CONFIG["num_hidden_layers"]):  # the context's keys and values
+            k = torch.randn(batch, CONFIG["num_key_value_heads"], context, head_dim, generator=g, device=device)
+            cache.update(k.to(dtype), k.to(dtype), idx)
+        token = torch.randint(0, CONFIG["vocab_size"], (batch, 1), generator=g, device=device)
+        position = [context]
+
+        def step():
+            out = model(input_ids=token, past_key_values=cache, use_cache=True,
+                        position_ids=torch.full((batch, 1), position[0], device=device))
+            position[0] += 1
+            return out.logits
+
+        step()  # warm-up
+        times = [time_once(step, device) for _ in range(new)]
+    return statistics.median(times), storage_mib(cache)
+
+
+def cases(args, device):
+    contexts = [1024, 4096] if args.quick else [1024, 8192, 32768]
+    batches = [1, 4] if args.quick else [1, 8]
+    dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float32]
+    new = args.reps or (6 if args.quick else 12)
+    torch.manual_seed(0)
+    for dtype in dtypes:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(device, dtype).eval()
+        model.set_attn_implementation("fusedllm")
+        for batch in batches:
+            for context in contexts:
+                dyn_s, dyn_mib = bench_one(model, transformers.DynamicCache(config=model.config), batch, context,
+                                           new, device, dtype)
+                fused_s, fused_mib = bench_one(model, FusedCache(model.config), batch, context, new, device, dtype)
+                yield dict(case=f"B={batch} context {context} {dtype_name(dtype)}", batch=batch, context=context,
+                           dtype=dtype_name(dtype), dynamic_ms=dyn_s * 1e3, fused_ms=fused_s * 1e3,
+                           speedup=dyn_s / fused_s, dynamic_tok_s=batch / dyn_s, fused_tok_s=batch / fused_s,
+                           dynamic_mib=dyn_mib, fused_mib=fused_mib)
+
+
+COLUMNS = [
+    ("case", "case", "s"),
+    ("dynamic_ms", "DynamicCache ms/step", ".2f"),
+    ("fused_ms", "FusedCache ms/step", ".2f"),
+    ("speedup", "FusedCache ×", ".2f"),
+    ("dynamic_tok_s", "DynamicCache tok/s", ".0f"),
+    ("fused_tok_s", "FusedCache tok/s", ".0f"),
+    ("dynamic_mib", "DynamicCache MiB", ".0f"),
+    ("fused_mib", "FusedCache MiB", ".0f"),
+]
+
+
+def describe(row):
+    return (f"{row['case']:<32} DynamicCache {row['dynamic_ms']:8.2f} ms/step   FusedCache {row['fused_ms']:8.2f} "
+            f"ms/step   x{row['speedup']:.2f}")
+
+
+BENCHMARK = Benchmark("hf_cache", __doc__, cases, COLUMNS, "speedup",
+                      "decode step: FusedCache over DynamicCache", describe=describe)
+
+
+def main(argv=None):
+    return run(BENCHMARK, argv)
+
+
+if __name__ == "__main__":
+    main()

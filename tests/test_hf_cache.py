@@ -1,0 +1,203 @@
+"""fusedllm.hf.FusedCache against transformers' DynamicCache: the same
+tensors from every layer update (any chunk sizes, ring wrap-around at every
+offset, beam and batch operations), the same generated tokens and logits
+under every attention backend, storage written in place, and its errors."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+cache_utils = pytest.importorskip("transformers.cache_utils")
+if not hasattr(cache_utils, "DynamicSlidingWindowLayer"):
+    pytest.skip("FusedCache needs transformers 5's cache layers", allow_module_level=True)
+
+import fusedllm.hf  # noqa: E402
+from fusedllm.hf import FusedCache  # noqa: E402
+from fusedllm.hf_cache import GrowingLayer, RingLayer  # noqa: E402
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+
+
+def kv(n, batch=2, heads=2, dim=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, heads, n, dim, generator=g), torch.randn(batch, heads, n, dim, generator=g)
+
+
+def same_updates(ours, theirs, chunks, query=1):
+    """Feed both layers the same chunks; every returned tensor, mask size and
+    length must be equal."""
+    for step, n in enumerate(chunks):
+        assert ours.get_mask_sizes(n) == theirs.get_mask_sizes(n), step
+        k, v = kv(n, seed=step)
+        got, want = ours.update(k, v), theirs.update(k.clone(), v.clone())
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), (step, chunks)
+        assert ours.get_seq_length() == theirs.get_seq_length()
+
+
+@pytest.mark.parametrize("window", [2, 3, 5])
+@pytest.mark.parametrize("prefill", range(0, 12))
+def test_ring_returns_what_the_sliding_layer_returns(window, prefill):
+    """Every prefill length against windows of 2, 3 and 5 (so the ring has
+    wrapped at every offset), then one-token steps and mixed chunks. (A
+    window of 1 is left out: transformers' layer then keeps every position,
+    its slice [-0:] being the whole.)"""
+    chunks = ([prefill] if prefill else []) + [1] * 13 + [3, 1, 1, 7, 1, 2, 1]
+    ring = RingLayer(window)
+    same_updates(ring, cache_utils.DynamicSlidingWindowLayer(window), chunks)
+    assert ring._k.shape[2] == 2 * window  # storage bounded by the window
+
+
+def test_growing_layer_returns_what_the_dynamic_layer_returns():
+    same_updates(GrowingLayer(capacity=3), cache_utils.DynamicLayer(), [5, 1, 1, 1, 4, 1, 9, 1, 1])
+
+
+def test_steps_write_in_place_and_storage_grows_geometrically():
+    layer = GrowingLayer(capacity=4)
+    pointers, sizes = set(), set()
+    for step in range(100):
+        keys, _ = layer.update(*kv(1, seed=step))
+        pointers.add(keys.data_ptr())
+        sizes.add(layer._k.shape[2])
+    assert keys.shape[2] == 100
+    assert sorted(sizes) == [4, 6, 9, 13, 19, 28, 42, 63, 94, 141]  # one copy of the past per growth
+    assert len(pointers) == len(sizes)
+    exact = GrowingLayer(capacity=1)
+    exact.update(*kv(50))
+    assert exact._k.shape[2] == 50  # a first chunk larger than the capacity: no more than it needs
+    ring = RingLayer(4)
+    pointers = {ring.update(*kv(1, seed=step))[0].untyped_storage().data_ptr() for step in range(30)}
+    assert len(pointers) == 1
+
+
+@pytest.mark.parametrize("operation", ["crop", "reorder", "select", "repeat", "reset"])
+def test_growing_layer_after_transformers_replaces_its_tensors(operation):
+    """crop, beam reordering, batch selection and repetition replace keys and
+    values; the next update must carry on from what they left."""
+    ours, theirs = GrowingLayer(capacity=2), cache_utils.DynamicLayer()
+    same_updates(ours, theirs, [3, 1, 1])
+    for layer in (ours, theirs):
+        if operation == "crop":
+            layer.crop(-2)
+        elif operation == "reorder":
+            layer.reorder_cache(torch.tensor([1, 0]))
+        elif operation == "select":
+            layer.batch_select_indices(torch.tensor([1, 1]))
+        elif operation == "repeat":
+            layer.batch_repeat_interleave(1)
+        else:
+            layer.reset()
+    same_updates(ours, theirs, [1, 2, 1])
+
+
+@pytest.mark.parametrize("operation", ["reorder", "select"])
+def test_ring_after_beam_and_batch_operations(operation):
+    ours, theirs = RingLayer(3), cache_utils.DynamicSlidingWindowLayer(3)
+    same_updates(ours, theirs, [4, 1, 1])
+    index = torch.tensor([1, 0])
+    for layer in (ours, theirs):
+        (layer.reorder_cache if operation == "reorder" else layer.batch_select_indices)(index)
+    same_updates(ours, theirs, [1, 1, 2, 1])
+
+
+def llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
+
+
+def mistral():
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=5))
+
+
+def gemma2():
+    """Sliding and full layers in one model, and Gemma 2's soft-capping."""
+    config = transformers.Gemma2Config(**{**SMALL, "num_hidden_layers": 4}, head_dim=16, sliding_window=4,
+                                       query_pre_attn_scalar=16)
+    return transformers.Gemma2ForCausalLM(config)
+
+
+MODELS = {"llama": llama, "mistral_window5": mistral, "gemma2_mixed": gemma2}
+
+
+def left_padded(device, batch=2, seq=9, pad=3):
+    ids = torch.randint(3, SMALL["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, :pad] = 0
+    ids[1, :pad] = 0
+    return ids.to(device), mask.to(device)
+
+
+def generate(model, ids, mask, cache, **kw):
+    return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=14, do_sample=False,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kw)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("attention", ["eager", "sdpa", "fusedllm"])
+def test_generate_equals_dynamic_cache(kind, attention):
+    """Left-padded greedy generation, the prompt longer than the window and
+    the generation wrapping the ring twice: the same tokens and logits."""
+    torch.manual_seed(0)
+    model = MODELS[kind]().eval()
+    if attention == "sdpa" and not model._supports_sdpa:
+        pytest.skip(f"transformers has no sdpa attention for {type(model).__name__}")
+    model.set_attn_implementation(attention)
+    ids, mask = left_padded("cpu")
+    cache = FusedCache(model.config, capacity=4)
+    ours = generate(model, ids, mask, cache)
+    theirs = generate(model, ids, mask, transformers.DynamicCache(config=model.config))
+    assert torch.equal(ours.sequences, theirs.sequences)
+    for a, b in zip(ours.logits, theirs.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    assert kinds == {"llama": ["GrowingLayer"] * 2, "mistral_window5": ["RingLayer"] * 2,
+                     "gemma2_mixed": ["RingLayer", "GrowingLayer"] * 2}[kind]
+
+
+def test_beam_search_equals_dynamic_cache():
+    torch.manual_seed(0)
+    model = gemma2().eval()
+    model.set_attn_implementation("fusedllm")
+    ids, mask = left_padded("cpu")
+    ours = generate(model, ids, mask, FusedCache(model.config), num_beams=3)
+    theirs = generate(model, ids, mask, transformers.DynamicCache(config=model.config), num_beams=3)
+    assert torch.equal(ours.sequences, theirs.sequences)
+
+
+def test_generate_on_the_kernels_of_every_device(device):
+    """The fusedllm backend over FusedCache's views, on CPU, the emulated CUDA
+    kernels and a GPU where there is one."""
+    torch.manual_seed(0)
+    model = mistral().to(device).eval()
+    model.set_attn_implementation("fusedllm")
+    ids, mask = left_padded(device)
+    ours = generate(model, ids, mask, FusedCache(model.config))
+    model.set_attn_implementation("eager")
+    theirs = generate(model, ids, mask, transformers.DynamicCache(config=model.config))
+    assert torch.equal(ours.sequences, theirs.sequences)
+
+
+def test_without_config_every_layer_grows():
+    model = llama().eval()
+    ids = torch.randint(3, 128, (1, 5))
+    cache = FusedCache()
+    model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert [type(layer).__name__ for layer in cache.layers] == ["GrowingLayer"] * 2
+    assert cache.get_seq_length() == 7
+
+
+def test_errors_name_what_was_wrong():
+    with pytest.raises(ValueError, match="capacity must be a positive int, got 0"):
+        FusedCache(capacity=0)
+    for layer in (GrowingLayer(), RingLayer(3)):
+        layer.update(*kv(2))
+        with pytest.raises(ValueError, match=r"new keys must be \[batch, heads, n, head_dim\] = \[2, 2, n, 4\]"):
+            layer.update(*kv(1, batch=1))
+        k, v = kv(1)
+        with pytest.raises(ValueError, match="new keys are torch.float64 on cpu, the held ones torch.float32"):
+            layer.update(k.double(), v.double())
+    ring = RingLayer(3)
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        ring.crop(-1)
+    with pytest.raises(ValueError, match="cannot record the past"):
+        ring.activate_past_recording()

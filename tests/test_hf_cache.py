@@ -55,20 +55,21 @@ def test_growing_layer_returns_what_the_dynamic_layer_returns():
 
 def test_steps_write_in_place_and_storage_grows_geometrically():
     layer = GrowingLayer(capacity=4)
-    pointers, sizes = set(), set()
+    moves, sizes, last = 0, set(), None
     for step in range(100):
         keys, _ = layer.update(*kv(1, seed=step))
-        pointers.add(keys.data_ptr())
+        moves += keys.data_ptr() != last
+        last = keys.data_ptr()
         sizes.add(layer._k.shape[2])
     assert keys.shape[2] == 100
     assert sorted(sizes) == [4, 6, 9, 13, 19, 28, 42, 63, 94, 141]  # one copy of the past per growth
-    assert len(pointers) == len(sizes)
+    assert moves <= len(sizes)  # (an address can come back from the allocator)
     exact = GrowingLayer(capacity=1)
     exact.update(*kv(50))
     assert exact._k.shape[2] == 50  # a first chunk larger than the capacity: no more than it needs
     ring = RingLayer(4)
-    pointers = {ring.update(*kv(1, seed=step))[0].untyped_storage().data_ptr() for step in range(30)}
-    assert len(pointers) == 1
+    storages = {ring.update(*kv(1, seed=step))[0].untyped_storage().data_ptr() for step in range(30)}
+    assert len(storages) == 1
 
 
 @pytest.mark.parametrize("operation", ["crop", "reorder", "select", "repeat", "reset"])

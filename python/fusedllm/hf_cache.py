@@ -38,14 +38,16 @@ except ImportError as exc:  # transformers 4.x: caches without per-layer classes
 OWNER = "fusedllm.hf.FusedCache"
 
 
-def _check_new(name: str, new: torch.Tensor, store: torch.Tensor) -> None:
+def _check_new(name: str, new: torch.Tensor, store: torch.Tensor, same_place: bool = True) -> None:
     """New keys or values must be [batch, heads, n, head_dim] like the storage:
-    a copy into a slice would broadcast a batch of 1 or cast a dtype silently."""
+    a copy into a slice would broadcast a batch of 1 or cast a dtype silently.
+    (Positions transformers moved, as offloading does, may come from another
+    device: same_place=False.)"""
     if new.dim() != 4 or new.shape[:2] != store.shape[:2] or new.shape[3] != store.shape[3]:
         raise ValueError(f"{OWNER}: new {name} must be [batch, heads, n, head_dim] = "
                          f"[{store.shape[0]}, {store.shape[1]}, n, {store.shape[3]}] as held, "
                          f"got shape {list(new.shape)}")
-    if new.dtype != store.dtype or new.device != store.device:
+    if same_place and (new.dtype != store.dtype or new.device != store.device):
         raise ValueError(f"{OWNER}: new {name} are {new.dtype} on {new.device}, "
                          f"the held ones {store.dtype} on {store.device}")
 
@@ -81,7 +83,7 @@ class GrowingLayer(DynamicLayer):
             self._k = key_states.new_empty(shape)
             self._v = value_states.new_empty(shape[:3] + (value_states.shape[3],))
             if held:
-                _check_new("keys", old_k, self._k)
+                _check_new("keys", old_k, self._k, same_place=False)
                 self._k[:, :, :held].copy_(old_k)
                 self._v[:, :, :held].copy_(old_v)
         _check_new("keys", key_states, self._k)

@@ -56,9 +56,10 @@ class GrowingLayer(DynamicLayer):
     """A full-attention layer: ``DynamicLayer``'s contract on storage that
     grows by half when full (copying the past once), so a step copies only
     its own positions. The first storage holds ``capacity`` positions, or the
-    first update's if more: a capacity of prompt plus new tokens never grows. ``keys`` / ``values`` are views of the storage; where
-    transformers replaces them (``crop``, beam reordering, batch selection),
-    the next ``update`` adopts what it left."""
+    first update's if more: a capacity of prompt plus new tokens never grows.
+    ``keys`` / ``values`` are views of the storage; where transformers
+    replaces them (``crop``, beam reordering, batch selection), the next
+    ``update`` adopts what it left."""
 
     def __init__(self, capacity: int = 256, **kwargs):
         super().__init__(**kwargs)
@@ -115,13 +116,18 @@ class RingLayer(DynamicSlidingWindowLayer):
         return store[:, :, end - count:end]
 
     def _write(self, key_states: torch.Tensor, value_states: torch.Tensor, first: int) -> None:
-        """Positions first, first + 1, ... (the last W of them) into both their slots."""
-        n, window = key_states.shape[-2], self.sliding_window
+        """Positions first, first + 1, ... (the last W of them) into both their
+        slots: slice copies, the run up to the ring's end and the rest from its start."""
+        window, n = self.sliding_window, key_states.shape[-2]
         skip = max(0, n - window)
-        slots = torch.arange(first + skip, first + n, device=self._k.device) % window
-        slots = torch.cat([slots, slots + window])
-        for store, new in ((self._k, key_states[:, :, skip:]), (self._v, value_states[:, :, skip:])):
-            store.index_copy_(2, slots, torch.cat([new, new], dim=2))
+        start, count = (first + skip) % window, n - skip
+        head = min(count, window - start)
+        for store, new in ((self._k, key_states), (self._v, value_states)):
+            for slot, src, length in ((start, skip, head), (0, skip + head, count - head)):
+                if length:
+                    part = new[:, :, src:src + length]
+                    store[:, :, slot:slot + length].copy_(part)
+                    store[:, :, slot + window:slot + window + length].copy_(part)
 
     def activate_past_recording(self):
         raise ValueError(f"{OWNER}: its sliding-window layers keep no positions beyond the window, so they "

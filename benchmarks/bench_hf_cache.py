@@ -5,7 +5,10 @@ fusedllm.hf.FusedCache, at several context lengths and batch sizes.
     python benchmarks/bench_hf_cache.py --quick   # contexts 1k, 4k; batch 1 and 4; bf16
 
 A small LlamaForCausalLM (hidden 256, 4 layers, 8 query / 2 kv heads of 32,
-vocabulary 32000) with the "fusedllm" attention backend. Each layer's cache
+vocabulary 32000) with the "fusedllm" attention backend, and the same shape as
+a MistralForCausalLM with a sliding window of 4096 on every layer ("window"
+rows: DynamicCache concatenates the window's past with each new position,
+FusedCache's ring writes two slots). Each layer's cache
 is filled with the context's keys and values (random, not timed); then `new`
 greedy decoding steps of one token each through the whole model, the median
 step time. DynamicCache concatenates each layer's whole past with the new
@@ -62,24 +65,35 @@ def bench_one(model, cache, batch, context, new, device, dtype):
     return statistics.median(times), storage_mib(cache)
 
 
-def cases(args, device):
+def models(args):
+    """(label, model class, config, dtypes, contexts): the Llama with full layers
+    only, and the same shape as a Mistral with a sliding window on every layer."""
     contexts = [1024, 4096] if args.quick else [1024, 8192, 32768]
-    batches = [1, 4] if args.quick else [1, 8]
     dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float32]
+    window = 1024 if args.quick else 4096
+    yield "", transformers.LlamaForCausalLM, transformers.LlamaConfig(**CONFIG), dtypes, contexts
+    yield (f"window {window} ", transformers.MistralForCausalLM,
+           transformers.MistralConfig(**CONFIG, sliding_window=window), [torch.bfloat16], contexts[1:])
+
+
+def cases(args, device):
+    batches = [1, 4] if args.quick else [1, 8]
     new = args.reps or (6 if args.quick else 12)
-    torch.manual_seed(0)
-    for dtype in dtypes:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).to(device, dtype).eval()
-        model.set_attn_implementation("fusedllm")
-        for batch in batches:
-            for context in contexts:
-                dyn_s, dyn_mib = bench_one(model, transformers.DynamicCache(config=model.config), batch, context,
-                                           new, device, dtype)
-                fused_s, fused_mib = bench_one(model, FusedCache(model.config), batch, context, new, device, dtype)
-                yield dict(case=f"B={batch} context {context} {dtype_name(dtype)}", batch=batch, context=context,
-                           dtype=dtype_name(dtype), dynamic_ms=dyn_s * 1e3, fused_ms=fused_s * 1e3,
-                           speedup=dyn_s / fused_s, dynamic_tok_s=batch / dyn_s, fused_tok_s=batch / fused_s,
-                           dynamic_mib=dyn_mib, fused_mib=fused_mib)
+    for label, cls, config, dtypes, contexts in models(args):
+        for dtype in dtypes:
+            torch.manual_seed(0)
+            model = cls(config).to(device, dtype).eval()
+            model.set_attn_implementation("fusedllm")
+            for batch in batches:
+                for context in contexts:
+                    dyn_s, dyn_mib = bench_one(model, transformers.DynamicCache(config=model.config), batch,
+                                               context, new, device, dtype)
+                    fused_s, fused_mib = bench_one(model, FusedCache(model.config), batch, context, new, device,
+                                                   dtype)
+                    yield dict(case=f"{label}B={batch} context {context} {dtype_name(dtype)}", batch=batch,
+                               context=context, dtype=dtype_name(dtype), dynamic_ms=dyn_s * 1e3,
+                               fused_ms=fused_s * 1e3, speedup=dyn_s / fused_s, dynamic_tok_s=batch / dyn_s,
+                               fused_tok_s=batch / fused_s, dynamic_mib=dyn_mib, fused_mib=fused_mib)
 
 
 COLUMNS = [

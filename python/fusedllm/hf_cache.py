@@ -189,7 +189,7 @@ class FusedCache(DynamicCache):
     ``config`` as ``DynamicCache(config=config)`` chooses (Mistral, Gemma 2/3,
     gpt-oss and Qwen's mixed layers each get the right kind). Without a config
     every layer is a :class:`GrowingLayer`. ``capacity``: positions each full
-    layer allocates first.
+    layer allocates first (prompt plus new tokens: the storage never grows).
 
     ``model.generate(input_ids, past_key_values=FusedCache(model.config))``
     """

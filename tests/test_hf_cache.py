@@ -202,3 +202,22 @@ def test_errors_name_what_was_wrong():
         ring.crop(-1)
     with pytest.raises(ValueError, match="cannot record the past"):
         ring.activate_past_recording()
+
+
+def test_sampling_and_continuing_with_the_same_cache():
+    """Sampling with several sequences per prompt, then a second generate call
+    on the grown sequence with the same cache (a chat's next turn)."""
+    torch.manual_seed(0)
+    model = mistral().eval()
+    model.set_attn_implementation("fusedllm")
+    ids, _ = left_padded("cpu", pad=0)
+    results = []
+    for cache in (FusedCache(model.config), transformers.DynamicCache(config=model.config)):
+        torch.manual_seed(5)
+        first = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=True, top_k=5,
+                               pad_token_id=0)
+        turn = torch.cat([first, torch.randint(3, SMALL["vocab_size"], (first.shape[0], 3),
+                                               generator=torch.Generator().manual_seed(2))], 1)
+        second = model.generate(turn, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        results.append(second)
+    assert torch.equal(results[0], results[1])

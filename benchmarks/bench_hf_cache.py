@@ -8,7 +8,8 @@ A small LlamaForCausalLM (hidden 256, 4 layers, 8 query / 2 kv heads of 32,
 vocabulary 32000) with the "fusedllm" attention backend, and the same shape as
 a MistralForCausalLM with a sliding window of 4096 on every layer ("window"
 rows: DynamicCache concatenates the window's past with each new position,
-FusedCache's ring writes two slots). Each layer's cache
+FusedCache's ring writes two slots). Where optimum-quanto is installed,
+transformers' QuantizedCache (4-bit) runs too, on the full-layer rows. Each layer's cache
 is filled with the context's keys and values (random, not timed); then `new`
 greedy decoding steps of one token each through the whole model, the median
 step time. DynamicCache concatenates each layer's whole past with the new
@@ -44,6 +45,18 @@ def storage_mib(cache):
     return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
 
+def quantized_cache(config):
+    """transformers' QuantizedCache on optimum-quanto (4-bit, groups of 32,
+    the last 128 positions kept in full precision), or None where
+    optimum-quanto is not installed."""
+    try:
+        import optimum.quanto  # noqa: F401
+    except ImportError:
+        return None
+    return transformers.QuantizedCache(backend="quanto", config=config, nbits=4, q_group_size=32,
+                                       residual_length=128)
+
+
 def bench_one(model, cache, batch, context, new, device, dtype):
     head_dim = CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
     g = torch.Generator(device=device).manual_seed(0)
@@ -62,7 +75,8 @@ def bench_one(model, cache, batch, context, new, device, dtype):
 
         step()  # warm-up
         times = [time_once(step, device) for _ in range(new)]
-    return statistics.median(times), storage_mib(cache)
+    # (a quantized cache's storage is quanto's tensors: not counted here)
+    return statistics.median(times), None if isinstance(cache, transformers.QuantizedCache) else storage_mib(cache)
 
 
 def models(args):
@@ -90,10 +104,14 @@ def cases(args, device):
                                                context, new, device, dtype)
                     fused_s, fused_mib = bench_one(model, FusedCache(model.config), batch, context, new, device,
                                                    dtype)
+                    quantized = quantized_cache(model.config) if not label else None
+                    quant_s = bench_one(model, quantized, batch, context, new, device, dtype)[0] if quantized else None
                     yield dict(case=f"{label}B={batch} context {context} {dtype_name(dtype)}", batch=batch,
                                context=context, dtype=dtype_name(dtype), dynamic_ms=dyn_s * 1e3,
                                fused_ms=fused_s * 1e3, speedup=dyn_s / fused_s, dynamic_tok_s=batch / dyn_s,
-                               fused_tok_s=batch / fused_s, dynamic_mib=dyn_mib, fused_mib=fused_mib)
+                               fused_tok_s=batch / fused_s, dynamic_mib=dyn_mib, fused_mib=fused_mib,
+                               quantized_ms=quant_s * 1e3 if quant_s else None,
+                               vs_quantized=quant_s / fused_s if quant_s else None)
 
 
 COLUMNS = [
@@ -101,6 +119,8 @@ COLUMNS = [
     ("dynamic_ms", "DynamicCache ms/step", ".2f"),
     ("fused_ms", "FusedCache ms/step", ".2f"),
     ("speedup", "FusedCache ×", ".2f"),
+    ("quantized_ms", "QuantizedCache (quanto 4-bit) ms/step", ".2f"),
+    ("vs_quantized", "FusedCache × QuantizedCache", ".2f"),
     ("dynamic_tok_s", "DynamicCache tok/s", ".0f"),
     ("fused_tok_s", "FusedCache tok/s", ".0f"),
     ("dynamic_mib", "DynamicCache MiB", ".0f"),
@@ -113,8 +133,15 @@ def describe(row):
             f"ms/step   x{row['speedup']:.2f}")
 
 
+def notes(rows):
+    if any(row["quantized_ms"] is not None for row in rows):
+        return ["QuantizedCache: transformers' own, on optimum-quanto (4-bit, groups of 32, the last 128 "
+                "positions in full precision), full-layer rows only"]
+    return ["QuantizedCache: not run (optimum-quanto is not installed: pip install optimum-quanto)"]
+
+
 BENCHMARK = Benchmark("hf_cache", __doc__, cases, COLUMNS, "speedup",
-                      "decode step: FusedCache over DynamicCache", describe=describe)
+                      "decode step: FusedCache over DynamicCache", describe=describe, notes=notes)
 
 
 def main(argv=None):

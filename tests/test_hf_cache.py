@@ -24,7 +24,7 @@ def kv(n, batch=2, heads=2, dim=4, seed=0):
     return torch.randn(batch, heads, n, dim, generator=g), torch.randn(batch, heads, n, dim, generator=g)
 
 
-def same_updates(ours, theirs, chunks, query=1):
+def same_updates(ours, theirs, chunks):
     """Feed both layers the same chunks; every returned tensor, mask size and
     length must be equal."""
     for step, n in enumerate(chunks):

@@ -79,12 +79,10 @@ struct VecIO<T, std::enable_if_t<std::is_same_v<T, c10::BFloat16> || std::is_sam
       // The instruction flushes float32 subnormals (nonzero, below 2^-126) to
       // zero, where torch keeps them as bfloat16 subnormals: such a vector
       // takes ATen's conversion.
-      const __m512 tiny = _mm512_set1_ps(1.17549435e-38f);
-      const __mmask16 sub0 = _mm512_cmp_ps_mask(_mm512_abs_ps(v[0]), tiny, _CMP_LT_OQ) &
-                             _mm512_cmp_ps_mask(v[0], _mm512_setzero_ps(), _CMP_NEQ_OQ);
-      const __mmask16 sub1 = _mm512_cmp_ps_mask(_mm512_abs_ps(v[1]), tiny, _CMP_LT_OQ) &
-                             _mm512_cmp_ps_mask(v[1], _mm512_setzero_ps(), _CMP_NEQ_OQ);
-      if ((sub0 | sub1) == 0) return TV((__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+      constexpr int kDenormal = 0x20;  // vfpclassps category: nonzero subnormal
+      if ((_mm512_fpclass_ps_mask(v[0], kDenormal) | _mm512_fpclass_ps_mask(v[1], kDenormal)) == 0) {
+        return TV((__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+      }
     }
 #endif
     return at::vec::convert_from_float<T>(v[0], v[1]);

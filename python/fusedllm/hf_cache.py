@@ -75,11 +75,11 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         held, n = self.get_seq_length(), key_states.shape[-2]
-        if not self._holds_views() or held + n > self._k.shape[2]:
+        views = self._holds_views()
+        if not views or held + n > self._k.shape[2]:
             # first step, storage full, or keys replaced by transformers: new storage
             old_k, old_v = (self.keys, self.values) if held else (None, None)
-            grown = 3 * self._k.shape[2] // 2 if self._holds_views() else 0
-            size = max(self.capacity, held + n, grown)
+            size = max(self.capacity, held + n, 3 * self._k.shape[2] // 2 if views else 0)
             shape = (key_states.shape[0], key_states.shape[1], size, key_states.shape[3])
             self._k = key_states.new_empty(shape)
             self._v = value_states.new_empty(shape[:3] + (value_states.shape[3],))

@@ -343,13 +343,17 @@ class KVCache:
             return [(0, self.length)] if self.length else []
         sink = min(self.sink, self.length)
         parts = [(0, sink)] if sink else []
-        first = max(sink, self.length - self.window)
-        while first < self.length:
+        return parts + [(p, p + n) for p, _, n in self._ring_runs(max(sink, self.length - self.window),
+                                                                  self.length)]
+
+    def _ring_runs(self, first: int, stop: int):
+        """Ring positions [first, stop) (none a sink) as runs ``(position, slot,
+        count)`` of contiguous slots: at most two, split where the ring wraps."""
+        while first < stop:
             slot = self._slot(first)
-            stop = min(self.length, first + self.sink + self.window - slot)
-            parts.append((first, stop))
-            first = stop
-        return parts
+            count = min(stop - first, self.sink + self.window - slot)
+            yield first, slot, count
+            first += count
 
     def _held(self, storage: torch.Tensor) -> torch.Tensor:
         parts = [storage[:, :, self._slot(a):self._slot(a) + (b - a)] for a, b in self._ring_parts()]
@@ -431,21 +435,15 @@ class KVCache:
             self._k[:, :, self.length:end].copy_(k)
             self._v[:, :, self.length:end].copy_(v)
         else:
-            # only the sink positions and the last `window` ones are kept, each in its slot
-            keep = [p for p in range(self.length, end) if p < self.sink or p >= end - self.window]
-            slots = [self._slot(p) for p in keep]
-            if not keep:  # no new position
-                pass
-            elif slots == list(range(slots[0], slots[0] + len(slots))) and keep[-1] - keep[0] == len(keep) - 1:
-                # one run (a decoding step, or a chunk that does not wrap): no index tensors
-                rows = slice(keep[0] - self.length, keep[-1] + 1 - self.length)
-                self._k[:, :, slots[0]:slots[-1] + 1].copy_(k[:, :, rows])
-                self._v[:, :, slots[0]:slots[-1] + 1].copy_(v[:, :, rows])
-            else:
-                rows = torch.tensor([p - self.length for p in keep], device=k.device)
-                index = torch.tensor(slots, device=k.device)
-                self._k.index_copy_(2, index, k.index_select(2, rows))
-                self._v.index_copy_(2, index, v.index_select(2, rows))
+            # only the sink positions and the last `window` ones are kept: slice copies
+            # of at most three runs (the sinks' slots are their positions)
+            sinks = max(0, min(end, self.sink) - self.length)
+            runs = [(self.length, self.length, sinks)] if sinks else []
+            runs += self._ring_runs(max(self.length, self.sink, end - self.window), end)
+            for position, slot, count in runs:
+                rows = slice(position - self.length, position - self.length + count)
+                self._k[:, :, slot:slot + count].copy_(k[:, :, rows])
+                self._v[:, :, slot:slot + count].copy_(v[:, :, rows])
         self.length = end
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,

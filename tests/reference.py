@@ -276,3 +276,34 @@ def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation="s
             row = row + w[t, j] * y
         out.append(row)
     return torch.stack(out) if out else h.new_zeros(h.shape)
+
+
+def quantize_kv(x):
+    """Symmetric int8 rows of the last dim: scale = max|x| / 127 and values =
+    round(x * (127 / max|x|)), half to even (0 for an all-zero row); 127 / max|x|
+    is a true division (127 / tensor in PyTorch is 127 * reciprocal, which can
+    round differently). Returns (int8 values, float32 scales); for finite x."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    values = torch.round(xf * inverse.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return values, amax / 127.0
+
+
+def dequantize_kv(values, scales):
+    """The float32 rows int8 values stand for: values * scale, rounded once."""
+    return values.float() * scales.unsqueeze(-1)
+
+
+def int8_attention_error_bound(q, v, k_scale, v_scale, scale=None):
+    """A bound on each output entry's distance between attention over int8 keys
+    and values and attention over the float rows they were made from.
+    A key row is off by at most k_scale / 2 per entry, so each score by at most
+    eps = scale * max_row sum|q| * max k_scale / 2; scores that move by at most
+    eps move every probability by a factor within exp(+-2 eps), so the
+    probability-weighted sum of v moves by at most (exp(2 eps) - 1) * max|v|;
+    the values themselves are off by at most max v_scale / 2."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    eps = scale * q.float().abs().sum(-1).max().item() * k_scale.max().item() / 2
+    return v_scale.max().item() / 2 + math.expm1(2 * eps) * v.float().abs().max().item()

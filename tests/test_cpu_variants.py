@@ -42,6 +42,10 @@ OPS = {
                           "(options_with_masks and float32) or (varlen_matches_reference and float32) "
                           "or (test_gradcheck_float64 and all)",
                           ("attention_forward", "attention_backward")),
+    "int8 attention": ("test_kv_quant.py",
+                       "(int8_attention_matches_dequantized and (2100 or 40x40)) or int8_attention_options "
+                       "or int8_attention_varlen",
+                       ("attention_forward",)),
     "linear_cross_entropy": ("test_cross_entropy.py",
                              "(matches_cross_entropy and not float16) or options or gradcheck",
                              ("cross_entropy_rows",)),

@@ -131,7 +131,7 @@ def test_window_cache_module_without_its_own_window_is_streaming(device):
                                 cache=KVCache(window=4)),
      "mask cannot be combined with a KVCache with a window"),
     (lambda: GQAttention(16, 2)(torch.randn(1, 2, 16), return_weights=True, cache=KVCache(window=4)),
-     "return_weights=True needs a KVCache without a window"),
+     "return_weights=True needs a KVCache without a window or int8 storage"),
 ])
 def test_window_cache_errors(make, message):
     with torch.no_grad(), pytest.raises(ValueError, match=message):

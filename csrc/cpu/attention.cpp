@@ -22,6 +22,11 @@ AttentionOperand operand(const at::Tensor& t) {
   return o;
 }
 
+AttentionScales scales(const at::Tensor& t) {
+  if (!t.defined()) return {};
+  return {t.const_data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
 // Scratch of one kernel call as the variant describes it.
 at::Tensor allocate(const AttentionWorkspace& w) {
   at::Tensor t = at::empty({w.bytes}, at::TensorOptions(at::kByte));
@@ -56,6 +61,8 @@ struct CpuAttention {
     a.q = operand(p.q);
     a.k = operand(p.k);
     a.v = operand(p.v);
+    a.k_scale = scales(p.k_scale);
+    a.v_scale = scales(p.v_scale);
     a.out = p.out.data_ptr();
     a.lse = p.lse.data_ptr();
     const AttentionForwardKernel* kernel = attention_forward_kernels.get();

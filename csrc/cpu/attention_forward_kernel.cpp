@@ -131,13 +131,9 @@ struct ForwardKernel {
   static void task(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w,
                    int64_t b, int64_t g, int64_t p0, int64_t npos, int64_t split, int64_t splits,
                    acc_t* o_out, int64_t o_ld, acc_t* lse_out) {
-    const int64_t kss = a.k.seq_stride, vss = a.v.seq_stride;
     const int64_t q_start = a.seqs.q_start(b), k_start = a.seqs.k_start(b);
     const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride + q_start * a.q.seq_stride;
-    const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + g * a.k.head_stride +
-                 k_start * kss;
-    const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + g * a.v.head_stride +
-                 k_start * vss;
+    const KvRows<T> k(a.k, a.k_scale, b, g, k_start), v(a.v, a.v_scale, b, g, k_start);
     const Mask mask = a.mask.of_lengths(a.seqs.q_len(b), a.seqs.k_len(b));
     const int64_t d = t.d, d_pad = t.d_pad, group = t.group;
     const int64_t rows = npos * group;
@@ -146,8 +142,9 @@ struct ForwardKernel {
     const acc_t scale = static_cast<acc_t>(a.scale);
     // bfloat16 on vdpbf16ps where the variant has it: Q^T as pair words (the
     // scale applied to the products), K as pair words along its rows, P and V
-    // packed per tile (attention_gemm.h).
+    // packed per tile (attention_gemm.h). int8 K/V: float32 tiles.
     constexpr bool kPairs = kPairProducts<T>;
+    const bool pairs = kPairs && !k.quantized();
 #if defined(__AVX512BF16__)
     const int64_t dp = (d + 1) / 2;
     uint32_t* const qp = reinterpret_cast<uint32_t*>(w.qt);
@@ -155,9 +152,9 @@ struct ForwardKernel {
     uint32_t* const vp32 = reinterpret_cast<uint32_t*>(w.vbuf);
     const auto q_row = [&](int64_t i) { return t.row_in(q, a.q.head_stride, a.q.seq_stride, g, p0, i); };
 #endif
-    if constexpr (kPairs) {
+    if (pairs) {
 #if defined(__AVX512BF16__)
-      pack_rows_transposed(q_row, rows, ld, d, qp);
+      if constexpr (kPairs) pack_rows_transposed(q_row, rows, ld, d, qp);
 #endif
     } else {
       // (Q * scale)^T, staged row-major in the output buffer first.
@@ -173,13 +170,15 @@ struct ForwardKernel {
       const int64_t nk = tiles.stop(i) - j0;
       int64_t k_ld, v_ld;
       // S^T = K (Q * scale)^T: keys x rows.
-      if constexpr (kPairs) {
+      if (pairs) {
 #if defined(__AVX512BF16__)
-        pack_rows_along(k + j0 * kss, kss, nk, d, kp32, dp);
-        gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp32, dp, qp, ld, w.s, ld, nullptr, scale);
+        if constexpr (kPairs) {
+          pack_rows_along(k.row(j0), k.seq_stride, nk, d, kp32, dp);
+          gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp32, dp, qp, ld, w.s, ld, nullptr, scale);
+        }
 #endif
       } else {
-        const acc_t* kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, w.kbuf, k_ld);
+        const acc_t* kp = k.tile(j0, nk, d, d_pad, w.kbuf, k_ld);
         gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
       }
       const TileRows tile{b, g, group, p0, npos, j0, nk};
@@ -201,15 +200,17 @@ struct ForwardKernel {
         });
       }
       // O = diag(alpha) O + P V, P read column-major out of the transposed tile.
-      if constexpr (kPairs) {
+      if (pairs) {
 #if defined(__AVX512BF16__)
-        const uint32_t* pp = pack_tile_pairs(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s));
-        pack_rows_across([&](int64_t j) { return v + (j0 + j) * vss; }, nk, d, vp32, d_pad);
-        gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, pp, ld, vp32, d_pad, w.o, d_pad,
-                                             w.alpha);
+        if constexpr (kPairs) {
+          const uint32_t* pp = pack_tile_pairs(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s));
+          pack_rows_across([&](int64_t j) { return v.row(j0 + j); }, nk, d, vp32, d_pad);
+          gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, pp, ld, vp32, d_pad, w.o,
+                                               d_pad, w.alpha);
+        }
 #endif
       } else {
-        const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
+        const acc_t* vp = v.tile(j0, nk, d, d_pad, w.vbuf, v_ld);
         gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.s, ld, vp, v_ld, w.o, d_pad,
                                               w.alpha);
       }

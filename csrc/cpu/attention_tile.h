@@ -271,6 +271,66 @@ inline const acc_t* kv_tile(const T* src, int64_t seq_stride, int64_t nk, int64_
   return buf;
 }
 
+// dst[0, n) = src[0, n) * scale (a row of an int8 cache); dst[n, n_pad) = 0.
+// Each entry is float(src) * scale rounded once, what every path computes.
+template <typename acc_t>
+inline void dequantize_row(const int8_t* src, int64_t n, int64_t n_pad, float scale, acc_t* dst) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<acc_t, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m512 s = _mm512_set1_ps(scale);
+    for (; j + 16 <= n; j += 16) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j));
+      _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s));
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m256 s = _mm256_set1_ps(scale);
+    for (; j + 8 <= n; j += 8) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j));
+      _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s));
+    }
+#endif
+  }
+  for (; j < n; ++j) dst[j] = static_cast<acc_t>(static_cast<float>(src[j]) * scale);
+  for (j = n; j < n_pad; ++j) dst[j] = 0;
+}
+
+// The K or V rows of one (batch, kv head) pair: T, or int8 with a float32
+// scale per row.
+template <typename T>
+struct KvRows {
+  using acc_t = typename VecIO<T>::acc_t;
+  const void* data;
+  int64_t seq_stride;
+  const float* scale = nullptr;  // set: int8 rows
+  int64_t scale_stride = 0;
+
+  KvRows(const AttentionOperand& o, const AttentionScales& s, int64_t b, int64_t g, int64_t start)
+      : seq_stride(o.seq_stride) {
+    const int64_t offset = b * o.batch_stride + g * o.head_stride + start * o.seq_stride;
+    if (s.data == nullptr) {
+      data = static_cast<const T*>(o.data) + offset;
+    } else {
+      data = static_cast<const int8_t*>(o.data) + offset;
+      scale = s.data + b * s.batch_stride + g * s.head_stride + start * s.seq_stride;
+      scale_stride = s.seq_stride;
+    }
+  }
+  bool quantized() const { return scale != nullptr; }
+  // Row j of float rows.
+  const T* row(int64_t j) const { return static_cast<const T*>(data) + j * seq_stride; }
+  // Rows [j0, j0 + nk) as a contiguous, zero-padded accumulator tile (kv_tile).
+  const acc_t* tile(int64_t j0, int64_t nk, int64_t d, int64_t d_pad, acc_t* buf, int64_t& ld) const {
+    if (!quantized()) return kv_tile(row(j0), seq_stride, nk, d, d_pad, buf, ld);
+    const int8_t* rows = static_cast<const int8_t*>(data);
+    for (int64_t j = 0; j < nk; ++j) {
+      dequantize_row(rows + (j0 + j) * seq_stride, d, d_pad, scale[(j0 + j) * scale_stride], buf + j * d_pad);
+    }
+    ld = d_pad;
+    return buf;
+  }
+};
+
 // Rows of a tile, row-major with leading dimension d_pad (zero padding).
 template <typename T, typename acc_t>
 void gather_rows(const T* base, int64_t head_stride, int64_t seq_stride, const Tiling<acc_t>& t,

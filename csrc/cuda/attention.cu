@@ -8,10 +8,44 @@
 namespace fusedllm::cuda {
 namespace {
 
+// K or V of the forward kernel: rows of T, or int8 rows with a float32 scale
+// per (batch, kv head, position) (a quantized cache).
+struct KvSource {
+  const void* data;
+  Strides st;
+  const float* scale;  // null: rows of T
+  Strides scale_st;
+};
+
+KvSource kv_source(const at::Tensor& t, const at::Tensor& scale) {
+  if (!scale.defined()) return {t.const_data_ptr(), strides_of(t), nullptr, {}};
+  return {t.const_data_ptr(), strides_of(t), scale.const_data_ptr<float>(), strides_of(scale)};
+}
+
+// Keys [j0, j0 + kKeys) of kv head g of sequence b (position 0 at `start`),
+// dequantized when int8; zeros past `end` and past d.
+template <typename T, typename acc_t, int kD, int kLd, int kKeys>
+__device__ __forceinline__ void stage_kv(acc_t* dst, const KvSource& src, int64_t b, int64_t g,
+                                         int64_t start, int64_t j0, int64_t end, int d) {
+  const int64_t offset = b * src.st.b + g * src.st.h + start * src.st.s;
+  if (src.scale == nullptr) {
+    stage_keys<T, acc_t, kD, kLd, kKeys>(dst, static_cast<const T*>(src.data) + offset, src.st.s, j0, end, d);
+    return;
+  }
+  const int8_t* base = static_cast<const int8_t*>(src.data) + offset;
+  const float* scale = src.scale + b * src.scale_st.b + g * src.scale_st.h + start * src.scale_st.s;
+  for (int idx = threadIdx.x; idx < kKeys * kD; idx += blockDim.x) {
+    const int jj = idx / kD, c = idx % kD;
+    const int64_t key = j0 + jj;
+    dst[jj * kLd + c] = (key < end && c < d)
+        ? static_cast<acc_t>(static_cast<float>(base[key * src.st.s + c]) * scale[key * src.scale_st.s])
+        : acc_t(0);
+  }
+}
+
 template <typename T, int kDL>
 __global__ void __launch_bounds__(Cfg<at::opmath_type<T>, kDL>::kFwdWarps * kWarpSize, 1)
-attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restrict__ k, Strides ks,
-                         const T* __restrict__ v, Strides vs, T* __restrict__ out,
+attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSource v, T* __restrict__ out,
                          at::opmath_type<T>* __restrict__ lse, attn::QueryRows rows, attn::Seqs seqs,
                          int d, at::opmath_type<T> scale, Mask mask_all, ScoreExtras extras) {
   using acc_t = at::opmath_type<T>;
@@ -31,8 +65,6 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restric
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int d_vec = (d + C::kVec - 1) / C::kVec * C::kVec;
   const int64_t k_start = seqs.k_start(b);
-  const T* kb_ptr = k + b * ks.b + g * ks.h + k_start * ks.s;
-  const T* vb_ptr = v + b * vs.b + g * vs.h + k_start * vs.s;
 
   stage_rows<T, acc_t, C::kD, C::kLd>(q_s, C::kFwdRows, q + b * qs.b + seqs.q_start(b) * qs.s, qs, rows,
                                        g, row0, rows_total, d, scale);
@@ -55,8 +87,8 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restric
 
   for (int64_t j0 = key_lo; j0 < key_hi; j0 += C::kKeys) {
     __syncthreads();  // the previous tile (and, first time, nothing) is no longer read
-    stage_keys<T, acc_t, C::kD, C::kLd, C::kKeys>(k_s, kb_ptr, ks.s, j0, key_hi, d);
-    stage_keys<T, acc_t, C::kD, C::kLd, C::kKeys>(v_s, vb_ptr, vs.s, j0, key_hi, d);
+    stage_kv<T, acc_t, C::kD, C::kLd, C::kKeys>(k_s, k, b, g, k_start, j0, key_hi, d);
+    stage_kv<T, acc_t, C::kD, C::kLd, C::kKeys>(v_s, v, b, g, k_start, j0, key_hi, d);
     __syncthreads();
 
     const int64_t key = j0 + lane;
@@ -146,9 +178,8 @@ void launch_attention_forward(const AttentionForwardPlan& p, Stream stream) {
       const dim3 grid(static_cast<unsigned>((rows.group_rows() + C::kFwdRows - 1) / C::kFwdRows),
                       static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
       launch("attention_forward_kernel", kernel, grid, C::kFwdWarps * kWarpSize, C::fwd_smem(),
-          stream, p.q.const_data_ptr<scalar_t>(), strides_of(p.q), p.k.const_data_ptr<scalar_t>(),
-          strides_of(p.k), p.v.const_data_ptr<scalar_t>(), strides_of(p.v),
-          p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), rows,
+          stream, p.q.const_data_ptr<scalar_t>(), strides_of(p.q), kv_source(p.k, p.k_scale),
+          kv_source(p.v, p.v_scale), p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), rows,
           p.seqs, static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p));
     });
   });
@@ -158,7 +189,9 @@ struct CudaAttention {
   static void forward(const AttentionForwardPlan& p) {
     const DeviceGuard guard(p.q.device());
     check_grid(p.shape);
-    if (choose_attention_kernel(p, p.q.scalar_type()) == AttentionKernel::kTensorCore) {
+    // int8 K/V (a quantized cache, mostly decoding) run on the SIMT kernel.
+    if (!p.k_scale.defined() &&
+        choose_attention_kernel(p, p.q.scalar_type()) == AttentionKernel::kTensorCore) {
       launch_attention_mma_forward(p, current_stream());
     } else {
       launch_attention_forward(p, current_stream());

@@ -3,7 +3,7 @@
 from ._extension import backend, build_info
 from . import _fake  # noqa: F401  (registers the fake kernels)
 from .functional import (apply_rope, attention, attention_varlen, fused_add_rms_norm, linear_cross_entropy,
-                         moe_experts, moe_load_balancing_loss, moe_route, rms_norm, swiglu)
+                         moe_experts, moe_load_balancing_loss, moe_route, quantize_kv, rms_norm, swiglu)
 from .rope_scaling import rope_tables
 from . import nn
 from .patch import patch, unpatch
@@ -15,4 +15,4 @@ _transformers_hook.install()
 
 __version__ = "0.1.0"
 
-__all__ = ["backend", "build_info", "rms_norm", "fused_add_rms_norm", "swiglu", "apply_rope", "rope_tables", "attention", "attention_varlen", "linear_cross_entropy", "moe_route", "moe_experts", "moe_load_balancing_loss", "nn", "patch", "unpatch", "__version__"]
+__all__ = ["backend", "build_info", "rms_norm", "fused_add_rms_norm", "swiglu", "apply_rope", "rope_tables", "attention", "attention_varlen", "linear_cross_entropy", "moe_route", "moe_experts", "moe_load_balancing_loss", "quantize_kv", "nn", "patch", "unpatch", "__version__"]

@@ -75,7 +75,7 @@ def _register_attention(ns: str) -> None:
     @torch.library.register_fake(f"{ns}::attention")
     def _attention_fake(q, k, v, mask, scale, causal, window, dropout_p, seed, window_right=-1,
                         softcap=0.0, sinks=None, alibi_slopes=None, cu_seqlens_q=None,
-                        cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+                        cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, k_scale=None, v_scale=None):
         packed = cu_seqlens_q is not None
         lse_shape = (q.shape[1], q.shape[0]) if packed else q.shape[:-1]
         return _attention_rows(q, packed), q.new_empty(lse_shape, dtype=rstd_dtype(q))
@@ -152,6 +152,12 @@ def _register_moe(ns: str) -> None:
                      for shape, dtype, want in zip(shapes, dtypes, wanted))
 
 
+def _register_kv_cache(ns: str) -> None:
+    @torch.library.register_fake(f"{ns}::quantize_kv")
+    def _quantize_kv_fake(x, values, scales):
+        return None
+
+
 def register_fakes(ns: str) -> None:
     """Fake kernels for every op of library `ns`: "fusedllm", or "fusedllm_simt"
     (the emulated CUDA kernels, same schemas; fusedllm.simt registers those)."""
@@ -161,6 +167,7 @@ def register_fakes(ns: str) -> None:
     _register_attention(ns)
     _register_cross_entropy(ns)
     _register_moe(ns)
+    _register_kv_cache(ns)
 
 
 if has_extension():

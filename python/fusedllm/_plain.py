@@ -413,10 +413,48 @@ def attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed, 
     return out, lse.detach(), probs
 
 
+def _dequantized_kv(op, q, k, v, k_scale, v_scale, packed):
+    """int8 k and v with their scales (the op's checks), as float32 k * k_scale, v * v_scale."""
+    k8, v8 = k.dtype == torch.int8, v.dtype == torch.int8
+    if not (k8 or v8):
+        _fail(op, f"k_scale / v_scale are the scales of int8 k and v, but k and v are {k.dtype}")
+    if not (k8 and v8):
+        _fail(op, f"k and v are int8 together or not at all, got k {k.dtype} and v {v.dtype}")
+    if k_scale is None or v_scale is None:
+        _fail(op, "int8 k and v need k_scale and v_scale (float32, one scale per position and kv head)")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        _fail(op, f"with int8 k and v, q must be float32, bfloat16 or float16, got {q.dtype}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_scale, v_scale)):
+        _fail(op, "int8 k and v (k_scale / v_scale) are for inference and have no backward; run under "
+                  "torch.no_grad() or torch.inference_mode(), or detach q")
+    for name, t in (("k", k), ("v", v), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if t.device != q.device:
+            _fail(op, f"{name} is on {t.device} but q is on {q.device}")
+    want = [k.shape[0], k.shape[1]] if packed else [k.shape[0], k.shape[1], k.shape[2]]
+    if k.dim() != (3 if packed else 4):
+        return k.float(), v.float()  # the shape checks that follow name the problem
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t.dtype != torch.float32:
+            _fail(op, f"{name} must be float32, got {t.dtype}")
+        if list(t.shape) != want:
+            layout = "[total_k, kv_heads]" if packed else "[batch, kv_heads, kv_len]"
+            _fail(op, f"{name} must be {layout} = {want}, got shape {list(t.shape)}")
+    return k.float() * k_scale.unsqueeze(-1), v.float() * v_scale.unsqueeze(-1)
+
+
 def attention(q, k, v, mask, scale, causal, window, dropout_p, seed, window_right=-1, softcap=0.0,
               sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-              max_seqlen_k=0):
-    """The attention op: (out, lse). Packed sequences run one by one."""
+              max_seqlen_k=0, k_scale=None, v_scale=None):
+    """The attention op: (out, lse). Packed sequences run one by one. int8 k and
+    v run dequantized to float32, with q in float32 and the output cast back."""
+    if k_scale is not None or v_scale is not None or k.dtype == torch.int8 or v.dtype == torch.int8:
+        op = "fusedllm.attention"
+        _check_float(op, "q", q)
+        k, v = _dequantized_kv(op, q, k, v, k_scale, v_scale, cu_seqlens_q is not None)
+        out, lse = attention(q.float(), k, v, mask, scale, causal, window, dropout_p, seed, window_right,
+                             softcap, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k)
+        return out.to(q.dtype), lse
     _, _, max_k = check_attention("fusedllm.attention", q, k, v, mask, scale, window, dropout_p,
                                   window_right=window_right, softcap=softcap, sinks=sinks,
                                   alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
@@ -457,6 +495,36 @@ def attention(q, k, v, mask, scale, causal, window, dropout_p, seed, window_righ
         outs.append(ob[0].transpose(0, 1))
         lses.append(lb[0])
     return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+def quantize_kv(x, values, scales):
+    """The quantize_kv op: int8 rows of x and their float32 scales, written into values and scales."""
+    op = "fusedllm.quantize_kv"
+    _check_float(op, "x", x)
+    if not 1 <= x.dim() <= 4:
+        _fail(op, f"x must have 1 to 4 dims [..., head_dim], got shape {list(x.shape)}")
+    if values.dtype != torch.int8:
+        _fail(op, f"values must be int8, got {values.dtype}")
+    if scales.dtype != torch.float32:
+        _fail(op, f"scales must be float32, got {scales.dtype}")
+    if values.shape != x.shape:
+        _fail(op, f"values must have x's shape {list(x.shape)}, got {list(values.shape)}")
+    if scales.shape != x.shape[:-1]:
+        _fail(op, f"scales must be x's shape without its last dim {list(x.shape[:-1])}, got {list(scales.shape)}")
+    for name, t in (("values", values), ("scales", scales)):
+        if t.device != x.device:
+            _fail(op, f"{name} is on {t.device} but x is on {x.device}")
+        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+            _fail(op, f"{name} has elements that share memory (an expanded view): it is written to")
+    xf = x.float()
+    # a max that skips NaN, as the kernels' fmax does; the probe marks the row
+    magnitude = xf.abs().nan_to_num(nan=0.0, posinf=math.inf)
+    amax = magnitude.amax(-1) if x.shape[-1] else xf.new_zeros(x.shape[:-1])
+    probe = (xf * 0).sum(-1)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.nan_to_num(torch.round(xf * inverse.unsqueeze(-1)), nan=-127.0).clamp(-127, 127)
+    values.copy_(q.to(torch.int8))
+    scales.copy_(amax / 127.0 + probe)
 
 
 def _zeros_of(q, k, v):

@@ -164,10 +164,11 @@ def _window_bounds(op, window):
 
 
 def _attention_args(op, q, k, v, causal, scale, window, mask, dropout_p, softcap=None, sinks=None,
-                    alibi_slopes=None):
+                    alibi_slopes=None, k_scale=None, v_scale=None):
     """The arguments this layer adds, checked, as the op takes them:
     (scale, window, window_right, softcap, mask, dropout_p, seed)."""
-    _require_tensors(op, "q", q, k=k, v=v, mask=mask, sinks=sinks, alibi_slopes=alibi_slopes)
+    _require_tensors(op, "q", q, k=k, v=v, mask=mask, sinks=sinks, alibi_slopes=alibi_slopes,
+                     k_scale=k_scale, v_scale=v_scale)
     if not isinstance(causal, bool):
         raise ValueError(f"{op}: causal must be True or False, got {causal!r}")
     if scale is None:  # a q the op refuses gets any scale: its error comes first
@@ -199,7 +200,8 @@ def _attention_args(op, q, k, v, causal, scale, window, mask, dropout_p, softcap
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
               scale: float | None = None, window: int | tuple[int, int] | None = None,
               mask: torch.Tensor | None = None, dropout_p: float = 0.0, softcap: float | None = None,
-              sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped-query attention ``softmax(q k^T * scale + mask) v``, flash style.
 
     ``q`` is ``[batch, q_heads, q_len, head_dim]``, ``k`` and ``v`` are
@@ -248,23 +250,36 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     float32, float64, bfloat16 and float16, accumulated in float32 (float64 for
     float64); memory grows linearly with the sequence lengths, never with
     ``q_len * kv_len``. Differentiable in ``q``, ``k``, ``v`` and ``sinks``.
+
+    **Quantized keys and values.** ``k`` and ``v`` may be int8 with ``k_scale``
+    and ``v_scale`` (float32 ``[batch, kv_heads, kv_len]``, any strides), as
+    :func:`quantize_kv` makes them: key row ``j`` is ``k[..., j, :] * k_scale[..., j]``,
+    dequantized in float32 as the kernel loads each tile, so no float copy of
+    the cache is ever made; q is float32, bfloat16 or float16 and the output has
+    q's dtype. For inference only (no gradient). With scales ``s_k``, ``s_v`` of
+    the rows a query reads, ``eps = scale * sum|q| * max s_k / 2`` bounds the
+    error of any score, and the output differs from attention over the
+    unquantized rows by at most ``max s_v / 2 + (exp(2 eps) - 1) * max|v|``
+    per entry (tests/test_kv_quant.py checks this bound).
     """
     scale, window, right, softcap, mask, dropout_p, seed = _attention_args(
         "fusedllm.attention", q, k, v, causal, scale, window, mask, dropout_p, softcap, sinks,
-        alibi_slopes)
+        alibi_slopes, k_scale, v_scale)
     out, _lse = _impl.attention(q, k, v, mask, scale, causal, window, dropout_p, seed, right, softcap,
-                                sinks, alibi_slopes, None, None, 0, 0)
+                                sinks, alibi_slopes, None, None, 0, 0, k_scale, v_scale)
     return out
 
 
-def _attention_with_lse(q, k, v, causal=False, window=None, mask=None, dropout_p=0.0):
+def _attention_with_lse(q, k, v, causal=False, window=None, mask=None, dropout_p=0.0, k_scale=None,
+                        v_scale=None):
     """:func:`attention` and its float32 log-sum-exp ``[batch, q_heads, q_len]``
     (``-inf`` for a query that sees no key): what merging the outputs of
     attention over disjoint key sets needs (fusedllm.nn.KVCache's ring)."""
     scale, window, right, softcap, mask, dropout_p, seed = _attention_args(
-        "fusedllm.attention", q, k, v, causal, None, window, mask, dropout_p)
+        "fusedllm.attention", q, k, v, causal, None, window, mask, dropout_p, k_scale=k_scale,
+        v_scale=v_scale)
     return _impl.attention(q, k, v, mask, scale, causal, window, dropout_p, seed, right, softcap,
-                           None, None, None, None, 0, 0)
+                           None, None, None, None, 0, 0, k_scale, v_scale)
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -272,7 +287,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      max_seqlen_k: int | None = None, causal: bool = False, scale: float | None = None,
                      window: int | tuple[int, int] | None = None, softcap: float | None = None,
                      sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
-                     dropout_p: float = 0.0) -> torch.Tensor:
+                     dropout_p: float = 0.0, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`attention` over packed sequences of different lengths, with no
     padding (FlashAttention's variable-length layout).
 
@@ -292,11 +308,13 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     Returns ``[total_q, q_heads, head_dim]`` (a strided view). Equals calling
     :func:`attention` per sequence for every option; dropout draws its own
     pattern. Differentiable in ``q``, ``k``, ``v`` and ``sinks``; no ``mask``.
+    int8 ``k`` and ``v`` take ``k_scale`` / ``v_scale`` ``[total_k, kv_heads]``
+    (see :func:`attention`).
     """
     op = "fusedllm.attention_varlen"
     _require_tensors(op, "q", q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     scale, window, right, softcap, _mask, dropout_p, seed = _attention_args(
-        op, q, k, v, causal, scale, window, None, dropout_p, softcap, sinks, alibi_slopes)
+        op, q, k, v, causal, scale, window, None, dropout_p, softcap, sinks, alibi_slopes, k_scale, v_scale)
     lengths = []
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is None:
@@ -306,7 +324,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         else:
             lengths.append(int(value))
     out, _lse = _impl.attention(q, k, v, None, scale, causal, window, dropout_p, seed, right, softcap,
-                                sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *lengths)
+                                sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *lengths, k_scale, v_scale)
     return out
 
 
@@ -331,6 +349,32 @@ def attention_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
                                                    window_right=right, softcap=softcap, sinks=sinks,
                                                    alibi_slopes=alibi_slopes)
     return out, probs.to(q.dtype)
+
+
+def quantize_kv(x: torch.Tensor, values: torch.Tensor | None = None,
+                scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys or values ``x [..., head_dim]`` (up to 4-D, e.g. ``[batch, kv_heads,
+    seq, head_dim]`` after RoPE) as int8 rows and one float32 scale per row,
+    in one pass: ``scale = max|x| / 127`` and ``values = round(x * 127 / max|x|)``
+    (half to even; an all-zero row has scale 0), so ``values * scale`` is
+    within ``scale / 2`` of ``x``. A row holding an infinite or NaN entry gets
+    scale NaN, so attention over it gives NaN as over the float row.
+
+    ``values`` (int8, x's shape) and ``scales`` (float32, x's shape without
+    the last dim) are written in place when given, e.g. slots of a cache
+    (``cache_k[:, :, start:end]``, any strides); otherwise they are
+    allocated. Returns ``(values, scales)``. Read them with
+    ``attention(q, values, ..., k_scale=scales, ...)``. No gradient.
+    """
+    op = "fusedllm.quantize_kv"
+    _require_tensors(op, "x", x, values=values, scales=scales)
+    if (values is None) != (scales is None):
+        raise ValueError(f"{op}: values and scales go together: pass both (the slots to write) or neither")
+    if values is None:
+        values = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+        scales = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    _impl.quantize_kv(x, values, scales)
+    return values, scales
 
 
 def _number(op: str, name: str, value) -> float:

@@ -279,9 +279,21 @@ class KVCache:
     log-sum-exp), then stores the new keys. ``keys`` / ``values`` and
     ``append``'s result are then the held positions in order, copied when
     the ring has wrapped.
+
+    **int8 storage.** ``KVCache(dtype=torch.int8)`` stores keys and values as
+    int8 with one float32 scale per position and kv head, quantized as they
+    are stored (:func:`fusedllm.quantize_kv`, after RoPE): half the bytes of
+    bfloat16, a quarter of float32. :meth:`attend` (which the attention
+    modules call) runs attention on the int8 storage itself, dequantizing in
+    the kernel's tile loads, so no float copy of the cache exists; the output
+    stays within the bound :func:`fusedllm.attention` states. ``keys`` /
+    ``values`` and ``append``'s result are then the int8 rows, and
+    ``key_scales`` / ``value_scales`` their scales ``[batch, kv_heads, held]``.
+    The new keys and values must be float32, bfloat16 or float16.
     """
 
-    def __init__(self, capacity: int = 256, window: int | None = None, sink: int = 0):
+    def __init__(self, capacity: int = 256, window: int | None = None, sink: int = 0,
+                 dtype: torch.dtype | None = None):
         owner = "fusedllm.nn.KVCache"
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"{owner}: capacity must be a positive int, got {capacity!r}")
@@ -291,19 +303,25 @@ class KVCache:
             raise ValueError(f"{owner}: sink must be an int >= 0, got {sink!r}")
         if sink and window is None:
             raise ValueError(f"{owner}: sink={sink} needs a window: without one every position is kept anyway")
+        if dtype not in (None, torch.int8):
+            raise ValueError(f"{owner}: dtype must be None (store keys and values as given) or torch.int8, "
+                             f"got {dtype!r}")
         self._initial_capacity = capacity
         self.window, self.sink = window, sink
+        self.quantized = dtype == torch.int8
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
+        self._k_scale: torch.Tensor | None = None  # int8 storage: [batch, kv_heads, capacity]
+        self._v_scale: torch.Tensor | None = None
         self.length = 0
 
     @classmethod
     def layers(cls, n_layers: int, capacity: int = 256, window: int | None = None,
-               sink: int = 0) -> list["KVCache"]:
+               sink: int = 0, dtype: torch.dtype | None = None) -> list["KVCache"]:
         """One empty cache per layer."""
         if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 0:
             raise ValueError(f"fusedllm.nn.KVCache.layers: n_layers must be an int >= 0, got {n_layers!r}")
-        return [cls(capacity, window, sink) for _ in range(n_layers)]
+        return [cls(capacity, window, sink, dtype) for _ in range(n_layers)]
 
     def __len__(self) -> int:
         return self.length
@@ -324,6 +342,16 @@ class KVCache:
     def values(self) -> torch.Tensor | None:
         """The values held, like :attr:`keys`."""
         return None if self._v is None else self._held(self._v)
+
+    @property
+    def key_scales(self) -> torch.Tensor | None:
+        """int8 storage: the scales of :attr:`keys`, ``[batch, kv_heads, held]`` (else None)."""
+        return None if self._k_scale is None else self._held(self._k_scale)
+
+    @property
+    def value_scales(self) -> torch.Tensor | None:
+        """int8 storage: the scales of :attr:`values` (else None)."""
+        return None if self._v_scale is None else self._held(self._v_scale)
 
     @property
     def positions(self) -> list[int]:
@@ -379,6 +407,9 @@ class KVCache:
         if k.dtype != v.dtype or k.device != v.device:
             raise ValueError(f"{op}: k and v must share dtype and device, got {k.dtype} on {k.device} "
                              f"and {v.dtype} on {v.device}")
+        if self.quantized and k.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{op}: an int8 cache stores float32, bfloat16 or float16 keys and values, "
+                             f"got {k.dtype}")
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             raise RuntimeError(f"{op}: k/v require grad, but the cache keeps no autograd history; "
                                f"decode under torch.no_grad() or torch.inference_mode()")
@@ -389,7 +420,7 @@ class KVCache:
             if k.shape[i] != held.shape[i]:
                 raise ValueError(f"{op}: the cache holds {what} {held.shape[i]} but k has {k.shape[i]} "
                                  f"(shape {list(k.shape)}); reset() the cache to start another sequence")
-        if k.dtype != held.dtype:
+        if k.dtype != held.dtype and not self.quantized:
             raise ValueError(f"{op}: the cache holds {held.dtype} but k is {k.dtype}")
         if k.device != held.device:
             raise ValueError(f"{op}: the cache is on {held.device} but k is on {k.device}")
@@ -397,7 +428,8 @@ class KVCache:
     def _reserve(self, k: torch.Tensor, needed: int) -> None:
         if self.window is not None:  # a fixed storage: the sink positions, then the ring
             needed = self.sink + self.window
-        same = (self._k is not None and self._k.dtype == k.dtype and self._k.device == k.device
+        dtype = torch.int8 if self.quantized else k.dtype
+        same = (self._k is not None and self._k.dtype == dtype and self._k.device == k.device
                 and self._k.shape[0] == k.shape[0] and self._k.shape[1] == k.shape[1]
                 and self._k.shape[3] == k.shape[3])
         # storage made under inference_mode cannot be written outside it: copied then
@@ -411,13 +443,20 @@ class KVCache:
         else:
             capacity = max(needed, 2 * self.capacity)
         batch, heads, _, head_dim = k.shape
-        new_k = k.new_empty(batch, heads, capacity, head_dim)
-        new_v = k.new_empty(batch, heads, capacity, head_dim)
-        if same and self.length:
-            kept = self.capacity if self.window is not None else self.length  # a ring: every slot
-            new_k[:, :, :kept].copy_(self._k[:, :, :kept])
-            new_v[:, :, :kept].copy_(self._v[:, :, :kept])
-        self._k, self._v = new_k, new_v
+        kept = self.capacity if self.window is not None else self.length  # a ring: every slot
+        kept = kept if same else 0
+
+        def grown(old, shape, dtype):
+            new = k.new_empty(shape, dtype=dtype)
+            if kept:
+                new[:, :, :kept].copy_(old[:, :, :kept])
+            return new
+
+        self._k = grown(self._k, (batch, heads, capacity, head_dim), dtype)
+        self._v = grown(self._v, (batch, heads, capacity, head_dim), dtype)
+        if self.quantized:
+            self._k_scale = grown(self._k_scale, (batch, heads, capacity), torch.float32)
+            self._v_scale = grown(self._v_scale, (batch, heads, capacity), torch.float32)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [batch, kv_heads, new_len, head_dim]`` after the positions
@@ -432,27 +471,41 @@ class KVCache:
         end = self.length + new
         self._reserve(k, end)
         if self.window is None:
-            self._k[:, :, self.length:end].copy_(k)
-            self._v[:, :, self.length:end].copy_(v)
+            runs = [(self.length, self.length, new)]
         else:
             # only the sink positions and the last `window` ones are kept: slice copies
             # of at most three runs (the sinks' slots are their positions)
             sinks = max(0, min(end, self.sink) - self.length)
             runs = [(self.length, self.length, sinks)] if sinks else []
             runs += self._ring_runs(max(self.length, self.sink, end - self.window), end)
-            for position, slot, count in runs:
-                rows = slice(position - self.length, position - self.length + count)
-                self._k[:, :, slot:slot + count].copy_(k[:, :, rows])
-                self._v[:, :, slot:slot + count].copy_(v[:, :, rows])
+        for position, slot, count in runs:
+            rows = slice(position - self.length, position - self.length + count)
+            slots = slice(slot, slot + count)
+            if self.quantized:
+                FF.quantize_kv(k[:, :, rows], self._k[:, :, slots], self._k_scale[:, :, slots])
+                FF.quantize_kv(v[:, :, rows], self._v[:, :, slots], self._v_scale[:, :, slots])
+            else:
+                self._k[:, :, slots].copy_(k[:, :, rows])
+                self._v[:, :, slots].copy_(v[:, :, rows])
         self.length = end
 
+    def _scales(self, slots: slice | None = None) -> dict:
+        """The k_scale / v_scale arguments of attention over storage slots (int8 storage)."""
+        if not self.quantized:
+            return {}
+        if slots is None:
+            return dict(k_scale=self.key_scales, v_scale=self.value_scales)
+        return dict(k_scale=self._k_scale[:, :, slots], v_scale=self._v_scale[:, :, slots])
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
-               dropout_p: float = 0.0) -> torch.Tensor:
+               dropout_p: float = 0.0, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of ``q [batch, q_heads, new_len, head_dim]`` (positions
         ``length .. length + new_len - 1``) over the held keys and the new ``k, v``,
         then ``k, v`` stored: what :class:`GQAttention` and :class:`ParallelBlock`
         run with a cache. ``window`` (the module's sliding window) may be at most
-        the cache's. Without a cache window this is ``append`` then attention."""
+        the cache's. Without a cache window this is ``append`` then attention
+        (over the int8 storage itself with ``dtype=torch.int8``), with ``mask``
+        over ``[new_len, length]`` if given; a cache window takes no mask."""
         op = "fusedllm.nn.KVCache.attend"
         self._check(k, v)
         if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
@@ -464,7 +517,11 @@ class KVCache:
                              f"({self.window}), which does not keep the keys it needs")
         if self.window is None:
             self._store(k, v)
-            return FF.attention(q, self.keys, self.values, causal=True, window=window, dropout_p=dropout_p)
+            return FF.attention(q, self.keys, self.values, causal=True, window=window, mask=mask,
+                                dropout_p=dropout_p, **self._scales())
+        if mask is not None:
+            raise ValueError(f"{op}: mask cannot be combined with a KVCache with a window (its keys are a "
+                             f"ring, not the sequence the mask would index)")
         w = self.window if window is None else window
         start, new = self.length, k.shape[2]
         if new == 1 and w == self.window:
@@ -473,7 +530,8 @@ class KVCache:
             # some order; softmax does not care, so one call, no mask.
             self._store(k, v)
             held = min(self.length, self.sink + self.window)
-            return FF.attention(q, self._k[:, :, :held], self._v[:, :, :held], dropout_p=dropout_p)
+            return FF.attention(q, self._k[:, :, :held], self._v[:, :, :held], dropout_p=dropout_p,
+                                **self._scales(slice(0, held)))
         dev = q.device
         q_pos = torch.arange(start, start + new, device=dev)[:, None]
         pieces = []  # (out, lse) of each key set
@@ -489,14 +547,18 @@ class KVCache:
             if a >= self.sink and new > 1 and first <= start + new - 1 - w:
                 mask = torch.arange(first, b, device=dev)[None, :] > q_pos - w
             pieces.append(FF._attention_with_lse(q, self._k[:, :, slots], self._v[:, :, slots], mask=mask,
-                                                 dropout_p=dropout_p))
+                                                 dropout_p=dropout_p, **self._scales(slots)))
+        new_kv = dict(k=k, v=v)
+        if self.quantized:  # the new keys as they will be stored
+            (k8, k_scale), (v8, v_scale) = FF.quantize_kv(k), FF.quantize_kv(v)
+            new_kv = dict(k=k8, v=v8, k_scale=k_scale, v_scale=v_scale)
         if start < self.sink and new > w:
             # sink positions among the new keys stay visible past the window
             k_pos = torch.arange(start, start + new, device=dev)[None, :]
             mask = (k_pos <= q_pos) & ((k_pos > q_pos - w) | (k_pos < self.sink))
-            pieces.append(FF._attention_with_lse(q, k, v, mask=mask, dropout_p=dropout_p))
+            pieces.append(FF._attention_with_lse(q, mask=mask, dropout_p=dropout_p, **new_kv))
         else:
-            pieces.append(FF._attention_with_lse(q, k, v, causal=True, window=w, dropout_p=dropout_p))
+            pieces.append(FF._attention_with_lse(q, causal=True, window=w, dropout_p=dropout_p, **new_kv))
         self._store(k, v)
         if len(pieces) == 1:
             return pieces[0][0]
@@ -507,6 +569,7 @@ class KVCache:
 
     def __repr__(self) -> str:
         bounds = "" if self.window is None else f", window={self.window}, sink={self.sink}"
+        bounds += ", quantized to int8" if self.quantized else ""
         if self._k is None:
             return f"KVCache(length=0, capacity=0{bounds})"
         b, h, _, d = self._k.shape
@@ -557,14 +620,18 @@ def _attention_repr(m, middle: str = "") -> str:
     return text
 
 
-def _window_cache_call(owner: str, mask, return_weights: bool) -> None:
-    """What a module cannot combine with a sliding-window cache, whose keys are
-    not one [kv_len] sequence a mask or the weights could index."""
-    if mask is not None:
+def _attends_in_cache(owner: str, cache, mask, return_weights: bool) -> bool:
+    """Whether a module runs attention through ``cache.attend``: a cache with a
+    window (a ring, not one [kv_len] sequence a mask or the weights could
+    index) or with int8 storage (read by the kernel, never as float weights)."""
+    if cache is None or (cache.window is None and not cache.quantized):
+        return False
+    if mask is not None and cache.window is not None:
         raise ValueError(f"{owner}: mask cannot be combined with a KVCache with a window (its keys "
                          f"are a ring, not the sequence the mask would index)")
     if return_weights:
-        raise ValueError(f"{owner}: return_weights=True needs a KVCache without a window")
+        raise ValueError(f"{owner}: return_weights=True needs a KVCache without a window or int8 storage")
+    return True
 
 
 def _sequence_input(owner: str, x, d_model: int, cache, position_offset) -> int:
@@ -647,9 +714,8 @@ class GQAttention(nn.Module):
             q, k = self.rotary(q, k, position_offset=position_offset)
         dropout_p = self.dropout if self.training else 0.0
         weights = None
-        if cache is not None and cache.window is not None:
-            _window_cache_call("fusedllm.nn.GQAttention", mask, return_weights)
-            out = cache.attend(q, k, v, window=self.window, dropout_p=dropout_p)
+        if _attends_in_cache("fusedllm.nn.GQAttention", cache, mask, return_weights):
+            out = cache.attend(q, k, v, window=self.window, dropout_p=dropout_p, mask=mask)
             return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
         if cache is not None:
             k, v = cache.append(k, v)
@@ -918,9 +984,8 @@ class ParallelBlock(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(q, k, position_offset=position_offset)
         dropout_p = self.dropout if self.training else 0.0
-        if cache is not None and cache.window is not None:
-            _window_cache_call(owner, mask, False)
-            attn = cache.attend(q, k, v, window=self.window, dropout_p=dropout_p)
+        if _attends_in_cache(owner, cache, mask, False):
+            attn = cache.attend(q, k, v, window=self.window, dropout_p=dropout_p, mask=mask)
         else:
             if cache is not None:
                 k, v = cache.append(k, v)

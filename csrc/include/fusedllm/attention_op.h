@@ -37,7 +37,39 @@ struct AttentionArgs {
   double softcap = 0.0;
   c10::optional<at::Tensor> sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k;
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  // int8 k and v: float32 scales, one per position and kv head (forward only).
+  c10::optional<at::Tensor> k_scale, v_scale;
 };
+
+inline bool given(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// k and v in q's dtype, or both int8 with their scales (an inference cache).
+inline void check_kv_dtypes(const char* op, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const AttentionArgs& a) {
+  const bool k8 = k.scalar_type() == at::kChar, v8 = v.scalar_type() == at::kChar;
+  if (!k8 && !v8 && !given(a.k_scale) && !given(a.v_scale)) {
+    check_same(q, "q", k, "k", op);
+    check_same(q, "q", v, "v", op);
+    return;
+  }
+  TORCH_CHECK_VALUE(k8 || v8, op, ": k_scale / v_scale are the scales of int8 k and v, but k and v "
+                    "are ", dtype_name(k.scalar_type()));
+  TORCH_CHECK_VALUE(k8 && v8, op, ": k and v are int8 together or not at all, got k ",
+                    dtype_name(k.scalar_type()), " and v ", dtype_name(v.scalar_type()));
+  TORCH_CHECK_VALUE(given(a.k_scale) && given(a.v_scale), op, ": int8 k and v need k_scale and "
+                    "v_scale (float32, one scale per position and kv head)");
+  const at::ScalarType dt = q.scalar_type();
+  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op,
+                    ": with int8 k and v, q must be float32, bfloat16 or float16, got ", dtype_name(dt));
+  const auto on_q = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.device() == q.device(), op, ": ", name, " is on ", t.device(), " but q is on ",
+                      q.device());
+  };
+  on_q(k, "k");
+  on_q(v, "v");
+  on_q(*a.k_scale, "k_scale");
+  on_q(*a.v_scale, "v_scale");
+}
 
 inline void check_qkv_dims(const char* op, const at::Tensor& q, const at::Tensor& k,
                            const at::Tensor& v, bool packed) {
@@ -95,8 +127,7 @@ inline AttentionShape check_attention_args(const char* op, const at::Tensor& q, 
                     ": cu_seqlens_q and cu_seqlens_k go together: pass both or neither");
   check_qkv_dims(op, q, k, v, packed);
   check_float_tensor(q, op, "q");
-  check_same(q, "q", k, "k", op);
-  check_same(q, "q", v, "v", op);
+  check_kv_dtypes(op, q, k, v, a);
   TORCH_CHECK_VALUE(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(),
                     " and ", v.sizes());
   AttentionShape s;
@@ -311,9 +342,29 @@ inline void check_attention_params(AttentionParams& p, const char* op, const at:
 // its rows in QueryRows order, lse is [B, Hq, Sq] ([Hq, total_q] packed).
 struct AttentionForwardPlan : AttentionParams {
   at::Tensor q, k, v;
+  // int8 k and v: their scales as [B, Hkv, Sk] views ([1, Hkv, total_k] packed); else undefined.
+  at::Tensor k_scale, v_scale;
   at::Tensor out, lse;
   bool has_work = false;  // false: outputs are already final (empty, or no keys)
 };
+
+// A float32 scale per key row of int8 k or v: [batch, kv_heads, kv_len], or
+// [total_k, kv_heads] packed (seen as [1, kv_heads, total_k]); any strides.
+inline at::Tensor check_kv_scale(const char* op, const char* name, const at::Tensor& t,
+                                 const AttentionShape& s) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
+                    dtype_name(t.scalar_type()));
+  if (s.packed) {
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == s.total_k && t.size(1) == s.kv_heads, op, ": ", name,
+                      " must be [total_k, kv_heads] = [", s.total_k, ", ", s.kv_heads, "], got shape ",
+                      t.sizes());
+    return t.as_strided({1, t.size(1), t.size(0)}, {0, t.stride(1), t.stride(0)});
+  }
+  TORCH_CHECK_VALUE(t.dim() == 3 && t.size(0) == s.batch && t.size(1) == s.kv_heads && t.size(2) == s.sk,
+                    op, ": ", name, " must be [batch, kv_heads, kv_len] = [", s.batch, ", ", s.kv_heads,
+                    ", ", s.sk, "], got shape ", t.sizes());
+  return t;
+}
 
 inline AttentionForwardPlan plan_attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v, const AttentionArgs& a) {
@@ -321,6 +372,10 @@ inline AttentionForwardPlan plan_attention_forward(const at::Tensor& q, const at
   AttentionForwardPlan p;
   check_attention_params(p, op, q, k, v, a);
   const AttentionShape& s = p.shape;
+  if (given(a.k_scale)) {
+    p.k_scale = check_kv_scale(op, "k_scale", *a.k_scale, s);
+    p.v_scale = check_kv_scale(op, "v_scale", *a.v_scale, s);
+  }
   p.out = new_rows(q, s, s.q_heads, false);
   p.lse = at::empty(lse_shape(s), q.options().dtype(lse_dtype(q)));
   if (p.out.numel() == 0) return p;
@@ -411,7 +466,9 @@ inline AttentionArgs attention_args(const c10::optional<at::Tensor>& mask, doubl
                                     const c10::optional<at::Tensor>& alibi_slopes,
                                     const c10::optional<at::Tensor>& cu_seqlens_q,
                                     const c10::optional<at::Tensor>& cu_seqlens_k,
-                                    int64_t max_seqlen_q, int64_t max_seqlen_k) {
+                                    int64_t max_seqlen_q, int64_t max_seqlen_k,
+                                    const c10::optional<at::Tensor>& k_scale = c10::nullopt,
+                                    const c10::optional<at::Tensor>& v_scale = c10::nullopt) {
   AttentionArgs a;
   a.mask = mask;
   a.scale = scale;
@@ -427,6 +484,8 @@ inline AttentionArgs attention_args(const c10::optional<at::Tensor>& mask, doubl
   a.cu_seqlens_k = cu_seqlens_k;
   a.max_seqlen_q = max_seqlen_q;
   a.max_seqlen_k = max_seqlen_k;
+  a.k_scale = k_scale;
+  a.v_scale = v_scale;
   return a;
 }
 
@@ -442,11 +501,12 @@ struct AttentionOps {
       double dropout_p, const c10::optional<at::Tensor>& seed, int64_t window_right, double softcap,
       const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& alibi_slopes,
       const c10::optional<at::Tensor>& cu_seqlens_q, const c10::optional<at::Tensor>& cu_seqlens_k,
-      int64_t max_seqlen_q, int64_t max_seqlen_k) {
+      int64_t max_seqlen_q, int64_t max_seqlen_k, const c10::optional<at::Tensor>& k_scale,
+      const c10::optional<at::Tensor>& v_scale) {
     auto p = plan_attention_forward(
         q, k, v, attention_args(mask, scale, causal, window, dropout_p, seed, window_right, softcap,
                                 sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                max_seqlen_k));
+                                max_seqlen_k, k_scale, v_scale));
     if (p.has_work) Impl::forward(p);
     return {p.out, p.lse};
   }

@@ -52,11 +52,14 @@ inline void define_ops(torch::Library& m) {
   // the longest, 0 to compute them); out is then [total_q, Hq, D] and lse
   // [Hq, total_q]. dropout_p > 0 drops probabilities with a counter-based RNG
   // keyed by seed (int64 [1], on the CPU). Returns out and the per-row lse (of
-  // the probabilities before dropout, sink included).
+  // the probabilities before dropout, sink included). k and v may be int8 with
+  // k_scale / v_scale (float32 [B, Hkv, Sk], packed [total_k, Hkv]): key row j
+  // is k[j] * k_scale[j], dequantized as the kernels load it (no gradient).
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, "
         "int window, float dropout_p, Tensor? seed, int window_right=-1, float softcap=0., "
         "Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, "
-        "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0) -> (Tensor out, Tensor lse)");
+        "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> (Tensor out, Tensor lse)");
   // Gradients of attention from the saved out and lse (probabilities and the
   // dropout mask recomputed); grad_sinks is [0] without sinks.
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
@@ -65,6 +68,13 @@ inline void define_ops(torch::Library& m) {
         "Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
         "int max_seqlen_q=0, int max_seqlen_k=0) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, "
         "Tensor grad_sinks)");
+
+  // Symmetric int8 quantization of key / value rows, written into a cache:
+  // each row x of the last dim (one position of one kv head) gets
+  // scale = max|x| / 127 and values round_half_even(x / scale) in [-127, 127]
+  // (a row with a non-finite entry: scale NaN). x [..., D] (up to 4-D),
+  // values int8 of x's shape and scales float32 [...], any strides.
+  m.def("quantize_kv(Tensor x, Tensor(a!) values, Tensor(b!) scales) -> ()");
 
   // Cross-entropy of the logits hidden [N, H] @ weight[V, H]^T (+ bias) against
   // target [N] (int64; ignore_index skipped), without the [N, V] logits: chunks

@@ -1,0 +1,68 @@
+// Host-side checks and layout for quantize_kv, shared by the CPU and CUDA
+// implementations.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+
+#include "fusedllm/checks.h"
+
+namespace fusedllm {
+
+// x, values [B, H, S, D] and scales [B, H, S] views (leading size-1 dims
+// added), any strides; rows = B * H * S.
+struct QuantizeKvPlan {
+  at::Tensor x, values, scales;
+  int64_t rows = 0, head_dim = 0;
+};
+
+inline QuantizeKvPlan plan_quantize_kv(const at::Tensor& x, const at::Tensor& values,
+                                       const at::Tensor& scales) {
+  const char* op = "fusedllm.quantize_kv";
+  check_float_tensor(x, op, "x");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.dim() <= 4, op, ": x must have 1 to 4 dims [..., head_dim], got shape ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(values.scalar_type() == at::kChar, op, ": values must be int8, got ",
+                    dtype_name(values.scalar_type()));
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat, op, ": scales must be float32, got ",
+                    dtype_name(scales.scalar_type()));
+  TORCH_CHECK_VALUE(values.sizes() == x.sizes(), op, ": values must have x's shape ", x.sizes(), ", got ",
+                    values.sizes());
+  const auto rows_shape = x.sizes().slice(0, x.dim() - 1);
+  TORCH_CHECK_VALUE(scales.sizes() == rows_shape, op, ": scales must be x's shape without its last dim ",
+                    rows_shape, ", got ", scales.sizes());
+  for (const auto& [t, name] : {std::pair<at::Tensor, const char*>{values, "values"}, {scales, "scales"}}) {
+    TORCH_CHECK_VALUE(t.device() == x.device(), op, ": ", name, " is on ", t.device(), " but x is on ",
+                      x.device());
+    TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", name,
+                      " has elements that share memory (an expanded view): it is written to");
+  }
+  QuantizeKvPlan p;
+  p.x = x;
+  p.values = values;
+  p.scales = scales.unsqueeze(-1);
+  while (p.x.dim() < 4) {
+    p.x = p.x.unsqueeze(0);
+    p.values = p.values.unsqueeze(0);
+    p.scales = p.scales.unsqueeze(0);
+  }
+  p.scales = p.scales.squeeze(-1);
+  p.head_dim = x.size(-1);
+  p.rows = x.numel() / std::max<int64_t>(p.head_dim, 1);
+  if (p.head_dim == 0) p.rows = scales.numel();
+  return p;
+}
+
+template <typename Impl>
+struct QuantizeKvOps {
+  static void quantize_kv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
+    const QuantizeKvPlan p = plan_quantize_kv(x, values, scales);
+    if (p.rows > 0) Impl::run(p);
+  }
+};
+
+}  // namespace fusedllm
+
+// Registers quantize_kv for one dispatch key; use inside TORCH_LIBRARY_IMPL.
+#define FUSEDLLM_IMPL_QUANTIZE_KV_OPS(m, Impl) \
+  (m).impl("quantize_kv", &::fusedllm::QuantizeKvOps<Impl>::quantize_kv)

@@ -1,0 +1,427 @@
+"""int8 keys and values: quantize_kv against tests/reference.py, and attention
+over int8 K/V (dequantized as its kernels load each tile) against attention
+over the dequantized rows, and within the stated bound of attention over the
+float rows the cache was made from; errors, opcheck and torch.compile."""
+
+import pytest
+import torch
+
+import checks
+import fusedllm
+from checks import FORWARD_TOL
+from reference import attention as ref_attention
+from reference import attention_varlen as ref_attention_varlen
+from reference import dequantize_kv, int8_attention_error_bound
+from reference import quantize_kv as ref_quantize_kv
+
+ops = torch.ops.fusedllm
+FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+Q_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def quantized(k, v):
+    k8, k_scale = fusedllm.quantize_kv(k)
+    v8, v_scale = fusedllm.quantize_kv(v)
+    return k8, k_scale, v8, v_scale
+
+
+# --- quantize_kv -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 64), (2, 3, 5, 128), (1, 2, 4, 130), (2, 1, 0, 16)])
+def test_quantize_kv_matches_reference(device, dtype, shape):
+    x = (torch.randn(shape, device=device) * 3).to(dtype)
+    values, scales = fusedllm.quantize_kv(x)
+    want_values, want_scales = ref_quantize_kv(x)
+    assert values.dtype == torch.int8 and scales.dtype == torch.float32
+    assert values.shape == x.shape and scales.shape == x.shape[:-1]
+    torch.testing.assert_close(scales, want_scales, atol=0, rtol=0)
+    torch.testing.assert_close(values, want_values, atol=0, rtol=0)
+    # every entry within half a step of x (float rounding of the step aside)
+    error = (dequantize_kv(values, scales) - x.float()).abs()
+    assert (error <= scales.unsqueeze(-1) * (0.5 + 1e-5)).all()
+
+
+def test_quantize_kv_writes_into_cache_slots(device):
+    cache = torch.full((2, 3, 10, 32), 99, dtype=torch.int8, device=device)
+    cache_scales = torch.full((2, 3, 10), -1.0, device=device)
+    x = torch.randn(2, 4, 3, 32, device=device).transpose(1, 2)  # [2, 3, 4, 32], not contiguous
+    values, scales = fusedllm.quantize_kv(x, cache[:, :, 3:7], cache_scales[:, :, 3:7])
+    assert values.data_ptr() == cache[:, :, 3:7].data_ptr()
+    want_values, want_scales = ref_quantize_kv(x)
+    torch.testing.assert_close(cache[:, :, 3:7], want_values, atol=0, rtol=0)
+    torch.testing.assert_close(cache_scales[:, :, 3:7], want_scales, atol=0, rtol=0)
+    untouched = torch.ones(10, dtype=torch.bool)
+    untouched[3:7] = False
+    assert (cache[:, :, untouched] == 99).all() and (cache_scales[:, :, untouched] == -1).all()
+
+
+def test_quantize_kv_zero_and_non_finite_rows(device):
+    x = torch.randn(5, 40, device=device)
+    x[1] = 0
+    x[2, 7] = float("inf")
+    x[3, 0] = float("nan")
+    x[4, 39] = float("-inf")
+    values, scales = fusedllm.quantize_kv(x)
+    assert scales[1] == 0 and (values[1] == 0).all()
+    assert torch.isnan(scales[2:]).all()
+    want_values, want_scales = ref_quantize_kv(x[:1])
+    torch.testing.assert_close(values[:1], want_values, atol=0, rtol=0)
+    torch.testing.assert_close(scales[:1], want_scales, atol=0, rtol=0)
+    # attention over a row whose scale is NaN gives NaN, as over the float row
+    k8 = values[None, None, 2:3].contiguous()
+    k_scale = scales[None, None, 2:3].contiguous()
+    q = torch.randn(1, 1, 1, 40, device=device)
+    with torch.no_grad():
+        out = fusedllm.attention(q, k8, k8, k_scale=k_scale, v_scale=k_scale)
+    assert torch.isnan(out).all()
+
+
+QUANTIZE_ERRORS = [
+    (lambda d: (torch.randn(4, 8, device=d).long(),), "x must be float32, float64, bfloat16 or float16"),
+    (lambda d: (torch.randn(1, 2, 3, 4, 5, device=d),), "x must have 1 to 4 dims"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.empty(4, 8, device=d), torch.empty(4, device=d)),
+     "values must be int8"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.empty(4, 8, dtype=torch.int8, device=d),
+                torch.empty(4, dtype=torch.float16, device=d)), "scales must be float32"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.empty(4, 7, dtype=torch.int8, device=d),
+                torch.empty(4, device=d)), r"values must have x's shape \[4, 8\]"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.empty(4, 8, dtype=torch.int8, device=d),
+                torch.empty(4, 1, device=d)), r"scales must be x's shape without its last dim \[4\]"),
+    (lambda d: (torch.randn(4, 8, device=d), torch.empty(1, 8, dtype=torch.int8, device=d).expand(4, 8),
+                torch.empty(4, device=d)), "values has elements that share memory"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(QUANTIZE_ERRORS)))
+def test_quantize_kv_errors(device, index):
+    make, message = QUANTIZE_ERRORS[index]
+    with pytest.raises(ValueError, match=message):
+        fusedllm.quantize_kv(*make(device))
+
+
+def test_quantize_kv_takes_values_and_scales_together():
+    with pytest.raises(ValueError, match="values and scales go together"):
+        fusedllm.quantize_kv(torch.randn(4, 8), torch.empty(4, 8, dtype=torch.int8))
+
+
+# --- attention over int8 K/V -------------------------------------------------------------
+
+# (batch, q_heads, kv_heads, q_len, kv_len, head_dim): prefill, decoding over a
+# long cache (the keys split across threads), chunks, odd and large head dims.
+SHAPES = [
+    (2, 4, 2, 17, 17, 64),
+    (1, 8, 2, 1, 2100, 128),
+    (1, 4, 1, 33, 300, 80),
+    (2, 2, 2, 1, 5, 16),
+    (1, 2, 1, 40, 40, 256),
+]
+MASKS = [(False, None), (True, None), (True, 7)]
+
+
+@pytest.mark.parametrize("dtype", Q_DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal,window", MASKS)
+def test_int8_attention_matches_dequantized(device, dtype, shape, causal, window):
+    b, hq, hkv, sq, sk, d = shape
+    q = torch.randn(b, hq, sq, d, device=device).to(dtype)
+    k8, k_scale, v8, v_scale = quantized(torch.randn(b, hkv, sk, d, device=device),
+                                         torch.randn(b, hkv, sk, d, device=device))
+    with torch.no_grad():
+        out = fusedllm.attention(q, k8, v8, causal=causal, window=window, k_scale=k_scale, v_scale=v_scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    # what the kernels read: the dequantized rows, in float32
+    want, _ = ref_attention(q.double(), dequantize_kv(k8, k_scale).double(),
+                            dequantize_kv(v8, v_scale).double(), causal=causal, window=window)
+    checks.assert_close(out, want, FORWARD_TOL[dtype], "int8 attention", upcast=True)
+
+
+@pytest.mark.parametrize("dtype", Q_DTYPES)
+@pytest.mark.parametrize("outliers", [False, True])
+def test_int8_attention_within_stated_bound(device, dtype, outliers):
+    """Against attention over the float rows themselves (a float cache)."""
+    for b, hq, hkv, sq, sk, d in [(1, 8, 2, 1, 1500, 128), (2, 4, 2, 33, 33, 64)]:
+        q = torch.randn(b, hq, sq, d, device=device)
+        k = torch.randn(b, hkv, sk, d, device=device)
+        v = torch.randn(b, hkv, sk, d, device=device)
+        if outliers:  # a few large channels, as keys after RoPE often have
+            k[..., :3] *= 12
+            v[..., 5] *= 8
+        q = q.to(dtype)
+        k8, k_scale, v8, v_scale = quantized(k, v)
+        with torch.no_grad():
+            out = fusedllm.attention(q, k8, v8, causal=True, k_scale=k_scale, v_scale=v_scale)
+        exact, _ = ref_attention(q.double(), k.double(), v.double(), causal=True)
+        rounding = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
+        bound = int8_attention_error_bound(q, v, k_scale, v_scale) + rounding * exact.abs().max().item()
+        error = (out.double() - exact).abs().max().item()
+        assert error <= bound, f"{(b, hq, hkv, sq, sk, d)}: error {error:.3g} above the bound {bound:.3g}"
+
+
+@pytest.mark.parametrize("option", ["softcap", "sinks", "alibi", "bool_mask", "float_mask", "strided"])
+def test_int8_attention_options(device, option):
+    """The options run as over float K/V: equal to the same op over the dequantized rows."""
+    b, hq, hkv, sq, sk, d = 2, 4, 2, 9, 70, 32
+    q = torch.randn(b, hq, sq, d, device=device)
+    k = torch.randn(b, hkv, sk, d, device=device)
+    v = torch.randn(b, hkv, sk, d, device=device)
+    k8, k_scale, v8, v_scale = quantized(k, v)
+    kwargs = dict(causal=True)
+    if option == "softcap":
+        kwargs["softcap"] = 5.0
+    elif option == "sinks":
+        kwargs["sinks"] = torch.randn(hq, device=device)
+    elif option == "alibi":
+        kwargs["alibi_slopes"] = torch.rand(hq, device=device)
+    elif option == "bool_mask":
+        kwargs["mask"] = torch.rand(b, 1, sq, sk, device=device) > 0.3
+    elif option == "float_mask":
+        kwargs["mask"] = torch.randn(1, hq, sq, sk, device=device)
+    elif option == "strided":
+        # slots of a larger cache: every tensor a strided view
+        big_k = torch.zeros(b, hkv, sk + 30, d + 8, dtype=torch.int8, device=device)
+        big_s = torch.zeros(b, hkv, sk + 30, device=device)
+        big_k[:, :, 10:10 + sk, :d] = k8
+        big_s[:, :, 10:10 + sk] = k_scale
+        k8, k_scale = big_k[:, :, 10:10 + sk, :d], big_s[:, :, 10:10 + sk]
+    with torch.no_grad():
+        out = fusedllm.attention(q, k8, v8, k_scale=k_scale, v_scale=v_scale, **kwargs)
+        want = fusedllm.attention(q, dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale), **kwargs)
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=2e-6)
+
+
+def test_int8_attention_varlen(device):
+    hq, hkv, d = 4, 2, 64
+    cu_q = torch.tensor([0, 1, 4, 5], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 300, 304, 404], dtype=torch.int32, device=device)
+    q = torch.randn(5, hq, d, device=device).bfloat16()
+    k8, k_scale, v8, v_scale = quantized(torch.randn(404, hkv, d, device=device),
+                                         torch.randn(404, hkv, d, device=device))
+    assert k_scale.shape == (404, hkv)
+    with torch.no_grad():
+        out = fusedllm.attention_varlen(q, k8, v8, cu_q, cu_k, causal=True, k_scale=k_scale, v_scale=v_scale)
+    want, _ = ref_attention_varlen(q.double(), dequantize_kv(k8, k_scale).double(),
+                                   dequantize_kv(v8, v_scale).double(), cu_q, cu_k, causal=True)
+    checks.assert_close(out, want, FORWARD_TOL[torch.bfloat16], upcast=True)
+
+
+def _int8_args(device, q_dtype=torch.float32, b=1, hkv=2, sk=6, d=16):
+    q = torch.randn(b, 2 * hkv, 3, d, device=device, dtype=q_dtype)
+    k8, k_scale, v8, v_scale = quantized(torch.randn(b, hkv, sk, d, device=device),
+                                         torch.randn(b, hkv, sk, d, device=device))
+    return q, k8, v8, k_scale, v_scale
+
+
+def _call(q, k, v, k_scale=None, v_scale=None):
+    with torch.no_grad():
+        return fusedllm.attention(q, k, v, k_scale=k_scale, v_scale=v_scale)
+
+
+ATTENTION_ERRORS = [
+    (lambda q, k, v, ks, vs: (q, k, v.float(), ks, vs), "k and v are int8 together or not at all"),
+    (lambda q, k, v, ks, vs: (q, k.float(), v.float(), ks, vs), "are the scales of int8 k and v"),
+    (lambda q, k, v, ks, vs: (q, k, v, None, None), "int8 k and v need k_scale and v_scale"),
+    (lambda q, k, v, ks, vs: (q, k, v, ks, None), "int8 k and v need k_scale and v_scale"),
+    (lambda q, k, v, ks, vs: (q.double(), k, v, ks, vs), "q must be float32, bfloat16 or float16"),
+    (lambda q, k, v, ks, vs: (q, k, v, ks[:, :, :-1], vs),
+     r"k_scale must be \[batch, kv_heads, kv_len\] = \[1, 2, 6\]"),
+    (lambda q, k, v, ks, vs: (q, k, v, ks, vs.half()), "v_scale must be float32"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(ATTENTION_ERRORS)))
+def test_int8_attention_errors(device, index):
+    make, message = ATTENTION_ERRORS[index]
+    args = make(*_int8_args(device))
+    with pytest.raises(ValueError, match=message):
+        _call(*args)
+
+
+def test_int8_attention_has_no_backward(device):
+    q, k8, v8, k_scale, v_scale = _int8_args(device)
+    q.requires_grad_()
+    with pytest.raises(ValueError, match="for inference and have no backward"):
+        fusedllm.attention(q, k8, v8, k_scale=k_scale, v_scale=v_scale)
+    with torch.no_grad():  # the same call for inference
+        fusedllm.attention(q, k8, v8, k_scale=k_scale, v_scale=v_scale)
+
+
+def test_opcheck(device):
+    x = torch.randn(2, 3, 5, 24, device=device)
+    values = torch.empty(2, 3, 5, 24, dtype=torch.int8, device=device)
+    scales = torch.empty(2, 3, 5, device=device)
+    torch.library.opcheck(ops.quantize_kv.default, (x, values, scales))
+    q, k8, v8, k_scale, v_scale = _int8_args(device)
+    torch.library.opcheck(ops.attention.default, (q, k8, v8, None, 0.25, True, -1, 0.0, None),
+                          {"k_scale": k_scale, "v_scale": v_scale})
+
+
+@pytest.mark.slow
+def test_int8_cache_step_compiles(device):
+    """A decoding step that quantizes into cache slots and attends over the
+    int8 cache, under torch.compile(fullgraph=True): the same as eager."""
+    b, hq, hkv, d, held = 2, 4, 2, 32, 9
+
+    def step(q, k, v, cache_k, k_scale, cache_v, v_scale):
+        fusedllm.quantize_kv(k, cache_k[:, :, held:held + 1], k_scale[:, :, held:held + 1])
+        fusedllm.quantize_kv(v, cache_v[:, :, held:held + 1], v_scale[:, :, held:held + 1])
+        end = held + 1
+        return fusedllm.attention(q, cache_k[:, :, :end], cache_v[:, :, :end], k_scale=k_scale[:, :, :end],
+                                  v_scale=v_scale[:, :, :end])
+
+    def fresh():
+        torch.manual_seed(1)
+        cache = [torch.randint(-127, 128, (b, hkv, 16, d), dtype=torch.int8, device=device),
+                 torch.rand(b, hkv, 16, device=device)]
+        cache_v = [torch.randint(-127, 128, (b, hkv, 16, d), dtype=torch.int8, device=device),
+                   torch.rand(b, hkv, 16, device=device)]
+        q = torch.randn(b, hq, 1, d, device=device)
+        k = torch.randn(b, hkv, 1, d, device=device)
+        v = torch.randn(b, hkv, 1, d, device=device)
+        return q, k, v, cache[0], cache[1], cache_v[0], cache_v[1]
+
+    with torch.no_grad():
+        eager_args, compiled_args = fresh(), fresh()
+        want = step(*eager_args)
+        got = torch.compile(step, fullgraph=True)(*compiled_args)
+    torch.testing.assert_close(got, want)
+    for a, c in zip(eager_args[3:], compiled_args[3:]):
+        torch.testing.assert_close(c, a)
+
+
+# --- nn.KVCache(dtype=torch.int8) --------------------------------------------------------
+
+def visible_attention(q, k, v, window, sink):
+    """Each query position p attends to keys j <= p with j > p - window or
+    j < sink (window None: every j <= p), in float64."""
+    q, k, v = (t.double() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    n = q.shape[2]
+    p = torch.arange(n, device=q.device)[:, None]
+    j = torch.arange(n, device=q.device)[None, :]
+    keep = j <= p
+    if window is not None:
+        keep &= (j > p - window) | (j < sink)
+    scores = ((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5).masked_fill(~keep, float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
+CACHE_STEPS = {"tokens": [1] * 21, "prefill then tokens": [9] + [1] * 12, "chunks": [3, 7, 1, 4, 1, 5]}
+
+
+@pytest.mark.parametrize("window,sink", [(None, 0), (6, 0), (6, 2)])
+@pytest.mark.parametrize("steps", list(CACHE_STEPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_cache_decoding_equals_attention_over_its_rows(device, dtype, steps, window, sink):
+    """Step by step over an int8 cache (capacity 4: it grows) equals attention
+    over the whole sequence of the dequantized rows, and stays within the
+    stated bound of attention over the float rows."""
+    from fusedllm.nn import KVCache
+
+    total = sum(CACHE_STEPS[steps])
+    q = torch.randn(2, 4, total, 32, device=device, dtype=dtype)
+    k = torch.randn(2, 2, total, 32, device=device, dtype=dtype)
+    v = torch.randn(2, 2, total, 32, device=device, dtype=dtype)
+    cache = KVCache(capacity=4, window=window, sink=sink, dtype=torch.int8)
+    outs, start = [], 0
+    with torch.no_grad():
+        for n in CACHE_STEPS[steps]:
+            outs.append(cache.attend(q[:, :, start:start + n], k[:, :, start:start + n], v[:, :, start:start + n]))
+            start += n
+    out = torch.cat(outs, dim=2)
+    k8, k_scale = ref_quantize_kv(k)
+    v8, v_scale = ref_quantize_kv(v)
+    want = visible_attention(q, dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale), window, sink)
+    checks.assert_close(out, want, FORWARD_TOL[dtype], "int8 cache decoding", upcast=True)
+    exact = visible_attention(q, k, v, window, sink)
+    rounding = {torch.float32: 1e-5, torch.bfloat16: 2**-8}[dtype] * exact.abs().max().item()
+    assert (out.double() - exact).abs().max().item() <= int8_attention_error_bound(q, v, k_scale, v_scale) + rounding
+    # what is held: int8 rows and their scales, in position order
+    assert cache.keys.dtype == torch.int8 and cache.key_scales.dtype == torch.float32
+    held = cache.positions
+    torch.testing.assert_close(cache.keys, k8[:, :, held], atol=0, rtol=0)
+    torch.testing.assert_close(cache.value_scales, v_scale[:, :, held], atol=0, rtol=0)
+
+
+def test_int8_cache_takes_half_the_bytes_of_bfloat16():
+    from fusedllm.nn import KVCache
+
+    caches = {dtype: KVCache(capacity=64, dtype=dtype) for dtype in (None, torch.int8)}
+    k = torch.randn(1, 8, 64, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for cache in caches.values():
+            cache.append(k, k)
+
+    def stored(cache):
+        tensors = (cache._k, cache._v, cache._k_scale, cache._v_scale)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    # 128 int8 entries and one float32 scale per row against 128 bfloat16 entries
+    assert stored(caches[torch.int8]) / stored(caches[None]) == (128 + 4) / 256
+    assert "int8" in repr(caches[torch.int8])
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_int8_cache_in_the_attention_module(device, window):
+    from fusedllm.nn import GQAttention, KVCache
+
+    layer = GQAttention(64, 4, n_kv_heads=2).to(device).eval()
+    x = torch.randn(2, 14, 64, device=device)
+    with torch.no_grad():
+        outs = {}
+        for dtype in (None, torch.int8):
+            cache = KVCache(window=window, dtype=dtype)
+            steps = [layer(x[:, :6], cache=cache)] + [layer(x[:, i:i + 1], cache=cache) for i in range(6, 14)]
+            outs[dtype] = torch.cat(steps, 1)
+    # within int8's error of the float cache (the bound scaled by the output projection)
+    torch.testing.assert_close(outs[torch.int8], outs[None], atol=3e-2, rtol=0)
+    assert not torch.equal(outs[torch.int8], outs[None])  # the int8 rows were read
+
+
+def test_int8_cache_errors():
+    from fusedllm.nn import GQAttention, KVCache
+
+    with pytest.raises(ValueError, match="dtype must be None .* or torch.int8"):
+        KVCache(dtype=torch.float16)
+    cache = KVCache(dtype=torch.int8)
+    with pytest.raises(ValueError, match="an int8 cache stores float32, bfloat16 or float16"):
+        cache.append(torch.randn(1, 1, 2, 4, dtype=torch.float64), torch.randn(1, 1, 2, 4, dtype=torch.float64))
+    layer = GQAttention(16, 2).eval()
+    with torch.no_grad(), pytest.raises(ValueError, match="return_weights=True needs a KVCache without a window "
+                                                          "or int8 storage"):
+        layer(torch.randn(1, 3, 16), cache=cache, return_weights=True)
+
+
+# --- the plain path (no extension) -------------------------------------------------------
+
+def test_plain_path_matches_the_kernels():
+    from fusedllm import _plain
+
+    x = torch.randn(3, 2, 7, 40) * 4
+    x[0, 0, 1] = 0
+    x[1, 1, 2, 5] = float("inf")
+    x[2, 0, 3, 0] = float("nan")
+    got = [torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[:-1])]
+    _plain.quantize_kv(x, *got)
+    want = fusedllm.quantize_kv(x)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
+    q, k8, v8, k_scale, v_scale = _int8_args("cpu", torch.bfloat16, sk=50)
+    args = (q, k8, v8, None, 0.25, True, -1, 0.0, None)
+    with torch.no_grad():
+        out_plain, lse_plain = _plain.attention(*args, k_scale=k_scale, v_scale=v_scale)
+        out, lse = ops.attention(*args, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out_plain, out)
+    torch.testing.assert_close(lse_plain, lse)
+
+
+@pytest.mark.parametrize("index", range(len(ATTENTION_ERRORS)))
+def test_plain_path_refuses_as_the_kernels(index):
+    from fusedllm import _plain
+
+    make, message = ATTENTION_ERRORS[index]
+    q, k, v, k_scale, v_scale = make(*_int8_args("cpu"))
+    for impl in (ops, _plain):
+        with pytest.raises(ValueError, match=message):
+            impl.attention(q, k, v, None, 0.25, False, -1, 0.0, None, k_scale=k_scale, v_scale=v_scale)

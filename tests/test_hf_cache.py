@@ -221,3 +221,107 @@ def test_sampling_and_continuing_with_the_same_cache():
         second = model.generate(turn, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
         results.append(second)
     assert torch.equal(results[0], results[1])
+
+
+# --- int8 storage ------------------------------------------------------------------------
+
+def dequantized(t):
+    """What int8 storage holds of float rows t, as float32 rows."""
+    return fusedllm.quantize_kv(t)[0].float() * fusedllm.quantize_kv(t)[1].unsqueeze(-1)
+
+
+def same_int8_updates(ours, theirs, chunks, operation=None):
+    """ours (int8) returns the int8 rows and scales of what theirs (a float
+    layer fed the dequantized rows) returns, after every chunk."""
+    for step, n in enumerate(chunks):
+        if operation is not None and step == len(chunks) // 2:
+            operation(ours)
+            operation(theirs)
+        assert ours.get_mask_sizes(n) == theirs.get_mask_sizes(n), step
+        k, v = kv(n, seed=step)
+        got, want = ours.update(k, v), theirs.update(dequantized(k), dequantized(v))
+        for t, expected in zip(got, want):
+            assert t.dtype == torch.int8
+            assert torch.equal(t.float() * t.fusedllm_scale.unsqueeze(-1), expected), (step, chunks)
+        assert ours.get_seq_length() == theirs.get_seq_length()
+
+
+OPERATIONS = {
+    "none": None,
+    "crop": lambda layer: layer.crop(-2),
+    "reorder": lambda layer: layer.reorder_cache(torch.tensor([1, 0])),
+    "select": lambda layer: layer.batch_select_indices(torch.tensor([1, 1])),
+    "repeat": lambda layer: layer.batch_repeat_interleave(1),
+    "reset": lambda layer: layer.reset(),
+}
+
+
+@pytest.mark.parametrize("operation", list(OPERATIONS))
+def test_int8_growing_layer(operation):
+    same_int8_updates(GrowingLayer(capacity=3, quantized=True), cache_utils.DynamicLayer(),
+                      [5, 1, 1, 1, 4, 1, 9, 1, 1], OPERATIONS[operation])
+
+
+@pytest.mark.parametrize("window", [2, 3, 5])
+@pytest.mark.parametrize("prefill", [0, 1, 4, 7])
+def test_int8_ring_layer(window, prefill):
+    chunks = ([prefill] if prefill else []) + [1] * 11 + [3, 1, 7, 1, 2]
+    same_int8_updates(RingLayer(window, quantized=True), cache_utils.DynamicSlidingWindowLayer(window), chunks,
+                      OPERATIONS["reorder"])
+
+
+def fake_int8_cache(config):
+    """transformers' DynamicCache holding the dequantized rows int8 storage
+    keeps: attention over it sees the values FusedCache(dtype=int8) holds."""
+    cache = transformers.DynamicCache(config=config)
+
+    def quantizing(update):
+        return lambda k, v, *args, **kwargs: update(dequantized(k), dequantized(v), *args, **kwargs)
+
+    for layer in cache.layers:
+        layer.update = quantizing(layer.update)
+    return cache
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_int8_generate_reads_the_int8_rows(kind):
+    """Greedy generation over int8 storage equals generation over a float
+    cache of the same dequantized rows (the kernels read the int8 rows
+    exactly), and stays near the unquantized cache."""
+    torch.manual_seed(0)
+    model = MODELS[kind]().eval()
+    model.set_attn_implementation("fusedllm")
+    ids, mask = left_padded("cpu")
+    cache = FusedCache(model.config, capacity=4, dtype=torch.int8)
+    ours = generate(model, ids, mask, cache)
+    theirs = generate(model, ids, mask, fake_int8_cache(model.config))
+    assert torch.equal(ours.sequences, theirs.sequences)
+    for a, b in zip(ours.logits, theirs.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert all(layer._k.dtype == torch.int8 for layer in cache.layers)
+    unquantized = generate(model, ids, mask, transformers.DynamicCache(config=model.config))
+    first = (ours.logits[0] - unquantized.logits[0]).abs().max().item()
+    assert 0 < first < 0.05 * unquantized.logits[0].abs().max().item()
+
+
+def test_int8_beam_search_and_every_device(device):
+    torch.manual_seed(0)
+    model = gemma2().to(device).eval()
+    model.set_attn_implementation("fusedllm")
+    ids, mask = left_padded(device)
+    ours = generate(model, ids, mask, FusedCache(model.config, dtype=torch.int8), num_beams=3)
+    theirs = generate(model, ids, mask, fake_int8_cache(model.config), num_beams=3)
+    assert torch.equal(ours.sequences, theirs.sequences)
+
+
+def test_int8_errors():
+    with pytest.raises(ValueError, match="dtype must be None .* or torch.int8"):
+        FusedCache(dtype=torch.float16)
+    model = llama()
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="read by the 'fusedllm' attention only, but the model uses 'sdpa'"):
+        FusedCache(model.config, dtype=torch.int8)
+    q = torch.randn(1, 4, 1, 16)
+    k8 = torch.zeros(1, 2, 3, 16, dtype=torch.int8)
+    with pytest.raises(ValueError, match="int8 keys and values need the scales"):
+        fusedllm.hf.attention_forward(torch.nn.Module(), q, k8, k8, None)

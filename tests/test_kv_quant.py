@@ -412,7 +412,7 @@ def test_plain_path_matches_the_kernels():
     with torch.no_grad():
         out_plain, lse_plain = _plain.attention(*args, k_scale=k_scale, v_scale=v_scale)
         out, lse = ops.attention(*args, k_scale=k_scale, v_scale=v_scale)
-    torch.testing.assert_close(out_plain, out)
+    checks.assert_close(out_plain, out, FORWARD_TOL[torch.bfloat16])
     torch.testing.assert_close(lse_plain, lse)
 
 

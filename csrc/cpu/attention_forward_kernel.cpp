@@ -142,9 +142,10 @@ struct ForwardKernel {
     const acc_t scale = static_cast<acc_t>(a.scale);
     // bfloat16 on vdpbf16ps where the variant has it: Q^T as pair words (the
     // scale applied to the products), K as pair words along its rows, P and V
-    // packed per tile (attention_gemm.h). int8 K/V: float32 tiles.
+    // packed per tile (attention_gemm.h). int8 K/V: their integers as
+    // bfloat16 (exact), the key scales applied to the scores and the value
+    // scales to the probabilities; float32 tiles dequantize as they load.
     constexpr bool kPairs = kPairProducts<T>;
-    const bool pairs = kPairs && !k.quantized();
 #if defined(__AVX512BF16__)
     const int64_t dp = (d + 1) / 2;
     uint32_t* const qp = reinterpret_cast<uint32_t*>(w.qt);
@@ -152,9 +153,9 @@ struct ForwardKernel {
     uint32_t* const vp32 = reinterpret_cast<uint32_t*>(w.vbuf);
     const auto q_row = [&](int64_t i) { return t.row_in(q, a.q.head_stride, a.q.seq_stride, g, p0, i); };
 #endif
-    if (pairs) {
+    if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-      if constexpr (kPairs) pack_rows_transposed(q_row, rows, ld, d, qp);
+      pack_rows_transposed(q_row, rows, ld, d, qp);
 #endif
     } else {
       // (Q * scale)^T, staged row-major in the output buffer first.
@@ -168,14 +169,22 @@ struct ForwardKernel {
     for (int64_t i = split; i < tiles.count; i += splits) {
       const int64_t j0 = tiles.start(i);
       const int64_t nk = tiles.stop(i) - j0;
+      if (i + splits < tiles.count) {
+        const int64_t next = tiles.start(i + splits);
+        k.prefetch(next, tiles.stop(i + splits) - next, d);
+        v.prefetch(next, tiles.stop(i + splits) - next, d);
+      }
       int64_t k_ld, v_ld;
       // S^T = K (Q * scale)^T: keys x rows.
-      if (pairs) {
+      if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-        if constexpr (kPairs) {
+        if (k.quantized()) {
+          pack_int8_rows_along(k.row8(j0), k.seq_stride, nk, d, kp32, dp);
+        } else {
           pack_rows_along(k.row(j0), k.seq_stride, nk, d, kp32, dp);
-          gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp32, dp, qp, ld, w.s, ld, nullptr, scale);
         }
+        gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp32, dp, qp, ld, w.s, ld, nullptr, scale);
+        if (k.quantized()) k.scale_rows(w.s, ld, j0, nk);
 #endif
       } else {
         const acc_t* kp = k.tile(j0, nk, d, d_pad, w.kbuf, k_ld);
@@ -200,14 +209,17 @@ struct ForwardKernel {
         });
       }
       // O = diag(alpha) O + P V, P read column-major out of the transposed tile.
-      if (pairs) {
+      if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-        if constexpr (kPairs) {
-          const uint32_t* pp = pack_tile_pairs(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s));
+        if (v.quantized()) {
+          v.scale_rows(w.s, ld, j0, nk);  // P diag(v_scale) V8 = P V
+          pack_int8_rows_across([&](int64_t j) { return v.row8(j0 + j); }, nk, d, vp32, d_pad);
+        } else {
           pack_rows_across([&](int64_t j) { return v.row(j0 + j); }, nk, d, vp32, d_pad);
-          gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, pp, ld, vp32, d_pad, w.o,
-                                               d_pad, w.alpha);
         }
+        const uint32_t* pp = pack_tile_pairs(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s));
+        gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, pp, ld, vp32, d_pad, w.o, d_pad,
+                                             w.alpha);
 #endif
       } else {
         const acc_t* vp = v.tile(j0, nk, d, d_pad, w.vbuf, v_ld);

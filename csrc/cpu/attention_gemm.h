@@ -343,6 +343,53 @@ inline void pack_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* 
   }
 }
 
+// int8 rows of a quantized cache as bfloat16 (exact: integers in [-127, 127]).
+inline uint16_t int8_bfloat16_bits(int8_t x) { return c10::BFloat16(static_cast<float>(x)).x; }
+
+// 32 int8 values as 32 bfloat16, in order (16 pair words).
+inline __m512i int8_to_bfloat16(const int8_t* src) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  const __m512 hi =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// pack_rows_along for int8 rows.
+inline void pack_int8_rows_along(const int8_t* src, int64_t stride, int64_t rows, int64_t n, uint32_t* dst,
+                            int64_t ldp) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const int8_t* r = src + i * stride;
+    uint32_t* out = dst + i * ldp;
+    int64_t c = 0;
+    for (; c + 32 <= n; c += 32) _mm512_storeu_si512(out + c / 2, int8_to_bfloat16(r + c));
+    for (; c < n; c += 2) out[c / 2] = pair_word(int8_bfloat16_bits(r[c]), c + 1 < n ? int8_bfloat16_bits(r[c + 1]) : 0);
+  }
+}
+
+// pack_rows_across for int8 rows (row(i): row i's first element).
+template <typename Row>
+inline void pack_int8_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
+  for (int64_t p = 0; p * 2 < rows; ++p) {
+    const int8_t* r0 = row(2 * p);
+    const int8_t* r1 = 2 * p + 1 < rows ? row(2 * p + 1) : nullptr;
+    uint32_t* out = dst + p * ldp;
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16) {
+      const auto floats = [](const int8_t* r) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r))));
+      };
+      const __m512 x0 = floats(r0 + c);
+      const __m512 x1 = r1 != nullptr ? floats(r1 + c) : _mm512_setzero_ps();
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(both));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1));
+      _mm512_storeu_si512(out + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+    for (; c < n; ++c) out[c] = pair_word(int8_bfloat16_bits(r0[c]), r1 != nullptr ? int8_bfloat16_bits(r1[c]) : 0);
+    for (; c < ldp; ++c) out[c] = 0;
+  }
+}
+
 // A transposed float32 tile s[j * ld + col] (j < nk) rounded to bfloat16 and
 // packed as column pairs along j: word (p, col) at out[p * ld + col] for
 // p < ceil(nk / 2). out may be s itself: row p is written after rows 2p and

@@ -253,10 +253,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
     **Quantized keys and values.** ``k`` and ``v`` may be int8 with ``k_scale``
     and ``v_scale`` (float32 ``[batch, kv_heads, kv_len]``, any strides), as
-    :func:`quantize_kv` makes them: key row ``j`` is ``k[..., j, :] * k_scale[..., j]``,
-    dequantized in float32 as the kernel loads each tile, so no float copy of
-    the cache is ever made; q is float32, bfloat16 or float16 and the output has
-    q's dtype. For inference only (no gradient). With scales ``s_k``, ``s_v`` of
+    :func:`quantize_kv` makes them: key row ``j`` is ``k[..., j, :] * k_scale[..., j]``.
+    The kernels read the int8 rows themselves, tile by tile, so no float copy of
+    the cache is ever made: float32 tiles dequantize as they load; bfloat16
+    products on ``vdpbf16ps`` take the integers as bfloat16 (exact) and apply
+    the key scales to the float32 scores and the value scales to the
+    probabilities. q is float32, bfloat16 or float16 and the output has q's
+    dtype. For inference only (no gradient). With scales ``s_k``, ``s_v`` of
     the rows a query reads, ``eps = scale * sum|q| * max s_k / 2`` bounds the
     error of any score, and the output differs from attention over the
     unquantized rows by at most ``max s_v / 2 + (exp(2 eps) - 1) * max|v|``

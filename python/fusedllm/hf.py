@@ -190,6 +190,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                              f"use attn_implementation='eager' for this model")
     batch, q_heads, q_len, head_dim = query.shape
     kv_len = key.shape[2]
+    scales = {}
+    if key.dtype == torch.int8 or value.dtype == torch.int8:
+        # int8 keys and values from FusedCache(dtype=torch.int8) carry their scales
+        k_scale, v_scale = getattr(key, "fusedllm_scale", None), getattr(value, "fusedllm_scale", None)
+        if k_scale is None or v_scale is None:
+            raise ValueError("fusedllm.hf: int8 keys and values need the scales fusedllm.hf.FusedCache("
+                             "dtype=torch.int8) gives them; these came without")
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
     if attention_mask is not None:
         if attention_mask.dim() != 4:
             raise ValueError(f"fusedllm.hf: attention_mask must be 4-D [batch, heads or 1, q_len, kv_len] "
@@ -216,9 +224,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         q = query.transpose(1, 2).reshape(batch * q_len, q_heads, head_dim)
         k = key.transpose(1, 2).reshape(batch * kv_len, key.shape[1], head_dim)
         v = value.transpose(1, 2).reshape(batch * kv_len, value.shape[1], head_dim)
+        scales = {name: t.transpose(1, 2).reshape(batch * kv_len, t.shape[1]) for name, t in scales.items()}
         out = FF.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, causal=causal,
                                   scale=scaling, window=window, softcap=softcap, sinks=s_aux,
-                                  dropout_p=dropout_p)
+                                  dropout_p=dropout_p, **scales)
         return out.reshape(batch, q_len, q_heads, head_dim).contiguous(), None
     if attention_mask is not None:
         mask, causal, window = attention_mask, False, None
@@ -230,8 +239,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             # the queries are the first positions (prefill into an empty static
             # cache): causality aligned top-left, so the keys past q_len are unseen.
             key, value = key[:, :, :q_len], value[:, :, :q_len]
+            scales = {name: t[:, :, :q_len] for name, t in scales.items()}
     out = FF.attention(query, key, value, causal=causal, scale=scaling, window=window, mask=mask,
-                       dropout_p=dropout_p, softcap=softcap, sinks=s_aux)
+                       dropout_p=dropout_p, softcap=softcap, sinks=s_aux, **scales)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -54,7 +54,7 @@ inline void define_ops(torch::Library& m) {
   // keyed by seed (int64 [1], on the CPU). Returns out and the per-row lse (of
   // the probabilities before dropout, sink included). k and v may be int8 with
   // k_scale / v_scale (float32 [B, Hkv, Sk], packed [total_k, Hkv]): key row j
-  // is k[j] * k_scale[j], dequantized as the kernels load it (no gradient).
+  // is k[j] * k_scale[j], applied as the kernels load its tile (no gradient).
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, "
         "int window, float dropout_p, Tensor? seed, int window_right=-1, float softcap=0., "
         "Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, "

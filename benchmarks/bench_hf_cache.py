@@ -8,8 +8,10 @@ A small LlamaForCausalLM (hidden 256, 4 layers, 8 query / 2 kv heads of 32,
 vocabulary 32000) with the "fusedllm" attention backend, and the same shape as
 a MistralForCausalLM with a sliding window of 4096 on every layer ("window"
 rows: DynamicCache concatenates the window's past with each new position,
-FusedCache's ring writes two slots). Where optimum-quanto is installed,
-transformers' QuantizedCache (4-bit) runs too, on the full-layer rows. Each layer's cache
+FusedCache's ring writes two slots). On the full-layer rows also: FusedCache
+with int8 storage (read in place by the fusedllm attention), DynamicCache
+under transformers' "sdpa" attention, and, where optimum-quanto is installed,
+transformers' QuantizedCache (4-bit). Each layer's cache
 is filled with the context's keys and values (random, not timed); then `new`
 greedy decoding steps of one token each through the whole model, the median
 step time. DynamicCache concatenates each layer's whole past with the new
@@ -40,8 +42,9 @@ CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_a
 
 
 def storage_mib(cache):
+    """Keys, values and (int8 storage) their scales."""
     tensors = [t for layer in cache.layers
-               for t in ((layer._k, layer._v) if hasattr(layer, "_k") else (layer.keys, layer.values))]
+               for t in (layer._tensors() if hasattr(layer, "_k") else (layer.keys, layer.values))]
     return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
 
@@ -104,14 +107,24 @@ def cases(args, device):
                                                context, new, device, dtype)
                     fused_s, fused_mib = bench_one(model, FusedCache(model.config), batch, context, new, device,
                                                    dtype)
-                    quantized = quantized_cache(model.config) if not label else None
-                    quant_s = bench_one(model, quantized, batch, context, new, device, dtype)[0] if quantized else None
-                    yield dict(case=f"{label}B={batch} context {context} {dtype_name(dtype)}", batch=batch,
+                    row = dict(case=f"{label}B={batch} context {context} {dtype_name(dtype)}", batch=batch,
                                context=context, dtype=dtype_name(dtype), dynamic_ms=dyn_s * 1e3,
                                fused_ms=fused_s * 1e3, speedup=dyn_s / fused_s, dynamic_tok_s=batch / dyn_s,
-                               fused_tok_s=batch / fused_s, dynamic_mib=dyn_mib, fused_mib=fused_mib,
-                               quantized_ms=quant_s * 1e3 if quant_s else None,
-                               vs_quantized=quant_s / fused_s if quant_s else None)
+                               fused_tok_s=batch / fused_s, dynamic_mib=dyn_mib, fused_mib=fused_mib)
+                    if not label:  # the full-layer rows
+                        int8_s, int8_mib = bench_one(model, FusedCache(model.config, dtype=torch.int8), batch,
+                                                     context, new, device, dtype)
+                        model.set_attn_implementation("sdpa")
+                        sdpa_s = bench_one(model, transformers.DynamicCache(config=model.config), batch, context,
+                                           new, device, dtype)[0]
+                        model.set_attn_implementation("fusedllm")
+                        quantized = quantized_cache(model.config)
+                        quant_s = bench_one(model, quantized, batch, context, new, device, dtype)[0] if quantized else None
+                        row.update(int8_ms=int8_s * 1e3, int8_mib=int8_mib, int8_vs_fused=fused_s / int8_s,
+                                   sdpa_ms=sdpa_s * 1e3, int8_vs_sdpa=sdpa_s / int8_s,
+                                   quantized_ms=quant_s * 1e3 if quant_s else None,
+                                   vs_quantized=quant_s / fused_s if quant_s else None)
+                    yield row
 
 
 COLUMNS = [
@@ -119,12 +132,17 @@ COLUMNS = [
     ("dynamic_ms", "DynamicCache ms/step", ".2f"),
     ("fused_ms", "FusedCache ms/step", ".2f"),
     ("speedup", "FusedCache ×", ".2f"),
+    ("int8_ms", "FusedCache int8 ms/step", ".2f"),
+    ("int8_vs_fused", "int8 × FusedCache", ".2f"),
+    ("sdpa_ms", "DynamicCache + sdpa ms/step", ".2f"),
+    ("int8_vs_sdpa", "int8 × sdpa", ".2f"),
     ("quantized_ms", "QuantizedCache (quanto 4-bit) ms/step", ".2f"),
     ("vs_quantized", "FusedCache × QuantizedCache", ".2f"),
     ("dynamic_tok_s", "DynamicCache tok/s", ".0f"),
     ("fused_tok_s", "FusedCache tok/s", ".0f"),
     ("dynamic_mib", "DynamicCache MiB", ".0f"),
     ("fused_mib", "FusedCache MiB", ".0f"),
+    ("int8_mib", "int8 MiB", ".0f"),
 ]
 
 

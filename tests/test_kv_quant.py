@@ -108,13 +108,14 @@ def test_quantize_kv_takes_values_and_scales_together():
 # --- attention over int8 K/V -------------------------------------------------------------
 
 # (batch, q_heads, kv_heads, q_len, kv_len, head_dim): prefill, decoding over a
-# long cache (the keys split across threads), chunks, odd and large head dims.
+# long cache (the keys split across threads), chunks, small, large and odd head dims.
 SHAPES = [
     (2, 4, 2, 17, 17, 64),
     (1, 8, 2, 1, 2100, 128),
     (1, 4, 1, 33, 300, 80),
     (2, 2, 2, 1, 5, 16),
     (1, 2, 1, 40, 40, 256),
+    (1, 4, 2, 5, 40, 33),
 ]
 MASKS = [(False, None), (True, None), (True, 7)]
 

@@ -18,13 +18,19 @@ inline namespace CPU_CAPABILITY {
 namespace flash {
 namespace {
 
+// Query rows up to which the bfloat16 scores are computed with the keys along
+// the vector lanes (S = Q K^T, then transposed): the S^T = K Q^T product puts
+// the rows along the lanes, 16 of which hold a decoding step's 4 or 8 rows.
+constexpr int64_t kNarrowRows = 8;
+
 // Per-slot scratch of the forward pass.
 template <typename acc_t>
 struct ForwardScratch {
-  acc_t *qt, *s, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha, *cols;
+  acc_t *qt, *s, *sr, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha, *cols;
   ForwardScratch(const Tiling<acc_t>& t, Arena& m)
       : qt(m.take<acc_t>(t.d * t.rows_pad)),
         s(m.take<acc_t>(t.block_k * t.rows_pad)),
+        sr(m.take<acc_t>(16 * round_up(t.block_k, 16))),
         o(m.take<acc_t>(t.rows_pad * t.d_pad)),
         kbuf(m.take<acc_t>(t.block_k * t.d_pad)),
         vbuf(m.take<acc_t>(t.block_k * t.d_pad)),
@@ -153,9 +159,18 @@ struct ForwardKernel {
     uint32_t* const vp32 = reinterpret_cast<uint32_t*>(w.vbuf);
     const auto q_row = [&](int64_t i) { return t.row_in(q, a.q.head_stride, a.q.seq_stride, g, p0, i); };
 #endif
+    const bool narrow = kPairs && rows <= kNarrowRows;  // then ld is 16
+#if defined(__AVX512BF16__)
+    const int64_t nk_pad = round_up(t.block_k, 16);
+#endif
     if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-      pack_rows_transposed(q_row, rows, ld, d, qp);
+      if (narrow) {  // Q as pair words along its rows; S's rows past `rows` stay zero
+        for (int64_t i = 0; i < rows; ++i) pack_rows_along(q_row(i), 0, 1, d, qp + i * dp, dp);
+        std::fill(w.sr + rows * nk_pad, w.sr + ld * nk_pad, acc_t(0));
+      } else {
+        pack_rows_transposed(q_row, rows, ld, d, qp);
+      }
 #endif
     } else {
       // (Q * scale)^T, staged row-major in the output buffer first.
@@ -178,12 +193,24 @@ struct ForwardKernel {
       // S^T = K (Q * scale)^T: keys x rows.
       if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-        if (k.quantized()) {
-          pack_int8_rows_along(k.row8(j0), k.seq_stride, nk, d, kp32, dp);
+        if (narrow) {
+          // S = Q K^T (rows x keys, K packed across the keys), then S^T
+          if (k.quantized()) {
+            pack_rows_transposed_wide([&](int64_t j) { return k.row8(j0 + j); }, nk, d, kp32, nk_pad);
+          } else {
+            pack_rows_transposed_wide([&](int64_t j) { return k.row(j0 + j); }, nk, d, kp32, nk_pad);
+          }
+          gemm_pairs<ALayout::kRowMajor, false>(rows, round_up(nk, 16), dp, qp, dp, kp32, nk_pad, w.sr, nk_pad,
+                                                nullptr, scale);
+          transpose_16_rows(w.sr, nk_pad, nk, w.s);
         } else {
-          pack_rows_along(k.row(j0), k.seq_stride, nk, d, kp32, dp);
+          if (k.quantized()) {
+            pack_int8_rows_along(k.row8(j0), k.seq_stride, nk, d, kp32, dp);
+          } else {
+            pack_rows_along(k.row(j0), k.seq_stride, nk, d, kp32, dp);
+          }
+          gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp32, dp, qp, ld, w.s, ld, nullptr, scale);
         }
-        gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp32, dp, qp, ld, w.s, ld, nullptr, scale);
         if (k.quantized()) k.scale_rows(w.s, ld, j0, nk);
 #endif
       } else {

@@ -347,22 +347,24 @@ inline void pack_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* 
 inline uint16_t int8_bfloat16_bits(int8_t x) { return c10::BFloat16(static_cast<float>(x)).x; }
 
 // 32 int8 values as 32 bfloat16, in order (16 pair words).
-inline __m512i int8_to_bfloat16(const int8_t* src) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-  const __m512 hi =
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
-  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+// 16 int8 values as float32.
+inline __m512 int8_to_float(const int8_t* src) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
 }
 
-// pack_rows_along for int8 rows.
+// pack_rows_along for int8 rows: 32 values at a time become 16 pair words.
 inline void pack_int8_rows_along(const int8_t* src, int64_t stride, int64_t rows, int64_t n, uint32_t* dst,
-                            int64_t ldp) {
+                                 int64_t ldp) {
   for (int64_t i = 0; i < rows; ++i) {
     const int8_t* r = src + i * stride;
     uint32_t* out = dst + i * ldp;
     int64_t c = 0;
-    for (; c + 32 <= n; c += 32) _mm512_storeu_si512(out + c / 2, int8_to_bfloat16(r + c));
-    for (; c < n; c += 2) out[c / 2] = pair_word(int8_bfloat16_bits(r[c]), c + 1 < n ? int8_bfloat16_bits(r[c + 1]) : 0);
+    for (; c + 32 <= n; c += 32) {
+      _mm512_storeu_si512(out + c / 2, (__m512i)_mm512_cvtne2ps_pbh(int8_to_float(r + c + 16), int8_to_float(r + c)));
+    }
+    for (; c < n; c += 2) {
+      out[c / 2] = pair_word(int8_bfloat16_bits(r[c]), c + 1 < n ? int8_bfloat16_bits(r[c + 1]) : 0);
+    }
   }
 }
 
@@ -374,19 +376,90 @@ inline void pack_int8_rows_across(const Row& row, int64_t rows, int64_t n, uint3
     const int8_t* r1 = 2 * p + 1 < rows ? row(2 * p + 1) : nullptr;
     uint32_t* out = dst + p * ldp;
     int64_t c = 0;
+    const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     for (; c + 16 <= n; c += 16) {
-      const auto floats = [](const int8_t* r) {
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r))));
-      };
-      const __m512 x0 = floats(r0 + c);
-      const __m512 x1 = r1 != nullptr ? floats(r1 + c) : _mm512_setzero_ps();
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
-      const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(both));
-      const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1));
-      _mm512_storeu_si512(out + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      // small integers in float32 have zero low halves: their bfloat16 bits are the high halves
+      const __m512i x0 = _mm512_castps_si512(int8_to_float(r0 + c));
+      const __m512i x1 = r1 != nullptr ? _mm512_castps_si512(int8_to_float(r1 + c)) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + c, _mm512_or_si512(_mm512_srli_epi32(x0, 16), _mm512_and_si512(x1, high_half)));
     }
-    for (; c < n; ++c) out[c] = pair_word(int8_bfloat16_bits(r0[c]), r1 != nullptr ? int8_bfloat16_bits(r1[c]) : 0);
+    for (; c < n; ++c) {
+      out[c] = pair_word(int8_bfloat16_bits(r0[c]), r1 != nullptr ? int8_bfloat16_bits(r1[c]) : 0);
+    }
     for (; c < ldp; ++c) out[c] = 0;
+  }
+}
+
+// r[i] becomes column i of the 16 x 16 matrix of 32-bit words whose rows were r.
+inline void transpose_16x16_words(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: words 4L, 4L + 1 (lo) and 4L + 2, 4L + 3 (hi) of rows 2i, 2i + 1
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + k], lane L: word 4L + k of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of r[k], r[4 + k], r[8 + k], r[12 + k]
+    const __m512i a = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), b = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
+    const __m512i d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
+    t[k] = _mm512_shuffle_i32x4(a, c, 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    t[8 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// dst[c * 16 + r] = src[r * lds + c] for r < 16 and c < round_up(cols, 16)
+// (src readable that far): a 16-row float32 tile transposed, 16 columns at a time.
+inline void transpose_16_rows(const float* src, int64_t lds, int64_t cols, float* dst) {
+  for (int64_t c = 0; c < cols; c += 16) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * lds + c);
+    transpose_16x16_words(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (c + i) * 16, r[i]);
+  }
+}
+
+// Up to 32 terms of a row from term c on (n terms in all) as 16 pair words,
+// zero past n: bfloat16 as stored, int8 as bfloat16.
+inline __m512i row_pair_words(const c10::BFloat16* row, int64_t c, int64_t n) {
+  const int64_t count = std::min<int64_t>(32, n - c);
+  return _mm512_maskz_loadu_epi16(static_cast<__mmask32>(count == 32 ? ~0u : (1u << count) - 1), row + c);
+}
+inline __m512i row_pair_words(const int8_t* row, int64_t c, int64_t n) {
+  const int64_t count = std::min<int64_t>(32, n - c);
+  const auto part = [&](int64_t from) {
+    const int64_t m = std::clamp<int64_t>(count - from, 0, 16);
+    const __m128i q = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << m) - 1), row + c + from);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+  };
+  return (__m512i)_mm512_cvtne2ps_pbh(part(16), part(0));
+}
+
+// Rows of bfloat16 (or int8, as bfloat16) as pair words across the rows:
+// dst[p * ldp + j] holds terms 2p, 2p + 1 of row j, for p < ceil(n / 2) and
+// j < round_up(rows, 16) (zero past rows; ldp at least that). row(j) gives
+// row j's first element. 16 rows at a time, through a 16 x 16 word transpose.
+template <typename Row>
+inline void pack_rows_transposed_wide(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
+  const int64_t np = (n + 1) / 2;
+  for (int64_t j0 = 0; j0 < rows; j0 += 16) {
+    for (int64_t c = 0; c < n; c += 32) {
+      __m512i w[16];
+      for (int i = 0; i < 16; ++i) {
+        w[i] = j0 + i < rows ? row_pair_words(row(j0 + i), c, n) : _mm512_setzero_si512();
+      }
+      transpose_16x16_words(w);
+      for (int64_t p = c / 2; p < std::min(np, c / 2 + 16); ++p) {
+        _mm512_storeu_si512(dst + p * ldp + j0, w[p - c / 2]);
+      }
+    }
   }
 }
 

@@ -263,7 +263,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     the rows a query reads, ``eps = scale * sum|q| * max s_k / 2`` bounds the
     error of any score, and the output differs from attention over the
     unquantized rows by at most ``max s_v / 2 + (exp(2 eps) - 1) * max|v|``
-    per entry (tests/test_kv_quant.py checks this bound).
+    per entry, beyond the rounding attention in q's dtype has over float rows
+    (tests/test_kv_quant.py checks this bound).
     """
     scale, window, right, softcap, mask, dropout_p, seed = _attention_args(
         "fusedllm.attention", q, k, v, causal, scale, window, mask, dropout_p, softcap, sinks,

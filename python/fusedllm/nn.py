@@ -284,8 +284,8 @@ class KVCache:
     int8 with one float32 scale per position and kv head, quantized as they
     are stored (:func:`fusedllm.quantize_kv`, after RoPE): half the bytes of
     bfloat16, a quarter of float32. :meth:`attend` (which the attention
-    modules call) runs attention on the int8 storage itself, dequantizing in
-    the kernel's tile loads, so no float copy of the cache exists; the output
+    modules call) runs attention on the int8 storage itself, the kernel
+    reading the int8 rows tile by tile, so no float copy of the cache exists; the output
     stays within the bound :func:`fusedllm.attention` states. ``keys`` /
     ``values`` and ``append``'s result are then the int8 rows, and
     ``key_scales`` / ``value_scales`` their scales ``[batch, kv_heads, held]``.
@@ -620,15 +620,13 @@ def _attention_repr(m, middle: str = "") -> str:
     return text
 
 
-def _attends_in_cache(owner: str, cache, mask, return_weights: bool) -> bool:
-    """Whether a module runs attention through ``cache.attend``: a cache with a
-    window (a ring, not one [kv_len] sequence a mask or the weights could
-    index) or with int8 storage (read by the kernel, never as float weights)."""
+def _attends_in_cache(owner: str, cache, return_weights: bool) -> bool:
+    """Whether a module runs attention through ``cache.attend`` (which refuses
+    a mask with a window): a cache with a window (a ring, not one [kv_len]
+    sequence the weights could index) or with int8 storage (read by the
+    kernel, never as float weights)."""
     if cache is None or (cache.window is None and not cache.quantized):
         return False
-    if mask is not None and cache.window is not None:
-        raise ValueError(f"{owner}: mask cannot be combined with a KVCache with a window (its keys "
-                         f"are a ring, not the sequence the mask would index)")
     if return_weights:
         raise ValueError(f"{owner}: return_weights=True needs a KVCache without a window or int8 storage")
     return True
@@ -714,7 +712,7 @@ class GQAttention(nn.Module):
             q, k = self.rotary(q, k, position_offset=position_offset)
         dropout_p = self.dropout if self.training else 0.0
         weights = None
-        if _attends_in_cache("fusedllm.nn.GQAttention", cache, mask, return_weights):
+        if _attends_in_cache("fusedllm.nn.GQAttention", cache, return_weights):
             out = cache.attend(q, k, v, window=self.window, dropout_p=dropout_p, mask=mask)
             return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
         if cache is not None:
@@ -984,7 +982,7 @@ class ParallelBlock(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(q, k, position_offset=position_offset)
         dropout_p = self.dropout if self.training else 0.0
-        if _attends_in_cache(owner, cache, mask, False):
+        if _attends_in_cache(owner, cache, False):
             attn = cache.attend(q, k, v, window=self.window, dropout_p=dropout_p, mask=mask)
         else:
             if cache is not None:

@@ -69,9 +69,10 @@ def _with_scales(keys: torch.Tensor, values: torch.Tensor, k_scale: torch.Tensor
     return keys, values
 
 
-class _Int8Storage:
-    """What the int8 layers share: storage [batch, heads, slots, head_dim]
-    int8 and its scales [batch, heads, slots], written by quantize_kv."""
+class _SlotStorage:
+    """The layers' storage [batch, heads, slots, head_dim] of keys and values:
+    in the model's dtype, or (quantized) int8 with scales [batch, heads,
+    slots] written by quantize_kv."""
 
     def _tensors(self) -> tuple:
         return (self._k, self._v, self._ks, self._vs) if self.quantized else (self._k, self._v)
@@ -99,7 +100,7 @@ class _Int8Storage:
         return _with_scales(*tensors) if self.quantized else tuple(tensors)
 
 
-class GrowingLayer(_Int8Storage, DynamicLayer):
+class GrowingLayer(_SlotStorage, DynamicLayer):
     """A full-attention layer: ``DynamicLayer``'s contract on storage that
     grows by half when full (copying the past once), so a step copies only
     its own positions. The first storage holds ``capacity`` positions, or the
@@ -140,9 +141,8 @@ class GrowingLayer(_Int8Storage, DynamicLayer):
         _check_new("values", value_states, self._v, dtype=self.dtype)
         self._put(self._tensors(), slice(held, held + n), (key_states, value_states))
         self.keys, self.values = self._k[:, :, :held + n], self._v[:, :, :held + n]
-        if not self.quantized:
-            return self.keys, self.values
-        return _with_scales(self.keys, self.values, self._ks[:, :, :held + n], self._vs[:, :, :held + n])
+        scales = (self._ks[:, :, :held + n], self._vs[:, :, :held + n]) if self.quantized else ()
+        return self._result((self.keys, self.values) + scales)
 
     def _rebuild(self, fn) -> None:
         """A batch operation (beam reordering, selection, repetition) on int8 storage and its scales."""
@@ -171,7 +171,7 @@ class GrowingLayer(_Int8Storage, DynamicLayer):
         super().reset()
 
 
-class RingLayer(_Int8Storage, DynamicSlidingWindowLayer):
+class RingLayer(_SlotStorage, DynamicSlidingWindowLayer):
     """A sliding-window layer: ``DynamicSlidingWindowLayer``'s contract (the
     last ``W - 1`` positions plus the new ones are returned, the mask sizes
     are its own) on a ring of ``W`` slots, each position written at slot

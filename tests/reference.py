@@ -278,6 +278,23 @@ def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation="s
     return torch.stack(out) if out else h.new_zeros(h.shape)
 
 
+def streaming_attention(q, k, v, window=None, sink=0):
+    """Causal attention over a whole sequence where query position p sees keys
+    j <= p with j > p - window or j < sink (StreamingLLM's sinks; window None:
+    every j <= p), in float64: what decoding through a ring cache must give."""
+    q, k, v = (t.double() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    n = q.shape[2]
+    p = torch.arange(n, device=q.device)[:, None]
+    j = torch.arange(n, device=q.device)[None, :]
+    keep = j <= p
+    if window is not None:
+        keep &= (j > p - window) | (j < sink)
+    scores = ((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5).masked_fill(~keep, float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
 def quantize_kv(x):
     """Symmetric int8 rows of the last dim: scale = max|x| / 127 and values =
     round(x * (127 / max|x|)), half to even (0 for an all-zero row); 127 / max|x|

@@ -10,21 +10,7 @@ import torch
 from fusedllm.nn import GQAttention, KVCache
 
 from checks import FORWARD_TOL, assert_close
-
-
-def reference(q, k, v, window, sink):
-    """Each query position p attends to keys j <= p with j > p - window or
-    j < sink: softmax over the whole sequence, in float64."""
-    q, k, v = (t.double() for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    n = q.shape[2]
-    p = torch.arange(n)[:, None]
-    j = torch.arange(n)[None, :]
-    keep = (j <= p) & ((j > p - window) | (j < sink))
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~keep.to(q.device), float("-inf"))
-    return torch.softmax(scores, -1) @ v
+from reference import streaming_attention
 
 
 def decode(cache, q, k, v, steps, window=None):
@@ -56,7 +42,7 @@ def test_ring_decoding_matches_the_whole_sequence(device, dtype, steps, sink):
     cache = KVCache(window=window, sink=sink)
     with torch.no_grad():
         out = decode(cache, q, k, v, STEPS[steps])
-    assert_close(out, reference(q, k, v, window, sink), FORWARD_TOL[dtype], "ring decode", upcast=True)
+    assert_close(out, streaming_attention(q, k, v, window, sink), FORWARD_TOL[dtype], "ring decode", upcast=True)
     # memory: the sink positions and the ring, whatever the length
     assert cache.capacity == sink + window and len(cache) == total
 
@@ -114,7 +100,7 @@ def test_window_cache_module_without_its_own_window_is_streaming(device):
         q = layer.q_proj(x).view(1, 15, 2, 16).transpose(1, 2)
         k = layer.k_proj(x).view(1, 15, 2, 16).transpose(1, 2)
         v = layer.v_proj(x).view(1, 15, 2, 16).transpose(1, 2)
-        ref = layer.o_proj(reference(q, k, v, 4, 1).float().transpose(1, 2).reshape(1, 15, 32))
+        ref = layer.o_proj(streaming_attention(q, k, v, 4, 1).float().transpose(1, 2).reshape(1, 15, 32))
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
 
 

@@ -11,7 +11,7 @@ import fusedllm
 from checks import FORWARD_TOL
 from reference import attention as ref_attention
 from reference import attention_varlen as ref_attention_varlen
-from reference import dequantize_kv, int8_attention_error_bound
+from reference import dequantize_kv, int8_attention_error_bound, streaming_attention
 from reference import quantize_kv as ref_quantize_kv
 
 ops = torch.ops.fusedllm
@@ -293,22 +293,6 @@ def test_int8_cache_step_compiles(device):
 
 # --- nn.KVCache(dtype=torch.int8) --------------------------------------------------------
 
-def visible_attention(q, k, v, window, sink):
-    """Each query position p attends to keys j <= p with j > p - window or
-    j < sink (window None: every j <= p), in float64."""
-    q, k, v = (t.double() for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    n = q.shape[2]
-    p = torch.arange(n, device=q.device)[:, None]
-    j = torch.arange(n, device=q.device)[None, :]
-    keep = j <= p
-    if window is not None:
-        keep &= (j > p - window) | (j < sink)
-    scores = ((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5).masked_fill(~keep, float("-inf"))
-    return torch.softmax(scores, -1) @ v
-
-
 CACHE_STEPS = {"tokens": [1] * 21, "prefill then tokens": [9] + [1] * 12, "chunks": [3, 7, 1, 4, 1, 5]}
 
 
@@ -334,9 +318,9 @@ def test_int8_cache_decoding_equals_attention_over_its_rows(device, dtype, steps
     out = torch.cat(outs, dim=2)
     k8, k_scale = ref_quantize_kv(k)
     v8, v_scale = ref_quantize_kv(v)
-    want = visible_attention(q, dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale), window, sink)
+    want = streaming_attention(q, dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale), window, sink)
     checks.assert_close(out, want, FORWARD_TOL[dtype], "int8 cache decoding", upcast=True)
-    exact = visible_attention(q, k, v, window, sink)
+    exact = streaming_attention(q, k, v, window, sink)
     rounding = {torch.float32: 1e-5, torch.bfloat16: 2**-8}[dtype] * exact.abs().max().item()
     assert (out.double() - exact).abs().max().item() <= int8_attention_error_bound(q, v, k_scale, v_scale) + rounding
     # what is held: int8 rows and their scales, in position order

@@ -352,22 +352,6 @@ inline __m512 int8_to_float(const int8_t* src) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
 }
 
-// pack_rows_along for int8 rows: 32 values at a time become 16 pair words.
-inline void pack_int8_rows_along(const int8_t* src, int64_t stride, int64_t rows, int64_t n, uint32_t* dst,
-                                 int64_t ldp) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const int8_t* r = src + i * stride;
-    uint32_t* out = dst + i * ldp;
-    int64_t c = 0;
-    for (; c + 32 <= n; c += 32) {
-      _mm512_storeu_si512(out + c / 2, (__m512i)_mm512_cvtne2ps_pbh(int8_to_float(r + c + 16), int8_to_float(r + c)));
-    }
-    for (; c < n; c += 2) {
-      out[c / 2] = pair_word(int8_bfloat16_bits(r[c]), c + 1 < n ? int8_bfloat16_bits(r[c + 1]) : 0);
-    }
-  }
-}
-
 // pack_rows_across for int8 rows (row(i): row i's first element).
 template <typename Row>
 inline void pack_int8_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
@@ -440,6 +424,19 @@ inline __m512i row_pair_words(const int8_t* row, int64_t c, int64_t n) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
   };
   return (__m512i)_mm512_cvtne2ps_pbh(part(16), part(0));
+}
+
+// pack_rows_along for int8 rows, as bfloat16.
+inline void pack_int8_rows_along(const int8_t* src, int64_t stride, int64_t rows, int64_t n, uint32_t* dst,
+                                 int64_t ldp) {
+  const int64_t np = (n + 1) / 2;
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t c = 0; c < n; c += 32) {
+      const int64_t words = std::min<int64_t>(16, np - c / 2);
+      _mm512_mask_storeu_epi32(dst + i * ldp + c / 2, static_cast<__mmask16>((1u << words) - 1),
+                               row_pair_words(src + i * stride, c, n));
+    }
+  }
 }
 
 // Rows of bfloat16 (or int8, as bfloat16) as pair words across the rows:

@@ -37,19 +37,12 @@ inline QuantizeKvPlan plan_quantize_kv(const at::Tensor& x, const at::Tensor& va
     TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", name,
                       " has elements that share memory (an expanded view): it is written to");
   }
-  QuantizeKvPlan p;
-  p.x = x;
-  p.values = values;
-  p.scales = scales.unsqueeze(-1);
+  QuantizeKvPlan p{x, values, scales, scales.numel(), x.size(-1)};
   while (p.x.dim() < 4) {
     p.x = p.x.unsqueeze(0);
     p.values = p.values.unsqueeze(0);
-    p.scales = p.scales.unsqueeze(0);
   }
-  p.scales = p.scales.squeeze(-1);
-  p.head_dim = x.size(-1);
-  p.rows = x.numel() / std::max<int64_t>(p.head_dim, 1);
-  if (p.head_dim == 0) p.rows = scales.numel();
+  while (p.scales.dim() < 3) p.scales = p.scales.unsqueeze(0);
   return p;
 }
 

@@ -183,7 +183,8 @@ struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
   using ForwardFn = std::tuple<at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, double, bool, int64_t,
       double, const OptTensor&, int64_t, double, const OptTensor&, const OptTensor&, const OptTensor&,
-      const OptTensor&, int64_t, int64_t, const OptTensor&, const OptTensor&);
+      const OptTensor&, int64_t, int64_t, const OptTensor&, const OptTensor&, const OptTensor&,
+      const OptTensor&);
   using BackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const at::Tensor&, const OptTensor&, double, bool, int64_t, double, const OptTensor&, int64_t,
@@ -200,7 +201,7 @@ struct AttentionFunction : torch::autograd::Function<AttentionFunction> {
     static auto fn = op<ForwardFn>("fusedllm::attention");
     auto [out, lse] = fn.call(q, k, v, mask, scale, causal, window, dropout_p, seed, window_right,
                               softcap, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              max_seqlen_k, std::nullopt, std::nullopt);
+                              max_seqlen_k, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
     ctx->save_for_backward({q, k, v, out, lse, value_or_undefined(mask), value_or_undefined(seed),
                             value_or_undefined(sinks), value_or_undefined(alibi_slopes),
                             value_or_undefined(cu_seqlens_q), value_or_undefined(cu_seqlens_k)});
@@ -450,18 +451,25 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(
     bool causal, int64_t window, double dropout_p, const OptTensor& seed, int64_t window_right,
     double softcap, const OptTensor& sinks, const OptTensor& alibi_slopes, const OptTensor& cu_seqlens_q,
     const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    const OptTensor& k_scale, const OptTensor& v_scale) {
-  if (k_scale.has_value() || v_scale.has_value()) {
-    // A quantized cache is read for inference: nothing to differentiate through.
+    const OptTensor& k_scale, const OptTensor& v_scale, const OptTensor& kv_lens,
+    const OptTensor& block_table) {
+  const bool quantized = k_scale.has_value() || v_scale.has_value();
+  if (quantized || kv_lens.has_value() || block_table.has_value()) {
+    // A KV cache (quantized, of several lengths, paged) is read for inference:
+    // nothing to differentiate through.
     const auto wants = [](const OptTensor& t) { return t.has_value() && t->requires_grad(); };
     TORCH_CHECK_VALUE(!at::GradMode::is_enabled() ||
-                          !(q.requires_grad() || wants(sinks) || wants(k_scale) || wants(v_scale)),
-                      "fusedllm.attention: int8 k and v (k_scale / v_scale) are for inference and have "
-                      "no backward; run under torch.no_grad() or torch.inference_mode(), or detach q");
+                          !(q.requires_grad() || k.requires_grad() || v.requires_grad() || wants(sinks) ||
+                            wants(k_scale) || wants(v_scale)),
+                      "fusedllm.attention: ",
+                      quantized ? "int8 k and v (k_scale / v_scale)" : "kv_lens / block_table",
+                      " read a KV cache for inference and have no backward; run under torch.no_grad() "
+                      "or torch.inference_mode(), or detach q, k and v");
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto fn = op<AttentionFunction::ForwardFn>("fusedllm::attention");
     return fn.call(q, k, v, mask, scale, causal, window, dropout_p, seed, window_right, softcap, sinks,
-                   alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k_scale, v_scale);
+                   alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k_scale, v_scale,
+                   kv_lens, block_table);
   }
   // sinks goes fourth: apply() differentiates the leading tensor arguments.
   auto r = AttentionFunction::apply(q, k, v, sinks, mask, scale, causal, window, dropout_p, seed,

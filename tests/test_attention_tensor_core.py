@@ -301,6 +301,28 @@ def test_varlen_matches_reference(device, case, dtype):
     check_ran(counts, FORWARD, DQ, DKDV)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_kv_lens_matches_reference(device, dtype):
+    """A dense cache of sequences of several lengths (kv_lens): each reads only
+    its first kv_lens[b] rows (the rows past it hold NaN)."""
+    lens = [70, 0, 33, 1]
+    q = torch.randn(4, 8, 24, 64, device=device).to(dtype)
+    k = torch.full((4, 2, 80, 64), float("nan"), device=device, dtype=dtype)
+    v = torch.full_like(k, float("nan"))
+    for b, n in enumerate(lens):
+        k[b, :, :n] = torch.randn(2, n, 64, device=device).to(dtype)
+        v[b, :, :n] = torch.randn(2, n, 64, device=device).to(dtype)
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    with launches() as counts, torch.no_grad():
+        out = fusedllm.attention(q, k, v, causal=True, kv_lens=kv_lens)
+    check_ran(counts, FORWARD, absent=(SIMT_FORWARD,))
+    for b, n in enumerate(lens):
+        want = (torch.zeros_like(q[b:b + 1]) if n == 0 else
+                ref_attention(q[b:b + 1].double(), k[b:b + 1, :, :n].double(), v[b:b + 1, :, :n].double(),
+                              causal=True)[0])
+        assert_close(out[b:b + 1], want, FORWARD_TOL[dtype])
+
+
 # --- shared memory ------------------------------------------------------------------------
 
 

@@ -46,6 +46,10 @@ OPS = {
                        "(int8_attention_matches_dequantized and (2100 or 40x40)) or int8_attention_options "
                        "or int8_attention_varlen",
                        ("attention_forward",)),
+    "paged attention": ("test_kv_paged.py",
+                        "paged_attention_matches_each_sequence or paged_attention_options or "
+                        "paged_int8_attention or kv_lens_over_dense_rows",
+                        ("attention_forward",)),
     "linear_cross_entropy": ("test_cross_entropy.py",
                              "(matches_cross_entropy and not float16) or options or gradcheck",
                              ("cross_entropy_rows",)),

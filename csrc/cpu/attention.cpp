@@ -63,6 +63,7 @@ struct CpuAttention {
     a.v = operand(p.v);
     a.k_scale = scales(p.k_scale);
     a.v_scale = scales(p.v_scale);
+    a.pages = p.pages;
     a.out = p.out.data_ptr();
     a.lse = p.lse.data_ptr();
     const AttentionForwardKernel* kernel = attention_forward_kernels.get();

@@ -139,7 +139,7 @@ struct ForwardKernel {
                    acc_t* o_out, int64_t o_ld, acc_t* lse_out) {
     const int64_t q_start = a.seqs.q_start(b), k_start = a.seqs.k_start(b);
     const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride + q_start * a.q.seq_stride;
-    const KvRows<T> k(a.k, a.k_scale, b, g, k_start), v(a.v, a.v_scale, b, g, k_start);
+    const KvRows<T> k(a.k, a.k_scale, a.pages, b, g, k_start), v(a.v, a.v_scale, a.pages, b, g, k_start);
     const Mask mask = a.mask.of_lengths(a.seqs.q_len(b), a.seqs.k_len(b));
     const int64_t d = t.d, d_pad = t.d_pad, group = t.group;
     const int64_t rows = npos * group;
@@ -204,11 +204,13 @@ struct ForwardKernel {
                                                 nullptr, scale);
           transpose_16_rows(w.sr, nk_pad, nk, w.s);
         } else {
-          if (k.quantized()) {
-            pack_int8_rows_along(k.row8(j0), k.seq_stride, nk, d, kp32, dp);
-          } else {
-            pack_rows_along(k.row(j0), k.seq_stride, nk, d, kp32, dp);
-          }
+          k.runs(j0, nk, [&](int64_t i, int64_t n) {
+            if (k.quantized()) {
+              pack_int8_rows_along(k.row8(j0 + i), k.seq_stride, n, d, kp32 + i * dp, dp);
+            } else {
+              pack_rows_along(k.row(j0 + i), k.seq_stride, n, d, kp32 + i * dp, dp);
+            }
+          });
           gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp32, dp, qp, ld, w.s, ld, nullptr, scale);
         }
         if (k.quantized()) k.scale_rows(w.s, ld, j0, nk);

@@ -75,6 +75,7 @@ struct AttentionScales {
 struct AttentionForwardArgs : AttentionCallArgs {
   AttentionOperand q, k, v;
   AttentionScales k_scale, v_scale;  // int8 k and v (then q is float32, bfloat16 or float16)
+  attn::Pages pages;                 // paged k and v (and scales): their batch index is the page
   void* out;  // row r (QueryRows) at out + r * D
   void* lse;  // row r at lse[r], float32 (float64 for float64 inputs)
 };

@@ -296,56 +296,73 @@ inline void dequantize_row(const int8_t* src, int64_t n, int64_t n_pad, float sc
 }
 
 // The K or V rows of one (batch, kv head) pair: T, or int8 with a float32
-// scale per row.
+// scale per row; dense, or in pages (attn::Pages).
 template <typename T>
 struct KvRows {
   using acc_t = typename VecIO<T>::acc_t;
-  const void* data;
-  int64_t seq_stride;
+  const void* data;  // row 0 of a dense pair; kv head g of page 0 when paged
+  int64_t seq_stride, page_stride;
   const float* scale = nullptr;  // set: int8 rows
-  int64_t scale_stride = 0;
+  int64_t scale_stride = 0, scale_page_stride = 0;
+  attn::Pages pages;
+  int64_t b;
 
-  KvRows(const AttentionOperand& o, const AttentionScales& s, int64_t b, int64_t g, int64_t start)
-      : seq_stride(o.seq_stride) {
-    const int64_t offset = b * o.batch_stride + g * o.head_stride + start * o.seq_stride;
+  KvRows(const AttentionOperand& o, const AttentionScales& s, const attn::Pages& pages_, int64_t b_,
+         int64_t g, int64_t start)
+      : seq_stride(o.seq_stride), page_stride(o.batch_stride), scale_page_stride(s.batch_stride),
+        pages(pages_), b(b_) {
+    const int64_t first = pages.paged() ? 0 : b * o.batch_stride + start * o.seq_stride;
+    const int64_t offset = first + g * o.head_stride;
     if (s.data == nullptr) {
       data = static_cast<const T*>(o.data) + offset;
     } else {
       data = static_cast<const int8_t*>(o.data) + offset;
-      scale = s.data + b * s.batch_stride + g * s.head_stride + start * s.seq_stride;
+      scale = s.data + g * s.head_stride +
+              (pages.paged() ? 0 : b * s.batch_stride + start * s.seq_stride);
       scale_stride = s.seq_stride;
     }
   }
   bool quantized() const { return scale != nullptr; }
+  int64_t offset(int64_t j) const { return pages.row_offset(b, j, page_stride, seq_stride); }
   // Row j of float rows, or of int8 rows.
-  const T* row(int64_t j) const { return static_cast<const T*>(data) + j * seq_stride; }
-  const int8_t* row8(int64_t j) const { return static_cast<const int8_t*>(data) + j * seq_stride; }
+  const T* row(int64_t j) const { return static_cast<const T*>(data) + offset(j); }
+  const int8_t* row8(int64_t j) const { return static_cast<const int8_t*>(data) + offset(j); }
+  float row_scale(int64_t j) const { return scale[pages.row_offset(b, j, scale_page_stride, scale_stride)]; }
+  // f(i, n) for each run [j0 + i, j0 + i + n) of rows [j0, j0 + nk) that lie
+  // seq_stride apart (one page; all of them when dense).
+  template <typename F>
+  void runs(int64_t j0, int64_t nk, const F& f) const {
+    for (int64_t i = 0; i < nk;) {
+      const int64_t n = pages.run(j0 + i, nk - i);
+      f(i, n);
+      i += n;
+    }
+  }
   // Asks the caches for rows [j0, j0 + nk): the next tile's rows, requested
   // before the current tile's products, load while those run (decoding reads
   // the whole cache once per step; measured 5-10% faster at 32k keys).
   void prefetch(int64_t j0, int64_t nk, int64_t d) const {
     const int64_t bytes = d * (quantized() ? 1 : int64_t(sizeof(T)));
-    const char* base = static_cast<const char*>(data);
-    const int64_t row_bytes = seq_stride * (quantized() ? 1 : int64_t(sizeof(T)));
     for (int64_t j = j0; j < j0 + nk; ++j) {
-      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(base + j * row_bytes + b, 0, 1);
+      const char* r = quantized() ? reinterpret_cast<const char*>(row8(j)) : reinterpret_cast<const char*>(row(j));
+      for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(r + c, 0, 1);
     }
   }
   // acc[j * ld + c] *= the scale of row j0 + j, for j < nk and c < ld.
   void scale_rows(acc_t* acc, int64_t ld, int64_t j0, int64_t nk) const {
     for (int64_t j = 0; j < nk; ++j) {
-      const acc_t s = scale[(j0 + j) * scale_stride];
+      const acc_t s = row_scale(j0 + j);
       for (int64_t c = 0; c < ld; ++c) acc[j * ld + c] *= s;
     }
   }
   // Rows [j0, j0 + nk) as a contiguous, zero-padded accumulator tile (kv_tile).
   const acc_t* tile(int64_t j0, int64_t nk, int64_t d, int64_t d_pad, acc_t* buf, int64_t& ld) const {
-    if (!quantized()) return kv_tile(row(j0), seq_stride, nk, d, d_pad, buf, ld);
-    const int8_t* rows = static_cast<const int8_t*>(data);
-    for (int64_t j = 0; j < nk; ++j) {
-      dequantize_row(rows + (j0 + j) * seq_stride, d, d_pad, scale[(j0 + j) * scale_stride], buf + j * d_pad);
-    }
     ld = d_pad;
+    if (!quantized()) {
+      runs(j0, nk, [&](int64_t i, int64_t n) { kv_tile(row(j0 + i), seq_stride, n, d, d_pad, buf + i * d_pad, ld); });
+      return buf;
+    }
+    for (int64_t j = 0; j < nk; ++j) dequantize_row(row8(j0 + j), d, d_pad, row_scale(j0 + j), buf + j * d_pad);
     return buf;
   }
 };

@@ -9,17 +9,19 @@ namespace fusedllm::cuda {
 namespace {
 
 // K or V of the forward kernel: rows of T, or int8 rows with a float32 scale
-// per (batch, kv head, position) (a quantized cache).
+// per (batch, kv head, position) (a quantized cache); dense, or in pages
+// (their batch index is the page).
 struct KvSource {
   const void* data;
   Strides st;
   const float* scale;  // null: rows of T
   Strides scale_st;
+  attn::Pages pages;
 };
 
-KvSource kv_source(const at::Tensor& t, const at::Tensor& scale) {
-  if (!scale.defined()) return {t.const_data_ptr(), strides_of(t), nullptr, {}};
-  return {t.const_data_ptr(), strides_of(t), scale.const_data_ptr<float>(), strides_of(scale)};
+KvSource kv_source(const at::Tensor& t, const at::Tensor& scale, const attn::Pages& pages) {
+  if (!scale.defined()) return {t.const_data_ptr(), strides_of(t), nullptr, {}, pages};
+  return {t.const_data_ptr(), strides_of(t), scale.const_data_ptr<float>(), strides_of(scale), pages};
 }
 
 // Keys [j0, j0 + kKeys) of kv head g of sequence b (position 0 at `start`),
@@ -27,19 +29,29 @@ KvSource kv_source(const at::Tensor& t, const at::Tensor& scale) {
 template <typename T, typename acc_t, int kD, int kLd, int kKeys>
 __device__ __forceinline__ void stage_kv(acc_t* dst, const KvSource& src, int64_t b, int64_t g,
                                          int64_t start, int64_t j0, int64_t end, int d) {
-  const int64_t offset = b * src.st.b + g * src.st.h + start * src.st.s;
-  if (src.scale == nullptr) {
-    stage_keys<T, acc_t, kD, kLd, kKeys>(dst, static_cast<const T*>(src.data) + offset, src.st.s, j0, end, d);
+  const attn::Pages& pages = src.pages;
+  const int64_t first = pages.paged() ? 0 : b * src.st.b + start * src.st.s;
+  if (src.scale == nullptr && !pages.paged()) {
+    stage_keys<T, acc_t, kD, kLd, kKeys>(dst, static_cast<const T*>(src.data) + first + g * src.st.h,
+                                         src.st.s, j0, end, d);
     return;
   }
-  const int8_t* base = static_cast<const int8_t*>(src.data) + offset;
-  const float* scale = src.scale + b * src.scale_st.b + g * src.scale_st.h + start * src.scale_st.s;
+  const float* scale = src.scale == nullptr ? nullptr
+      : src.scale + g * src.scale_st.h + (pages.paged() ? 0 : b * src.scale_st.b + start * src.scale_st.s);
   for (int idx = threadIdx.x; idx < kKeys * kD; idx += blockDim.x) {
     const int jj = idx / kD, c = idx % kD;
     const int64_t key = j0 + jj;
-    dst[jj * kLd + c] = (key < end && c < d)
-        ? static_cast<acc_t>(static_cast<float>(base[key * src.st.s + c]) * scale[key * src.scale_st.s])
-        : acc_t(0);
+    acc_t x = 0;
+    if (key < end && c < d) {
+      const int64_t row = first + g * src.st.h + pages.row_offset(b, key, src.st.b, src.st.s);
+      if (scale == nullptr) {
+        x = static_cast<acc_t>(static_cast<const T*>(src.data)[row + c]);
+      } else {
+        x = static_cast<acc_t>(static_cast<float>(static_cast<const int8_t*>(src.data)[row + c]) *
+                               scale[pages.row_offset(b, key, src.scale_st.b, src.scale_st.s)]);
+      }
+    }
+    dst[jj * kLd + c] = x;
   }
 }
 
@@ -178,8 +190,8 @@ void launch_attention_forward(const AttentionForwardPlan& p, Stream stream) {
       const dim3 grid(static_cast<unsigned>((rows.group_rows() + C::kFwdRows - 1) / C::kFwdRows),
                       static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
       launch("attention_forward_kernel", kernel, grid, C::kFwdWarps * kWarpSize, C::fwd_smem(),
-          stream, p.q.const_data_ptr<scalar_t>(), strides_of(p.q), kv_source(p.k, p.k_scale),
-          kv_source(p.v, p.v_scale), p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), rows,
+          stream, p.q.const_data_ptr<scalar_t>(), strides_of(p.q), kv_source(p.k, p.k_scale, p.pages),
+          kv_source(p.v, p.v_scale, p.pages), p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), rows,
           p.seqs, static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p));
     });
   });
@@ -189,8 +201,8 @@ struct CudaAttention {
   static void forward(const AttentionForwardPlan& p) {
     const DeviceGuard guard(p.q.device());
     check_grid(p.shape);
-    // int8 K/V (a quantized cache, mostly decoding) run on the SIMT kernel.
-    if (!p.k_scale.defined() &&
+    // int8 or paged K/V (a cache, mostly decoding) run on the SIMT kernel.
+    if (!p.k_scale.defined() && !p.pages.paged() &&
         choose_attention_kernel(p, p.q.scalar_type()) == AttentionKernel::kTensorCore) {
       launch_attention_mma_forward(p, current_stream());
     } else {

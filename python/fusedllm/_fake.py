@@ -75,7 +75,8 @@ def _register_attention(ns: str) -> None:
     @torch.library.register_fake(f"{ns}::attention")
     def _attention_fake(q, k, v, mask, scale, causal, window, dropout_p, seed, window_right=-1,
                         softcap=0.0, sinks=None, alibi_slopes=None, cu_seqlens_q=None,
-                        cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, k_scale=None, v_scale=None):
+                        cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, k_scale=None, v_scale=None,
+                        kv_lens=None, block_table=None):
         packed = cu_seqlens_q is not None
         lse_shape = (q.shape[1], q.shape[0]) if packed else q.shape[:-1]
         return _attention_rows(q, packed), q.new_empty(lse_shape, dtype=rstd_dtype(q))

@@ -442,11 +442,102 @@ def _dequantized_kv(op, q, k, v, k_scale, v_scale, packed):
     return k.float() * k_scale.unsqueeze(-1), v.float() * v_scale.unsqueeze(-1)
 
 
+def _check_kv_lens(op, q, k, kv_lens, block_table, mask, dropout_p, cu_seqlens_q):
+    """The op's checks of kv_lens / block_table; returns the lengths as a list."""
+    if kv_lens is None:
+        _fail(op, "block_table needs kv_lens (int32 [batch], the number of keys of each sequence)")
+    if cu_seqlens_q is not None:
+        _fail(op, "kv_lens / block_table take q as [batch, q_heads, q_len, head_dim], not packed "
+                  "sequences (cu_seqlens)")
+    if mask is not None:
+        _fail(op, "mask is not supported with kv_lens / block_table; each sequence's keys end at its "
+                  "kv_lens entry, bounded by causal / window")
+    if dropout_p != 0.0:
+        _fail(op, f"kv_lens / block_table read a KV cache for inference; dropout_p must be 0, got "
+                  f"{dropout_p:g}")
+    batch = q.shape[0]
+    for name, t, dims, shape in (("kv_lens", kv_lens, 1, "[batch]"),
+                                 ("block_table", block_table, 2, "[batch, max_pages]")):
+        if t is None:
+            continue
+        if t.dtype != torch.int32:
+            _fail(op, f"{name} must be int32, got {t.dtype}")
+        if t.device != q.device:
+            _fail(op, f"{name} is on {t.device} but q is on {q.device}")
+        if t.dim() != dims or t.shape[0] != batch:
+            _fail(op, f"{name} must be {shape} with batch = {batch}, got shape {list(t.shape)}")
+    page_size = k.shape[2]
+    capacity = k.shape[2]
+    if block_table is not None:
+        if page_size < 1:
+            _fail(op, f"with block_table, k and v are pages [num_pages, kv_heads, page_size, head_dim] "
+                      f"with page_size >= 1, got shape {list(k.shape)}")
+        capacity = block_table.shape[1] * page_size
+    lens = kv_lens.tolist()
+    for b, n in enumerate(lens):
+        if not 0 <= n <= capacity:
+            where = "block_table's max_pages * page_size" if block_table is not None else "k's kv_len"
+            _fail(op, f"kv_lens[{b}] = {n} is not in [0, {capacity}] ({where})")
+        if block_table is None:
+            continue
+        used = -(-n // page_size)
+        for i, page in enumerate(block_table[b, :used].tolist()):
+            if not 0 <= page < k.shape[0]:
+                _fail(op, f"block_table[{b}, {i}] = {page} is not a page of k / v (num_pages = "
+                          f"{k.shape[0]}); sequence {b} has {n} keys, so its first {used} entries are read")
+    return lens
+
+
+def _cache_rows(t, b, n, block_table):
+    """The first n rows of sequence b of a dense or paged k / v / scale, as [1, heads, n, ...]."""
+    if block_table is None:
+        return t[b:b + 1, :, :n]
+    page_size = t.shape[2]
+    pages = block_table[b, :-(-n // page_size)].long()
+    rows = t[pages].transpose(0, 1).flatten(1, 2)  # [heads, pages * page_size, ...]
+    return rows[:, :n].unsqueeze(0)
+
+
 def attention(q, k, v, mask, scale, causal, window, dropout_p, seed, window_right=-1, softcap=0.0,
               sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-              max_seqlen_k=0, k_scale=None, v_scale=None):
+              max_seqlen_k=0, k_scale=None, v_scale=None, kv_lens=None, block_table=None):
     """The attention op: (out, lse). Packed sequences run one by one. int8 k and
-    v run dequantized to float32, with q in float32 and the output cast back."""
+    v run dequantized to float32, with q in float32 and the output cast back.
+    Caches of several lengths (kv_lens, block_table) run one sequence at a time
+    over its gathered rows."""
+    if kv_lens is not None or block_table is not None:
+        op = "fusedllm.attention"
+        lens = _check_kv_lens(op, q, k, kv_lens, block_table, mask, dropout_p, cu_seqlens_q)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+            kind = "int8 k and v (k_scale / v_scale)" if k_scale is not None else "kv_lens / block_table"
+            _fail(op, f"{kind} read a KV cache for inference and have no backward; run under "
+                      f"torch.no_grad() or torch.inference_mode(), or detach q, k and v")
+        if block_table is None and k.shape[0] != q.shape[0]:
+            _fail(op, f"q and k/v must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+        if k_scale is not None and v_scale is not None and k.dim() == 4:
+            for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+                if t.dtype == torch.float32 and list(t.shape) != list(k.shape[:3]):
+                    layout = ("[num_pages, kv_heads, page_size]" if block_table is not None
+                              else "[batch, kv_heads, kv_len]")
+                    _fail(op, f"{name} must be {layout} = {list(k.shape[:3])}, got shape {list(t.shape)}")
+        outs, lses = [], []
+        for b, n in enumerate(lens):
+            rows = [None if t is None else _cache_rows(t, b, n, block_table) for t in (k, v, k_scale, v_scale)]
+            slopes = None if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
+            if n == 0:  # no keys: zeros, and the sink's logit (or -inf) as lse
+                ob = q.new_zeros(q[b:b + 1].shape)
+                lb = q.new_full(q.shape[1:-1], float("-inf"), dtype=lse_dtype(q)).unsqueeze(0)
+                if sinks is not None:
+                    lb = lb.logaddexp(sinks.to(lb.dtype).view(1, -1, 1))
+            else:
+                ob, lb = attention(q[b:b + 1], rows[0], rows[1], None, scale, causal, window, 0.0, None,
+                                   window_right, softcap, sinks, alibi_slopes if slopes is None else slopes,
+                                   k_scale=rows[2], v_scale=rows[3])
+            outs.append(ob)
+            lses.append(lb)
+        if not lens:
+            return q.new_zeros(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q))
+        return torch.cat(outs), torch.cat(lses)
     if k_scale is not None or v_scale is not None or k.dtype == torch.int8 or v.dtype == torch.int8:
         op = "fusedllm.attention"
         _check_float(op, "q", q)

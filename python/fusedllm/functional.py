@@ -164,11 +164,11 @@ def _window_bounds(op, window):
 
 
 def _attention_args(op, q, k, v, causal, scale, window, mask, dropout_p, softcap=None, sinks=None,
-                    alibi_slopes=None, k_scale=None, v_scale=None):
+                    alibi_slopes=None, k_scale=None, v_scale=None, kv_lens=None, block_table=None):
     """The arguments this layer adds, checked, as the op takes them:
     (scale, window, window_right, softcap, mask, dropout_p, seed)."""
     _require_tensors(op, "q", q, k=k, v=v, mask=mask, sinks=sinks, alibi_slopes=alibi_slopes,
-                     k_scale=k_scale, v_scale=v_scale)
+                     k_scale=k_scale, v_scale=v_scale, kv_lens=kv_lens, block_table=block_table)
     if not isinstance(causal, bool):
         raise ValueError(f"{op}: causal must be True or False, got {causal!r}")
     if scale is None:  # a q the op refuses gets any scale: its error comes first
@@ -201,7 +201,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               scale: float | None = None, window: int | tuple[int, int] | None = None,
               mask: torch.Tensor | None = None, dropout_p: float = 0.0, softcap: float | None = None,
               sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
-              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+              kv_lens: torch.Tensor | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped-query attention ``softmax(q k^T * scale + mask) v``, flash style.
 
     ``q`` is ``[batch, q_heads, q_len, head_dim]``, ``k`` and ``v`` are
@@ -265,12 +266,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     unquantized rows by at most ``max s_v / 2 + (exp(2 eps) - 1) * max|v|``
     per entry, beyond the rounding attention in q's dtype has over float rows
     (tests/test_kv_quant.py checks this bound).
+
+    **Caches of several lengths, paged caches.** ``kv_lens`` (int32
+    ``[batch]``) gives each sequence its own number of keys: sequence ``b``
+    attends over the first ``kv_lens[b]`` rows of its keys, and its queries are
+    the last ``q_len`` of its positions (causal and window bounds per
+    sequence); a sequence with no key gets zeros. With ``block_table`` (int32
+    ``[batch, max_pages]``) ``k`` and ``v`` are pages ``[num_pages, kv_heads,
+    page_size, head_dim]`` (any strides; int8 scales ``[num_pages, kv_heads,
+    page_size]``) and key ``j`` of sequence ``b`` is row ``j % page_size`` of
+    page ``block_table[b, j // page_size]``: the kernels read the rows through
+    the table, no gathered copy is made. Entries past a sequence's last page
+    are not read. Both are read on the host to check them (one copy from a
+    GPU). For inference only (no gradient, no ``mask``, no dropout);
+    :class:`fusedllm.nn.PagedKVCache` keeps such a pool.
     """
     scale, window, right, softcap, mask, dropout_p, seed = _attention_args(
         "fusedllm.attention", q, k, v, causal, scale, window, mask, dropout_p, softcap, sinks,
-        alibi_slopes, k_scale, v_scale)
+        alibi_slopes, k_scale, v_scale, kv_lens, block_table)
     out, _lse = _impl.attention(q, k, v, mask, scale, causal, window, dropout_p, seed, right, softcap,
-                                sinks, alibi_slopes, None, None, 0, 0, k_scale, v_scale)
+                                sinks, alibi_slopes, None, None, 0, 0, k_scale, v_scale, kv_lens,
+                                block_table)
     return out
 
 

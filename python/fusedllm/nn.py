@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from . import functional as FF
 from ._limits import ACTIVATIONS, CASTINGS, check_rotary_dim
+from .paged_cache import PagedKVCache  # noqa: F401  (fusedllm.nn.PagedKVCache)
 from .rope_scaling import rope_tables
 
 # Hugging Face `hidden_act` names and the gated activation they mean.

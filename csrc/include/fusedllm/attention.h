@@ -19,16 +19,45 @@ namespace fusedllm::attn {
 // [cu_q[b], cu_q[b + 1]) of the packed q and its keys rows [cu_k[b],
 // cu_k[b + 1]) of the packed k / v; sq and sk are then the longest lengths
 // (tile counts come from them; tiles past a sequence's end do nothing).
+// With k_lens (a KV cache of sequences of different lengths), sequence b has
+// the first k_lens[b] keys of its rows and sk is the longest.
 struct Seqs {
   const int32_t* cu_q = nullptr;
   const int32_t* cu_k = nullptr;
+  const int32_t* k_lens = nullptr;
   int64_t sq = 0, sk = 0;
 
   FUSEDLLM_HOST_DEVICE bool packed() const { return cu_q != nullptr; }
   FUSEDLLM_HOST_DEVICE int64_t q_start(int64_t b) const { return cu_q ? cu_q[b] : 0; }
   FUSEDLLM_HOST_DEVICE int64_t k_start(int64_t b) const { return cu_k ? cu_k[b] : 0; }
   FUSEDLLM_HOST_DEVICE int64_t q_len(int64_t b) const { return cu_q ? cu_q[b + 1] - cu_q[b] : sq; }
-  FUSEDLLM_HOST_DEVICE int64_t k_len(int64_t b) const { return cu_k ? cu_k[b + 1] - cu_k[b] : sk; }
+  FUSEDLLM_HOST_DEVICE int64_t k_len(int64_t b) const {
+    return k_lens ? k_lens[b] : cu_k ? cu_k[b + 1] - cu_k[b] : sk;
+  }
+};
+
+// Keys and values stored in pages (a paged KV cache): key j of sequence b is
+// row j % page_size of page table[b * table_stride + j / page_size]. A page
+// is what the batch index addresses in a dense operand, so a row's offset
+// takes the operand's batch (page) and sequence (row) strides. Null table:
+// dense rows, row j at j * row_stride.
+struct Pages {
+  const int32_t* table = nullptr;
+  int64_t table_stride = 0, page_size = 1;
+
+  FUSEDLLM_HOST_DEVICE bool paged() const { return table != nullptr; }
+  FUSEDLLM_HOST_DEVICE int64_t row_offset(int64_t b, int64_t j, int64_t page_stride,
+                                          int64_t row_stride) const {
+    if (table == nullptr) return j * row_stride;
+    return static_cast<int64_t>(table[b * table_stride + j / page_size]) * page_stride +
+           (j % page_size) * row_stride;
+  }
+  // Keys from j on that share j's page (all of them for dense rows).
+  FUSEDLLM_HOST_DEVICE int64_t run(int64_t j, int64_t n) const {
+    if (table == nullptr) return n;
+    const int64_t left = page_size - j % page_size;
+    return left < n ? left : n;
+  }
 };
 
 // Where a query row lives. The rows (outputs, log-sum-exp, delta, dropout

@@ -39,6 +39,8 @@ struct AttentionArgs {
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   // int8 k and v: float32 scales, one per position and kv head (forward only).
   c10::optional<at::Tensor> k_scale, v_scale;
+  // A KV cache of sequences of different lengths, dense or paged (forward only).
+  c10::optional<at::Tensor> kv_lens, block_table;
 };
 
 inline bool given(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
@@ -120,6 +122,63 @@ inline int64_t check_cu_seqlens(const char* op, const char* name, const at::Tens
   return max_len > 0 ? max_len : longest;
 }
 
+// kv_lens (int32 [batch]): sequence b has the first kv_lens[b] keys of its
+// rows. With block_table (int32 [batch, max_pages]) k and v are pages
+// [num_pages, kv_heads, page_size, head_dim] and sequence b's key j is row
+// j % page_size of page block_table[b, j / page_size]; entries past a
+// sequence's last page are not read. Returns the longest length. Both tensors
+// are read on the host (one copy from a GPU).
+inline int64_t check_kv_lens(const char* op, const at::Tensor& q, const at::Tensor& k,
+                             const AttentionArgs& a, int64_t batch) {
+  const bool paged = given(a.block_table);
+  TORCH_CHECK_VALUE(given(a.kv_lens), op, ": block_table needs kv_lens (int32 [batch], the number of "
+                    "keys of each sequence)");
+  TORCH_CHECK_VALUE(!a.cu_seqlens_q.has_value(), op, ": kv_lens / block_table take q as [batch, q_heads, "
+                    "q_len, head_dim], not packed sequences (cu_seqlens)");
+  TORCH_CHECK_VALUE(!given(a.mask), op, ": mask is not supported with kv_lens / block_table; each "
+                    "sequence's keys end at its kv_lens entry, bounded by causal / window");
+  TORCH_CHECK_VALUE(a.dropout_p == 0.0, op, ": kv_lens / block_table read a KV cache for inference; "
+                    "dropout_p must be 0, got ", a.dropout_p);
+  const auto on_q = [&](const at::Tensor& t, const char* name, int64_t dims, const char* shape) {
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kInt, op, ": ", name, " must be int32, got ",
+                      dtype_name(t.scalar_type()));
+    TORCH_CHECK_VALUE(t.device() == q.device(), op, ": ", name, " is on ", t.device(), " but q is on ",
+                      q.device());
+    TORCH_CHECK_VALUE(t.dim() == dims && t.size(0) == batch, op, ": ", name, " must be ", shape,
+                      " with batch = ", batch, ", got shape ", t.sizes());
+  };
+  on_q(*a.kv_lens, "kv_lens", 1, "[batch]");
+  const int64_t page_size = k.size(2);
+  int64_t capacity = k.size(2), pages = 0;
+  at::Tensor table;
+  if (paged) {
+    on_q(*a.block_table, "block_table", 2, "[batch, max_pages]");
+    TORCH_CHECK_VALUE(page_size >= 1, op, ": with block_table, k and v are pages [num_pages, kv_heads, "
+                      "page_size, head_dim] with page_size >= 1, got shape ", k.sizes());
+    pages = a.block_table->size(1);
+    capacity = pages * page_size;
+    table = a.block_table->to(at::kCPU).contiguous();
+  }
+  const at::Tensor lens = a.kv_lens->to(at::kCPU).contiguous();
+  const int32_t* len = lens.data_ptr<int32_t>();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK_VALUE(len[b] >= 0 && len[b] <= capacity, op, ": kv_lens[", b, "] = ", len[b],
+                      " is not in [0, ", capacity, "] (",
+                      paged ? "block_table's max_pages * page_size" : "k's kv_len", ")");
+    longest = std::max<int64_t>(longest, len[b]);
+    if (!paged) continue;
+    const int32_t* row = table.data_ptr<int32_t>() + b * pages;
+    for (int64_t i = 0; i < (len[b] + page_size - 1) / page_size; ++i) {
+      TORCH_CHECK_VALUE(row[i] >= 0 && row[i] < k.size(0), op, ": block_table[", b, ", ", i, "] = ",
+                        row[i], " is not a page of k / v (num_pages = ", k.size(0), "); sequence ", b,
+                        " has ", len[b], " keys, so its first ", (len[b] + page_size - 1) / page_size,
+                        " entries are read");
+    }
+  }
+  return longest;
+}
+
 inline AttentionShape check_attention_args(const char* op, const at::Tensor& q, const at::Tensor& k,
                                            const at::Tensor& v, const AttentionArgs& a) {
   const bool packed = a.cu_seqlens_q.has_value() || a.cu_seqlens_k.has_value();
@@ -156,11 +215,12 @@ inline AttentionShape check_attention_args(const char* op, const at::Tensor& q, 
     s.batch = q.size(0);
     s.sq = q.size(2);
     s.sk = k.size(2);
-    TORCH_CHECK_VALUE(k.size(0) == s.batch, op, ": q and k/v must have the same batch size, got ",
-                      s.batch, " and ", k.size(0));
+    TORCH_CHECK_VALUE(given(a.block_table) || k.size(0) == s.batch, op,
+                      ": q and k/v must have the same batch size, got ", s.batch, " and ", k.size(0));
     TORCH_CHECK_VALUE(a.max_seqlen_q == 0 && a.max_seqlen_k == 0, op,
                       ": max_seqlen_q / max_seqlen_k are for packed sequences (cu_seqlens) only");
   }
+  if (given(a.kv_lens) || given(a.block_table)) s.sk = check_kv_lens(op, q, k, a, s.batch);
   TORCH_CHECK_VALUE(s.kv_heads > 0 ? s.q_heads % s.kv_heads == 0 : s.q_heads == 0, op,
                     ": the number of query heads (", s.q_heads,
                     ") must be a multiple of the number of key/value heads (", s.kv_heads, ")");
@@ -344,25 +404,27 @@ struct AttentionForwardPlan : AttentionParams {
   at::Tensor q, k, v;
   // int8 k and v: their scales as [B, Hkv, Sk] views ([1, Hkv, total_k] packed); else undefined.
   at::Tensor k_scale, v_scale;
+  // A paged cache: k and v (and their scales) are pages, read through `pages`.
+  attn::Pages pages;
+  at::Tensor kv_lens, block_table;
   at::Tensor out, lse;
   bool has_work = false;  // false: outputs are already final (empty, or no keys)
 };
 
-// A float32 scale per key row of int8 k or v: [batch, kv_heads, kv_len], or
+// A float32 scale per key row of int8 k or v, shaped like k without head_dim:
+// [batch, kv_heads, kv_len], [num_pages, kv_heads, page_size] paged, or
 // [total_k, kv_heads] packed (seen as [1, kv_heads, total_k]); any strides.
 inline at::Tensor check_kv_scale(const char* op, const char* name, const at::Tensor& t,
-                                 const AttentionShape& s) {
+                                 const at::Tensor& k, const AttentionArgs& a) {
   TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
                     dtype_name(t.scalar_type()));
-  if (s.packed) {
-    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == s.total_k && t.size(1) == s.kv_heads, op, ": ", name,
-                      " must be [total_k, kv_heads] = [", s.total_k, ", ", s.kv_heads, "], got shape ",
-                      t.sizes());
-    return t.as_strided({1, t.size(1), t.size(0)}, {0, t.stride(1), t.stride(0)});
-  }
-  TORCH_CHECK_VALUE(t.dim() == 3 && t.size(0) == s.batch && t.size(1) == s.kv_heads && t.size(2) == s.sk,
-                    op, ": ", name, " must be [batch, kv_heads, kv_len] = [", s.batch, ", ", s.kv_heads,
-                    ", ", s.sk, "], got shape ", t.sizes());
+  const at::IntArrayRef want = k.sizes().slice(0, k.dim() - 1);
+  const char* dims = a.cu_seqlens_q.has_value() ? "[total_k, kv_heads]"
+                     : given(a.block_table)     ? "[num_pages, kv_heads, page_size]"
+                                                : "[batch, kv_heads, kv_len]";
+  TORCH_CHECK_VALUE(t.sizes() == want, op, ": ", name, " must be ", dims, " = ", want, ", got shape ",
+                    t.sizes());
+  if (t.dim() == 2) return t.as_strided({1, t.size(1), t.size(0)}, {0, t.stride(1), t.stride(0)});
   return t;
 }
 
@@ -373,8 +435,16 @@ inline AttentionForwardPlan plan_attention_forward(const at::Tensor& q, const at
   check_attention_params(p, op, q, k, v, a);
   const AttentionShape& s = p.shape;
   if (given(a.k_scale)) {
-    p.k_scale = check_kv_scale(op, "k_scale", *a.k_scale, s);
-    p.v_scale = check_kv_scale(op, "v_scale", *a.v_scale, s);
+    p.k_scale = check_kv_scale(op, "k_scale", *a.k_scale, k, a);
+    p.v_scale = check_kv_scale(op, "v_scale", *a.v_scale, v, a);
+  }
+  if (given(a.kv_lens)) {
+    p.kv_lens = a.kv_lens->contiguous();
+    p.seqs.k_lens = p.kv_lens.const_data_ptr<int32_t>();
+  }
+  if (given(a.block_table)) {
+    p.block_table = a.block_table->contiguous();
+    p.pages = attn::Pages{p.block_table.const_data_ptr<int32_t>(), p.block_table.size(1), k.size(2)};
   }
   p.out = new_rows(q, s, s.q_heads, false);
   p.lse = at::empty(lse_shape(s), q.options().dtype(lse_dtype(q)));
@@ -468,7 +538,9 @@ inline AttentionArgs attention_args(const c10::optional<at::Tensor>& mask, doubl
                                     const c10::optional<at::Tensor>& cu_seqlens_k,
                                     int64_t max_seqlen_q, int64_t max_seqlen_k,
                                     const c10::optional<at::Tensor>& k_scale = c10::nullopt,
-                                    const c10::optional<at::Tensor>& v_scale = c10::nullopt) {
+                                    const c10::optional<at::Tensor>& v_scale = c10::nullopt,
+                                    const c10::optional<at::Tensor>& kv_lens = c10::nullopt,
+                                    const c10::optional<at::Tensor>& block_table = c10::nullopt) {
   AttentionArgs a;
   a.mask = mask;
   a.scale = scale;
@@ -486,6 +558,8 @@ inline AttentionArgs attention_args(const c10::optional<at::Tensor>& mask, doubl
   a.max_seqlen_k = max_seqlen_k;
   a.k_scale = k_scale;
   a.v_scale = v_scale;
+  a.kv_lens = kv_lens;
+  a.block_table = block_table;
   return a;
 }
 
@@ -502,11 +576,12 @@ struct AttentionOps {
       const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& alibi_slopes,
       const c10::optional<at::Tensor>& cu_seqlens_q, const c10::optional<at::Tensor>& cu_seqlens_k,
       int64_t max_seqlen_q, int64_t max_seqlen_k, const c10::optional<at::Tensor>& k_scale,
-      const c10::optional<at::Tensor>& v_scale) {
+      const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& kv_lens,
+      const c10::optional<at::Tensor>& block_table) {
     auto p = plan_attention_forward(
         q, k, v, attention_args(mask, scale, causal, window, dropout_p, seed, window_right, softcap,
                                 sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                max_seqlen_k, k_scale, v_scale));
+                                max_seqlen_k, k_scale, v_scale, kv_lens, block_table));
     if (p.has_work) Impl::forward(p);
     return {p.out, p.lse};
   }

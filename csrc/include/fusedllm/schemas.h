@@ -55,11 +55,16 @@ inline void define_ops(torch::Library& m) {
   // the probabilities before dropout, sink included). k and v may be int8 with
   // k_scale / v_scale (float32 [B, Hkv, Sk], packed [total_k, Hkv]): key row j
   // is k[j] * k_scale[j], applied as the kernels load its tile (no gradient).
+  // A KV cache of sequences of different lengths: kv_lens (int32 [B]) gives
+  // each sequence's number of keys; with block_table (int32 [B, max_pages]) k
+  // and v are pages [num_pages, Hkv, page_size, D] (scales [num_pages, Hkv,
+  // page_size]) and key j of sequence b is row j % page_size of page
+  // block_table[b, j / page_size] (no gradient).
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, "
         "int window, float dropout_p, Tensor? seed, int window_right=-1, float softcap=0., "
         "Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, "
         "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, Tensor? k_scale=None, "
-        "Tensor? v_scale=None) -> (Tensor out, Tensor lse)");
+        "Tensor? v_scale=None, Tensor? kv_lens=None, Tensor? block_table=None) -> (Tensor out, Tensor lse)");
   // Gradients of attention from the saved out and lse (probabilities and the
   // dropout mask recomputed); grad_sinks is [0] without sinks.
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "

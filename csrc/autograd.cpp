@@ -462,7 +462,7 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(
                           !(q.requires_grad() || k.requires_grad() || v.requires_grad() || wants(sinks) ||
                             wants(k_scale) || wants(v_scale)),
                       "fusedllm.attention: ",
-                      quantized ? "int8 k and v (k_scale / v_scale)" : "kv_lens / block_table",
+                      quantized ? "quantized k and v (k_scale / v_scale)" : "kv_lens / block_table",
                       " read a KV cache for inference and have no backward; run under torch.no_grad() "
                       "or torch.inference_mode(), or detach q, k and v");
     at::AutoDispatchBelowADInplaceOrView guard;

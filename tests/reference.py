@@ -295,16 +295,25 @@ def streaming_attention(q, k, v, window=None, sink=0):
     return torch.softmax(scores, -1) @ v
 
 
-def quantize_kv(x):
-    """Symmetric int8 rows of the last dim: scale = max|x| / 127 and values =
-    round(x * (127 / max|x|)), half to even (0 for an all-zero row); 127 / max|x|
-    is a true division (127 / tensor in PyTorch is 127 * reciprocal, which can
-    round differently). Returns (int8 values, float32 scales); for finite x."""
+KV_LEVELS = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def quantize_kv(x, code=torch.int8):
+    """Symmetric rows of the last dim: scale = max|x| / L and values = x * (L / max|x|)
+    rounded half to even (0 for an all-zero row): int8 in [-127, 127] (L = 127), or
+    float8 e4m3 codes (L = 448, torch's rounding to the nearest code); L / max|x| is a
+    true division (L / tensor in PyTorch is L * reciprocal, which can round
+    differently). Returns (values, float32 scales); for finite x."""
+    levels = KV_LEVELS[code]
     xf = x.float()
     amax = xf.abs().amax(-1)
-    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    values = torch.round(xf * inverse.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-    return values, amax / 127.0
+    inverse = torch.where(amax > 0, torch.full_like(amax, levels) / amax, torch.zeros_like(amax))
+    y = xf * inverse.unsqueeze(-1)
+    if code == torch.int8:
+        values = torch.round(y).clamp(-127, 127).to(torch.int8)
+    else:
+        values = y.clamp(-levels, levels).to(code)
+    return values, amax / levels
 
 
 def dequantize_kv(values, scales):
@@ -312,15 +321,23 @@ def dequantize_kv(values, scales):
     return values.float() * scales.unsqueeze(-1)
 
 
-def int8_attention_error_bound(q, v, k_scale, v_scale, scale=None):
-    """A bound on each output entry's distance between attention over int8 keys
-    and values and attention over the float rows they were made from.
-    A key row is off by at most k_scale / 2 per entry, so each score by at most
-    eps = scale * max_row sum|q| * max k_scale / 2; scores that move by at most
+# The most a stored entry is off, in units of its row's scale: half an int8
+# step; for e4m3, 2^-4 of the entry (3 mantissa bits, rounded to nearest) with
+# entries up to 448 scales, so 28 (2^-10 below 2^-6 scales, less).
+KV_ENTRY_ERROR = {torch.int8: 0.5, torch.float8_e4m3fn: 28.0}
+
+
+def quantized_attention_error_bound(q, v, k_scale, v_scale, scale=None, code=torch.int8):
+    """A bound on each output entry's distance between attention over quantized
+    keys and values and attention over the float rows they were made from.
+    With e the most an entry is off per unit of its scale (KV_ENTRY_ERROR), a
+    key row is off by at most e k_scale per entry, so each score by at most
+    eps = scale * max_row sum|q| * e max k_scale; scores that move by at most
     eps move every probability by a factor within exp(+-2 eps), so the
     probability-weighted sum of v moves by at most (exp(2 eps) - 1) * max|v|;
-    the values themselves are off by at most max v_scale / 2."""
+    the values themselves are off by at most e max v_scale."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    eps = scale * q.float().abs().sum(-1).max().item() * k_scale.max().item() / 2
-    return v_scale.max().item() / 2 + math.expm1(2 * eps) * v.float().abs().max().item()
+    e = KV_ENTRY_ERROR[code]
+    eps = scale * q.float().abs().sum(-1).max().item() * k_scale.max().item() * e
+    return v_scale.max().item() * e + math.expm1(2 * eps) * v.float().abs().max().item()

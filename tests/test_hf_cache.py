@@ -225,9 +225,10 @@ def test_sampling_and_continuing_with_the_same_cache():
 
 # --- int8 storage ------------------------------------------------------------------------
 
-def dequantized(t):
-    """What int8 storage holds of float rows t, as float32 rows."""
-    return fusedllm.quantize_kv(t)[0].float() * fusedllm.quantize_kv(t)[1].unsqueeze(-1)
+def dequantized(t, code=torch.int8):
+    """What int8 (or float8) storage holds of float rows t, as float32 rows."""
+    values, scales = fusedllm.quantize_kv(t, dtype=code)
+    return values.float() * scales.unsqueeze(-1)
 
 
 def same_int8_updates(ours, theirs, chunks, operation=None):
@@ -258,7 +259,7 @@ OPERATIONS = {
 
 @pytest.mark.parametrize("operation", list(OPERATIONS))
 def test_int8_growing_layer(operation):
-    same_int8_updates(GrowingLayer(capacity=3, quantized=True), cache_utils.DynamicLayer(),
+    same_int8_updates(GrowingLayer(capacity=3, code=torch.int8), cache_utils.DynamicLayer(),
                       [5, 1, 1, 1, 4, 1, 9, 1, 1], OPERATIONS[operation])
 
 
@@ -266,25 +267,27 @@ def test_int8_growing_layer(operation):
 @pytest.mark.parametrize("prefill", [0, 1, 4, 7])
 def test_int8_ring_layer(window, prefill):
     chunks = ([prefill] if prefill else []) + [1] * 11 + [3, 1, 7, 1, 2]
-    same_int8_updates(RingLayer(window, quantized=True), cache_utils.DynamicSlidingWindowLayer(window), chunks,
+    same_int8_updates(RingLayer(window, code=torch.int8), cache_utils.DynamicSlidingWindowLayer(window), chunks,
                       OPERATIONS["reorder"])
 
 
-def fake_int8_cache(config):
-    """transformers' DynamicCache holding the dequantized rows int8 storage
-    keeps: attention over it sees the values FusedCache(dtype=int8) holds."""
+def fake_int8_cache(config, code=torch.int8):
+    """transformers' DynamicCache holding the dequantized rows int8 (or
+    float8) storage keeps: attention over it sees the values
+    FusedCache(dtype=code) holds."""
     cache = transformers.DynamicCache(config=config)
 
     def quantizing(update):
-        return lambda k, v, *args, **kwargs: update(dequantized(k), dequantized(v), *args, **kwargs)
+        return lambda k, v, *args, **kwargs: update(dequantized(k, code), dequantized(v, code), *args, **kwargs)
 
     for layer in cache.layers:
         layer.update = quantizing(layer.update)
     return cache
 
 
+@pytest.mark.parametrize("code", [torch.int8, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("kind", MODELS)
-def test_int8_generate_reads_the_int8_rows(kind):
+def test_int8_generate_reads_the_int8_rows(kind, code):
     """Greedy generation over int8 storage equals generation over a float
     cache of the same dequantized rows (the kernels read the int8 rows
     exactly), and stays near the unquantized cache."""
@@ -292,13 +295,13 @@ def test_int8_generate_reads_the_int8_rows(kind):
     model = MODELS[kind]().eval()
     model.set_attn_implementation("fusedllm")
     ids, mask = left_padded("cpu")
-    cache = FusedCache(model.config, capacity=4, dtype=torch.int8)
+    cache = FusedCache(model.config, capacity=4, dtype=code)
     ours = generate(model, ids, mask, cache)
-    theirs = generate(model, ids, mask, fake_int8_cache(model.config))
+    theirs = generate(model, ids, mask, fake_int8_cache(model.config, code))
     assert torch.equal(ours.sequences, theirs.sequences)
     for a, b in zip(ours.logits, theirs.logits):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert all(layer._k.dtype == torch.int8 for layer in cache.layers)
+    assert all(layer._k.dtype == code for layer in cache.layers)
     unquantized = generate(model, ids, mask, transformers.DynamicCache(config=model.config))
     first = (ours.logits[0] - unquantized.logits[0]).abs().max().item()
     assert 0 < first < 0.05 * unquantized.logits[0].abs().max().item()
@@ -315,7 +318,7 @@ def test_int8_beam_search_and_every_device(device):
 
 
 def test_int8_errors():
-    with pytest.raises(ValueError, match="dtype must be None .* or torch.int8"):
+    with pytest.raises(ValueError, match="dtype must be None .* torch.int8 or torch.float8_e4m3fn"):
         FusedCache(dtype=torch.float16)
     model = llama()
     model.set_attn_implementation("sdpa")
@@ -323,5 +326,5 @@ def test_int8_errors():
         FusedCache(model.config, dtype=torch.int8)
     q = torch.randn(1, 4, 1, 16)
     k8 = torch.zeros(1, 2, 3, 16, dtype=torch.int8)
-    with pytest.raises(ValueError, match="int8 keys and values need the scales"):
+    with pytest.raises(ValueError, match="torch.int8 keys and values need the scales"):
         fusedllm.hf.attention_forward(torch.nn.Module(), q, k8, k8, None)

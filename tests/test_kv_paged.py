@@ -15,7 +15,7 @@ import checks
 import fusedllm
 from checks import FORWARD_TOL
 from reference import attention as ref_attention
-from reference import dequantize_kv, int8_attention_error_bound
+from reference import dequantize_kv, quantized_attention_error_bound
 
 ops = torch.ops.fusedllm
 Q_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -138,13 +138,14 @@ def test_paged_attention_options(device, option):
     checks.assert_close(got, want, tolerance(torch.float32))
 
 
+@pytest.mark.parametrize("code", [torch.int8, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("dtype", Q_DTYPES)
 @pytest.mark.parametrize("q_len", [1, 6])
-def test_paged_int8_attention_matches_dequantized(device, dtype, q_len):
+def test_paged_int8_attention_matches_dequantized(device, dtype, q_len, code):
     lens, page_size, hq, hkv, d = [9, 40, 0, 16], 8, 8, 2, 64
     k, v, table, kv_lens, rows = paged_pool(lens, page_size, hkv, d, torch.float32, device)
-    k8, k_scale = fusedllm.quantize_kv(k.nan_to_num(0.0))
-    v8, v_scale = fusedllm.quantize_kv(v.nan_to_num(0.0))
+    k8, k_scale = fusedllm.quantize_kv(k.nan_to_num(0.0), dtype=code)
+    v8, v_scale = fusedllm.quantize_kv(v.nan_to_num(0.0), dtype=code)
     unread = k.isnan().any(-1)  # scales of rows no sequence reads: NaN
     k_scale[unread] = float("nan")
     v_scale[unread] = float("nan")
@@ -164,9 +165,9 @@ def test_paged_int8_attention_matches_dequantized(device, dtype, q_len):
     for b, (kb, vb) in enumerate(rows):  # and within the stated bound of the float rows
         if lens[b] == 0:
             continue
-        kq, ks = fusedllm.quantize_kv(kb)
-        vq, vs = fusedllm.quantize_kv(vb)
-        bound = int8_attention_error_bound(bound_q[b:b + 1], vb, ks, vs)
+        kq, ks = fusedllm.quantize_kv(kb, dtype=code)
+        vq, vs = fusedllm.quantize_kv(vb, dtype=code)
+        bound = quantized_attention_error_bound(bound_q[b:b + 1], vb, ks, vs, code=code)
         error = (got[b:b + 1].float() - ref_attention(bound_q[b:b + 1], kb, vb, causal=True)[0]).abs()
         assert (error <= bound + FORWARD_TOL[dtype][0] * 4).all()
 
@@ -394,7 +395,7 @@ def test_fork_shares_pages_and_copies_on_write():
     check_pool(cache)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8, torch.float8_e4m3fn], ids=str)
 def test_random_operations_keep_the_pool_sound(dtype):
     """Random new / fork / append / free on a small pool (two layers): after
     each, every page is free or held by the right count, and every sequence
@@ -434,16 +435,17 @@ def test_random_operations_keep_the_pool_sound(dtype):
             for layer in (0, 1):
                 got_k, got_v = stored_rows(cache, seq, layer)
                 want_k, want_v = k_rows + layer, v_rows
-                if dtype == torch.int8:
-                    want_k = dequantize_kv(*fusedllm.quantize_kv(want_k))
-                    want_v = dequantize_kv(*fusedllm.quantize_kv(want_v))
+                if dtype != torch.float32:
+                    want_k = dequantize_kv(*fusedllm.quantize_kv(want_k, dtype=dtype))
+                    want_v = dequantize_kv(*fusedllm.quantize_kv(want_v, dtype=dtype))
                 torch.testing.assert_close(got_k, want_k, atol=0, rtol=0)
                 torch.testing.assert_close(got_v, want_v, atol=0, rtol=0)
 
 
-def test_int8_cache_attends_over_its_quantized_rows(device):
+@pytest.mark.parametrize("code", [torch.int8, torch.float8_e4m3fn], ids=str)
+def test_int8_cache_attends_over_its_quantized_rows(device, code):
     hq, hkv, d = 4, 2, 32
-    cache = PagedKVCache(num_pages=16, page_size=8, kv_heads=hkv, head_dim=d, dtype=torch.int8, device=device)
+    cache = PagedKVCache(num_pages=16, page_size=8, kv_heads=hkv, head_dim=d, dtype=code, device=device)
     seqs = [cache.new_sequence() for _ in range(2)]
     with torch.no_grad():
         cache.append(seqs[0], *(torch.randn(1, hkv, 19, d, device=device) for _ in range(2)))
@@ -453,7 +455,7 @@ def test_int8_cache_attends_over_its_quantized_rows(device):
     want = torch.cat([ref_attention(q[i:i + 1].float(), *stored_rows(cache, s), causal=True)[0]
                       for i, s in enumerate(seqs)])
     checks.assert_close(got, want.to(got.dtype), FORWARD_TOL[torch.bfloat16])
-    assert cache.key_pages.dtype == torch.int8 and cache.key_scales.shape == (1, 16, hkv, 8)
+    assert cache.key_pages.dtype == code and cache.key_scales.shape == (1, 16, hkv, 8)
 
 
 def test_full_pool_is_an_error_that_changes_nothing():

@@ -1,7 +1,10 @@
-"""int8 keys and values: quantize_kv against tests/reference.py, and attention
-over int8 K/V (dequantized as its kernels load each tile) against attention
-over the dequantized rows, and within the stated bound of attention over the
-float rows the cache was made from; errors, opcheck and torch.compile."""
+"""int8 and float8 (e4m3) keys and values: quantize_kv against
+tests/reference.py, and attention over quantized K/V (dequantized as its
+kernels load each tile) against attention over the dequantized rows, and
+within the stated bound of attention over the float rows the cache was made
+from; errors, opcheck and torch.compile."""
+
+import math
 
 import pytest
 import torch
@@ -11,17 +14,18 @@ import fusedllm
 from checks import FORWARD_TOL
 from reference import attention as ref_attention
 from reference import attention_varlen as ref_attention_varlen
-from reference import dequantize_kv, int8_attention_error_bound, streaming_attention
+from reference import dequantize_kv, quantized_attention_error_bound, streaming_attention
 from reference import quantize_kv as ref_quantize_kv
 
 ops = torch.ops.fusedllm
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 Q_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CODES = [torch.int8, torch.float8_e4m3fn]
 
 
-def quantized(k, v):
-    k8, k_scale = fusedllm.quantize_kv(k)
-    v8, v_scale = fusedllm.quantize_kv(v)
+def quantized(k, v, code=torch.int8):
+    k8, k_scale = fusedllm.quantize_kv(k, dtype=code)
+    v8, v_scale = fusedllm.quantize_kv(v, dtype=code)
     return k8, k_scale, v8, v_scale
 
 
@@ -42,6 +46,35 @@ def test_quantize_kv_matches_reference(device, dtype, shape):
     assert (error <= scales.unsqueeze(-1) * (0.5 + 1e-5)).all()
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 64), (2, 3, 5, 128), (1, 2, 4, 130), (2, 1, 0, 16)])
+def test_quantize_kv_float8_matches_reference(device, dtype, shape):
+    """float8 e4m3 codes: torch's rounding, bit for bit; each entry within 2^-4
+    of itself (2^-10 scales below 2^-6 scales: the subnormal codes)."""
+    x = (torch.randn(shape, device=device) * torch.exp(torch.randn(shape, device=device) * 2)).to(dtype)
+    values, scales = fusedllm.quantize_kv(x, dtype=torch.float8_e4m3fn)
+    want_values, want_scales = ref_quantize_kv(x, torch.float8_e4m3fn)
+    assert values.dtype == torch.float8_e4m3fn and values.shape == x.shape
+    torch.testing.assert_close(scales, want_scales, atol=0, rtol=0)
+    assert torch.equal(values.view(torch.uint8), want_values.view(torch.uint8))
+    error = (dequantize_kv(values, scales) - x.float()).abs()
+    s = scales.unsqueeze(-1)
+    assert (error <= torch.maximum(x.float().abs() * 2**-4, s * 2**-10) * (1 + 1e-5)).all()
+
+
+def test_quantize_kv_float8_rounds_every_code_and_tie():
+    """Every code's value, the midpoints between neighbours (ties to the even
+    code) and points just off them, in a row whose max makes the scale 1."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = codes[codes.isfinite()].unique()
+    mids = (finite[1:] + finite[:-1]) / 2
+    points = torch.cat([finite, mids, mids.nextafter(torch.tensor(math.inf)), mids.nextafter(torch.tensor(-math.inf))])
+    x = torch.cat([torch.tensor([448.0]), points])  # max|x| = 448: scale 1
+    values, scales = fusedllm.quantize_kv(x, dtype=torch.float8_e4m3fn)
+    assert scales.item() == 1.0
+    assert torch.equal(values.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
 def test_quantize_kv_writes_into_cache_slots(device):
     cache = torch.full((2, 3, 10, 32), 99, dtype=torch.int8, device=device)
     cache_scales = torch.full((2, 3, 10), -1.0, device=device)
@@ -56,17 +89,18 @@ def test_quantize_kv_writes_into_cache_slots(device):
     assert (cache[:, :, untouched] == 99).all() and (cache_scales[:, :, untouched] == -1).all()
 
 
-def test_quantize_kv_zero_and_non_finite_rows(device):
+@pytest.mark.parametrize("code", CODES, ids=str)
+def test_quantize_kv_zero_and_non_finite_rows(device, code):
     x = torch.randn(5, 40, device=device)
     x[1] = 0
     x[2, 7] = float("inf")
     x[3, 0] = float("nan")
     x[4, 39] = float("-inf")
-    values, scales = fusedllm.quantize_kv(x)
-    assert scales[1] == 0 and (values[1] == 0).all()
+    values, scales = fusedllm.quantize_kv(x, dtype=code)
+    assert scales[1] == 0 and (values[1].float() == 0).all()
     assert torch.isnan(scales[2:]).all()
-    want_values, want_scales = ref_quantize_kv(x[:1])
-    torch.testing.assert_close(values[:1], want_values, atol=0, rtol=0)
+    want_values, want_scales = ref_quantize_kv(x[:1], code)
+    assert torch.equal(values[:1].view(torch.uint8), want_values.view(torch.uint8))
     torch.testing.assert_close(scales[:1], want_scales, atol=0, rtol=0)
     # attention over a row whose scale is NaN gives NaN, as over the float row
     k8 = values[None, None, 2:3].contiguous()
@@ -81,7 +115,7 @@ QUANTIZE_ERRORS = [
     (lambda d: (torch.randn(4, 8, device=d).long(),), "x must be float32, float64, bfloat16 or float16"),
     (lambda d: (torch.randn(1, 2, 3, 4, 5, device=d),), "x must have 1 to 4 dims"),
     (lambda d: (torch.randn(4, 8, device=d), torch.empty(4, 8, device=d), torch.empty(4, device=d)),
-     "values must be int8"),
+     "values must be int8 or float8_e4m3fn"),
     (lambda d: (torch.randn(4, 8, device=d), torch.empty(4, 8, dtype=torch.int8, device=d),
                 torch.empty(4, dtype=torch.float16, device=d)), "scales must be float32"),
     (lambda d: (torch.randn(4, 8, device=d), torch.empty(4, 7, dtype=torch.int8, device=d),
@@ -103,6 +137,11 @@ def test_quantize_kv_errors(device, index):
 def test_quantize_kv_takes_values_and_scales_together():
     with pytest.raises(ValueError, match="values and scales go together"):
         fusedllm.quantize_kv(torch.randn(4, 8), torch.empty(4, 8, dtype=torch.int8))
+    with pytest.raises(ValueError, match="dtype=torch.float8_e4m3fn but values is torch.int8"):
+        fusedllm.quantize_kv(torch.randn(4, 8), torch.empty(4, 8, dtype=torch.int8), torch.empty(4),
+                             dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="dtype must be None, torch.int8 or torch.float8_e4m3fn"):
+        fusedllm.quantize_kv(torch.randn(4, 8), dtype=torch.uint8)
 
 
 # --- attention over int8 K/V -------------------------------------------------------------
@@ -121,14 +160,15 @@ SHAPES = [
 MASKS = [(False, None), (True, None), (True, 7)]
 
 
+@pytest.mark.parametrize("code", CODES, ids=str)
 @pytest.mark.parametrize("dtype", Q_DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal,window", MASKS)
-def test_int8_attention_matches_dequantized(device, dtype, shape, causal, window):
+def test_int8_attention_matches_dequantized(device, dtype, shape, causal, window, code):
     b, hq, hkv, sq, sk, d = shape
     q = torch.randn(b, hq, sq, d, device=device).to(dtype)
     k8, k_scale, v8, v_scale = quantized(torch.randn(b, hkv, sk, d, device=device),
-                                         torch.randn(b, hkv, sk, d, device=device))
+                                         torch.randn(b, hkv, sk, d, device=device), code)
     with torch.no_grad():
         out = fusedllm.attention(q, k8, v8, causal=causal, window=window, k_scale=k_scale, v_scale=v_scale)
     assert out.dtype == dtype and out.shape == q.shape
@@ -138,9 +178,10 @@ def test_int8_attention_matches_dequantized(device, dtype, shape, causal, window
     checks.assert_close(out, want, FORWARD_TOL[dtype], "int8 attention", upcast=True)
 
 
+@pytest.mark.parametrize("code", CODES, ids=str)
 @pytest.mark.parametrize("dtype", Q_DTYPES)
 @pytest.mark.parametrize("outliers", [False, True])
-def test_int8_attention_within_stated_bound(device, dtype, outliers):
+def test_int8_attention_within_stated_bound(device, dtype, outliers, code):
     """Against attention over the float rows themselves (a float cache)."""
     for b, hq, hkv, sq, sk, d in [(1, 8, 2, 1, 1500, 128), (2, 4, 2, 33, 33, 64)]:
         q = torch.randn(b, hq, sq, d, device=device)
@@ -150,24 +191,26 @@ def test_int8_attention_within_stated_bound(device, dtype, outliers):
             k[..., :3] *= 12
             v[..., 5] *= 8
         q = q.to(dtype)
-        k8, k_scale, v8, v_scale = quantized(k, v)
+        k8, k_scale, v8, v_scale = quantized(k, v, code)
         with torch.no_grad():
             out = fusedllm.attention(q, k8, v8, causal=True, k_scale=k_scale, v_scale=v_scale)
         exact, _ = ref_attention(q.double(), k.double(), v.double(), causal=True)
         rounding = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
-        bound = int8_attention_error_bound(q, v, k_scale, v_scale) + rounding * exact.abs().max().item()
+        bound = (quantized_attention_error_bound(q, v, k_scale, v_scale, code=code)
+                 + rounding * exact.abs().max().item())
         error = (out.double() - exact).abs().max().item()
         assert error <= bound, f"{(b, hq, hkv, sq, sk, d)}: error {error:.3g} above the bound {bound:.3g}"
 
 
+@pytest.mark.parametrize("code", CODES, ids=str)
 @pytest.mark.parametrize("option", ["softcap", "sinks", "alibi", "bool_mask", "float_mask", "strided"])
-def test_int8_attention_options(device, option):
+def test_int8_attention_options(device, option, code):
     """The options run as over float K/V: equal to the same op over the dequantized rows."""
     b, hq, hkv, sq, sk, d = 2, 4, 2, 9, 70, 32
     q = torch.randn(b, hq, sq, d, device=device)
     k = torch.randn(b, hkv, sk, d, device=device)
     v = torch.randn(b, hkv, sk, d, device=device)
-    k8, k_scale, v8, v_scale = quantized(k, v)
+    k8, k_scale, v8, v_scale = quantized(k, v, code)
     kwargs = dict(causal=True)
     if option == "softcap":
         kwargs["softcap"] = 5.0
@@ -181,7 +224,7 @@ def test_int8_attention_options(device, option):
         kwargs["mask"] = torch.randn(1, hq, sq, sk, device=device)
     elif option == "strided":
         # slots of a larger cache: every tensor a strided view
-        big_k = torch.zeros(b, hkv, sk + 30, d + 8, dtype=torch.int8, device=device)
+        big_k = torch.zeros(b, hkv, sk + 30, d + 8, dtype=code, device=device)
         big_s = torch.zeros(b, hkv, sk + 30, device=device)
         big_k[:, :, 10:10 + sk, :d] = k8
         big_s[:, :, 10:10 + sk] = k_scale
@@ -220,10 +263,12 @@ def _call(q, k, v, k_scale=None, v_scale=None):
 
 
 ATTENTION_ERRORS = [
-    (lambda q, k, v, ks, vs: (q, k, v.float(), ks, vs), "k and v are int8 together or not at all"),
-    (lambda q, k, v, ks, vs: (q, k.float(), v.float(), ks, vs), "are the scales of int8 k and v"),
-    (lambda q, k, v, ks, vs: (q, k, v, None, None), "int8 k and v need k_scale and v_scale"),
-    (lambda q, k, v, ks, vs: (q, k, v, ks, None), "int8 k and v need k_scale and v_scale"),
+    (lambda q, k, v, ks, vs: (q, k, v.float(), ks, vs), r"k and v are int8 \(or float8_e4m3fn\) together or not"),
+    (lambda q, k, v, ks, vs: (q, k, v.float().to(torch.float8_e4m3fn), ks, vs),
+     r"together or not at all, got k torch.int8 and v torch.float8_e4m3fn"),
+    (lambda q, k, v, ks, vs: (q, k.float(), v.float(), ks, vs), r"are the scales of int8 \(or float8_e4m3fn\) k"),
+    (lambda q, k, v, ks, vs: (q, k, v, None, None), "torch.int8 k and v need k_scale and v_scale"),
+    (lambda q, k, v, ks, vs: (q, k, v, ks, None), "torch.int8 k and v need k_scale and v_scale"),
     (lambda q, k, v, ks, vs: (q.double(), k, v, ks, vs), "q must be float32, bfloat16 or float16"),
     (lambda q, k, v, ks, vs: (q, k, v, ks[:, :, :-1], vs),
      r"k_scale must be \[batch, kv_heads, kv_len\] = \[1, 2, 6\]"),
@@ -299,7 +344,8 @@ CACHE_STEPS = {"tokens": [1] * 21, "prefill then tokens": [9] + [1] * 12, "chunk
 @pytest.mark.parametrize("window,sink", [(None, 0), (6, 0), (6, 2)])
 @pytest.mark.parametrize("steps", list(CACHE_STEPS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_cache_decoding_equals_attention_over_its_rows(device, dtype, steps, window, sink):
+@pytest.mark.parametrize("code", CODES, ids=str)
+def test_int8_cache_decoding_equals_attention_over_its_rows(device, dtype, steps, window, sink, code):
     """Step by step over an int8 cache (capacity 4: it grows) equals attention
     over the whole sequence of the dequantized rows, and stays within the
     stated bound of attention over the float rows."""
@@ -309,24 +355,25 @@ def test_int8_cache_decoding_equals_attention_over_its_rows(device, dtype, steps
     q = torch.randn(2, 4, total, 32, device=device, dtype=dtype)
     k = torch.randn(2, 2, total, 32, device=device, dtype=dtype)
     v = torch.randn(2, 2, total, 32, device=device, dtype=dtype)
-    cache = KVCache(capacity=4, window=window, sink=sink, dtype=torch.int8)
+    cache = KVCache(capacity=4, window=window, sink=sink, dtype=code)
     outs, start = [], 0
     with torch.no_grad():
         for n in CACHE_STEPS[steps]:
             outs.append(cache.attend(q[:, :, start:start + n], k[:, :, start:start + n], v[:, :, start:start + n]))
             start += n
     out = torch.cat(outs, dim=2)
-    k8, k_scale = ref_quantize_kv(k)
-    v8, v_scale = ref_quantize_kv(v)
+    k8, k_scale = ref_quantize_kv(k, code)
+    v8, v_scale = ref_quantize_kv(v, code)
     want = streaming_attention(q, dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale), window, sink)
     checks.assert_close(out, want, FORWARD_TOL[dtype], "int8 cache decoding", upcast=True)
     exact = streaming_attention(q, k, v, window, sink)
     rounding = {torch.float32: 1e-5, torch.bfloat16: 2**-8}[dtype] * exact.abs().max().item()
-    assert (out.double() - exact).abs().max().item() <= int8_attention_error_bound(q, v, k_scale, v_scale) + rounding
-    # what is held: int8 rows and their scales, in position order
-    assert cache.keys.dtype == torch.int8 and cache.key_scales.dtype == torch.float32
+    bound = quantized_attention_error_bound(q, v, k_scale, v_scale, code=code)
+    assert (out.double() - exact).abs().max().item() <= bound + rounding
+    # what is held: the codes and their scales, in position order
+    assert cache.keys.dtype == code and cache.key_scales.dtype == torch.float32
     held = cache.positions
-    torch.testing.assert_close(cache.keys, k8[:, :, held], atol=0, rtol=0)
+    assert torch.equal(cache.keys.view(torch.uint8), k8[:, :, held].view(torch.uint8))
     torch.testing.assert_close(cache.value_scales, v_scale[:, :, held], atol=0, rtol=0)
 
 
@@ -368,10 +415,10 @@ def test_int8_cache_in_the_attention_module(device, window):
 def test_int8_cache_errors():
     from fusedllm.nn import GQAttention, KVCache
 
-    with pytest.raises(ValueError, match="dtype must be None .* or torch.int8"):
+    with pytest.raises(ValueError, match="dtype must be None .* torch.int8 or torch.float8_e4m3fn"):
         KVCache(dtype=torch.float16)
     cache = KVCache(dtype=torch.int8)
-    with pytest.raises(ValueError, match="an int8 cache stores float32, bfloat16 or float16"):
+    with pytest.raises(ValueError, match="a torch.int8 cache stores float32, bfloat16 or float16"):
         cache.append(torch.randn(1, 1, 2, 4, dtype=torch.float64), torch.randn(1, 1, 2, 4, dtype=torch.float64))
     layer = GQAttention(16, 2).eval()
     with torch.no_grad(), pytest.raises(ValueError, match="return_weights=True needs a KVCache without a window "

@@ -22,9 +22,9 @@ AttentionOperand operand(const at::Tensor& t) {
   return o;
 }
 
-AttentionScales scales(const at::Tensor& t) {
+AttentionScales scales(const at::Tensor& t, kvq::Code code) {
   if (!t.defined()) return {};
-  return {t.const_data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2)};
+  return {t.const_data_ptr<float>(), t.stride(0), t.stride(1), t.stride(2), code == kvq::Code::kFloat8};
 }
 
 // Scratch of one kernel call as the variant describes it.
@@ -61,8 +61,8 @@ struct CpuAttention {
     a.q = operand(p.q);
     a.k = operand(p.k);
     a.v = operand(p.v);
-    a.k_scale = scales(p.k_scale);
-    a.v_scale = scales(p.v_scale);
+    a.k_scale = scales(p.k_scale, p.code);
+    a.v_scale = scales(p.v_scale, p.code);
     a.pages = p.pages;
     a.out = p.out.data_ptr();
     a.lse = p.lse.data_ptr();

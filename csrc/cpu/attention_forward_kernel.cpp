@@ -148,7 +148,7 @@ struct ForwardKernel {
     const acc_t scale = static_cast<acc_t>(a.scale);
     // bfloat16 on vdpbf16ps where the variant has it: Q^T as pair words (the
     // scale applied to the products), K as pair words along its rows, P and V
-    // packed per tile (attention_gemm.h). int8 K/V: their integers as
+    // packed per tile (attention_gemm.h). int8 / float8 K/V: their codes as
     // bfloat16 (exact), the key scales applied to the scores and the value
     // scales to the probabilities; float32 tiles dequantize as they load.
     constexpr bool kPairs = kPairProducts<T>;
@@ -195,21 +195,17 @@ struct ForwardKernel {
 #if defined(__AVX512BF16__)
         if (narrow) {
           // S = Q K^T (rows x keys, K packed across the keys), then S^T
-          if (k.quantized()) {
-            pack_rows_transposed_wide([&](int64_t j) { return k.row8(j0 + j); }, nk, d, kp32, nk_pad);
-          } else {
-            pack_rows_transposed_wide([&](int64_t j) { return k.row(j0 + j); }, nk, d, kp32, nk_pad);
-          }
+          k.with_rows([&](const auto& row) {
+            pack_rows_transposed_wide([&](int64_t j) { return row(j0 + j); }, nk, d, kp32, nk_pad);
+          });
           gemm_pairs<ALayout::kRowMajor, false>(rows, round_up(nk, 16), dp, qp, dp, kp32, nk_pad, w.sr, nk_pad,
                                                 nullptr, scale);
           transpose_16_rows(w.sr, nk_pad, nk, w.s);
         } else {
-          k.runs(j0, nk, [&](int64_t i, int64_t n) {
-            if (k.quantized()) {
-              pack_int8_rows_along(k.row8(j0 + i), k.seq_stride, n, d, kp32 + i * dp, dp);
-            } else {
-              pack_rows_along(k.row(j0 + i), k.seq_stride, n, d, kp32 + i * dp, dp);
-            }
+          k.with_rows([&](const auto& row) {
+            k.runs(j0, nk, [&](int64_t i, int64_t n) {
+              pack_rows_along(row(j0 + i), k.seq_stride, n, d, kp32 + i * dp, dp);
+            });
           });
           gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp32, dp, qp, ld, w.s, ld, nullptr, scale);
         }
@@ -240,12 +236,10 @@ struct ForwardKernel {
       // O = diag(alpha) O + P V, P read column-major out of the transposed tile.
       if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-        if (v.quantized()) {
-          v.scale_rows(w.s, ld, j0, nk);  // P diag(v_scale) V8 = P V
-          pack_int8_rows_across([&](int64_t j) { return v.row8(j0 + j); }, nk, d, vp32, d_pad);
-        } else {
-          pack_rows_across([&](int64_t j) { return v.row(j0 + j); }, nk, d, vp32, d_pad);
-        }
+        if (v.quantized()) v.scale_rows(w.s, ld, j0, nk);  // P diag(v_scale) V8 = P V
+        v.with_rows([&](const auto& row) {
+          pack_rows_across([&](int64_t j) { return row(j0 + j); }, nk, d, vp32, d_pad);
+        });
         const uint32_t* pp = pack_tile_pairs(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s));
         gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, pp, ld, vp32, d_pad, w.o, d_pad,
                                              w.alpha);

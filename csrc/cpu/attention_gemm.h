@@ -6,6 +6,9 @@
 
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+
+#include "fusedllm/kv_quant.h"
 
 #include <algorithm>
 #include <cstring>
@@ -321,58 +324,57 @@ inline void pack_rows_along(const c10::BFloat16* src, int64_t stride, int64_t ro
   }
 }
 
+// The codes of a quantized cache (int8, float8 e4m3) as bfloat16: exact, as
+// both have at most 8 significant bits and exponents bfloat16 holds.
+inline uint16_t code_bfloat16_bits(int8_t x) { return c10::BFloat16(static_cast<float>(x)).x; }
+inline uint16_t code_bfloat16_bits(c10::Float8_e4m3fn x) { return c10::BFloat16(kvq::float8_value(x.x)).x; }
+
+// count (<= 16) codes from src as float32, zero past count.
+inline __m512 codes_to_float(const int8_t* src, int64_t count) {
+  const __m128i q = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << count) - 1), src);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+}
+inline __m512 codes_to_float(const c10::Float8_e4m3fn* src, int64_t count) {
+  const __m128i q = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << count) - 1), src);
+  const __m256i w = _mm256_cvtepu8_epi16(q);  // as float16 bits of code * 2^-8 (attention_tile.h)
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
+
+template <typename R>
+constexpr bool kCodeRows = std::is_same_v<R, int8_t> || std::is_same_v<R, c10::Float8_e4m3fn>;
+
+template <typename Row>
+inline void pack_code_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp);
+
 // Rows r, r + 1 of bfloat16 interleaved: dst[p * ldp + c] = (row 2p, row 2p + 1)
 // of column c, for p < ceil(rows / 2) and c < n (zero for c in [n, ldp) and for
-// the missing row of an odd count). row(i) gives row i's first element.
+// the missing row of an odd count). row(i) gives row i's first element; rows
+// of int8 or float8 codes are packed as bfloat16.
 template <typename Row>
 inline void pack_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
-  for (int64_t p = 0; p * 2 < rows; ++p) {
-    const c10::BFloat16* r0 = row(2 * p);
-    const c10::BFloat16* r1 = 2 * p + 1 < rows ? row(2 * p + 1) : nullptr;
-    uint32_t* out = dst + p * ldp;
-    int64_t c = 0;
-    for (; c + 16 <= n; c += 16) {
-      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + c)));
-      const __m512i hi = r1 != nullptr
-          ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + c)))
-          : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  if constexpr (kCodeRows<std::remove_cv_t<std::remove_pointer_t<decltype(row(0))>>>) {
+    pack_code_rows_across(row, rows, n, dst, ldp);
+  } else {
+    for (int64_t p = 0; p * 2 < rows; ++p) {
+      const c10::BFloat16* r0 = row(2 * p);
+      const c10::BFloat16* r1 = 2 * p + 1 < rows ? row(2 * p + 1) : nullptr;
+      uint32_t* out = dst + p * ldp;
+      int64_t c = 0;
+      for (; c + 16 <= n; c += 16) {
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + c)));
+        const __m512i hi = r1 != nullptr
+            ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + c)))
+            : _mm512_setzero_si512();
+        _mm512_storeu_si512(out + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+      for (; c < n; ++c) out[c] = pair_word(r0[c].x, r1 != nullptr ? r1[c].x : 0);
+      for (; c < ldp; ++c) out[c] = 0;
     }
-    for (; c < n; ++c) out[c] = pair_word(r0[c].x, r1 != nullptr ? r1[c].x : 0);
-    for (; c < ldp; ++c) out[c] = 0;
   }
 }
 
-// int8 rows of a quantized cache as bfloat16 (exact: integers in [-127, 127]).
-inline uint16_t int8_bfloat16_bits(int8_t x) { return c10::BFloat16(static_cast<float>(x)).x; }
-
-// 32 int8 values as 32 bfloat16, in order (16 pair words).
-// 16 int8 values as float32.
-inline __m512 int8_to_float(const int8_t* src) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-}
-
-// pack_rows_across for int8 rows (row(i): row i's first element).
-template <typename Row>
-inline void pack_int8_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
-  for (int64_t p = 0; p * 2 < rows; ++p) {
-    const int8_t* r0 = row(2 * p);
-    const int8_t* r1 = 2 * p + 1 < rows ? row(2 * p + 1) : nullptr;
-    uint32_t* out = dst + p * ldp;
-    int64_t c = 0;
-    const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    for (; c + 16 <= n; c += 16) {
-      // small integers in float32 have zero low halves: their bfloat16 bits are the high halves
-      const __m512i x0 = _mm512_castps_si512(int8_to_float(r0 + c));
-      const __m512i x1 = r1 != nullptr ? _mm512_castps_si512(int8_to_float(r1 + c)) : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + c, _mm512_or_si512(_mm512_srli_epi32(x0, 16), _mm512_and_si512(x1, high_half)));
-    }
-    for (; c < n; ++c) {
-      out[c] = pair_word(int8_bfloat16_bits(r0[c]), r1 != nullptr ? int8_bfloat16_bits(r1[c]) : 0);
-    }
-    for (; c < ldp; ++c) out[c] = 0;
-  }
-}
 
 // r[i] becomes column i of the 16 x 16 matrix of 32-bit words whose rows were r.
 inline void transpose_16x16_words(__m512i (&r)[16]) {
@@ -416,19 +418,41 @@ inline __m512i row_pair_words(const c10::BFloat16* row, int64_t c, int64_t n) {
   const int64_t count = std::min<int64_t>(32, n - c);
   return _mm512_maskz_loadu_epi16(static_cast<__mmask32>(count == 32 ? ~0u : (1u << count) - 1), row + c);
 }
-inline __m512i row_pair_words(const int8_t* row, int64_t c, int64_t n) {
+template <typename Code, typename = std::enable_if_t<kCodeRows<Code>>>
+inline __m512i row_pair_words(const Code* row, int64_t c, int64_t n) {
   const int64_t count = std::min<int64_t>(32, n - c);
   const auto part = [&](int64_t from) {
-    const int64_t m = std::clamp<int64_t>(count - from, 0, 16);
-    const __m128i q = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << m) - 1), row + c + from);
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+    return codes_to_float(row + c + from, std::clamp<int64_t>(count - from, 0, 16));
   };
   return (__m512i)_mm512_cvtne2ps_pbh(part(16), part(0));
 }
 
-// pack_rows_along for int8 rows, as bfloat16.
-inline void pack_int8_rows_along(const int8_t* src, int64_t stride, int64_t rows, int64_t n, uint32_t* dst,
-                                 int64_t ldp) {
+// pack_code_rows_across: pack_rows_across for int8 or float8 rows.
+template <typename Row>
+inline void pack_code_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p * 2 < rows; ++p) {
+    const auto* r0 = row(2 * p);
+    const auto* r1 = 2 * p + 1 < rows ? row(2 * p + 1) : nullptr;
+    uint32_t* out = dst + p * ldp;
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16) {
+      // the codes in float32 have zero low halves: their bfloat16 bits are the high halves
+      const __m512i x0 = _mm512_castps_si512(codes_to_float(r0 + c, 16));
+      const __m512i x1 = r1 != nullptr ? _mm512_castps_si512(codes_to_float(r1 + c, 16)) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + c, _mm512_or_si512(_mm512_srli_epi32(x0, 16), _mm512_and_si512(x1, high_half)));
+    }
+    for (; c < n; ++c) {
+      out[c] = pair_word(code_bfloat16_bits(r0[c]), r1 != nullptr ? code_bfloat16_bits(r1[c]) : 0);
+    }
+    for (; c < ldp; ++c) out[c] = 0;
+  }
+}
+
+// pack_rows_along for int8 or float8 rows, as bfloat16.
+template <typename Code, typename = std::enable_if_t<kCodeRows<Code>>>
+inline void pack_rows_along(const Code* src, int64_t stride, int64_t rows, int64_t n, uint32_t* dst,
+                            int64_t ldp) {
   const int64_t np = (n + 1) / 2;
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t c = 0; c < n; c += 32) {

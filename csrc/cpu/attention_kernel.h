@@ -66,15 +66,16 @@ struct AttentionWorkspace {
   int64_t zeroed = 0, bytes = 0;
 };
 
-// The float32 scale of each key row of int8 K or V; data null for float K/V.
+// The float32 scale of each key row of int8 or float8 K or V; data null for float K/V.
 struct AttentionScales {
   const float* data = nullptr;
   int64_t batch_stride = 0, head_stride = 0, seq_stride = 0;
+  bool float8 = false;  // the rows hold float8 e4m3 codes (else int8)
 };
 
 struct AttentionForwardArgs : AttentionCallArgs {
   AttentionOperand q, k, v;
-  AttentionScales k_scale, v_scale;  // int8 k and v (then q is float32, bfloat16 or float16)
+  AttentionScales k_scale, v_scale;  // int8 / float8 k and v (then q is float32, bfloat16 or float16)
   attn::Pages pages;                 // paged k and v (and scales): their batch index is the page
   void* out;  // row r (QueryRows) at out + r * D
   void* lse;  // row r at lse[r], float32 (float64 for float64 inputs)

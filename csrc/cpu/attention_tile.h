@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <atomic>
@@ -15,6 +16,7 @@
 #include "attention_kernel.h"
 #include "fusedllm/attention.h"
 #include "fusedllm/dropout.h"
+#include "fusedllm/kv_quant.h"
 #include "vec.h"
 
 namespace fusedllm::cpu {
@@ -295,22 +297,61 @@ inline void dequantize_row(const int8_t* src, int64_t n, int64_t n_pad, float sc
   for (j = n; j < n_pad; ++j) dst[j] = 0;
 }
 
-// The K or V rows of one (batch, kv head) pair: T, or int8 with a float32
-// scale per row; dense, or in pages (attn::Pages).
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// 16 float8 e4m3 codes as the float16 bits of code * 2^-8: exponent and
+// mantissa move up 7 bits, the sign 8. float16's exponent bias is 8 above
+// e4m3's and its subnormals hold e4m3's, so this is exact (a NaN code reads as
+// 480, but a row holding one has scale NaN).
+inline __m256i float8_half_bits(__m128i codes) {
+  const __m256i w = _mm256_cvtepu8_epi16(codes);
+  return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+}
+#endif
+
+// dequantize_row for float8 e4m3 codes: each entry is value(code) * scale
+// rounded once, as kvq::float8_value(code) * scale.
+template <typename acc_t>
+inline void dequantize_row(const c10::Float8_e4m3fn* src, int64_t n, int64_t n_pad, float scale, acc_t* dst) {
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(src);
+  int64_t j = 0;
+  if constexpr (std::is_same_v<acc_t, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m512 s = _mm512_set1_ps(scale * 256.0f);  // 2^8 undoes float8_half_bits' 2^-8, exactly
+    for (; j + 16 <= n; j += 16) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j));
+      _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_cvtph_ps(float8_half_bits(c)), s));
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m256 s = _mm256_set1_ps(scale * 256.0f);
+    for (; j + 16 <= n; j += 16) {
+      const __m256i h = float8_half_bits(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j)));
+      _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), s));
+      _mm256_storeu_ps(dst + j + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), s));
+    }
+#endif
+  }
+  for (; j < n; ++j) dst[j] = static_cast<acc_t>(kvq::float8_value(codes[j]) * scale);
+  for (j = n; j < n_pad; ++j) dst[j] = 0;
+}
+
+// The K or V rows of one (batch, kv head) pair: T, or int8 / float8 e4m3
+// codes with a float32 scale per row; dense, or in pages (attn::Pages).
 template <typename T>
 struct KvRows {
   using acc_t = typename VecIO<T>::acc_t;
   const void* data;  // row 0 of a dense pair; kv head g of page 0 when paged
   int64_t seq_stride, page_stride;
-  const float* scale = nullptr;  // set: int8 rows
+  const float* scale = nullptr;  // set: int8 or float8 rows
+  bool float8 = false;           // the codes are float8 e4m3 (else int8)
   int64_t scale_stride = 0, scale_page_stride = 0;
   attn::Pages pages;
   int64_t b;
 
   KvRows(const AttentionOperand& o, const AttentionScales& s, const attn::Pages& pages_, int64_t b_,
          int64_t g, int64_t start)
-      : seq_stride(o.seq_stride), page_stride(o.batch_stride), scale_page_stride(s.batch_stride),
-        pages(pages_), b(b_) {
+      : seq_stride(o.seq_stride), page_stride(o.batch_stride), float8(s.float8),
+        scale_page_stride(s.batch_stride), pages(pages_), b(b_) {
     const int64_t first = pages.paged() ? 0 : b * o.batch_stride + start * o.seq_stride;
     const int64_t offset = first + g * o.head_stride;
     if (s.data == nullptr) {
@@ -324,9 +365,24 @@ struct KvRows {
   }
   bool quantized() const { return scale != nullptr; }
   int64_t offset(int64_t j) const { return pages.row_offset(b, j, page_stride, seq_stride); }
-  // Row j of float rows, or of int8 rows.
+  // Row j of float rows, of int8 rows or of float8 rows.
   const T* row(int64_t j) const { return static_cast<const T*>(data) + offset(j); }
   const int8_t* row8(int64_t j) const { return static_cast<const int8_t*>(data) + offset(j); }
+  const c10::Float8_e4m3fn* row_f8(int64_t j) const {
+    return static_cast<const c10::Float8_e4m3fn*>(data) + offset(j);
+  }
+  // f(rows) with rows(j) giving row j typed as stored: const T*, const int8_t*
+  // or const c10::Float8_e4m3fn* (the packers take each).
+  template <typename F>
+  void with_rows(const F& f) const {
+    if (!quantized()) {
+      f([this](int64_t j) { return row(j); });
+    } else if (float8) {
+      f([this](int64_t j) { return row_f8(j); });
+    } else {
+      f([this](int64_t j) { return row8(j); });
+    }
+  }
   float row_scale(int64_t j) const { return scale[pages.row_offset(b, j, scale_page_stride, scale_stride)]; }
   // f(i, n) for each run [j0 + i, j0 + i + n) of rows [j0, j0 + nk) that lie
   // seq_stride apart (one page; all of them when dense).
@@ -362,7 +418,11 @@ struct KvRows {
       runs(j0, nk, [&](int64_t i, int64_t n) { kv_tile(row(j0 + i), seq_stride, n, d, d_pad, buf + i * d_pad, ld); });
       return buf;
     }
-    for (int64_t j = 0; j < nk; ++j) dequantize_row(row8(j0 + j), d, d_pad, row_scale(j0 + j), buf + j * d_pad);
+    with_rows([&](const auto& rows) {
+      if constexpr (!std::is_same_v<decltype(rows(0)), const T*>) {
+        for (int64_t j = 0; j < nk; ++j) dequantize_row(rows(j0 + j), d, d_pad, row_scale(j0 + j), buf + j * d_pad);
+      }
+    });
     return buf;
   }
 };

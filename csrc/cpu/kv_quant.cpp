@@ -17,7 +17,8 @@ struct CpuQuantizeKv {
   static void run(const QuantizeKvPlan& p) {
     const at::Tensor& x = p.x;
     const int64_t d = p.head_dim, heads = x.size(1), seq = x.size(2);
-    int8_t* values = p.values.mutable_data_ptr<int8_t>();
+    const kvq::Code code = p.code;
+    uint8_t* values = static_cast<uint8_t*>(p.values.mutable_data_ptr());
     float* scales = p.scales.mutable_data_ptr<float>();
     const auto xs = x.strides(), vs = p.values.strides(), ss = p.scales.strides();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fusedllm_quantize_kv_cpu", [&] {
@@ -32,10 +33,14 @@ struct CpuQuantizeKv {
             amax = std::fmax(amax, std::fabs(v));
             probe += v * 0.0f;
           }
-          const float inverse = kvq::row_inverse(amax);
-          int8_t* out = values + b * vs[0] + h * vs[1] + s * vs[2];
-          for (int64_t c = 0; c < d; ++c) out[c * vs[3]] = kvq::quantize(static_cast<float>(row[c * xs[3]]), inverse);
-          scales[b * ss[0] + h * ss[1] + s * ss[2]] = kvq::row_scale(amax, probe);
+          const float inverse = kvq::row_inverse(amax, code);
+          uint8_t* out = values + b * vs[0] + h * vs[1] + s * vs[2];
+          for (int64_t c = 0; c < d; ++c) {
+            const float v = static_cast<float>(row[c * xs[3]]);
+            out[c * vs[3]] = code == kvq::Code::kInt8 ? static_cast<uint8_t>(kvq::quantize(v, inverse))
+                                                      : kvq::quantize_float8(v, inverse);
+          }
+          scales[b * ss[0] + h * ss[1] + s * ss[2]] = kvq::row_scale(amax, probe, code);
         }
       });
     });

@@ -8,24 +8,25 @@
 namespace fusedllm::cuda {
 namespace {
 
-// K or V of the forward kernel: rows of T, or int8 rows with a float32 scale
-// per (batch, kv head, position) (a quantized cache); dense, or in pages
-// (their batch index is the page).
+// K or V of the forward kernel: rows of T, or int8 / float8 e4m3 rows with a
+// float32 scale per (batch, kv head, position) (a quantized cache); dense, or
+// in pages (their batch index is the page).
 struct KvSource {
   const void* data;
   Strides st;
   const float* scale;  // null: rows of T
   Strides scale_st;
   attn::Pages pages;
+  kvq::Code code;
 };
 
-KvSource kv_source(const at::Tensor& t, const at::Tensor& scale, const attn::Pages& pages) {
-  if (!scale.defined()) return {t.const_data_ptr(), strides_of(t), nullptr, {}, pages};
-  return {t.const_data_ptr(), strides_of(t), scale.const_data_ptr<float>(), strides_of(scale), pages};
+KvSource kv_source(const at::Tensor& t, const at::Tensor& scale, const AttentionForwardPlan& p) {
+  if (!scale.defined()) return {t.const_data_ptr(), strides_of(t), nullptr, {}, p.pages, p.code};
+  return {t.const_data_ptr(), strides_of(t), scale.const_data_ptr<float>(), strides_of(scale), p.pages, p.code};
 }
 
 // Keys [j0, j0 + kKeys) of kv head g of sequence b (position 0 at `start`),
-// dequantized when int8; zeros past `end` and past d.
+// dequantized when int8 / float8; zeros past `end` and past d.
 template <typename T, typename acc_t, int kD, int kLd, int kKeys>
 __device__ __forceinline__ void stage_kv(acc_t* dst, const KvSource& src, int64_t b, int64_t g,
                                          int64_t start, int64_t j0, int64_t end, int d) {
@@ -47,8 +48,10 @@ __device__ __forceinline__ void stage_kv(acc_t* dst, const KvSource& src, int64_
       if (scale == nullptr) {
         x = static_cast<acc_t>(static_cast<const T*>(src.data)[row + c]);
       } else {
-        x = static_cast<acc_t>(static_cast<float>(static_cast<const int8_t*>(src.data)[row + c]) *
-                               scale[pages.row_offset(b, key, src.scale_st.b, src.scale_st.s)]);
+        const uint8_t code = static_cast<const uint8_t*>(src.data)[row + c];
+        const float value = src.code == kvq::Code::kInt8 ? static_cast<float>(static_cast<int8_t>(code))
+                                                         : kvq::float8_value(code);
+        x = static_cast<acc_t>(value * scale[pages.row_offset(b, key, src.scale_st.b, src.scale_st.s)]);
       }
     }
     dst[jj * kLd + c] = x;
@@ -190,8 +193,8 @@ void launch_attention_forward(const AttentionForwardPlan& p, Stream stream) {
       const dim3 grid(static_cast<unsigned>((rows.group_rows() + C::kFwdRows - 1) / C::kFwdRows),
                       static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
       launch("attention_forward_kernel", kernel, grid, C::kFwdWarps * kWarpSize, C::fwd_smem(),
-          stream, p.q.const_data_ptr<scalar_t>(), strides_of(p.q), kv_source(p.k, p.k_scale, p.pages),
-          kv_source(p.v, p.v_scale, p.pages), p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), rows,
+          stream, p.q.const_data_ptr<scalar_t>(), strides_of(p.q), kv_source(p.k, p.k_scale, p),
+          kv_source(p.v, p.v_scale, p), p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), rows,
           p.seqs, static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p));
     });
   });
@@ -201,7 +204,7 @@ struct CudaAttention {
   static void forward(const AttentionForwardPlan& p) {
     const DeviceGuard guard(p.q.device());
     check_grid(p.shape);
-    // int8 or paged K/V (a cache, mostly decoding) run on the SIMT kernel.
+    // int8 / float8 or paged K/V (a cache, mostly decoding) run on the SIMT kernel.
     if (!p.k_scale.defined() && !p.pages.paged() &&
         choose_attention_kernel(p, p.q.scalar_type()) == AttentionKernel::kTensorCore) {
       launch_attention_mma_forward(p, current_stream());

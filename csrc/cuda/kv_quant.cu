@@ -22,9 +22,9 @@ RowStrides strides4(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.s
 constexpr int kWarpsPerBlock = 4;
 
 template <typename T>
-__global__ void quantize_kv_kernel(const T* __restrict__ x, RowStrides xs, int8_t* __restrict__ values,
+__global__ void quantize_kv_kernel(const T* __restrict__ x, RowStrides xs, uint8_t* __restrict__ values,
                                    RowStrides vs, float* __restrict__ scales, RowStrides ss,
-                                   int64_t heads, int64_t seq, int64_t rows, int64_t d) {
+                                   int64_t heads, int64_t seq, int64_t rows, int64_t d, kvq::Code code) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
   for (int64_t r = first; r < rows; r += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
@@ -38,12 +38,14 @@ __global__ void quantize_kv_kernel(const T* __restrict__ x, RowStrides xs, int8_
     }
     amax = warp_reduce_max(amax);
     probe = warp_reduce_sum(probe);
-    const float inverse = kvq::row_inverse(amax);
-    int8_t* out = values + b * vs.b + h * vs.h + s * vs.s;
+    const float inverse = kvq::row_inverse(amax, code);
+    uint8_t* out = values + b * vs.b + h * vs.h + s * vs.s;
     for (int64_t c = lane; c < d; c += kWarpSize) {
-      out[c * vs.c] = kvq::quantize(static_cast<float>(row[c * xs.c]), inverse);
+      const float v = static_cast<float>(row[c * xs.c]);
+      out[c * vs.c] = code == kvq::Code::kInt8 ? static_cast<uint8_t>(kvq::quantize(v, inverse))
+                                               : kvq::quantize_float8(v, inverse);
     }
-    if (lane == 0) scales[b * ss.b + h * ss.h + s * ss.s] = kvq::row_scale(amax, probe);
+    if (lane == 0) scales[b * ss.b + h * ss.h + s * ss.s] = kvq::row_scale(amax, probe, code);
   }
 }
 
@@ -56,8 +58,9 @@ struct CudaQuantizeKv {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.x.scalar_type(), "fusedllm_quantize_kv_cuda", [&] {
       launch("quantize_kv_kernel", quantize_kv_kernel<scalar_t>, blocks, kWarpsPerBlock * kWarpSize, 0,
           current_stream(), p.x.const_data_ptr<scalar_t>(), strides4(p.x),
-          p.values.mutable_data_ptr<int8_t>(), strides4(p.values), p.scales.mutable_data_ptr<float>(),
-          strides4(p.scales), p.x.size(1), p.x.size(2), p.rows, p.head_dim);
+          static_cast<uint8_t*>(p.values.mutable_data_ptr()), strides4(p.values),
+          p.scales.mutable_data_ptr<float>(), strides4(p.scales), p.x.size(1), p.x.size(2), p.rows, p.head_dim,
+          p.code);
     });
   }
 };

@@ -413,20 +413,24 @@ def attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed, 
     return out, lse.detach(), probs
 
 
+KV_CODES = (torch.int8, torch.float8_e4m3fn)  # what a quantized cache stores
+
+
 def _dequantized_kv(op, q, k, v, k_scale, v_scale, packed):
-    """int8 k and v with their scales (the op's checks), as float32 k * k_scale, v * v_scale."""
-    k8, v8 = k.dtype == torch.int8, v.dtype == torch.int8
+    """int8 / float8 k and v with their scales (the op's checks), as float32 k * k_scale, v * v_scale."""
+    k8, v8 = k.dtype in KV_CODES, v.dtype in KV_CODES
     if not (k8 or v8):
-        _fail(op, f"k_scale / v_scale are the scales of int8 k and v, but k and v are {k.dtype}")
-    if not (k8 and v8):
-        _fail(op, f"k and v are int8 together or not at all, got k {k.dtype} and v {v.dtype}")
+        _fail(op, f"k_scale / v_scale are the scales of int8 (or float8_e4m3fn) k and v, but k and v are "
+                  f"{k.dtype}")
+    if not (k8 and v8 and k.dtype == v.dtype):
+        _fail(op, f"k and v are int8 (or float8_e4m3fn) together or not at all, got k {k.dtype} and v {v.dtype}")
     if k_scale is None or v_scale is None:
-        _fail(op, "int8 k and v need k_scale and v_scale (float32, one scale per position and kv head)")
+        _fail(op, f"{k.dtype} k and v need k_scale and v_scale (float32, one scale per position and kv head)")
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        _fail(op, f"with int8 k and v, q must be float32, bfloat16 or float16, got {q.dtype}")
+        _fail(op, f"with {k.dtype} k and v, q must be float32, bfloat16 or float16, got {q.dtype}")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_scale, v_scale)):
-        _fail(op, "int8 k and v (k_scale / v_scale) are for inference and have no backward; run under "
-                  "torch.no_grad() or torch.inference_mode(), or detach q")
+        _fail(op, "quantized k and v (k_scale / v_scale) read a KV cache for inference and have no backward; "
+                  "run under torch.no_grad() or torch.inference_mode(), or detach q, k and v")
     for name, t in (("k", k), ("v", v), ("k_scale", k_scale), ("v_scale", v_scale)):
         if t.device != q.device:
             _fail(op, f"{name} is on {t.device} but q is on {q.device}")
@@ -509,7 +513,7 @@ def attention(q, k, v, mask, scale, causal, window, dropout_p, seed, window_righ
         op = "fusedllm.attention"
         lens = _check_kv_lens(op, q, k, kv_lens, block_table, mask, dropout_p, cu_seqlens_q)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-            kind = "int8 k and v (k_scale / v_scale)" if k_scale is not None else "kv_lens / block_table"
+            kind = "quantized k and v (k_scale / v_scale)" if k_scale is not None else "kv_lens / block_table"
             _fail(op, f"{kind} read a KV cache for inference and have no backward; run under "
                       f"torch.no_grad() or torch.inference_mode(), or detach q, k and v")
         if block_table is None and k.shape[0] != q.shape[0]:
@@ -538,7 +542,7 @@ def attention(q, k, v, mask, scale, causal, window, dropout_p, seed, window_righ
         if not lens:
             return q.new_zeros(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q))
         return torch.cat(outs), torch.cat(lses)
-    if k_scale is not None or v_scale is not None or k.dtype == torch.int8 or v.dtype == torch.int8:
+    if k_scale is not None or v_scale is not None or k.dtype in KV_CODES or v.dtype in KV_CODES:
         op = "fusedllm.attention"
         _check_float(op, "q", q)
         k, v = _dequantized_kv(op, q, k, v, k_scale, v_scale, cu_seqlens_q is not None)
@@ -589,13 +593,14 @@ def attention(q, k, v, mask, scale, causal, window, dropout_p, seed, window_righ
 
 
 def quantize_kv(x, values, scales):
-    """The quantize_kv op: int8 rows of x and their float32 scales, written into values and scales."""
+    """The quantize_kv op: int8 (or float8_e4m3fn, as values' dtype says) rows of x and their
+    float32 scales, written into values and scales."""
     op = "fusedllm.quantize_kv"
     _check_float(op, "x", x)
     if not 1 <= x.dim() <= 4:
         _fail(op, f"x must have 1 to 4 dims [..., head_dim], got shape {list(x.shape)}")
-    if values.dtype != torch.int8:
-        _fail(op, f"values must be int8, got {values.dtype}")
+    if values.dtype not in KV_CODES:
+        _fail(op, f"values must be int8 or float8_e4m3fn, got {values.dtype}")
     if scales.dtype != torch.float32:
         _fail(op, f"scales must be float32, got {scales.dtype}")
     if values.shape != x.shape:
@@ -612,10 +617,15 @@ def quantize_kv(x, values, scales):
     magnitude = xf.abs().nan_to_num(nan=0.0, posinf=math.inf)
     amax = magnitude.amax(-1) if x.shape[-1] else xf.new_zeros(x.shape[:-1])
     probe = (xf * 0).sum(-1)
-    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    q = torch.nan_to_num(torch.round(xf * inverse.unsqueeze(-1)), nan=-127.0).clamp(-127, 127)
-    values.copy_(q.to(torch.int8))
-    scales.copy_(amax / 127.0 + probe)
+    levels = 127.0 if values.dtype == torch.int8 else 448.0
+    inverse = torch.where(amax > 0, torch.full_like(amax, levels) / amax, torch.zeros_like(amax))
+    y = xf * inverse.unsqueeze(-1)
+    if values.dtype == torch.int8:
+        values.copy_(torch.nan_to_num(torch.round(y), nan=-127.0).clamp(-127, 127).to(torch.int8))
+    else:  # NaN (a non-finite row) as the code 0x7F, as the kernels store it
+        codes = y.clamp(-levels, levels).to(torch.float8_e4m3fn).view(torch.uint8)
+        values.copy_(torch.where(y.isnan(), 0x7F, codes).to(torch.uint8).view(torch.float8_e4m3fn))
+    scales.copy_(amax / levels + probe)
 
 
 def _zeros_of(q, k, v):

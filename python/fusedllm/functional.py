@@ -265,7 +265,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     error of any score, and the output differs from attention over the
     unquantized rows by at most ``max s_v / 2 + (exp(2 eps) - 1) * max|v|``
     per entry, beyond the rounding attention in q's dtype has over float rows
-    (tests/test_kv_quant.py checks this bound).
+    (tests/test_kv_quant.py checks this bound). ``k`` and ``v`` may instead be
+    ``torch.float8_e4m3fn`` codes (``quantize_kv(..., dtype=torch.float8_e4m3fn)``),
+    read the same way (each code is exact in bfloat16); an entry is then off
+    by at most ``28 s`` (``2^-4`` of entries up to ``448 s``), and the same
+    bound holds with ``28 s`` in place of ``s / 2``.
 
     **Caches of several lengths, paged caches.** ``kv_lens`` (int32
     ``[batch]``) gives each sequence its own number of keys: sequence ``b``
@@ -372,7 +376,8 @@ def attention_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
 
 
 def quantize_kv(x: torch.Tensor, values: torch.Tensor | None = None,
-                scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                scales: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys or values ``x [..., head_dim]`` (up to 4-D, e.g. ``[batch, kv_heads,
     seq, head_dim]`` after RoPE) as int8 rows and one float32 scale per row,
     in one pass: ``scale = max|x| / 127`` and ``values = round(x * 127 / max|x|)``
@@ -380,18 +385,31 @@ def quantize_kv(x: torch.Tensor, values: torch.Tensor | None = None,
     within ``scale / 2`` of ``x``. A row holding an infinite or NaN entry gets
     scale NaN, so attention over it gives NaN as over the float row.
 
-    ``values`` (int8, x's shape) and ``scales`` (float32, x's shape without
-    the last dim) are written in place when given, e.g. slots of a cache
-    (``cache_k[:, :, start:end]``, any strides); otherwise they are
-    allocated. Returns ``(values, scales)``. Read them with
+    ``dtype=torch.float8_e4m3fn`` stores float8 codes instead (4 exponent
+    bits, 3 mantissa bits): ``scale = max|x| / 448`` and ``values = x * 448 /
+    max|x|`` rounded to the nearest code (half to even): within ``2^-4 |x|``
+    of ``x`` where ``|x| >= 2^-6 scale``, within ``2^-10 scale`` below, so
+    small entries keep their relative precision where int8 rounds them to a
+    step of ``max|x| / 127``.
+
+    ``values`` (int8 or float8_e4m3fn, x's shape) and ``scales`` (float32,
+    x's shape without the last dim) are written in place when given, e.g.
+    slots of a cache (``cache_k[:, :, start:end]``, any strides; their dtype
+    then says which code); otherwise they are allocated (``dtype``: int8 by
+    default). Returns ``(values, scales)``. Read them with
     ``attention(q, values, ..., k_scale=scales, ...)``. No gradient.
     """
     op = "fusedllm.quantize_kv"
     _require_tensors(op, "x", x, values=values, scales=scales)
     if (values is None) != (scales is None):
         raise ValueError(f"{op}: values and scales go together: pass both (the slots to write) or neither")
+    if dtype not in (None, torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"{op}: dtype must be None, torch.int8 or torch.float8_e4m3fn, got {dtype!r}")
+    if values is not None and dtype is not None and values.dtype != dtype:
+        raise ValueError(f"{op}: dtype={dtype} but values is {values.dtype}: values' dtype says what is "
+                         f"stored; pass one of them")
     if values is None:
-        values = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+        values = torch.empty(x.shape, dtype=dtype or torch.int8, device=x.device)
         scales = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     _impl.quantize_kv(x, values, scales)
     return values, scales

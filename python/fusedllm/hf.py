@@ -191,12 +191,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     batch, q_heads, q_len, head_dim = query.shape
     kv_len = key.shape[2]
     scales = {}
-    if key.dtype == torch.int8 or value.dtype == torch.int8:
-        # int8 keys and values from FusedCache(dtype=torch.int8) carry their scales
+    if key.dtype in (torch.int8, torch.float8_e4m3fn) or value.dtype in (torch.int8, torch.float8_e4m3fn):
+        # quantized keys and values from FusedCache(dtype=torch.int8 or float8) carry their scales
         k_scale, v_scale = getattr(key, "fusedllm_scale", None), getattr(value, "fusedllm_scale", None)
         if k_scale is None or v_scale is None:
-            raise ValueError("fusedllm.hf: int8 keys and values need the scales fusedllm.hf.FusedCache("
-                             "dtype=torch.int8) gives them; these came without")
+            raise ValueError(f"fusedllm.hf: {key.dtype} keys and values need the scales fusedllm.hf.FusedCache("
+                             f"dtype={key.dtype}) gives them; these came without")
         scales = dict(k_scale=k_scale, v_scale=v_scale)
     if attention_mask is not None:
         if attention_mask.dim() != 4:

@@ -63,7 +63,7 @@ def _check_new(name: str, new: torch.Tensor, store: torch.Tensor, same_place: bo
 
 
 def _with_scales(keys: torch.Tensor, values: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor):
-    """int8 keys and values carrying their scales to the "fusedllm" attention
+    """int8 / float8 keys and values carrying their scales to the "fusedllm" attention
     (transformers passes an update's result on to the attention function)."""
     keys.fusedllm_scale, values.fusedllm_scale = k_scale, v_scale
     return keys, values
@@ -71,15 +71,21 @@ def _with_scales(keys: torch.Tensor, values: torch.Tensor, k_scale: torch.Tensor
 
 class _SlotStorage:
     """The layers' storage [batch, heads, slots, head_dim] of keys and values:
-    in the model's dtype, or (quantized) int8 with scales [batch, heads,
-    slots] written by quantize_kv."""
+    in the model's dtype, or (quantized) int8 / float8 codes (``code``) with
+    scales [batch, heads, slots] written by quantize_kv."""
+
+    code: torch.dtype | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.code is not None
 
     def _tensors(self) -> tuple:
         return (self._k, self._v, self._ks, self._vs) if self.quantized else (self._k, self._v)
 
     def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: int) -> tuple:
         batch, heads, _, dim = key_states.shape
-        dtype = torch.int8 if self.quantized else key_states.dtype
+        dtype = self.code if self.quantized else key_states.dtype
         made = (key_states.new_empty((batch, heads, slots, dim), dtype=dtype),
                 value_states.new_empty((batch, heads, slots, value_states.shape[3]), dtype=dtype))
         if self.quantized:
@@ -107,12 +113,13 @@ class GrowingLayer(_SlotStorage, DynamicLayer):
     first update's if more: a capacity of prompt plus new tokens never grows.
     ``keys`` / ``values`` are views of the storage; where transformers
     replaces them (``crop``, beam reordering, batch selection), the next
-    ``update`` adopts what it left. ``quantized``: int8 storage, which beam
-    reordering, batch selection and repetition rebuild in place instead."""
+    ``update`` adopts what it left. ``code`` (torch.int8 / torch.float8_e4m3fn):
+    quantized storage, which beam reordering, batch selection and repetition
+    rebuild in place instead."""
 
-    def __init__(self, capacity: int = 256, quantized: bool = False, **kwargs):
+    def __init__(self, capacity: int = 256, code: torch.dtype | None = None, **kwargs):
         super().__init__(**kwargs)
-        self.capacity, self.quantized = capacity, quantized
+        self.capacity, self.code = capacity, code
         self._k = self._v = self._ks = self._vs = None
 
     def _holds_views(self) -> bool:
@@ -176,11 +183,12 @@ class RingLayer(_SlotStorage, DynamicSlidingWindowLayer):
     last ``W - 1`` positions plus the new ones are returned, the mask sizes
     are its own) on a ring of ``W`` slots, each position written at slot
     ``p mod W`` and at that slot plus ``W``. ``keys`` / ``values`` are the
-    held positions in order (views). ``quantized``: int8 storage."""
+    held positions in order (views). ``code``: quantized storage, as for
+    :class:`GrowingLayer`."""
 
-    def __init__(self, sliding_window: int, quantized: bool = False, **kwargs):
+    def __init__(self, sliding_window: int, code: torch.dtype | None = None, **kwargs):
         super().__init__(sliding_window, **kwargs)
-        self.quantized = quantized
+        self.code = code
         self._k = self._v = self._ks = self._vs = None
 
     def _view(self, store: torch.Tensor, count: int) -> torch.Tensor:
@@ -216,7 +224,7 @@ class RingLayer(_SlotStorage, DynamicSlidingWindowLayer):
         _check_new("values", value_states, self._v, dtype=self.dtype)
         new = (key_states, value_states)
         if self.quantized:  # quantized once, written to both slots
-            (k8, k_scale), (v8, v_scale) = FF.quantize_kv(key_states), FF.quantize_kv(value_states)
+            (k8, k_scale), (v8, v_scale) = (FF.quantize_kv(t, dtype=self.code) for t in (key_states, value_states))
             new = (k8, v8, k_scale, v_scale)
         n, held = key_states.shape[-2], self.cumulative_length
         past = min(held, self.sliding_window - 1)
@@ -267,10 +275,11 @@ class FusedCache(DynamicCache):
     gpt-oss and Qwen's mixed layers each get the right kind). Without a config
     every layer is a :class:`GrowingLayer`. ``capacity``: positions each full
     layer allocates first (prompt plus new tokens: the storage never grows).
-    ``dtype=torch.int8``: int8 storage with a scale per position and kv head,
-    read by the "fusedllm" attention only (the model loaded with
-    ``attn_implementation="fusedllm"``); generation then stays within
-    int8's error (:func:`fusedllm.attention` states the bound per layer).
+    ``dtype=torch.int8`` (or ``torch.float8_e4m3fn``): quantized storage with
+    a scale per position and kv head (:func:`fusedllm.quantize_kv`), read by
+    the "fusedllm" attention only (the model loaded with
+    ``attn_implementation="fusedllm"``); generation then stays within the
+    codes' error (:func:`fusedllm.attention` states the bound per layer).
 
     ``model.generate(input_ids, past_key_values=FusedCache(model.config))``
     """
@@ -278,26 +287,25 @@ class FusedCache(DynamicCache):
     def __init__(self, config=None, capacity: int = 256, dtype: torch.dtype | None = None):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"{OWNER}: capacity must be a positive int, got {capacity!r}")
-        if dtype not in (None, torch.int8):
-            raise ValueError(f"{OWNER}: dtype must be None (keys and values as the model makes them) or "
-                             f"torch.int8, got {dtype!r}")
-        quantized = dtype == torch.int8
+        if dtype not in (None, torch.int8, torch.float8_e4m3fn):
+            raise ValueError(f"{OWNER}: dtype must be None (keys and values as the model makes them), "
+                             f"torch.int8 or torch.float8_e4m3fn, got {dtype!r}")
         backend = getattr(config, "_attn_implementation", None)
-        if quantized and backend not in (None, "fusedllm"):
-            raise ValueError(f"{OWNER}: int8 storage is read by the 'fusedllm' attention only, but the model "
+        if dtype is not None and backend not in (None, "fusedllm"):
+            raise ValueError(f"{OWNER}: {dtype} storage is read by the 'fusedllm' attention only, but the model "
                              f"uses '{backend}'; load it with attn_implementation='fusedllm'")
         super().__init__(config=config)
-        self.layers = [self._fused(layer, capacity, quantized) for layer in self.layers]
+        self.layers = [self._fused(layer, capacity, dtype) for layer in self.layers]
         if self.layer_class_to_replicate is not None:
-            self.layer_class_to_replicate = functools.partial(GrowingLayer, capacity, quantized)
+            self.layer_class_to_replicate = functools.partial(GrowingLayer, capacity, dtype)
 
     @staticmethod
-    def _fused(layer, capacity: int, quantized: bool):
+    def _fused(layer, capacity: int, code: torch.dtype | None):
         if type(layer) is DynamicLayer:
-            return GrowingLayer(capacity, quantized)
+            return GrowingLayer(capacity, code)
         if type(layer) is DynamicSlidingWindowLayer:
-            return RingLayer(layer.sliding_window, quantized)
-        if quantized:
-            raise ValueError(f"{OWNER}: int8 storage covers full-attention and sliding-window layers; this "
+            return RingLayer(layer.sliding_window, code)
+        if code is not None:
+            raise ValueError(f"{OWNER}: {code} storage covers full-attention and sliding-window layers; this "
                              f"model also has {type(layer).__name__}")
         return layer  # other kinds (linear attention, shared layers) keep transformers' own

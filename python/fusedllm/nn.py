@@ -291,6 +291,9 @@ class KVCache:
     ``values`` and ``append``'s result are then the int8 rows, and
     ``key_scales`` / ``value_scales`` their scales ``[batch, kv_heads, held]``.
     The new keys and values must be float32, bfloat16 or float16.
+    ``dtype=torch.float8_e4m3fn`` stores float8 codes the same way (the same
+    bytes as int8; see :func:`fusedllm.quantize_kv` for how their error
+    differs).
     """
 
     def __init__(self, capacity: int = 256, window: int | None = None, sink: int = 0,
@@ -304,12 +307,13 @@ class KVCache:
             raise ValueError(f"{owner}: sink must be an int >= 0, got {sink!r}")
         if sink and window is None:
             raise ValueError(f"{owner}: sink={sink} needs a window: without one every position is kept anyway")
-        if dtype not in (None, torch.int8):
-            raise ValueError(f"{owner}: dtype must be None (store keys and values as given) or torch.int8, "
-                             f"got {dtype!r}")
+        if dtype not in (None, torch.int8, torch.float8_e4m3fn):
+            raise ValueError(f"{owner}: dtype must be None (store keys and values as given), torch.int8 or "
+                             f"torch.float8_e4m3fn, got {dtype!r}")
         self._initial_capacity = capacity
         self.window, self.sink = window, sink
-        self.quantized = dtype == torch.int8
+        self.code = dtype  # what quantized storage holds (None: keys and values as given)
+        self.quantized = dtype is not None
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self._k_scale: torch.Tensor | None = None  # int8 storage: [batch, kv_heads, capacity]
@@ -409,7 +413,7 @@ class KVCache:
             raise ValueError(f"{op}: k and v must share dtype and device, got {k.dtype} on {k.device} "
                              f"and {v.dtype} on {v.device}")
         if self.quantized and k.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"{op}: an int8 cache stores float32, bfloat16 or float16 keys and values, "
+            raise ValueError(f"{op}: a {self.code} cache stores float32, bfloat16 or float16 keys and values, "
                              f"got {k.dtype}")
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             raise RuntimeError(f"{op}: k/v require grad, but the cache keeps no autograd history; "
@@ -429,7 +433,7 @@ class KVCache:
     def _reserve(self, k: torch.Tensor, needed: int) -> None:
         if self.window is not None:  # a fixed storage: the sink positions, then the ring
             needed = self.sink + self.window
-        dtype = torch.int8 if self.quantized else k.dtype
+        dtype = self.code if self.quantized else k.dtype
         same = (self._k is not None and self._k.dtype == dtype and self._k.device == k.device
                 and self._k.shape[0] == k.shape[0] and self._k.shape[1] == k.shape[1]
                 and self._k.shape[3] == k.shape[3])
@@ -551,7 +555,7 @@ class KVCache:
                                                  dropout_p=dropout_p, **self._scales(slots)))
         new_kv = dict(k=k, v=v)
         if self.quantized:  # the new keys as they will be stored
-            (k8, k_scale), (v8, v_scale) = FF.quantize_kv(k), FF.quantize_kv(v)
+            (k8, k_scale), (v8, v_scale) = FF.quantize_kv(k, dtype=self.code), FF.quantize_kv(v, dtype=self.code)
             new_kv = dict(k=k8, v=v8, k_scale=k_scale, v_scale=v_scale)
         if start < self.sink and new > w:
             # sink positions among the new keys stay visible past the window
@@ -570,7 +574,7 @@ class KVCache:
 
     def __repr__(self) -> str:
         bounds = "" if self.window is None else f", window={self.window}, sink={self.sink}"
-        bounds += ", quantized to int8" if self.quantized else ""
+        bounds += f", quantized to {self.code}" if self.quantized else ""
         if self._k is None:
             return f"KVCache(length=0, capacity=0{bounds})"
         b, h, _, d = self._k.shape

@@ -9,6 +9,7 @@ from . import functional as FF
 
 _OWNER = "fusedllm.nn.PagedKVCache"
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_CODES = (torch.int8, torch.float8_e4m3fn)  # quantized storage
 
 
 def _positive_int(name: str, value) -> int:
@@ -44,12 +45,12 @@ class PagedKVCache:
     - :meth:`free` ends a sequence and returns the pages no other sequence
       holds.
 
-    ``dtype=torch.int8`` stores int8 rows with one float32 scale per position
-    and kv head (``key_scales`` / ``value_scales`` ``[num_layers, num_pages,
-    kv_heads, page_size]``), quantized as they are stored
-    (:func:`fusedllm.quantize_kv`) and read as int8 by the kernels, within the
-    bound :func:`fusedllm.attention` states. For inference: appended tensors
-    must not require grad.
+    ``dtype=torch.int8`` (or ``torch.float8_e4m3fn``) stores codes with one
+    float32 scale per position and kv head (``key_scales`` / ``value_scales``
+    ``[num_layers, num_pages, kv_heads, page_size]``), quantized as they are
+    stored (:func:`fusedllm.quantize_kv`) and read as such by the kernels,
+    within the bound :func:`fusedllm.attention` states. For inference:
+    appended tensors must not require grad.
     """
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
@@ -59,11 +60,11 @@ class PagedKVCache:
         self.kv_heads = _positive_int("kv_heads", kv_heads)
         self.head_dim = _positive_int("head_dim", head_dim)
         self.num_layers = _positive_int("num_layers", num_layers)
-        if dtype not in _FLOATS + (torch.int8,):
-            raise ValueError(f"{_OWNER}: dtype must be float32, float64, bfloat16, float16 or int8, "
-                             f"got {dtype!r}")
+        if dtype not in _FLOATS + _CODES:
+            raise ValueError(f"{_OWNER}: dtype must be float32, float64, bfloat16, float16, int8 or "
+                             f"float8_e4m3fn, got {dtype!r}")
         self.dtype = dtype
-        self.quantized = dtype == torch.int8
+        self.quantized = dtype in _CODES
         shape = (num_layers, num_pages, kv_heads, page_size, head_dim)
         self.key_pages = torch.zeros(shape, dtype=dtype, device=device)
         self.value_pages = torch.zeros(shape, dtype=dtype, device=device)
@@ -173,7 +174,7 @@ class PagedKVCache:
             if t.device != self.device:
                 raise ValueError(f"{op}: the cache is on {self.device} but {name} is on {t.device}")
             if self.quantized and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                raise ValueError(f"{op}: an int8 cache stores float32, bfloat16 or float16 keys and "
+                raise ValueError(f"{op}: a {self.dtype} cache stores float32, bfloat16 or float16 keys and "
                                  f"values, got {name} {t.dtype}")
             if not self.quantized and t.dtype != self.dtype:
                 raise ValueError(f"{op}: the cache holds {self.dtype} but {name} is {t.dtype}")
@@ -245,7 +246,7 @@ class PagedKVCache:
 
         for pool, scales, x in ((self.key_pages, self.key_scales, k), (self.value_pages, self.value_scales, v)):
             if self.quantized:
-                values, x_scales = FF.quantize_kv(x)
+                values, x_scales = FF.quantize_kv(x, dtype=self.dtype)
                 scales[layer].transpose(1, 2)[pages, rows] = rows_of(x_scales)
                 x = values
             pool[layer].transpose(1, 2)[pages, rows] = rows_of(x)

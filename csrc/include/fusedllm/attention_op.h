@@ -12,6 +12,7 @@
 #include "fusedllm/attention.h"
 #include "fusedllm/checks.h"
 #include "fusedllm/dropout.h"
+#include "fusedllm/kv_quant_op.h"
 
 namespace fusedllm {
 
@@ -37,7 +38,7 @@ struct AttentionArgs {
   double softcap = 0.0;
   c10::optional<at::Tensor> sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k;
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
-  // int8 k and v: float32 scales, one per position and kv head (forward only).
+  // int8 / float8_e4m3fn k and v: float32 scales, one per position and kv head (forward only).
   c10::optional<at::Tensor> k_scale, v_scale;
   // A KV cache of sequences of different lengths, dense or paged (forward only).
   c10::optional<at::Tensor> kv_lens, block_table;
@@ -45,24 +46,27 @@ struct AttentionArgs {
 
 inline bool given(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
-// k and v in q's dtype, or both int8 with their scales (an inference cache).
+// k and v in q's dtype, or both int8 / both float8_e4m3fn with their scales
+// (an inference cache).
 inline void check_kv_dtypes(const char* op, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const AttentionArgs& a) {
-  const bool k8 = k.scalar_type() == at::kChar, v8 = v.scalar_type() == at::kChar;
+  kvq::Code code_k, code_v;
+  const bool k8 = kv_code(k.scalar_type(), code_k), v8 = kv_code(v.scalar_type(), code_v);
   if (!k8 && !v8 && !given(a.k_scale) && !given(a.v_scale)) {
     check_same(q, "q", k, "k", op);
     check_same(q, "q", v, "v", op);
     return;
   }
-  TORCH_CHECK_VALUE(k8 || v8, op, ": k_scale / v_scale are the scales of int8 k and v, but k and v "
-                    "are ", dtype_name(k.scalar_type()));
-  TORCH_CHECK_VALUE(k8 && v8, op, ": k and v are int8 together or not at all, got k ",
-                    dtype_name(k.scalar_type()), " and v ", dtype_name(v.scalar_type()));
-  TORCH_CHECK_VALUE(given(a.k_scale) && given(a.v_scale), op, ": int8 k and v need k_scale and "
-                    "v_scale (float32, one scale per position and kv head)");
+  TORCH_CHECK_VALUE(k8 || v8, op, ": k_scale / v_scale are the scales of int8 (or float8_e4m3fn) k and v, "
+                    "but k and v are ", dtype_name(k.scalar_type()));
+  TORCH_CHECK_VALUE(k8 && v8 && code_k == code_v, op, ": k and v are int8 (or float8_e4m3fn) together or "
+                    "not at all, got k ", dtype_name(k.scalar_type()), " and v ", dtype_name(v.scalar_type()));
+  TORCH_CHECK_VALUE(given(a.k_scale) && given(a.v_scale), op, ": ", dtype_name(k.scalar_type()),
+                    " k and v need k_scale and v_scale (float32, one scale per position and kv head)");
   const at::ScalarType dt = q.scalar_type();
-  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op,
-                    ": with int8 k and v, q must be float32, bfloat16 or float16, got ", dtype_name(dt));
+  TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op, ": with ",
+                    dtype_name(k.scalar_type()), " k and v, q must be float32, bfloat16 or float16, got ",
+                    dtype_name(dt));
   const auto on_q = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK_VALUE(t.device() == q.device(), op, ": ", name, " is on ", t.device(), " but q is on ",
                       q.device());
@@ -402,8 +406,10 @@ inline void check_attention_params(AttentionParams& p, const char* op, const at:
 // its rows in QueryRows order, lse is [B, Hq, Sq] ([Hq, total_q] packed).
 struct AttentionForwardPlan : AttentionParams {
   at::Tensor q, k, v;
-  // int8 k and v: their scales as [B, Hkv, Sk] views ([1, Hkv, total_k] packed); else undefined.
+  // int8 / float8 k and v: their scales as [B, Hkv, Sk] views ([1, Hkv, total_k] packed);
+  // else undefined. code: what k and v hold then.
   at::Tensor k_scale, v_scale;
+  kvq::Code code = kvq::Code::kInt8;
   // A paged cache: k and v (and their scales) are pages, read through `pages`.
   attn::Pages pages;
   at::Tensor kv_lens, block_table;
@@ -411,7 +417,7 @@ struct AttentionForwardPlan : AttentionParams {
   bool has_work = false;  // false: outputs are already final (empty, or no keys)
 };
 
-// A float32 scale per key row of int8 k or v, shaped like k without head_dim:
+// A float32 scale per key row of int8 / float8 k or v, shaped like k without head_dim:
 // [batch, kv_heads, kv_len], [num_pages, kv_heads, page_size] paged, or
 // [total_k, kv_heads] packed (seen as [1, kv_heads, total_k]); any strides.
 inline at::Tensor check_kv_scale(const char* op, const char* name, const at::Tensor& t,
@@ -437,6 +443,7 @@ inline AttentionForwardPlan plan_attention_forward(const at::Tensor& q, const at
   if (given(a.k_scale)) {
     p.k_scale = check_kv_scale(op, "k_scale", *a.k_scale, k, a);
     p.v_scale = check_kv_scale(op, "v_scale", *a.v_scale, v, a);
+    kv_code(k.scalar_type(), p.code);
   }
   if (given(a.kv_lens)) {
     p.kv_lens = a.kv_lens->contiguous();

@@ -6,6 +6,7 @@
 #include <ATen/MemoryOverlap.h>
 
 #include "fusedllm/checks.h"
+#include "fusedllm/kv_quant.h"
 
 namespace fusedllm {
 
@@ -14,7 +15,16 @@ namespace fusedllm {
 struct QuantizeKvPlan {
   at::Tensor x, values, scales;
   int64_t rows = 0, head_dim = 0;
+  kvq::Code code = kvq::Code::kInt8;  // from values' dtype
 };
+
+// The code a quantized cache's dtype stores: int8 or float8_e4m3fn; false for any other dtype.
+inline bool kv_code(at::ScalarType dt, kvq::Code& code) {
+  if (dt == at::kChar) code = kvq::Code::kInt8;
+  else if (dt == at::kFloat8_e4m3fn) code = kvq::Code::kFloat8;
+  else return false;
+  return true;
+}
 
 inline QuantizeKvPlan plan_quantize_kv(const at::Tensor& x, const at::Tensor& values,
                                        const at::Tensor& scales) {
@@ -22,7 +32,8 @@ inline QuantizeKvPlan plan_quantize_kv(const at::Tensor& x, const at::Tensor& va
   check_float_tensor(x, op, "x");
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.dim() <= 4, op, ": x must have 1 to 4 dims [..., head_dim], got shape ",
                     x.sizes());
-  TORCH_CHECK_VALUE(values.scalar_type() == at::kChar, op, ": values must be int8, got ",
+  kvq::Code code;
+  TORCH_CHECK_VALUE(kv_code(values.scalar_type(), code), op, ": values must be int8 or float8_e4m3fn, got ",
                     dtype_name(values.scalar_type()));
   TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat, op, ": scales must be float32, got ",
                     dtype_name(scales.scalar_type()));
@@ -37,7 +48,7 @@ inline QuantizeKvPlan plan_quantize_kv(const at::Tensor& x, const at::Tensor& va
     TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", name,
                       " has elements that share memory (an expanded view): it is written to");
   }
-  QuantizeKvPlan p{x, values, scales, scales.numel(), x.size(-1)};
+  QuantizeKvPlan p{x, values, scales, scales.numel(), x.size(-1), code};
   while (p.x.dim() < 4) {
     p.x = p.x.unsqueeze(0);
     p.values = p.values.unsqueeze(0);

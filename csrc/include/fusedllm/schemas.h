@@ -74,11 +74,12 @@ inline void define_ops(torch::Library& m) {
         "int max_seqlen_q=0, int max_seqlen_k=0) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, "
         "Tensor grad_sinks)");
 
-  // Symmetric int8 quantization of key / value rows, written into a cache:
-  // each row x of the last dim (one position of one kv head) gets
-  // scale = max|x| / 127 and values round_half_even(x / scale) in [-127, 127]
-  // (a row with a non-finite entry: scale NaN). x [..., D] (up to 4-D),
-  // values int8 of x's shape and scales float32 [...], any strides.
+  // Symmetric quantization of key / value rows, written into a cache: each
+  // row x of the last dim (one position of one kv head) gets scale =
+  // max|x| / L and values round_half_even(x / scale): int8 in [-127, 127]
+  // (L = 127) or float8_e4m3fn (L = 448), as values' dtype says (a row with
+  // a non-finite entry: scale NaN). x [..., D] (up to 4-D), values of x's
+  // shape and scales float32 [...], any strides.
   m.def("quantize_kv(Tensor x, Tensor(a!) values, Tensor(b!) scales) -> ()");
 
   // Cross-entropy of the logits hidden [N, H] @ weight[V, H]^T (+ bias) against

@@ -1,5 +1,5 @@
-"""One decoding step's attention over a KV cache held in float32, bfloat16 and
-int8, at several context lengths and batch sizes.
+"""One decoding step's attention over a KV cache held in float32, bfloat16,
+int8 and float8 (e4m3), at several context lengths and batch sizes.
 
     python benchmarks/bench_kv_int8.py           # contexts 1k, 8k, 32k; batch 1 and 8
     python benchmarks/bench_kv_int8.py --quick   # contexts 1k, 4k; batch 1
@@ -7,8 +7,9 @@ int8, at several context lengths and batch sizes.
 Llama-3-8B's attention shape: 32 query heads, 8 kv heads of 128; one query
 position against the whole cache. The int8 cache is what fusedllm.quantize_kv
 makes (one float32 scale per position and kv head) and fusedllm.attention
-reads it in place, dequantizing in its tile loads. The query is bfloat16 over
-the bfloat16 and int8 caches, float32 over the float32 one. Candidates are
+reads it in place, dequantizing in its tile loads; the float8 cache likewise
+(quantize_kv(dtype=torch.float8_e4m3fn)). The query is bfloat16 over the
+bfloat16, int8 and float8 caches, float32 over the float32 one. Candidates are
 timed interleaved (medians): fusedllm.attention over each cache, and torch's
 SDPA (enable_gqa) over the bfloat16 cache. "MiB": the cache's keys, values
 and scales; "GB/s": those bytes over the step's time.
@@ -48,11 +49,14 @@ def cases(args, device):
             q = torch.randn(batch, HEADS, 1, HEAD_DIM, device=device)
             kb, vb, qb = k.bfloat16(), v.bfloat16(), q.bfloat16()
             (k8, ks), (v8, vs) = fusedllm.quantize_kv(kb), fusedllm.quantize_kv(vb)
-            caches = {"float32": (k, v), "bfloat16": (kb, vb), "int8": (k8, v8, ks, vs)}
+            f8 = torch.float8_e4m3fn
+            (kf, kfs), (vf, vfs) = fusedllm.quantize_kv(kb, dtype=f8), fusedllm.quantize_kv(vb, dtype=f8)
+            caches = {"float32": (k, v), "bfloat16": (kb, vb), "int8": (k8, v8, ks, vs), "float8": (kf, vf, kfs, vfs)}
             calls = {
                 "float32": lambda: fusedllm.attention(q, k, v),
                 "bfloat16": lambda: fusedllm.attention(qb, kb, vb),
                 "int8": lambda: fusedllm.attention(qb, k8, v8, k_scale=ks, v_scale=vs),
+                "float8": lambda: fusedllm.attention(qb, kf, vf, k_scale=kfs, v_scale=vfs),
                 "sdpa": lambda: F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True),
             }
             with torch.no_grad():
@@ -64,10 +68,11 @@ def cases(args, device):
                 row[f"{name}_gbps"] = nbytes(*held) / times[name] / 1e9
             row["sdpa_ms"] = times["sdpa"] * 1e3
             row["int8_vs_bf16"] = times["bfloat16"] / times["int8"]
+            row["float8_vs_bf16"] = times["bfloat16"] / times["float8"]
             row["int8_vs_sdpa"] = times["sdpa"] / times["int8"]
             row["bytes_ratio"] = row["int8_mib"] / row["bfloat16_mib"]
             yield row
-            del k, v, kb, vb, k8, v8, caches, calls
+            del k, v, kb, vb, k8, v8, kf, vf, caches, calls
 
 
 COLUMNS = [
@@ -75,8 +80,10 @@ COLUMNS = [
     ("float32_ms", "float32 ms", ".3f"),
     ("bfloat16_ms", "bf16 ms", ".3f"),
     ("int8_ms", "int8 ms", ".3f"),
+    ("float8_ms", "float8 ms", ".3f"),
     ("sdpa_ms", "SDPA bf16 ms", ".3f"),
     ("int8_vs_bf16", "int8 × bf16", ".2f"),
+    ("float8_vs_bf16", "float8 × bf16", ".2f"),
     ("int8_vs_sdpa", "int8 × SDPA", ".2f"),
     ("bfloat16_gbps", "bf16 GB/s", ".1f"),
     ("int8_gbps", "int8 GB/s", ".1f"),
@@ -87,7 +94,7 @@ COLUMNS = [
 
 def describe(row):
     return (f"{row['case']:<26} f32 {row['float32_ms']:8.3f}  bf16 {row['bfloat16_ms']:8.3f}  "
-            f"int8 {row['int8_ms']:8.3f}  sdpa {row['sdpa_ms']:8.3f} ms   int8 {row['int8_vs_bf16']:.2f}x bf16, "
+            f"int8 {row['int8_ms']:8.3f}  f8 {row['float8_ms']:8.3f}  sdpa {row['sdpa_ms']:8.3f} ms   int8 {row['int8_vs_bf16']:.2f}x bf16, "
             f"{row['bytes_ratio']:.3f} of its bytes")
 
 

@@ -250,10 +250,10 @@ def test_int8_attention_varlen(device):
     checks.assert_close(out, want, FORWARD_TOL[torch.bfloat16], upcast=True)
 
 
-def _int8_args(device, q_dtype=torch.float32, b=1, hkv=2, sk=6, d=16):
+def _int8_args(device, q_dtype=torch.float32, b=1, hkv=2, sk=6, d=16, code=torch.int8):
     q = torch.randn(b, 2 * hkv, 3, d, device=device, dtype=q_dtype)
     k8, k_scale, v8, v_scale = quantized(torch.randn(b, hkv, sk, d, device=device),
-                                         torch.randn(b, hkv, sk, d, device=device))
+                                         torch.randn(b, hkv, sk, d, device=device), code)
     return q, k8, v8, k_scale, v_scale
 
 
@@ -428,19 +428,20 @@ def test_int8_cache_errors():
 
 # --- the plain path (no extension) -------------------------------------------------------
 
-def test_plain_path_matches_the_kernels():
+@pytest.mark.parametrize("code", CODES, ids=str)
+def test_plain_path_matches_the_kernels(code):
     from fusedllm import _plain
 
     x = torch.randn(3, 2, 7, 40) * 4
     x[0, 0, 1] = 0
     x[1, 1, 2, 5] = float("inf")
     x[2, 0, 3, 0] = float("nan")
-    got = [torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[:-1])]
+    got = [torch.empty(x.shape, dtype=code), torch.empty(x.shape[:-1])]
     _plain.quantize_kv(x, *got)
-    want = fusedllm.quantize_kv(x)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
-    q, k8, v8, k_scale, v_scale = _int8_args("cpu", torch.bfloat16, sk=50)
+    want = fusedllm.quantize_kv(x, dtype=code)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=0, equal_nan=True)
+    q, k8, v8, k_scale, v_scale = _int8_args("cpu", torch.bfloat16, sk=50, code=code)
     args = (q, k8, v8, None, 0.25, True, -1, 0.0, None)
     with torch.no_grad():
         out_plain, lse_plain = _plain.attention(*args, k_scale=k_scale, v_scale=v_scale)

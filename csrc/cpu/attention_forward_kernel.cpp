@@ -195,17 +195,13 @@ struct ForwardKernel {
 #if defined(__AVX512BF16__)
         if (narrow) {
           // S = Q K^T (rows x keys, K packed across the keys), then S^T
-          k.with_rows([&](const auto& row) {
-            pack_rows_transposed_wide([&](int64_t j) { return row(j0 + j); }, nk, d, kp32, nk_pad);
-          });
+          k.with_rows(j0, nk, [&](const auto& row) { pack_rows_transposed_wide(row, nk, d, kp32, nk_pad); });
           gemm_pairs<ALayout::kRowMajor, false>(rows, round_up(nk, 16), dp, qp, dp, kp32, nk_pad, w.sr, nk_pad,
                                                 nullptr, scale);
           transpose_16_rows(w.sr, nk_pad, nk, w.s);
         } else {
-          k.with_rows([&](const auto& row) {
-            k.runs(j0, nk, [&](int64_t i, int64_t n) {
-              pack_rows_along(row(j0 + i), k.seq_stride, n, d, kp32 + i * dp, dp);
-            });
+          k.with_rows(j0, nk, [&](const auto& row) {
+            k.runs(j0, nk, [&](int64_t i, int64_t n) { pack_rows_along(row(i), k.seq_stride, n, d, kp32 + i * dp, dp); });
           });
           gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp32, dp, qp, ld, w.s, ld, nullptr, scale);
         }
@@ -237,9 +233,7 @@ struct ForwardKernel {
       if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
         if (v.quantized()) v.scale_rows(w.s, ld, j0, nk);  // P diag(v_scale) V8 = P V
-        v.with_rows([&](const auto& row) {
-          pack_rows_across([&](int64_t j) { return row(j0 + j); }, nk, d, vp32, d_pad);
-        });
+        v.with_rows(j0, nk, [&](const auto& row) { pack_rows_across(row, nk, d, vp32, d_pad); });
         const uint32_t* pp = pack_tile_pairs(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s));
         gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, pp, ld, vp32, d_pad, w.o, d_pad,
                                              w.alpha);

@@ -329,17 +329,22 @@ inline void pack_rows_along(const c10::BFloat16* src, int64_t stride, int64_t ro
 inline uint16_t code_bfloat16_bits(int8_t x) { return c10::BFloat16(static_cast<float>(x)).x; }
 inline uint16_t code_bfloat16_bits(c10::Float8_e4m3fn x) { return c10::BFloat16(kvq::float8_value(x.x)).x; }
 
-// count (<= 16) codes from src as float32, zero past count.
-inline __m512 codes_to_float(const int8_t* src, int64_t count) {
-  const __m128i q = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << count) - 1), src);
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
-}
-inline __m512 codes_to_float(const c10::Float8_e4m3fn* src, int64_t count) {
-  const __m128i q = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << count) - 1), src);
+// 16 codes (in a register) as float32.
+inline __m512 codes_to_float(__m128i q, const int8_t*) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+inline __m512 codes_to_float(__m128i q, const c10::Float8_e4m3fn*) {
   const __m256i w = _mm256_cvtepu8_epi16(q);  // as float16 bits of code * 2^-8 (attention_tile.h)
   const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
                                     _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
   return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+}
+// 16 codes from src, or count (<= 16) of them and zeros past count, as float32.
+template <typename Code>
+inline __m512 codes_to_float(const Code* src) {
+  return codes_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)), src);
+}
+template <typename Code>
+inline __m512 codes_to_float(const Code* src, int64_t count) {
+  return codes_to_float(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << count) - 1), src), src);
 }
 
 template <typename R>
@@ -377,7 +382,8 @@ inline void pack_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* 
 
 
 // r[i] becomes column i of the 16 x 16 matrix of 32-bit words whose rows were r.
-inline void transpose_16x16_words(__m512i (&r)[16]) {
+// Always inlined: called out of line, the 16 registers go through memory.
+__attribute__((always_inline)) inline void transpose_16x16_words(__m512i (&r)[16]) {
   __m512i t[16];
   for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: words 4L, 4L + 1 (lo) and 4L + 2, 4L + 3 (hi) of rows 2i, 2i + 1
     t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -438,8 +444,8 @@ inline void pack_code_rows_across(const Row& row, int64_t rows, int64_t n, uint3
     int64_t c = 0;
     for (; c + 16 <= n; c += 16) {
       // the codes in float32 have zero low halves: their bfloat16 bits are the high halves
-      const __m512i x0 = _mm512_castps_si512(codes_to_float(r0 + c, 16));
-      const __m512i x1 = r1 != nullptr ? _mm512_castps_si512(codes_to_float(r1 + c, 16)) : _mm512_setzero_si512();
+      const __m512i x0 = _mm512_castps_si512(codes_to_float(r0 + c));
+      const __m512i x1 = r1 != nullptr ? _mm512_castps_si512(codes_to_float(r1 + c)) : _mm512_setzero_si512();
       _mm512_storeu_si512(out + c, _mm512_or_si512(_mm512_srli_epi32(x0, 16), _mm512_and_si512(x1, high_half)));
     }
     for (; c < n; ++c) {

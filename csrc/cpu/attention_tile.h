@@ -297,6 +297,18 @@ inline void dequantize_row(const int8_t* src, int64_t n, int64_t n_pad, float sc
   for (j = n; j < n_pad; ++j) dst[j] = 0;
 }
 
+// Asks for the cache line at p (into L2 and outer caches). GCC 12 deletes a
+// __builtin_prefetch whose address it computed from loads (a paged row's
+// table entry, here: measured, the decoding step lost its prefetches and 15%),
+// so on x86 the instruction is written out.
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht2 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 1);
+#endif
+}
+
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // 16 float8 e4m3 codes as the float16 bits of code * 2^-8: exponent and
 // mantissa move up 7 bits, the sign 8. float16's exponent bias is 8 above
@@ -340,8 +352,8 @@ inline void dequantize_row(const c10::Float8_e4m3fn* src, int64_t n, int64_t n_p
 template <typename T>
 struct KvRows {
   using acc_t = typename VecIO<T>::acc_t;
-  const void* data;  // row 0 of a dense pair; kv head g of page 0 when paged
-  int64_t seq_stride, page_stride;
+  const char* data;  // row 0 of a dense pair; kv head g of page 0 when paged
+  int64_t seq_stride, page_stride, elem_size;  // strides in elements
   const float* scale = nullptr;  // set: int8 or float8 rows
   bool float8 = false;           // the codes are float8 e4m3 (else int8)
   int64_t scale_stride = 0, scale_page_stride = 0;
@@ -350,42 +362,43 @@ struct KvRows {
 
   KvRows(const AttentionOperand& o, const AttentionScales& s, const attn::Pages& pages_, int64_t b_,
          int64_t g, int64_t start)
-      : seq_stride(o.seq_stride), page_stride(o.batch_stride), float8(s.float8),
+      : seq_stride(o.seq_stride), page_stride(o.batch_stride),
+        elem_size(s.data == nullptr ? int64_t(sizeof(T)) : 1), float8(s.float8),
         scale_page_stride(s.batch_stride), pages(pages_), b(b_) {
     const int64_t first = pages.paged() ? 0 : b * o.batch_stride + start * o.seq_stride;
-    const int64_t offset = first + g * o.head_stride;
-    if (s.data == nullptr) {
-      data = static_cast<const T*>(o.data) + offset;
-    } else {
-      data = static_cast<const int8_t*>(o.data) + offset;
-      scale = s.data + g * s.head_stride +
-              (pages.paged() ? 0 : b * s.batch_stride + start * s.seq_stride);
+    data = static_cast<const char*>(o.data) + (first + g * o.head_stride) * elem_size;
+    if (s.data != nullptr) {
+      scale = s.data + g * s.head_stride + (pages.paged() ? 0 : b * s.batch_stride + start * s.seq_stride);
       scale_stride = s.seq_stride;
     }
   }
   bool quantized() const { return scale != nullptr; }
-  int64_t offset(int64_t j) const { return pages.row_offset(b, j, page_stride, seq_stride); }
-  // Row j of float rows, of int8 rows or of float8 rows.
-  const T* row(int64_t j) const { return static_cast<const T*>(data) + offset(j); }
-  const int8_t* row8(int64_t j) const { return static_cast<const int8_t*>(data) + offset(j); }
-  const c10::Float8_e4m3fn* row_f8(int64_t j) const {
-    return static_cast<const c10::Float8_e4m3fn*>(data) + offset(j);
+  const char* row_bytes(int64_t j) const {
+    return data + pages.row_offset(b, j, page_stride, seq_stride) * elem_size;
   }
-  // f(rows) with rows(j) giving row j typed as stored: const T*, const int8_t*
-  // or const c10::Float8_e4m3fn* (the packers take each).
+  // f(rows) with rows(i) giving row j0 + i (i < nk <= kKeysPerTile) typed as
+  // stored: const T*, const int8_t* or const c10::Float8_e4m3fn* (the packers
+  // take each). The tile's row addresses are worked out once, here: the
+  // packers read a row several times, and a paged row's address takes a division.
   template <typename F>
-  void with_rows(const F& f) const {
-    if (!quantized()) {
-      f([this](int64_t j) { return row(j); });
-    } else if (float8) {
-      f([this](int64_t j) { return row_f8(j); });
+  void with_rows(int64_t j0, int64_t nk, const F& f) const {
+    const char* at[kKeysPerTile];
+    if (pages.paged()) {
+      for (int64_t i = 0; i < nk; ++i) at[i] = row_bytes(j0 + i);
     } else {
-      f([this](int64_t j) { return row8(j); });
+      for (int64_t i = 0; i < nk; ++i) at[i] = data + (j0 + i) * seq_stride * elem_size;
+    }
+    if (!quantized()) {
+      f([&at](int64_t i) { return reinterpret_cast<const T*>(at[i]); });
+    } else if (float8) {
+      f([&at](int64_t i) { return reinterpret_cast<const c10::Float8_e4m3fn*>(at[i]); });
+    } else {
+      f([&at](int64_t i) { return reinterpret_cast<const int8_t*>(at[i]); });
     }
   }
   float row_scale(int64_t j) const { return scale[pages.row_offset(b, j, scale_page_stride, scale_stride)]; }
-  // f(i, n) for each run [j0 + i, j0 + i + n) of rows [j0, j0 + nk) that lie
-  // seq_stride apart (one page; all of them when dense).
+  // f(i, n) for each run [i, i + n) of rows [j0, j0 + nk) (relative to j0)
+  // that lie seq_stride apart (one page; all of them when dense).
   template <typename F>
   void runs(int64_t j0, int64_t nk, const F& f) const {
     for (int64_t i = 0; i < nk;) {
@@ -394,33 +407,36 @@ struct KvRows {
       i += n;
     }
   }
-  // Asks the caches for rows [j0, j0 + nk): the next tile's rows, requested
-  // before the current tile's products, load while those run (decoding reads
-  // the whole cache once per step; measured 5-10% faster at 32k keys).
+  // Asks the caches for rows [j0, j0 + nk): a later tile's rows, requested
+  // before they are read, load while the current tile's products run
+  // (decoding reads the whole cache once per step).
   void prefetch(int64_t j0, int64_t nk, int64_t d) const {
-    const int64_t bytes = d * (quantized() ? 1 : int64_t(sizeof(T)));
+    const int64_t bytes = d * elem_size, step = seq_stride * elem_size;
     for (int64_t j = j0; j < j0 + nk; ++j) {
-      const char* r = quantized() ? reinterpret_cast<const char*>(row8(j)) : reinterpret_cast<const char*>(row(j));
-      for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(r + c, 0, 1);
+      const char* r = pages.paged() ? row_bytes(j) : data + j * step;
+      for (int64_t c = 0; c < bytes; c += 64) prefetch_line(r + c);
     }
   }
   // acc[j * ld + c] *= the scale of row j0 + j, for j < nk and c < ld.
   void scale_rows(acc_t* acc, int64_t ld, int64_t j0, int64_t nk) const {
-    for (int64_t j = 0; j < nk; ++j) {
-      const acc_t s = row_scale(j0 + j);
+    const auto times = [&](int64_t j, acc_t s) {
       for (int64_t c = 0; c < ld; ++c) acc[j * ld + c] *= s;
+    };
+    if (pages.paged()) {
+      for (int64_t j = 0; j < nk; ++j) times(j, row_scale(j0 + j));
+    } else {
+      const float* s = scale + j0 * scale_stride;
+      for (int64_t j = 0; j < nk; ++j) times(j, s[j * scale_stride]);
     }
   }
   // Rows [j0, j0 + nk) as a contiguous, zero-padded accumulator tile (kv_tile).
   const acc_t* tile(int64_t j0, int64_t nk, int64_t d, int64_t d_pad, acc_t* buf, int64_t& ld) const {
     ld = d_pad;
-    if (!quantized()) {
-      runs(j0, nk, [&](int64_t i, int64_t n) { kv_tile(row(j0 + i), seq_stride, n, d, d_pad, buf + i * d_pad, ld); });
-      return buf;
-    }
-    with_rows([&](const auto& rows) {
-      if constexpr (!std::is_same_v<decltype(rows(0)), const T*>) {
-        for (int64_t j = 0; j < nk; ++j) dequantize_row(rows(j0 + j), d, d_pad, row_scale(j0 + j), buf + j * d_pad);
+    with_rows(j0, nk, [&](const auto& row) {
+      if constexpr (std::is_same_v<decltype(row(0)), const T*>) {
+        runs(j0, nk, [&](int64_t i, int64_t n) { kv_tile(row(i), seq_stride, n, d, d_pad, buf + i * d_pad, ld); });
+      } else {
+        for (int64_t i = 0; i < nk; ++i) dequantize_row(row(i), d, d_pad, row_scale(j0 + i), buf + i * d_pad);
       }
     });
     return buf;

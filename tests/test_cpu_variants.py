@@ -10,6 +10,7 @@ on another variant than the one it names.
 """
 
 import json
+import platform
 
 import pytest
 
@@ -135,6 +136,16 @@ def test_bf16_variant_uses_the_bf16_instructions(kernel, instruction):
 
     assert uses("AVX512_BF16")
     assert not uses("AVX512")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 prefetch instructions")
+def test_forward_kernels_prefetch_the_next_tile():
+    """Every variant's forward kernel asks for the next K/V tile ahead of use
+    (a compiler once dropped those requests without a word)."""
+    for isa in compiled_cpu_isas():
+        funcs = _disassembly(rf"fusedllm::cpu::{isa}::.*ForwardKernel<")
+        assert funcs, f"no {isa} forward kernel"
+        assert any(ins.startswith("prefetch") for body in funcs.values() for ins in body), isa
 
 
 @pytest.mark.skipif(not any(i in compiled_cpu_isas() for i in ("AVX2", "AVX512")),

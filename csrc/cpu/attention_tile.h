@@ -383,11 +383,11 @@ struct KvRows {
   template <typename F>
   void with_rows(int64_t j0, int64_t nk, const F& f) const {
     const char* at[kKeysPerTile];
-    if (pages.paged()) {
-      for (int64_t i = 0; i < nk; ++i) at[i] = row_bytes(j0 + i);
-    } else {
-      for (int64_t i = 0; i < nk; ++i) at[i] = data + (j0 + i) * seq_stride * elem_size;
-    }
+    const int64_t step = seq_stride * elem_size;
+    runs(j0, nk, [&](int64_t i, int64_t n) {
+      const char* first = row_bytes(j0 + i);
+      for (int64_t t = 0; t < n; ++t) at[i + t] = first + t * step;
+    });
     if (!quantized()) {
       f([&at](int64_t i) { return reinterpret_cast<const T*>(at[i]); });
     } else if (float8) {
@@ -396,9 +396,9 @@ struct KvRows {
       f([&at](int64_t i) { return reinterpret_cast<const int8_t*>(at[i]); });
     }
   }
-  float row_scale(int64_t j) const { return scale[pages.row_offset(b, j, scale_page_stride, scale_stride)]; }
   // f(i, n) for each run [i, i + n) of rows [j0, j0 + nk) (relative to j0)
-  // that lie seq_stride apart (one page; all of them when dense).
+  // that lie seq_stride apart (one page; all of them when dense): a paged
+  // row's address takes a division, so the helpers below take one per run.
   template <typename F>
   void runs(int64_t j0, int64_t nk, const F& f) const {
     for (int64_t i = 0; i < nk;) {
@@ -412,22 +412,22 @@ struct KvRows {
   // (decoding reads the whole cache once per step).
   void prefetch(int64_t j0, int64_t nk, int64_t d) const {
     const int64_t bytes = d * elem_size, step = seq_stride * elem_size;
-    for (int64_t j = j0; j < j0 + nk; ++j) {
-      const char* r = pages.paged() ? row_bytes(j) : data + j * step;
-      for (int64_t c = 0; c < bytes; c += 64) prefetch_line(r + c);
-    }
+    runs(j0, nk, [&](int64_t i, int64_t n) {
+      const char* first = row_bytes(j0 + i);
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t c = 0; c < bytes; c += 64) prefetch_line(first + t * step + c);
+      }
+    });
   }
   // acc[j * ld + c] *= the scale of row j0 + j, for j < nk and c < ld.
   void scale_rows(acc_t* acc, int64_t ld, int64_t j0, int64_t nk) const {
     const auto times = [&](int64_t j, acc_t s) {
       for (int64_t c = 0; c < ld; ++c) acc[j * ld + c] *= s;
     };
-    if (pages.paged()) {
-      for (int64_t j = 0; j < nk; ++j) times(j, row_scale(j0 + j));
-    } else {
-      const float* s = scale + j0 * scale_stride;
-      for (int64_t j = 0; j < nk; ++j) times(j, s[j * scale_stride]);
-    }
+    runs(j0, nk, [&](int64_t i, int64_t n) {
+      const float* s = scale + pages.row_offset(b, j0 + i, scale_page_stride, scale_stride);
+      for (int64_t t = 0; t < n; ++t) times(i + t, s[t * scale_stride]);
+    });
   }
   // Rows [j0, j0 + nk) as a contiguous, zero-padded accumulator tile (kv_tile).
   const acc_t* tile(int64_t j0, int64_t nk, int64_t d, int64_t d_pad, acc_t* buf, int64_t& ld) const {
@@ -436,7 +436,10 @@ struct KvRows {
       if constexpr (std::is_same_v<decltype(row(0)), const T*>) {
         runs(j0, nk, [&](int64_t i, int64_t n) { kv_tile(row(i), seq_stride, n, d, d_pad, buf + i * d_pad, ld); });
       } else {
-        for (int64_t i = 0; i < nk; ++i) dequantize_row(row(i), d, d_pad, row_scale(j0 + i), buf + i * d_pad);
+        runs(j0, nk, [&](int64_t i, int64_t n) {
+          const float* s = scale + pages.row_offset(b, j0 + i, scale_page_stride, scale_stride);
+          for (int64_t t = i; t < i + n; ++t) dequantize_row(row(t), d, d_pad, s[(t - i) * scale_stride], buf + t * d_pad);
+        });
       }
     });
     return buf;

@@ -231,7 +231,7 @@ def dequantized(t, code=torch.int8):
     return values.float() * scales.unsqueeze(-1)
 
 
-def same_int8_updates(ours, theirs, chunks, operation=None):
+def same_int8_updates(ours, theirs, chunks, operation=None, code=torch.int8):
     """ours (int8) returns the int8 rows and scales of what theirs (a float
     layer fed the dequantized rows) returns, after every chunk."""
     for step, n in enumerate(chunks):
@@ -240,9 +240,9 @@ def same_int8_updates(ours, theirs, chunks, operation=None):
             operation(theirs)
         assert ours.get_mask_sizes(n) == theirs.get_mask_sizes(n), step
         k, v = kv(n, seed=step)
-        got, want = ours.update(k, v), theirs.update(dequantized(k), dequantized(v))
+        got, want = ours.update(k, v), theirs.update(dequantized(k, code), dequantized(v, code))
         for t, expected in zip(got, want):
-            assert t.dtype == torch.int8
+            assert t.dtype == code
             assert torch.equal(t.float() * t.fusedllm_scale.unsqueeze(-1), expected), (step, chunks)
         assert ours.get_seq_length() == theirs.get_seq_length()
 
@@ -257,18 +257,20 @@ OPERATIONS = {
 }
 
 
+@pytest.mark.parametrize("code", [torch.int8, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("operation", list(OPERATIONS))
-def test_int8_growing_layer(operation):
-    same_int8_updates(GrowingLayer(capacity=3, code=torch.int8), cache_utils.DynamicLayer(),
-                      [5, 1, 1, 1, 4, 1, 9, 1, 1], OPERATIONS[operation])
+def test_int8_growing_layer(operation, code):
+    same_int8_updates(GrowingLayer(capacity=3, code=code), cache_utils.DynamicLayer(),
+                      [5, 1, 1, 1, 4, 1, 9, 1, 1], OPERATIONS[operation], code)
 
 
+@pytest.mark.parametrize("code", [torch.int8, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("window", [2, 3, 5])
 @pytest.mark.parametrize("prefill", [0, 1, 4, 7])
-def test_int8_ring_layer(window, prefill):
+def test_int8_ring_layer(window, prefill, code):
     chunks = ([prefill] if prefill else []) + [1] * 11 + [3, 1, 7, 1, 2]
-    same_int8_updates(RingLayer(window, code=torch.int8), cache_utils.DynamicSlidingWindowLayer(window), chunks,
-                      OPERATIONS["reorder"])
+    same_int8_updates(RingLayer(window, code=code), cache_utils.DynamicSlidingWindowLayer(window), chunks,
+                      OPERATIONS["reorder"], code)
 
 
 def fake_int8_cache(config, code=torch.int8):

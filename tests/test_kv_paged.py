@@ -395,6 +395,28 @@ def test_fork_shares_pages_and_copies_on_write():
     check_pool(cache)
 
 
+def test_sequences_sharing_a_page_write_it_in_one_append():
+    """A parent and its fork append in one call: the first copies the shared
+    page, the second (now its only holder) writes it in place; no page is lost."""
+    cache = PagedKVCache(num_pages=6, page_size=4, kv_heads=1, head_dim=2)
+    parent = cache.new_sequence()
+    prompt = torch.randn(1, 1, 6, 2)
+    cache.append(parent, prompt, prompt)
+    child = cache.fork(parent)
+    new = torch.randn(2, 1, 1, 2)
+    cache.append([parent, child], new, new)
+    assert cache.free_pages == 6 - 3
+    assert cache.pages(parent)[0] == cache.pages(child)[0] and cache.pages(parent)[1] != cache.pages(child)[1]
+    check_pool(cache)
+    for i, seq in enumerate((parent, child)):
+        k, _ = stored_rows(cache, seq)
+        torch.testing.assert_close(k, torch.cat([prompt, new[i:i + 1]], 2), atol=0, rtol=0)
+    cache.free(parent)
+    cache.free(child)
+    assert cache.free_pages == 6
+    check_pool(cache)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8, torch.float8_e4m3fn], ids=str)
 def test_random_operations_keep_the_pool_sound(dtype):
     """Random new / fork / append / free on a small pool (two layers): after
@@ -404,7 +426,7 @@ def test_random_operations_keep_the_pool_sound(dtype):
     cache = PagedKVCache(num_pages=12, page_size=3, kv_heads=2, head_dim=4, dtype=dtype, num_layers=2)
     shadow = {}
     for step in range(300):
-        action = rng.choice(["new", "fork", "append", "append", "append", "free"])
+        action = rng.choice(["new", "fork", "fork", "append", "append", "append", "free"])
         live = cache.sequences
         if action == "new" or not live:
             shadow[cache.new_sequence()] = [torch.empty(1, 2, 0, 4)] * 2

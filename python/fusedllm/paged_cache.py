@@ -188,12 +188,15 @@ class PagedKVCache:
         """Gives each sequence the pages its next ``new`` positions in ``layer`` fall on,
         each held by it alone: fresh pages past its table, copies of shared ones
         (copy on write). Takes nothing unless the pool has every page needed."""
-        plans = []
+        plans, refs = [], list(self._refs)  # refs: as they will be when each sequence's turn comes
         for s in seqs:
             start = self._lengths[s][layer]
             first, last = start // self.page_size, (start + new - 1) // self.page_size
             table = self._tables[s]
-            shared = [i for i in range(first, min(last + 1, len(table))) if self._refs[table[i]] > 1]
+            # the last holder of a page the others copied away writes it in place
+            shared = [i for i in range(first, min(last + 1, len(table))) if refs[table[i]] > 1]
+            for i in shared:
+                refs[table[i]] -= 1
             plans.append((s, shared, max(0, last + 1 - len(table))))
         needed = sum(len(shared) + grow for _, shared, grow in plans)
         if needed > len(self._free):

@@ -480,6 +480,12 @@ def test_int8_cache_attends_over_its_quantized_rows(device, code):
     assert cache.key_pages.dtype == code and cache.key_scales.shape == (1, 16, hkv, 8)
 
 
+def test_attend_over_no_sequence():
+    cache = PagedKVCache(num_pages=4, page_size=2, kv_heads=1, head_dim=4)
+    with torch.no_grad():
+        assert cache.attend(torch.randn(0, 2, 1, 4), []).shape == (0, 2, 1, 4)
+
+
 def test_full_pool_is_an_error_that_changes_nothing():
     cache = PagedKVCache(num_pages=3, page_size=2, kv_heads=1, head_dim=4)
     a, b = cache.new_sequence(), cache.new_sequence()

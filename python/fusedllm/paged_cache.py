@@ -156,7 +156,7 @@ class PagedKVCache:
     def _table_of(self, seqs: list[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         width = max([len(self._tables[s]) for s in seqs] + [1])
         rows = [self._tables[s] + [0] * (width - len(self._tables[s])) for s in seqs]
-        table = torch.tensor(rows, dtype=torch.int32).to(self.device)
+        table = torch.tensor(rows, dtype=torch.int32).view(len(seqs), width).to(self.device)
         lens = torch.tensor([self._lengths[s][layer] for s in seqs], dtype=torch.int32).to(self.device)
         return table, lens
 

@@ -13,7 +13,7 @@ if not hasattr(cache_utils, "DynamicSlidingWindowLayer"):
 
 import fusedllm.hf  # noqa: E402
 from fusedllm.hf import FusedCache  # noqa: E402
-from fusedllm.hf_cache import GrowingLayer, RingLayer  # noqa: E402
+from fusedllm.hf_cache import GrowingLayer, RingLayer, SinkLayer  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
@@ -197,11 +197,11 @@ def test_errors_name_what_was_wrong():
         k, v = kv(1)
         with pytest.raises(ValueError, match="new keys are torch.float64 on cpu, the held ones torch.float32"):
             layer.update(k.double(), v.double())
-    ring = RingLayer(3)
-    with pytest.raises(ValueError, match="cannot be cropped"):
-        ring.crop(-1)
-    with pytest.raises(ValueError, match="cannot record the past"):
-        ring.activate_past_recording()
+    for layer in (RingLayer(3), SinkLayer(3, 1)):
+        with pytest.raises(ValueError, match="cannot be cropped"):
+            layer.crop(-1)
+        with pytest.raises(ValueError, match="cannot record the past"):
+            layer.activate_past_recording()
 
 
 def test_sampling_and_continuing_with_the_same_cache():
@@ -330,3 +330,162 @@ def test_int8_errors():
     k8 = torch.zeros(1, 2, 3, 16, dtype=torch.int8)
     with pytest.raises(ValueError, match="torch.int8 keys and values need the scales"):
         fusedllm.hf.attention_forward(torch.nn.Module(), q, k8, k8, None)
+
+
+# --- window and sinks (StreamingLLM) on full-attention layers -----------------------------
+
+def streaming_masks(model, n, window, sink, pad=None):
+    """Keep-masks of the whole sequence: full-attention layers see the first
+    `sink` positions and the last `window` up to their own, the model's
+    sliding layers their own window; `pad` [batch, n] hides padding keys."""
+    q, p = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    full = (p <= q) & ((p > q - window) | (p < sink))
+    masks = {"full_attention": full}
+    if getattr(model.config, "sliding_window", None):
+        masks["sliding_attention"] = (p <= q) & (p > q - model.config.sliding_window)
+    pad = torch.ones(1, n, dtype=torch.bool) if pad is None else pad.bool()
+    return {kind: torch.where(m[None, None] & pad[:, None, None, :], 0.0, torch.finfo(torch.float32).min)
+            for kind, m in masks.items()}
+
+
+def streaming_reference(model, ids, steps, window, sink):
+    """Greedy decoding that recomputes the whole sequence under the masks of
+    streaming_masks, with eager attention: the tokens and each step's logits."""
+    model.set_attn_implementation("eager")
+    logits = []
+    for _ in range(steps):
+        masks = streaming_masks(model, ids.shape[1], window, sink)
+        masks = {kind: m.expand(ids.shape[0], -1, -1, -1) for kind, m in masks.items()}
+        last = model(ids, attention_mask=masks if len(masks) > 1 else masks["full_attention"]).logits[:, -1]
+        logits.append(last)
+        ids = torch.cat([ids, last.argmax(-1, keepdim=True)], 1)
+    model.set_attn_implementation("fusedllm")
+    return ids, logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2_mixed"])
+@pytest.mark.parametrize("window, sink", [(4, 2), (5, 0), (3, 1), (1, 3), (30, 2)])
+def test_window_and_sinks_generate_as_streaming_attention(kind, window, sink):
+    """Greedy generation with FusedCache(window, sink), the prompt longer than
+    the window and the ring wrapped several times, equals recomputing the
+    whole sequence under StreamingLLM's mask; memory stays sink + window."""
+    torch.manual_seed(0)
+    model = MODELS[kind]().eval()
+    model.set_attn_implementation("fusedllm")
+    model.generation_config.eos_token_id = None  # the reference runs every step
+    ids, _ = left_padded("cpu", pad=0)
+    cache = FusedCache(model.config, window=window, sink=sink)
+    ours = generate(model, ids, None, cache)
+    want, logits = streaming_reference(model, ids, 14, window, sink)
+    assert torch.equal(ours.sequences, want)
+    for a, b in zip(ours.logits, logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    sinks = [layer for layer in cache.layers if isinstance(layer, SinkLayer)]
+    assert len(sinks) == {"llama": 2, "gemma2_mixed": 2}[kind]
+    assert all(layer._k.shape[2] == sink + window for layer in sinks)
+    assert cache.get_seq_length() == ids.shape[1] + 13  # the last token is not fed back
+
+
+@pytest.mark.parametrize("chunks", [[5, 1, 3, 1, 7, 2], [1] * 6 + [9], [2, 2, 2, 2, 2, 2, 2]])
+def test_window_and_sinks_in_chunks(chunks, device):
+    """A sequence fed in chunks of any size (each chunk's queries see the
+    sinks, the window's past and each other): every position's logits as
+    recomputing the whole sequence under the mask; on every device."""
+    torch.manual_seed(0)
+    model = llama().to(device).eval()
+    ids = torch.randint(3, SMALL["vocab_size"], (2, sum(chunks)), generator=torch.Generator().manual_seed(3))
+    model.set_attn_implementation("eager")
+    mask = streaming_masks(model, ids.shape[1], 4, 2)["full_attention"].expand(2, -1, -1, -1)
+    want = model(ids.to(device), attention_mask=mask.to(device)).logits
+    model.set_attn_implementation("fusedllm")
+    cache, start = FusedCache(model.config, window=4, sink=2), 0
+    for n in chunks:
+        got = model(ids[:, start:start + n].to(device), past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(got, want[:, start:start + n], rtol=1e-5, atol=1e-5)
+        start += n
+
+
+def test_window_with_left_padding_equals_each_row_alone():
+    """Without sinks, a left-padded batch decodes each row as it decodes alone
+    (the window counts positions, as the padding shifts them all alike)."""
+    torch.manual_seed(0)
+    model = llama().eval()
+    model.set_attn_implementation("fusedllm")
+    ids, mask = left_padded("cpu")
+    batch = generate(model, ids, mask, FusedCache(model.config, window=4))
+    alone = generate(model, ids[1:, 3:], mask[1:, 3:], FusedCache(model.config, window=4))
+    assert torch.equal(batch.sequences[1, 3:], alone.sequences[0])
+    for a, b in zip(batch.logits, alone.logits):
+        torch.testing.assert_close(a[1], b[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("code", [torch.int8, torch.float8_e4m3fn], ids=str)
+def test_window_and_sinks_quantized(code):
+    """Quantized sink layers: generation equals a float FusedCache(window,
+    sink) fed the dequantized rows, with beam search reordering the storage."""
+    torch.manual_seed(0)
+    model = llama().eval()
+    model.set_attn_implementation("fusedllm")
+    ids, _ = left_padded("cpu", pad=0)
+    cache = FusedCache(model.config, window=3, sink=2, dtype=code)
+    fake = FusedCache(model.config, window=3, sink=2)
+    for layer in fake.layers:
+        update = layer.update
+        layer.update = (lambda update: lambda k, v, *a, **kw: update(dequantized(k, code), dequantized(v, code),
+                                                                     *a, **kw))(update)
+    ours = generate(model, ids, None, cache, num_beams=3)
+    theirs = generate(model, ids, None, fake, num_beams=3)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    for a, b in zip(ours.logits, theirs.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert all(layer._k.dtype == code and layer._k.shape[2] == 5 for layer in cache.layers)
+
+
+@pytest.mark.parametrize("operation", ["reorder", "select", "repeat", "reset"])
+@pytest.mark.parametrize("window, sink", [(3, 2), (4, 0)])
+def test_sink_layer_holds_the_positions_it_says(operation, window, sink):
+    """Step by step (chunks and single tokens, wrapping at every offset, a
+    batch operation midway): the keys returned are the rows of the positions
+    their layout names, and those are exactly the positions some query of
+    the step sees; storage stays sink + window slots."""
+    layer, history = SinkLayer(window, sink), None
+    chunks = [3, 1, 1, 1, 1, 1, 1, 4, 1, 1, 2, 1, 1, 1, 6, 1]
+    for step, n in enumerate(chunks):
+        if step == len(chunks) // 2:
+            index = torch.tensor([1, 0])
+            OPERATIONS[operation](layer)
+            history = {"reorder": history[index], "select": history[torch.tensor([1, 1])],
+                       "repeat": history, "reset": history[:, :, :0]}[operation]
+        k, v = kv(n, seed=step)
+        history = k if history is None else torch.cat([history, k], dim=2)
+        keys, values = layer.update(k, v)
+        layout = keys.fusedllm_layout
+        positions = layout.positions("cpu")
+        assert torch.equal(keys, history[:, :, positions]), step
+        seen = layout.visible("cpu").any(0)
+        assert bool(seen.all()), step  # nothing returned that no query sees
+        end = history.shape[2]
+        q, p = torch.arange(end - n, end)[:, None], torch.arange(end)[None, :]
+        wanted = ((p <= q) & ((p > q - window) | (p < sink))).any(0).nonzero().flatten()
+        assert sorted(positions.tolist()) == wanted.tolist(), step
+        assert layer._k.shape[2] == sink + window
+        assert layer.get_seq_length() == end and layer.get_mask_sizes(1) == (end + 1, 0)
+
+
+def test_window_and_sinks_errors():
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="window must be None or a positive int"):
+            FusedCache(window=bad)
+    with pytest.raises(ValueError, match="sink must be an int >= 0, got -1"):
+        FusedCache(window=4, sink=-1)
+    with pytest.raises(ValueError, match="sink=2 needs a window"):
+        FusedCache(sink=2)
+    model = llama()
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="window is read by the 'fusedllm' attention only, but the model uses 'sdpa'"):
+        FusedCache(model.config, window=4)
+    model.set_attn_implementation("fusedllm")
+    ids, mask = left_padded("cpu")
+    with pytest.raises(ValueError, match=r"sink=2\) the first 2 positions of every row are its sinks, but some "
+                                         r"row's are padding"):
+        generate(model, ids, mask, FusedCache(model.config, window=4, sink=2))

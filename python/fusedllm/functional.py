@@ -295,15 +295,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
 
 def _attention_with_lse(q, k, v, causal=False, window=None, mask=None, dropout_p=0.0, k_scale=None,
-                        v_scale=None):
+                        v_scale=None, scale=None, softcap=None):
     """:func:`attention` and its float32 log-sum-exp ``[batch, q_heads, q_len]``
     (``-inf`` for a query that sees no key): what merging the outputs of
-    attention over disjoint key sets needs (fusedllm.nn.KVCache's ring)."""
+    attention over disjoint key sets needs (:func:`_merge_attention`)."""
     scale, window, right, softcap, mask, dropout_p, seed = _attention_args(
-        "fusedllm.attention", q, k, v, causal, None, window, mask, dropout_p, k_scale=k_scale,
+        "fusedllm.attention", q, k, v, causal, scale, window, mask, dropout_p, softcap, k_scale=k_scale,
         v_scale=v_scale)
     return _impl.attention(q, k, v, mask, scale, causal, window, dropout_p, seed, right, softcap,
                            None, None, None, None, 0, 0, k_scale, v_scale)
+
+
+def _merge_attention(pieces, dtype: torch.dtype, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One attention output from ``(out, lse)`` pieces over disjoint key sets
+    of the same queries: each weighted by its share of the total softmax
+    denominator, to which ``sinks`` (one logit per query head) adds its term.
+    A query that sees no key in any piece gets zeros, as attention gives it."""
+    if len(pieces) == 1 and sinks is None:
+        return pieces[0][0]
+    lses = [lse for _, lse in pieces]
+    if sinks is not None:
+        lses.append(sinks.float()[:, None].expand_as(lses[0]))
+    total = torch.logsumexp(torch.stack(lses), dim=0)
+    total = torch.where(torch.isfinite(total), total, torch.inf)  # no key seen: every weight 0
+    acc = torch.promote_types(dtype, torch.float32)
+    out = sum(o.to(acc) * torch.exp(lse - total).unsqueeze(-1) for o, lse in pieces)
+    return out.to(dtype)
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

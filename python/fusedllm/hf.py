@@ -156,6 +156,52 @@ def _varlen_layout(attention_mask, position_ids, causal, batch, q_len, kv_len, d
     return cu_q, cu_k, max_q, max_k
 
 
+def _window_attention(query, key, value, mask, layout, scale, dropout_p, softcap, sinks, scales):
+    """Attention over the keys of a ``SinkLayer`` (:class:`fusedllm.hf_cache.WindowLayout`).
+    transformers' mask, if any, spans every position seen (padding included):
+    its columns at the held positions are read, combined with who sees whom.
+    Without one, a one-token step sees every key it is given; a chunk runs as
+    two pieces merged by their log-sum-exp, the sinks (a small mask) and the
+    window positions (the kernel's causal window), so no [q_len, kv_len]
+    mask is built."""
+    q_len, n_keys = query.shape[2], key.shape[2]
+    args = dict(scale=scale, softcap=softcap, dropout_p=dropout_p)
+    if mask is not None:
+        if mask.shape[-2] != q_len or mask.shape[-1] < layout.end:
+            raise ValueError(f"fusedllm.hf: attention_mask for a FusedCache(window=...) layer must span the "
+                             f"{layout.end} positions seen and the {q_len} queries, got shape {list(mask.shape)}")
+        positions = layout.positions(query.device)
+        if mask.dtype != torch.bool:  # an additive mask: 0 keeps, the dtype's minimum (or -inf) hides
+            mask = mask > torch.finfo(mask.dtype).min / 2
+        held = mask.index_select(-1, positions)
+        visible = layout.visible(query.device)
+        # A row's sink positions must be real tokens: left padding over them would leave the row without sinks.
+        q_pos = torch.arange(layout.first_query, layout.end, device=query.device)
+        real = mask.gather(-1, q_pos.view(1, 1, -1, 1).expand(*mask.shape[:2], q_len, 1)).squeeze(-1)
+        sink_seen = visible & (positions < layout.sink)[None, :]
+        if bool((real[..., None] & sink_seen & ~held).any()):
+            raise ValueError(f"fusedllm.hf: with FusedCache(window=..., sink={layout.sink}) the first "
+                             f"{layout.sink} positions of every row are its sinks, but some row's are padding "
+                             f"(left padding); generate such rows with prompts of equal length, or without sinks")
+        out = FF.attention(query, key, value, mask=held & visible, sinks=sinks, **args, **scales)
+        return out
+    if not layout.ordered:
+        return FF.attention(query, key, value, sinks=sinks, **args, **scales)
+    # a chunk: the sink keys (positions < sink, first), then the window's, ending at the last query
+    cut = layout.sink_keys
+    pieces = []
+    if cut:
+        q_pos = torch.arange(layout.first_query, layout.end, device=query.device)[:, None]
+        seen = torch.arange(cut, device=query.device)[None, :] <= q_pos
+        part = {name: t[:, :, :cut] for name, t in scales.items()}
+        pieces.append(FF._attention_with_lse(query, key[:, :, :cut], value[:, :, :cut], mask=seen, **args, **part))
+    if cut < n_keys:
+        part = {name: t[:, :, cut:] for name, t in scales.items()}
+        pieces.append(FF._attention_with_lse(query, key[:, :, cut:], value[:, :, cut:], causal=True,
+                                             window=layout.window, **args, **part))
+    return FF._merge_attention(pieces, query.dtype, sinks)
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: torch.Tensor | None,
                       scaling: float | None = None, dropout: float = 0.0,
@@ -202,6 +248,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if attention_mask.dim() != 4:
             raise ValueError(f"fusedllm.hf: attention_mask must be 4-D [batch, heads or 1, q_len, kv_len] "
                              f"as transformers' mask functions build it, got shape {list(attention_mask.shape)}")
+    layout = getattr(key, "fusedllm_layout", None)
+    if layout is not None:  # FusedCache(window=...): sink and window positions
+        out = _window_attention(query, key, value, attention_mask, layout, scaling, float(dropout or 0.0),
+                                softcap, s_aux, scales)
+        return out.transpose(1, 2).contiguous(), None
+    if attention_mask is not None:
         # masks built for a static cache can be longer than the keys passed
         attention_mask = attention_mask[..., :kv_len]
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))

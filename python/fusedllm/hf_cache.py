@@ -22,6 +22,10 @@ It works with every attention backend (the views are what transformers'
 masks describe) and with ``generate`` (``past_key_values=FusedCache(config)``),
 beam search included. Built for transformers 5's cache layers.
 
+``FusedCache(config, window=W, sink=s)`` bounds the full-attention layers
+(:class:`SinkLayer`): each keeps the first ``s`` positions and the last ``W``
+(StreamingLLM), for the "fusedllm" attention, which reads where they lie.
+
 ``FusedCache(config, dtype=torch.int8)`` stores both kinds of layer as int8
 with one float32 scale per position and kv head (:func:`fusedllm.quantize_kv`):
 ``update`` returns the int8 views, each carrying its scales, and the
@@ -106,6 +110,33 @@ class _SlotStorage:
         return _with_scales(*tensors) if self.quantized else tuple(tensors)
 
 
+class _BoundedStorage(_SlotStorage):
+    """A layer that keeps only a window of positions (and sinks): batch
+    operations rebuild its storage in place (``_rebuild``); cropping, which
+    needs the positions it dropped, is refused."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._rebuild(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._rebuild(lambda t: t[indices, ...])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._rebuild(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def activate_past_recording(self):
+        raise ValueError(f"{OWNER}: its layers with a window keep no positions beyond it, so they cannot "
+                         "record the past for cropping (assisted decoding); use DynamicCache")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(f"{OWNER}: its layers with a window cannot be cropped (they keep no positions "
+                         "beyond it); use DynamicCache for assisted decoding")
+
+    def reset(self) -> None:
+        self._k = self._v = self._ks = self._vs = None
+        super().reset()
+
+
 class GrowingLayer(_SlotStorage, DynamicLayer):
     """A full-attention layer: ``DynamicLayer``'s contract on storage that
     grows by half when full (copying the past once), so a step copies only
@@ -178,7 +209,7 @@ class GrowingLayer(_SlotStorage, DynamicLayer):
         super().reset()
 
 
-class RingLayer(_SlotStorage, DynamicSlidingWindowLayer):
+class RingLayer(_BoundedStorage, DynamicSlidingWindowLayer):
     """A sliding-window layer: ``DynamicSlidingWindowLayer``'s contract (the
     last ``W - 1`` positions plus the new ones are returned, the mask sizes
     are its own) on a ring of ``W`` slots, each position written at slot
@@ -209,10 +240,6 @@ class RingLayer(_SlotStorage, DynamicSlidingWindowLayer):
                 part = tuple(t[:, :, src:src + length] for t in new)
                 self._put(self._tensors(), slice(slot, slot + length), part)
                 self._put(self._tensors(), slice(slot + window, slot + window + length), part)
-
-    def activate_past_recording(self):
-        raise ValueError(f"{OWNER}: its sliding-window layers keep no positions beyond the window, so they "
-                         "cannot record the past for cropping (assisted decoding); use DynamicCache")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -250,22 +277,142 @@ class RingLayer(_SlotStorage, DynamicSlidingWindowLayer):
             kept = min(self.cumulative_length, self.sliding_window)
             self.keys, self.values = self._view(self._k, kept), self._view(self._v, kept)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._rebuild(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._rebuild(lambda t: t[indices, ...])
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._rebuild(lambda t: t.repeat_interleave(repeats, dim=0))
+class WindowLayout:
+    """What a :class:`SinkLayer` tells the "fusedllm" attention about the keys
+    it returned (carried as ``keys.fusedllm_layout``): which positions they
+    hold and who sees them. A query at position ``q`` sees position ``p <= q``
+    when ``q - p < window`` or ``p < sink``.
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError(f"{OWNER}: its sliding-window layers cannot be cropped (they keep no positions "
-                         "beyond the window); use DynamicCache for assisted decoding")
+    - one-token step (``ordered`` False): the keys are the filled slots of the
+      storage as they lie, every one visible to the query;
+    - chunk (``ordered`` True): the ``sink_keys`` sink positions first, then
+      the window's positions in order, up to the last query's."""
 
-    def reset(self) -> None:
+    def __init__(self, window: int, sink: int, first_query: int, queries: int, keys: int, ordered: bool):
+        self.window, self.sink, self.first_query, self.queries = window, sink, first_query, queries
+        self.keys, self.ordered = keys, ordered
+        self.end = first_query + queries  # one past the last position held
+        self.sink_keys = min(sink, self.end) if ordered else 0
+
+    def positions(self, device) -> torch.Tensor:
+        """The position of each key, in the order of the keys."""
+        if self.ordered:
+            ring = torch.arange(self.end - (self.keys - self.sink_keys), self.end, device=device)
+            return torch.cat([torch.arange(self.sink_keys, device=device), ring])
+        slots = torch.arange(self.keys, device=device)
+        if self.end <= self.sink + self.window:  # not wrapped: slot i holds position i
+            return slots
+        last = self.end - 1  # ring slot sink + r holds the latest position p <= last with p - sink = r mod window
+        ring = last - torch.remainder(last - slots[self.sink:], self.window)
+        return torch.cat([slots[:self.sink], ring])
+
+    def visible(self, device) -> torch.Tensor:
+        """[queries, keys] bool: who sees whom."""
+        q = torch.arange(self.first_query, self.end, device=device)[:, None]
+        p = self.positions(device)[None, :]
+        return (p <= q) & ((p > q - self.window) | (p < self.sink))
+
+
+class SinkLayer(_BoundedStorage, DynamicLayer):
+    """A full-attention layer bounded as StreamingLLM bounds it: the first
+    ``sink`` positions are kept for good and the last ``window`` ones in a ring
+    (``sink + window`` slots, position ``p >= sink`` at slot ``sink + (p -
+    sink) mod window``), so memory stays flat for any length. A query sees the
+    sink positions and the last ``window`` positions up to its own. Positions
+    keep their place in the text (rotary angles are not changed), and the
+    sinks are the first positions of every row of the batch.
+
+    To transformers it is a full-attention layer (its masks span every
+    position seen; :meth:`get_mask_sizes`); the keys it returns carry a
+    :class:`WindowLayout`, which only the "fusedllm" attention reads. A
+    one-token step returns the filled slots as they lie (no copy; softmax
+    does not mind their order), a chunk the sink and window positions in
+    order (one concatenation). ``code``: quantized storage, as for
+    :class:`GrowingLayer`."""
+
+    is_sliding = False
+
+    def __init__(self, window: int, sink: int = 0, code: torch.dtype | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.window, self.sink, self.code = window, sink, code
+        self.cumulative_length = 0
         self._k = self._v = self._ks = self._vs = None
-        super().reset()
+
+    def _slot(self, position: int) -> int:
+        return position if position < self.sink else self.sink + (position - self.sink) % self.window
+
+    def _runs(self, first: int, stop: int):
+        """Positions [first, stop), all sinks or none, as ``(position, slot,
+        count)`` runs of contiguous slots (the ring splits one where it wraps)."""
+        while first < stop:
+            slot = self._slot(first)
+            count = min(stop - first, (self.sink if first < self.sink else self.sink + self.window) - slot)
+            yield first, slot, count
+            first += count
+
+    def _held(self, first: int, stop: int) -> list:
+        """Held positions [first, stop) (all sinks or none) in order, as lists of
+        storage slices, one list per stored tensor."""
+        runs = list(self._runs(first, stop))
+        return [[t[:, :, slot:slot + count] for _, slot, count in runs] for t in self._tensors()]
+
+    def _write(self, new: tuple, first: int) -> None:
+        """New positions first, first + 1, ... into their slots: the sinks among
+        them and the last ``window`` others."""
+        end = first + new[0].shape[2]
+        kept = [(first, min(end, self.sink)), (max(first, self.sink, end - self.window), end)]
+        for a, b in kept:
+            for p, slot, count in self._runs(a, b):
+                self._put(self._tensors(), slice(slot, slot + count),
+                          tuple(t[:, :, p - first:p - first + count] for t in new))
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # every position seen: the attention picks the columns of the keys it holds
+        return self.cumulative_length + query_length, 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self._k is None:
+            self._k, self._v, *scales = self._allocate(key_states, value_states, self.sink + self.window)
+            self._ks, self._vs = scales or (None, None)
+        _check_new("keys", key_states, self._k, dtype=self.dtype)
+        _check_new("values", value_states, self._v, dtype=self.dtype)
+        new = (key_states, value_states)
+        if self.quantized:  # quantized once: what is stored is what this step reads
+            (k8, k_scale), (v8, v_scale) = (FF.quantize_kv(t, dtype=self.code) for t in (key_states, value_states))
+            new = (k8, v8, k_scale, v_scale)
+        n, held = key_states.shape[-2], self.cumulative_length
+        if n == 1:
+            self._write(new, held)
+            filled = min(held + 1, self.sink + self.window)
+            out = tuple(t[:, :, :filled] for t in self._tensors())
+        else:
+            # the sinks held, then the window's past (what the chunk's first query sees) and the chunk
+            sinks = self._held(0, min(self.sink, held))
+            ring = self._held(max(self.sink, held - self.window + 1), held)
+            out = tuple(torch.cat(a + b + [x], dim=2) for a, b, x in zip(sinks, ring, new))
+            self._write(new, held)
+        self.cumulative_length += n
+        self._keep_views()
+        out = self._result(out)
+        out[0].fusedllm_layout = WindowLayout(self.window, self.sink, held, n, out[0].shape[2], ordered=n > 1)
+        return out
+
+    def _keep_views(self) -> None:
+        filled = min(self.cumulative_length, self.sink + self.window)
+        self.keys, self.values = self._k[:, :, :filled], self._v[:, :, :filled]
+
+    def _rebuild(self, fn) -> None:
+        if self._k is not None and self.cumulative_length:
+            self._k, self._v, *scales = (fn(t) for t in self._tensors())
+            self._ks, self._vs = scales or (None, None)
+            self._keep_views()
 
 
 class FusedCache(DynamicCache):
@@ -273,36 +420,57 @@ class FusedCache(DynamicCache):
     :class:`RingLayer` for sliding-window ones, chosen per layer from
     ``config`` as ``DynamicCache(config=config)`` chooses (Mistral, Gemma 2/3,
     gpt-oss and Qwen's mixed layers each get the right kind). Without a config
-    every layer is a :class:`GrowingLayer`. ``capacity``: positions each full
+    every layer is a full-attention one. ``capacity``: positions each full
     layer allocates first (prompt plus new tokens: the storage never grows).
+
     ``dtype=torch.int8`` (or ``torch.float8_e4m3fn``): quantized storage with
-    a scale per position and kv head (:func:`fusedllm.quantize_kv`), read by
-    the "fusedllm" attention only (the model loaded with
-    ``attn_implementation="fusedllm"``); generation then stays within the
-    codes' error (:func:`fusedllm.attention` states the bound per layer).
+    a scale per position and kv head (:func:`fusedllm.quantize_kv`); generation
+    then stays within the codes' error (:func:`fusedllm.attention` states the
+    bound per layer).
+
+    ``window=W`` (and ``sink=s``): the full-attention layers become
+    :class:`SinkLayer` s, StreamingLLM's bounded attention: each query sees the
+    first ``s`` positions and the last ``W`` up to its own, and memory stays
+    ``s + W`` positions however long the generation (the model's own
+    sliding-window layers keep their window). Batches must not be left-padded
+    over the sink positions: the sinks are the first positions of every row.
+
+    Quantized storage and ``window`` are read by the "fusedllm" attention only
+    (the model loaded with ``attn_implementation="fusedllm"``).
 
     ``model.generate(input_ids, past_key_values=FusedCache(model.config))``
     """
 
-    def __init__(self, config=None, capacity: int = 256, dtype: torch.dtype | None = None):
+    def __init__(self, config=None, capacity: int = 256, dtype: torch.dtype | None = None,
+                 window: int | None = None, sink: int = 0):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"{OWNER}: capacity must be a positive int, got {capacity!r}")
         if dtype not in (None, torch.int8, torch.float8_e4m3fn):
             raise ValueError(f"{OWNER}: dtype must be None (keys and values as the model makes them), "
                              f"torch.int8 or torch.float8_e4m3fn, got {dtype!r}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"{OWNER}: window must be None or a positive int (positions each full-attention "
+                             f"layer keeps), got {window!r}")
+        if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
+            raise ValueError(f"{OWNER}: sink must be an int >= 0, got {sink!r}")
+        if sink and window is None:
+            raise ValueError(f"{OWNER}: sink={sink} needs a window: without one every position is kept anyway")
         backend = getattr(config, "_attn_implementation", None)
-        if dtype is not None and backend not in (None, "fusedllm"):
-            raise ValueError(f"{OWNER}: {dtype} storage is read by the 'fusedllm' attention only, but the model "
-                             f"uses '{backend}'; load it with attn_implementation='fusedllm'")
+        for asked, what in ((dtype is not None, f"{dtype} storage"), (window is not None, "window")):
+            if asked and backend not in (None, "fusedllm"):
+                raise ValueError(f"{OWNER}: {what} is read by the 'fusedllm' attention only, but the model "
+                                 f"uses '{backend}'; load it with attn_implementation='fusedllm'")
         super().__init__(config=config)
-        self.layers = [self._fused(layer, capacity, dtype) for layer in self.layers]
+        full = (functools.partial(GrowingLayer, capacity, dtype) if window is None
+                else functools.partial(SinkLayer, window, sink, dtype))
+        self.layers = [self._fused(layer, full, dtype) for layer in self.layers]
         if self.layer_class_to_replicate is not None:
-            self.layer_class_to_replicate = functools.partial(GrowingLayer, capacity, dtype)
+            self.layer_class_to_replicate = full
 
     @staticmethod
-    def _fused(layer, capacity: int, code: torch.dtype | None):
+    def _fused(layer, full, code: torch.dtype | None):
         if type(layer) is DynamicLayer:
-            return GrowingLayer(capacity, code)
+            return full()
         if type(layer) is DynamicSlidingWindowLayer:
             return RingLayer(layer.sliding_window, code)
         if code is not None:

@@ -565,12 +565,7 @@ class KVCache:
         else:
             pieces.append(FF._attention_with_lse(q, causal=True, window=w, dropout_p=dropout_p, **new_kv))
         self._store(k, v)
-        if len(pieces) == 1:
-            return pieces[0][0]
-        lse = torch.logsumexp(torch.stack([l for _, l in pieces]), dim=0)
-        acc = torch.promote_types(q.dtype, torch.float32)
-        out = sum(o.to(acc) * torch.exp(l - lse).unsqueeze(-1) for o, l in pieces)
-        return out.to(q.dtype)
+        return FF._merge_attention(pieces, q.dtype)
 
     def __repr__(self) -> str:
         bounds = "" if self.window is None else f", window={self.window}, sink={self.sink}"

@@ -8,7 +8,11 @@ A small LlamaForCausalLM (hidden 256, 4 layers, 8 query / 2 kv heads of 32,
 vocabulary 32000) with the "fusedllm" attention backend, and the same shape as
 a MistralForCausalLM with a sliding window of 4096 on every layer ("window"
 rows: DynamicCache concatenates the window's past with each new position,
-FusedCache's ring writes two slots). On the full-layer rows also: FusedCache
+FusedCache's ring writes two slots), and the Llama under
+FusedCache(window=4096, sink=4) ("sinks" rows: StreamingLLM's bounded
+attention, against DynamicCache keeping and attending to every position, so
+a different computation: the rows show the bounded memory and step time).
+On the full-layer rows also: FusedCache
 with int8 storage (read in place by the fusedllm attention), DynamicCache
 under transformers' "sdpa" attention, and, where optimum-quanto is installed,
 transformers' QuantizedCache (4-bit). Each layer's cache
@@ -83,20 +87,24 @@ def bench_one(model, cache, batch, context, new, device, dtype):
 
 
 def models(args):
-    """(label, model class, config, dtypes, contexts): the Llama with full layers
-    only, and the same shape as a Mistral with a sliding window on every layer."""
+    """(label, model class, config, dtypes, contexts, FusedCache options): the
+    Llama with full layers only, the same shape as a Mistral with a sliding
+    window on every layer, and the Llama with FusedCache bounding its full
+    layers (StreamingLLM: 4 sink positions and the window)."""
     contexts = [1024, 4096] if args.quick else [1024, 8192, 32768]
     dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float32]
     window = 1024 if args.quick else 4096
-    yield "", transformers.LlamaForCausalLM, transformers.LlamaConfig(**CONFIG), dtypes, contexts
+    yield "", transformers.LlamaForCausalLM, transformers.LlamaConfig(**CONFIG), dtypes, contexts, {}
     yield (f"window {window} ", transformers.MistralForCausalLM,
-           transformers.MistralConfig(**CONFIG, sliding_window=window), [torch.bfloat16], contexts[1:])
+           transformers.MistralConfig(**CONFIG, sliding_window=window), [torch.bfloat16], contexts[1:], {})
+    yield (f"sinks 4 + window {window} ", transformers.LlamaForCausalLM, transformers.LlamaConfig(**CONFIG),
+           [torch.bfloat16], contexts[1:], dict(window=window, sink=4))
 
 
 def cases(args, device):
     batches = [1, 4] if args.quick else [1, 8]
     new = args.reps or (6 if args.quick else 12)
-    for label, cls, config, dtypes, contexts in models(args):
+    for label, cls, config, dtypes, contexts, options in models(args):
         for dtype in dtypes:
             torch.manual_seed(0)
             model = cls(config).to(device, dtype).eval()
@@ -105,8 +113,8 @@ def cases(args, device):
                 for context in contexts:
                     dyn_s, dyn_mib = bench_one(model, transformers.DynamicCache(config=model.config), batch,
                                                context, new, device, dtype)
-                    fused_s, fused_mib = bench_one(model, FusedCache(model.config), batch, context, new, device,
-                                                   dtype)
+                    fused_s, fused_mib = bench_one(model, FusedCache(model.config, **options), batch, context, new,
+                                                   device, dtype)
                     row = dict(case=f"{label}B={batch} context {context} {dtype_name(dtype)}", batch=batch,
                                context=context, dtype=dtype_name(dtype), dynamic_ms=dyn_s * 1e3,
                                fused_ms=fused_s * 1e3, speedup=dyn_s / fused_s, dynamic_tok_s=batch / dyn_s,

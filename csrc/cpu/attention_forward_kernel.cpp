@@ -23,10 +23,16 @@ namespace {
 // the rows along the lanes, 16 of which hold a decoding step's 4 or 8 rows.
 constexpr int64_t kNarrowRows = 8;
 
+// Pieces of the next key tile prefetched during the current one: at its
+// start, after the K packing, after QK^T, after the softmax, after the V
+// packing (a decoding step over 32k bfloat16 or int8 keys: 5 pieces took
+// 0.8 and 0.67 of the time of one burst at the start).
+constexpr int kPrefetchParts = 5;
+
 // Per-slot scratch of the forward pass.
 template <typename acc_t>
 struct ForwardScratch {
-  acc_t *qt, *s, *sr, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha, *cols;
+  acc_t *qt, *s, *sr, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha, *cols, *q_scale, *p_scale;
   ForwardScratch(const Tiling<acc_t>& t, Arena& m)
       : qt(m.take<acc_t>(t.d * t.rows_pad)),
         s(m.take<acc_t>(t.block_k * t.rows_pad)),
@@ -37,7 +43,9 @@ struct ForwardScratch {
         row_max(m.take<acc_t>(t.rows_pad)),
         row_sum(m.take<acc_t>(t.rows_pad)),
         alpha(m.take<acc_t>(t.rows_pad)),
-        cols(m.take<acc_t>(2 * t.rows_pad)) {}
+        cols(m.take<acc_t>(2 * t.rows_pad)),
+        q_scale(m.take<acc_t>(t.rows_pad)),
+        p_scale(m.take<acc_t>(t.rows_pad)) {}
   static int64_t bytes(const Tiling<acc_t>& t) {
     Arena m;
     static_cast<void>(ForwardScratch(t, m));
@@ -127,6 +135,54 @@ void softmax_tile(acc_t* s, int64_t ld, int64_t nk, acc_t* row_max, acc_t* row_s
   }
 }
 
+#if defined(__AVX512BF16__)
+// exp on 8 lanes: 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by
+// its Taylor polynomial of degree 6 (relative error below 1e-7); 0 below
+// -87.3 (where float32 would go subnormal), NaN for NaN. x <= 88.
+inline __m256 exp_8(__m256 x) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+  return _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ));
+}
+
+// softmax_tile for the first 8 columns only (a decoding tile's rows): 256-bit
+// vectors, twice the throughput of 512-bit ones on CPUs that split the latter.
+inline void softmax_tile_8(float* s, int64_t ld, int64_t nk, float* row_max, float* row_sum, float* alpha) {
+  const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+  __m256 tile_max = neg_inf;
+  for (int64_t j = 0; j < nk; ++j) tile_max = _mm256_max_ps(tile_max, _mm256_loadu_ps(s + j * ld));
+  const __m256 running = _mm256_loadu_ps(row_max);
+  const __m256 new_max = _mm256_max_ps(running, tile_max);
+  // a row with no visible key so far keeps shift 0, so exp(-inf - shift) = 0
+  const __m256 shift = _mm256_blendv_ps(new_max, _mm256_setzero_ps(), _mm256_cmp_ps(new_max, neg_inf, _CMP_EQ_OQ));
+  const __m256 a = exp_8(_mm256_sub_ps(running, shift));
+  __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= nk; j += 2) {
+    const __m256 p0 = exp_8(_mm256_sub_ps(_mm256_loadu_ps(s + j * ld), shift));
+    const __m256 p1 = exp_8(_mm256_sub_ps(_mm256_loadu_ps(s + (j + 1) * ld), shift));
+    _mm256_storeu_ps(s + j * ld, p0);
+    _mm256_storeu_ps(s + (j + 1) * ld, p1);
+    sum0 = _mm256_add_ps(sum0, p0);
+    sum1 = _mm256_add_ps(sum1, p1);
+  }
+  if (j < nk) {
+    const __m256 p0 = exp_8(_mm256_sub_ps(_mm256_loadu_ps(s + j * ld), shift));
+    _mm256_storeu_ps(s + j * ld, p0);
+    sum0 = _mm256_add_ps(sum0, p0);
+  }
+  _mm256_storeu_ps(row_sum, _mm256_fmadd_ps(_mm256_loadu_ps(row_sum), a, _mm256_add_ps(sum0, sum1)));
+  _mm256_storeu_ps(row_max, new_max);
+  _mm256_storeu_ps(alpha, a);
+}
+#endif
+
 template <typename T>
 struct ForwardKernel {
   using acc_t = typename VecIO<T>::acc_t;
@@ -151,6 +207,10 @@ struct ForwardKernel {
     // packed per tile (attention_gemm.h). int8 / float8 K/V: their codes as
     // bfloat16 (exact), the key scales applied to the scores and the value
     // scales to the probabilities; float32 tiles dequantize as they load.
+    // Decoding over int8 K (V): the codes as int16 on vpdpwssd instead, against
+    // Q (P) rounded to int16 with one scale per row (per row and tile): the
+    // codes widen in one instruction where bfloat16 takes five, and the
+    // rounding (2^-16 of the row's largest value) is finer than bfloat16's.
     constexpr bool kPairs = kPairProducts<T>;
 #if defined(__AVX512BF16__)
     const int64_t dp = (d + 1) / 2;
@@ -162,11 +222,18 @@ struct ForwardKernel {
     const bool narrow = kPairs && rows <= kNarrowRows;  // then ld is 16
 #if defined(__AVX512BF16__)
     const int64_t nk_pad = round_up(t.block_k, 16);
+    const bool int_k = narrow && k.quantized() && !k.float8, int_v = narrow && v.quantized() && !v.float8;
 #endif
     if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
       if (narrow) {  // Q as pair words along its rows; S's rows past `rows` stay zero
-        for (int64_t i = 0; i < rows; ++i) pack_rows_along(q_row(i), 0, 1, d, qp + i * dp, dp);
+        for (int64_t i = 0; i < rows; ++i) {
+          if (int_k) {
+            w.q_scale[i] = pack_row_int16(q_row(i), d, qp + i * dp);
+          } else {
+            pack_rows_along(q_row(i), 0, 1, d, qp + i * dp, dp);
+          }
+        }
         std::fill(w.sr + rows * nk_pad, w.sr + ld * nk_pad, acc_t(0));
       } else {
         pack_rows_transposed(q_row, rows, ld, d, qp);
@@ -184,18 +251,33 @@ struct ForwardKernel {
     for (int64_t i = split; i < tiles.count; i += splits) {
       const int64_t j0 = tiles.start(i);
       const int64_t nk = tiles.stop(i) - j0;
-      if (i + splits < tiles.count) {
-        const int64_t next = tiles.start(i + splits);
-        k.prefetch(next, tiles.stop(i + splits) - next, d);
-        v.prefetch(next, tiles.stop(i + splits) - next, d);
-      }
+      // The next tile's rows, asked for in kPrefetchParts pieces spread over
+      // this tile's work (all at once, the requests fill the core's miss
+      // queue and the prefetches wait on memory; measured).
+      const auto prefetch_part = [&](int part) {
+        if (i + splits >= tiles.count) return;
+        const int64_t next = tiles.start(i + splits), n = tiles.stop(i + splits) - next;
+        const int64_t from = n * part / kPrefetchParts, to = n * (part + 1) / kPrefetchParts;
+        k.prefetch(next + from, to - from, d);
+        v.prefetch(next + from, to - from, d);
+      };
+      prefetch_part(0);
       int64_t k_ld, v_ld;
       // S^T = K (Q * scale)^T: keys x rows.
       if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-        if (narrow) {
+        if (int_k) {
+          k.with_rows(j0, nk, [&](const auto& row) {
+            if constexpr (kInt8Rows<decltype(row(0))>) pack_rows_transposed_wide<Pairs::kInt16>(row, nk, d, kp32, nk_pad);
+          });
+          prefetch_part(1);
+          gemm_pairs<ALayout::kRowMajor, false, Pairs::kInt16>(rows, round_up(nk, 16), dp, qp, dp, kp32, nk_pad,
+                                                               w.sr, nk_pad, nullptr, scale, w.q_scale);
+          transpose_16_rows(w.sr, nk_pad, nk, w.s);
+        } else if (narrow) {
           // S = Q K^T (rows x keys, K packed across the keys), then S^T
           k.with_rows(j0, nk, [&](const auto& row) { pack_rows_transposed_wide(row, nk, d, kp32, nk_pad); });
+          prefetch_part(1);
           gemm_pairs<ALayout::kRowMajor, false>(rows, round_up(nk, 16), dp, qp, dp, kp32, nk_pad, w.sr, nk_pad,
                                                 nullptr, scale);
           transpose_16_rows(w.sr, nk_pad, nk, w.s);
@@ -203,14 +285,17 @@ struct ForwardKernel {
           k.with_rows(j0, nk, [&](const auto& row) {
             k.runs(j0, nk, [&](int64_t i, int64_t n) { pack_rows_along(row(i), k.seq_stride, n, d, kp32 + i * dp, dp); });
           });
+          prefetch_part(1);
           gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp32, dp, qp, ld, w.s, ld, nullptr, scale);
         }
         if (k.quantized()) k.scale_rows(w.s, ld, j0, nk);
 #endif
       } else {
         const acc_t* kp = k.tile(j0, nk, d, d_pad, w.kbuf, k_ld);
+        prefetch_part(1);
         gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
       }
+      prefetch_part(2);
       const TileRows tile{b, g, group, p0, npos, j0, nk};
       if (a.mods.any_score_mod()) {
         apply_score_mods<acc_t>(w.s, ld, tile, a.mods, mask.offset, nullptr, w.cols);
@@ -220,7 +305,18 @@ struct ForwardKernel {
       }
       apply_tensor_mask(w.s, ld, tile, a.tensor_mask);
       // The row sums (and so the lse) are those of the probabilities before dropout.
-      softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
+      if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+        if (narrow) {
+          softmax_tile_8(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
+        } else {
+          softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
+        }
+#endif
+      } else {
+        softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
+      }
+      prefetch_part(3);
       if (a.dropout.enabled) {
         // P = P z in place, z = 1 / (1 - p) where kept, else 0.
         const acc_t kept = static_cast<acc_t>(a.dropout.scale);
@@ -233,13 +329,25 @@ struct ForwardKernel {
       if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
         if (v.quantized()) v.scale_rows(w.s, ld, j0, nk);  // P diag(v_scale) V8 = P V
-        v.with_rows(j0, nk, [&](const auto& row) { pack_rows_across(row, nk, d, vp32, d_pad); });
-        const uint32_t* pp = pack_tile_pairs(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s));
-        gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, pp, ld, vp32, d_pad, w.o, d_pad,
-                                             w.alpha);
+        if (int_v) {
+          v.with_rows(j0, nk, [&](const auto& row) {
+            if constexpr (kInt8Rows<decltype(row(0))>) pack_int8_rows_across(row, nk, d, vp32, d_pad);
+          });
+          prefetch_part(4);
+          const uint32_t* pp = pack_tile_pairs_int16(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s), w.p_scale);
+          gemm_pairs<ALayout::kColMajor, true, Pairs::kInt16>(rows, d_pad, (nk + 1) / 2, pp, ld, vp32, d_pad, w.o,
+                                                              d_pad, w.alpha, 1.0f, w.p_scale);
+        } else {
+          v.with_rows(j0, nk, [&](const auto& row) { pack_rows_across(row, nk, d, vp32, d_pad); });
+          prefetch_part(4);
+          const uint32_t* pp = pack_tile_pairs(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s));
+          gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, pp, ld, vp32, d_pad, w.o, d_pad,
+                                               w.alpha);
+        }
 #endif
       } else {
         const acc_t* vp = v.tile(j0, nk, d, d_pad, w.vbuf, v_ld);
+        prefetch_part(4);
         gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.s, ld, vp, v_ld, w.o, d_pad,
                                               w.alpha);
       }

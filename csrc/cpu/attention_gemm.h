@@ -11,7 +11,9 @@
 #include "fusedllm/kv_quant.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #if defined(__AVX512BF16__)
@@ -193,31 +195,38 @@ constexpr bool kPairProducts =
 
 #if defined(__AVX512BF16__)
 // ---------------------------------------------------------------------------
-// bfloat16 products on vdpbf16ps (AVX512-BF16): C (+)= A B with float32
-// accumulators, two bfloat16 terms of the inner dimension per instruction.
+// Pair products: C (+)= A B, two terms of the inner dimension per instruction.
 //
 // Operands are pair-packed: a uint32 word holds terms k = 2p (low half) and
 // 2p + 1 (high half) of one row or column, zero where k runs past K. A's word
 // (i, p) is a[i * lda + p] (kRowMajor) or a[p * lda + i] (kColMajor); B's
-// word (p, n) is b[p * ldb + n], N a multiple of 16. The instruction adds both
-// products of a pair into one float32 lane, so each lane sums its K terms in
-// float32 as the float32 kernel does.
+// word (p, n) is b[p * ldb + n], N a multiple of 16.
+//
+// Pairs::kBf16: bfloat16 terms on vdpbf16ps (AVX512-BF16), float32
+// accumulators: each lane sums its K terms in float32 as the float32 kernel
+// does. Pairs::kInt16: int16 terms on vpdpwssd (AVX512-VNNI), exact int32
+// accumulators converted to float32 once, at the end (the sums must stay
+// within int32: the callers' terms are at most 127 * 32767 apart from 512 of them).
 // ---------------------------------------------------------------------------
+
+enum class Pairs { kBf16, kInt16 };
 
 constexpr int kMRPairs = 6;  // rows per micro-kernel
 constexpr int kNVPairs = 4;  // vectors of 16 columns per micro-kernel (24 accumulators)
 
-// C[MR x NV*16] = out_scale * A B + (kLoadC ? diag(row_scale) C : 0), row_scale
-// null meaning ones.
-template <int MR, int NV, ALayout kA, bool kLoadC>
+// C[MR x NV*16] = out_scale * diag(a_scale) A B + (kLoadC ? diag(row_scale) C : 0),
+// a null a_scale or row_scale meaning ones.
+template <int MR, int NV, ALayout kA, bool kLoadC, Pairs kP>
 inline void micro_kernel_pairs(int64_t KP, const uint32_t* __restrict a, int64_t lda,
                                const uint32_t* __restrict b, int64_t ldb, float* __restrict c,
-                               int64_t ldc, const float* __restrict row_scale, float out_scale) {
-  __m512 acc[MR][NV];
+                               int64_t ldc, const float* __restrict row_scale, float out_scale,
+                               const float* __restrict a_scale) {
+  using Acc = std::conditional_t<kP == Pairs::kInt16, __m512i, __m512>;
+  Acc acc[MR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[i][v] = Acc{};
   }
 #pragma GCC unroll 2
   for (int64_t p = 0; p < KP; ++p) {
@@ -229,63 +238,77 @@ inline void micro_kernel_pairs(int64_t KP, const uint32_t* __restrict a, int64_t
       const __m512i ai = _mm512_set1_epi32(
           static_cast<int>(kA == ALayout::kRowMajor ? a[i * lda + p] : a[p * lda + i]));
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)ai, (__m512bh)bv[v]);
+      for (int v = 0; v < NV; ++v) {
+        if constexpr (kP == Pairs::kInt16) {
+          acc[i][v] = _mm512_dpwssd_epi32(acc[i][v], ai, bv[v]);
+        } else {
+          acc[i][v] = _mm512_dpbf16_ps(acc[i][v], (__m512bh)ai, (__m512bh)bv[v]);
+        }
+      }
     }
   }
-  const __m512 os = _mm512_set1_ps(out_scale);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     const __m512 rs = _mm512_set1_ps(row_scale != nullptr ? row_scale[i] : 1.0f);
+    const __m512 os = _mm512_set1_ps(a_scale != nullptr ? out_scale * a_scale[i] : out_scale);
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       float* ci = c + i * ldc + v * 16;
-      __m512 r = _mm512_mul_ps(acc[i][v], os);
+      __m512 r;
+      if constexpr (kP == Pairs::kInt16) {
+        r = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][v]), os);
+      } else {
+        r = _mm512_mul_ps(acc[i][v], os);
+      }
       if constexpr (kLoadC) r = _mm512_fmadd_ps(_mm512_loadu_ps(ci), rs, r);
       _mm512_storeu_ps(ci, r);
     }
   }
 }
 
-template <int NV, ALayout kA, bool kLoadC>
+template <int NV, ALayout kA, bool kLoadC, Pairs kP>
 inline void gemm_pairs_panel(int64_t M, int64_t KP, const uint32_t* a, int64_t lda, const uint32_t* b,
                              int64_t ldb, float* c, int64_t ldc, const float* row_scale,
-                             float out_scale) {
+                             float out_scale, const float* a_scale) {
   const auto a_rows = [lda](const uint32_t* base, int64_t i) {
     return kA == ALayout::kRowMajor ? base + i * lda : base + i;
   };
+  const auto rows_from = [](const float* v, int64_t i) { return v != nullptr ? v + i : nullptr; };
   int64_t i = 0;
   for (; i + kMRPairs <= M; i += kMRPairs) {
-    micro_kernel_pairs<kMRPairs, NV, kA, kLoadC>(KP, a_rows(a, i), lda, b, ldb, c + i * ldc, ldc,
-                                                 row_scale ? row_scale + i : nullptr, out_scale);
+    micro_kernel_pairs<kMRPairs, NV, kA, kLoadC, kP>(KP, a_rows(a, i), lda, b, ldb, c + i * ldc, ldc,
+                                                     rows_from(row_scale, i), out_scale, rows_from(a_scale, i));
   }
   const uint32_t* ai = a_rows(a, i);
   float* ci = c + i * ldc;
-  const float* si = row_scale ? row_scale + i : nullptr;
+  const float* si = rows_from(row_scale, i);
+  const float* ti = rows_from(a_scale, i);
   switch (M - i) {
-    case 1: micro_kernel_pairs<1, NV, kA, kLoadC>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale); break;
-    case 2: micro_kernel_pairs<2, NV, kA, kLoadC>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale); break;
-    case 3: micro_kernel_pairs<3, NV, kA, kLoadC>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale); break;
-    case 4: micro_kernel_pairs<4, NV, kA, kLoadC>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale); break;
-    case 5: micro_kernel_pairs<5, NV, kA, kLoadC>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale); break;
+    case 1: micro_kernel_pairs<1, NV, kA, kLoadC, kP>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale, ti); break;
+    case 2: micro_kernel_pairs<2, NV, kA, kLoadC, kP>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale, ti); break;
+    case 3: micro_kernel_pairs<3, NV, kA, kLoadC, kP>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale, ti); break;
+    case 4: micro_kernel_pairs<4, NV, kA, kLoadC, kP>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale, ti); break;
+    case 5: micro_kernel_pairs<5, NV, kA, kLoadC, kP>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale, ti); break;
     default: break;
   }
 }
 
-// C[M x N] = out_scale * A B + (kLoadC ? diag(row_scale) C : 0) over KP pairs of
-// the inner dimension; N a multiple of 16.
-template <ALayout kA, bool kLoadC>
+// C[M x N] = out_scale * diag(a_scale) A B + (kLoadC ? diag(row_scale) C : 0)
+// over KP pairs of the inner dimension; N a multiple of 16.
+template <ALayout kA, bool kLoadC, Pairs kP = Pairs::kBf16>
 void gemm_pairs(int64_t M, int64_t N, int64_t KP, const uint32_t* a, int64_t lda, const uint32_t* b,
                 int64_t ldb, float* c, int64_t ldc, const float* row_scale = nullptr,
-                float out_scale = 1.0f) {
+                float out_scale = 1.0f, const float* a_scale = nullptr) {
   int64_t j = 0;
   for (; j + kNVPairs * 16 <= N; j += kNVPairs * 16) {
-    gemm_pairs_panel<kNVPairs, kA, kLoadC>(M, KP, a, lda, b + j, ldb, c + j, ldc, row_scale, out_scale);
+    gemm_pairs_panel<kNVPairs, kA, kLoadC, kP>(M, KP, a, lda, b + j, ldb, c + j, ldc, row_scale, out_scale,
+                                               a_scale);
   }
   for (; j + 32 <= N; j += 32) {
-    gemm_pairs_panel<2, kA, kLoadC>(M, KP, a, lda, b + j, ldb, c + j, ldc, row_scale, out_scale);
+    gemm_pairs_panel<2, kA, kLoadC, kP>(M, KP, a, lda, b + j, ldb, c + j, ldc, row_scale, out_scale, a_scale);
   }
   for (; j < N; j += 16) {
-    gemm_pairs_panel<1, kA, kLoadC>(M, KP, a, lda, b + j, ldb, c + j, ldc, row_scale, out_scale);
+    gemm_pairs_panel<1, kA, kLoadC, kP>(M, KP, a, lda, b + j, ldb, c + j, ldc, row_scale, out_scale, a_scale);
   }
 }
 
@@ -349,6 +372,9 @@ inline __m512 codes_to_float(const Code* src, int64_t count) {
 
 template <typename R>
 constexpr bool kCodeRows = std::is_same_v<R, int8_t> || std::is_same_v<R, c10::Float8_e4m3fn>;
+// Whether a row accessor's rows (its pointer type P) are int8 codes.
+template <typename P>
+constexpr bool kInt8Rows = std::is_same_v<P, const int8_t*>;
 
 template <typename Row>
 inline void pack_code_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp);
@@ -433,6 +459,61 @@ inline __m512i row_pair_words(const Code* row, int64_t c, int64_t n) {
   return (__m512i)_mm512_cvtne2ps_pbh(part(16), part(0));
 }
 
+// Up to 32 int8 terms of a row from term c on (n terms in all) as 16 int16
+// pair words, zero past n.
+inline __m512i int16_pair_words(const int8_t* row, int64_t c, int64_t n) {
+  const int64_t count = std::min<int64_t>(32, n - c);
+  return _mm512_cvtepi8_epi16(
+      _mm256_maskz_loadu_epi8(static_cast<__mmask32>(count == 32 ? ~0u : (1u << count) - 1), row + c));
+}
+
+// A row of n bfloat16 terms as int16 pair words dst[p] (p < ceil(n / 2)),
+// scaled so that its largest magnitude is 32767 (rounded to nearest): the
+// terms are the codes times the returned scale (max / 32767, NaN for a row
+// holding a NaN), each within scale / 2.
+inline float pack_row_int16(const c10::BFloat16* src, int64_t n, uint32_t* dst) {
+  float m = 0.0f;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = src[i];
+    nan = nan || std::isnan(x);
+    m = std::max(m, std::abs(x));
+  }
+  const float inv = m > 0.0f && std::isfinite(m) ? 32767.0f / m : 0.0f;
+  const auto code = [&](int64_t i) {
+    return i < n ? static_cast<uint16_t>(static_cast<int16_t>(std::lrint(float(src[i]) * inv))) : uint16_t(0);
+  };
+  for (int64_t p = 0; p < (n + 1) / 2; ++p) dst[p] = pair_word(code(2 * p), code(2 * p + 1));
+  return nan ? std::numeric_limits<float>::quiet_NaN() : m / 32767.0f;
+}
+
+// pack_rows_across for int8 rows as int16 pair words (vpdpwssd): 32 columns
+// of both rows widened, then interleaved in one permute per 16 words.
+template <typename Row>
+inline void pack_int8_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
+  alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i low = _mm512_load_si512(kLow);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int64_t p = 0; p * 2 < rows; ++p) {
+    const int8_t* r0 = row(2 * p);
+    const int8_t* r1 = 2 * p + 1 < rows ? row(2 * p + 1) : nullptr;
+    uint32_t* out = dst + p * ldp;
+    int64_t c = 0;
+    for (; c + 32 <= n; c += 32) {
+      const __m512i x0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + c)));
+      const __m512i x1 = r1 != nullptr ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + c)))
+                                       : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(x0, low, x1));
+      _mm512_storeu_si512(out + c + 16, _mm512_permutex2var_epi16(x0, high, x1));
+    }
+    for (; c < n; ++c) {
+      out[c] = pair_word(static_cast<uint16_t>(int16_t(r0[c])), r1 != nullptr ? static_cast<uint16_t>(int16_t(r1[c])) : 0);
+    }
+    for (; c < ldp; ++c) out[c] = 0;
+  }
+}
+
 // pack_code_rows_across: pack_rows_across for int8 or float8 rows.
 template <typename Row>
 inline void pack_code_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
@@ -473,14 +554,21 @@ inline void pack_rows_along(const Code* src, int64_t stride, int64_t rows, int64
 // dst[p * ldp + j] holds terms 2p, 2p + 1 of row j, for p < ceil(n / 2) and
 // j < round_up(rows, 16) (zero past rows; ldp at least that). row(j) gives
 // row j's first element. 16 rows at a time, through a 16 x 16 word transpose.
-template <typename Row>
+// Pairs::kInt16: int8 rows as int16 pair words.
+template <Pairs kP = Pairs::kBf16, typename Row>
 inline void pack_rows_transposed_wide(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
   const int64_t np = (n + 1) / 2;
   for (int64_t j0 = 0; j0 < rows; j0 += 16) {
     for (int64_t c = 0; c < n; c += 32) {
       __m512i w[16];
       for (int i = 0; i < 16; ++i) {
-        w[i] = j0 + i < rows ? row_pair_words(row(j0 + i), c, n) : _mm512_setzero_si512();
+        if (j0 + i >= rows) {
+          w[i] = _mm512_setzero_si512();
+        } else if constexpr (kP == Pairs::kInt16) {
+          w[i] = int16_pair_words(row(j0 + i), c, n);
+        } else {
+          w[i] = row_pair_words(row(j0 + i), c, n);
+        }
       }
       transpose_16x16_words(w);
       for (int64_t p = c / 2; p < std::min(np, c / 2 + 16); ++p) {
@@ -506,6 +594,35 @@ inline uint32_t* pack_tile_pairs(const float* s, int64_t ld, int64_t nk, uint32_
       const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(both));
       const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1));
       _mm512_storeu_si512(out + p * ld + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+  return out;
+}
+
+// pack_tile_pairs in int16: each column col of the tile scaled so that its
+// largest magnitude is 32767 and rounded, its scale back (max / 32767; NaN
+// for a column holding a NaN) in col_scale[col]. out may be s itself.
+inline uint32_t* pack_tile_pairs_int16(const float* s, int64_t ld, int64_t nk, uint32_t* out, float* col_scale) {
+  const __m512i low_half = _mm512_set1_epi32(0xFFFF);
+  for (int64_t c = 0; c < ld; c += 16) {
+    __m512 m = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int64_t j = 0; j < nk; ++j) {
+      const __m512 x = _mm512_loadu_ps(s + j * ld + c);
+      nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      m = _mm512_max_ps(m, _mm512_abs_ps(x));
+    }
+    const __mmask16 usable = _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.0f), _CMP_GT_OQ) &
+                             _mm512_cmp_ps_mask(m, _mm512_set1_ps(INFINITY), _CMP_LT_OQ) & ~nan;
+    const __m512 inv = _mm512_maskz_div_ps(usable, _mm512_set1_ps(32767.0f), m);
+    _mm512_storeu_ps(col_scale + c, _mm512_mask_mov_ps(_mm512_mul_ps(m, _mm512_set1_ps(1.0f / 32767.0f)), nan,
+                                                       _mm512_set1_ps(NAN)));
+    // word p (row p) is written after rows 2p and 2p + 1 of these columns are read
+    for (int64_t p = 0; p * 2 < nk; ++p) {
+      const __m512i x0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(s + 2 * p * ld + c), inv));
+      const __m512i x1 = 2 * p + 1 < nk ? _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(s + (2 * p + 1) * ld + c), inv))
+                                        : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + p * ld + c, _mm512_or_si512(_mm512_and_si512(x0, low_half), _mm512_slli_epi32(x1, 16)));
     }
   }
   return out;

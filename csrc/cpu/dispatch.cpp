@@ -20,7 +20,8 @@ Isa active_isa() {
     const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                         __builtin_cpu_supports("avx512dq");
-    const bool avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+    const bool avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16") &&
+                             __builtin_cpu_supports("avx512vnni");
     if (avx512_bf16 && torch_choice == "AVX512") {
       best = Isa::kAvx512Bf16;
     } else if (avx512 && torch_choice == "AVX512") {

@@ -363,14 +363,28 @@ def streaming_reference(model, ids, steps, window, sink):
     return ids, logits
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma2_mixed"])
+def gpt_oss():
+    """Sliding and full layers with gpt-oss's learned sinks (s_aux), drawn at random."""
+    config = transformers.GptOssConfig(**{**SMALL, "num_hidden_layers": 4}, head_dim=16, sliding_window=4,
+                                       num_local_experts=4, num_experts_per_tok=2)
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    return model
+
+
+STREAMING_MODELS = {"llama": llama, "gemma2_mixed": gemma2, "gpt_oss_learned_sinks": gpt_oss}
+
+
+@pytest.mark.parametrize("kind", STREAMING_MODELS)
 @pytest.mark.parametrize("window, sink", [(4, 2), (5, 0), (3, 1), (1, 3), (30, 2)])
 def test_window_and_sinks_generate_as_streaming_attention(kind, window, sink):
     """Greedy generation with FusedCache(window, sink), the prompt longer than
     the window and the ring wrapped several times, equals recomputing the
     whole sequence under StreamingLLM's mask; memory stays sink + window."""
     torch.manual_seed(0)
-    model = MODELS[kind]().eval()
+    model = STREAMING_MODELS[kind]().eval()
     model.set_attn_implementation("fusedllm")
     model.generation_config.eos_token_id = None  # the reference runs every step
     ids, _ = left_padded("cpu", pad=0)
@@ -381,22 +395,25 @@ def test_window_and_sinks_generate_as_streaming_attention(kind, window, sink):
     for a, b in zip(ours.logits, logits):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     sinks = [layer for layer in cache.layers if isinstance(layer, SinkLayer)]
-    assert len(sinks) == {"llama": 2, "gemma2_mixed": 2}[kind]
+    assert len(sinks) == 2
     assert all(layer._k.shape[2] == sink + window for layer in sinks)
     assert cache.get_seq_length() == ids.shape[1] + 13  # the last token is not fed back
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss_learned_sinks"])
 @pytest.mark.parametrize("chunks", [[5, 1, 3, 1, 7, 2], [1] * 6 + [9], [2, 2, 2, 2, 2, 2, 2]])
-def test_window_and_sinks_in_chunks(chunks, device):
+def test_window_and_sinks_in_chunks(kind, chunks, device):
     """A sequence fed in chunks of any size (each chunk's queries see the
-    sinks, the window's past and each other): every position's logits as
-    recomputing the whole sequence under the mask; on every device."""
+    sinks, the window's past and each other; learned sinks join the merged
+    softmax once): every position's logits as recomputing the whole sequence
+    under the mask; on every device."""
     torch.manual_seed(0)
-    model = llama().to(device).eval()
+    model = STREAMING_MODELS[kind]().to(device).eval()
     ids = torch.randint(3, SMALL["vocab_size"], (2, sum(chunks)), generator=torch.Generator().manual_seed(3))
     model.set_attn_implementation("eager")
-    mask = streaming_masks(model, ids.shape[1], 4, 2)["full_attention"].expand(2, -1, -1, -1)
-    want = model(ids.to(device), attention_mask=mask.to(device)).logits
+    masks = {name: m.expand(2, -1, -1, -1).to(device)
+             for name, m in streaming_masks(model, ids.shape[1], 4, 2).items()}
+    want = model(ids.to(device), attention_mask=masks if len(masks) > 1 else masks["full_attention"]).logits
     model.set_attn_implementation("fusedllm")
     cache, start = FusedCache(model.config, window=4, sink=2), 0
     for n in chunks:

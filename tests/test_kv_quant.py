@@ -147,7 +147,9 @@ def test_quantize_kv_takes_values_and_scales_together():
 # --- attention over int8 K/V -------------------------------------------------------------
 
 # (batch, q_heads, kv_heads, q_len, kv_len, head_dim): prefill, decoding over a
-# long cache (the keys split across threads), chunks, small, large and odd head dims.
+# long cache (the keys split across threads), chunks, small, large and odd head dims;
+# decoding steps of 8 query rows (the most the CPU decoding products take) with
+# head dim 256 and with 2 positions.
 SHAPES = [
     (2, 4, 2, 17, 17, 64),
     (1, 8, 2, 1, 2100, 128),
@@ -156,6 +158,8 @@ SHAPES = [
     (1, 2, 1, 40, 40, 256),
     (1, 4, 2, 5, 40, 33),
     (1, 4, 2, 1, 70, 33),
+    (1, 8, 1, 1, 300, 256),
+    (1, 8, 2, 2, 200, 64),
 ]
 MASKS = [(False, None), (True, None), (True, 7)]
 

@@ -259,7 +259,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     the cache is ever made: float32 tiles dequantize as they load; bfloat16
     products on ``vdpbf16ps`` take the integers as bfloat16 (exact) and apply
     the key scales to the float32 scores and the value scales to the
-    probabilities. q is float32, bfloat16 or float16 and the output has q's
+    probabilities; a bfloat16 decoding step on a CPU with AVX512-VNNI
+    multiplies the codes as int16 against q and the probabilities rounded
+    to int16 (2^-16 of a row's largest value, below bfloat16's rounding of
+    those values elsewhere). q is float32, bfloat16 or float16 and the output has q's
     dtype. For inference only (no gradient). With scales ``s_k``, ``s_v`` of
     the rows a query reads, ``eps = scale * sum|q| * max s_k / 2`` bounds the
     error of any score, and the output differs from attention over the

@@ -229,6 +229,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     ``sinks``, one logit per query head) joins every softmax denominator.
     Packed sequences (``cu_seq_lens_q`` / ``cu_seq_lens_k``, or restarting
     ``position_ids``) run on the varlen kernel, as the module docstring says.
+    Keys from a ``FusedCache(window=..., sink=...)`` layer carry the positions
+    they hold (:class:`fusedllm.hf_cache.WindowLayout`): who sees whom comes
+    from them, and transformers' mask only adds the padding.
     """
     for name in _UNSUPPORTED:
         if kwargs.get(name) is not None:

@@ -205,8 +205,9 @@ constexpr bool kPairProducts =
 // Pairs::kBf16: bfloat16 terms on vdpbf16ps (AVX512-BF16), float32
 // accumulators: each lane sums its K terms in float32 as the float32 kernel
 // does. Pairs::kInt16: int16 terms on vpdpwssd (AVX512-VNNI), exact int32
-// accumulators converted to float32 once, at the end (the sums must stay
-// within int32: the callers' terms are at most 127 * 32767 apart from 512 of them).
+// accumulators converted to float32 once, at the end. The sums must stay
+// within int32: the callers multiply int8 codes by int16 values of at most
+// 32767 over at most 256 head dims or one key tile (256 * 127 * 32767 < 2^31).
 // ---------------------------------------------------------------------------
 
 enum class Pairs { kBf16, kInt16 };

@@ -84,6 +84,14 @@ class _SlotStorage:
     def quantized(self) -> bool:
         return self.code is not None
 
+    def _initialize(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """transformers' lazy initialization at the first update, and the dtype
+        new keys and values must keep (the first ones'; not every transformers
+        release records it)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.given_dtype = key_states.dtype
+
     def _tensors(self) -> tuple:
         return (self._k, self._v, self._ks, self._vs) if self.quantized else (self._k, self._v)
 
@@ -159,8 +167,7 @@ class GrowingLayer(_SlotStorage, DynamicLayer):
                 and self.values.data_ptr() == self._v.data_ptr() and self.values.stride() == self._v.stride())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        self._initialize(key_states, value_states)
         held, n = self.get_seq_length(), key_states.shape[-2]
         views = self._holds_views()
         if not views or held + n > self._k.shape[2]:
@@ -175,8 +182,8 @@ class GrowingLayer(_SlotStorage, DynamicLayer):
             if held:
                 _check_new("keys", old[0], self._k, same_place=False)
                 self._put(self._tensors(), slice(0, held), old)
-        _check_new("keys", key_states, self._k, dtype=self.dtype)
-        _check_new("values", value_states, self._v, dtype=self.dtype)
+        _check_new("keys", key_states, self._k, dtype=self.given_dtype)
+        _check_new("values", value_states, self._v, dtype=self.given_dtype)
         self._put(self._tensors(), slice(held, held + n), (key_states, value_states))
         self.keys, self.values = self._k[:, :, :held + n], self._v[:, :, :held + n]
         scales = (self._ks[:, :, :held + n], self._vs[:, :, :held + n]) if self.quantized else ()
@@ -242,13 +249,12 @@ class RingLayer(_BoundedStorage, DynamicSlidingWindowLayer):
                 self._put(self._tensors(), slice(slot + window, slot + window + length), part)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        self._initialize(key_states, value_states)
         if self._k is None:
             self._k, self._v, *scales = self._allocate(key_states, value_states, 2 * self.sliding_window)
             self._ks, self._vs = scales or (None, None)
-        _check_new("keys", key_states, self._k, dtype=self.dtype)
-        _check_new("values", value_states, self._v, dtype=self.dtype)
+        _check_new("keys", key_states, self._k, dtype=self.given_dtype)
+        _check_new("values", value_states, self._v, dtype=self.given_dtype)
         new = (key_states, value_states)
         if self.quantized:  # quantized once, written to both slots
             (k8, k_scale), (v8, v_scale) = (FF.quantize_kv(t, dtype=self.code) for t in (key_states, value_states))
@@ -376,13 +382,12 @@ class SinkLayer(_BoundedStorage, DynamicLayer):
         return self.cumulative_length + query_length, 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        self._initialize(key_states, value_states)
         if self._k is None:
             self._k, self._v, *scales = self._allocate(key_states, value_states, self.sink + self.window)
             self._ks, self._vs = scales or (None, None)
-        _check_new("keys", key_states, self._k, dtype=self.dtype)
-        _check_new("values", value_states, self._v, dtype=self.dtype)
+        _check_new("keys", key_states, self._k, dtype=self.given_dtype)
+        _check_new("values", value_states, self._v, dtype=self.given_dtype)
         new = (key_states, value_states)
         if self.quantized:  # quantized once: what is stored is what this step reads
             (k8, k_scale), (v8, v_scale) = (FF.quantize_kv(t, dtype=self.code) for t in (key_states, value_states))

@@ -127,32 +127,48 @@ class _FusedCohereLayer:
 class _FusedGPTJBlock:
     """GPT-J: one LayerNorm; q, k, v and fc_in in one GEMM; GPT-J's interleaved
     partial RoPE from its sin/cos table; fused attention; torch's GELU; one
-    output GEMM over [attention | GELU(fc_in)] against [out_proj | fc_out]."""
+    output GEMM over [attention | GELU(fc_in)] against [out_proj | fc_out].
+
+    Two transformers layouts: up to 5.23 the block takes ``layer_past``, reads
+    the attention's sin/cos table at ``position_ids`` and returns a tuple; from
+    5.24 it takes ``cache`` and the model's per-token ``position_embeddings``
+    (sin, cos) and returns the hidden states."""
 
     FUSED = "one input GEMM (q, k, v, fc_in), fused RoPE and attention, one output GEMM with the residual"
 
     def forward(self, hidden_states, layer_past=None, attention_mask=None, position_ids=None, use_cache=False,
-                output_attentions=False, **kwargs):
+                output_attentions=False, cache=None, position_embeddings=None, **kwargs):
         attn, mlp = self.attn, self.mlp
+        per_token = position_embeddings is not None
         dropping = self.training and (attn.resid_dropout.p > 0 or mlp.dropout.p > 0)
-        if output_attentions or dropping or position_ids is None:
-            return super().forward(hidden_states, layer_past=layer_past, attention_mask=attention_mask,
-                                   position_ids=position_ids, use_cache=use_cache,
-                                   output_attentions=output_attentions, **kwargs)
+        rotary = per_token or (position_ids is not None and hasattr(attn, "embed_positions"))
+        if output_attentions or dropping or not rotary or attn.rotary_dim is None:
+            passed = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache, **kwargs)
+            if per_token or cache is not None:
+                passed.update(cache=cache, position_embeddings=position_embeddings)
+            else:
+                passed.update(layer_past=layer_past, output_attentions=output_attentions)
+            return super().forward(hidden_states, **passed)
         normed = self.ln_1(hidden_states)
         q, k, v, up = _joint_linear(normed, [attn.q_proj, attn.k_proj, attn.v_proj, mlp.fc_in])
         heads, d = attn.num_attention_heads, attn.head_dim
         q, k, v = _heads(q, heads, d), _heads(k, heads, d), _heads(v, heads, d)
-        table = attn.embed_positions
-        if table.device != q.device:
-            table = table.to(q.device)
-        half = attn.rotary_dim // 2
-        # GPT-J's table is [positions, sin | cos] with rotary_dim / 2 angles: fusedllm's layout
-        q, k = FF.apply_rope(q, k, table[:, half:], table[:, :half], position_ids=position_ids, interleaved=True,
-                             rotary_dim=attn.rotary_dim)
-        out = _attend(attn, q, k, v, attention_mask, layer_past, attn.attn_dropout.p)
+        # GPT-J's tables hold rotary_dim / 2 angles: fusedllm's layout, per token or per position
+        if per_token:
+            sin, cos = position_embeddings
+            q, k = FF.apply_rope(q, k, cos, sin, interleaved=True, rotary_dim=attn.rotary_dim)
+        else:
+            table = attn.embed_positions
+            if table.device != q.device:
+                table = table.to(q.device)
+            half = attn.rotary_dim // 2  # [positions, sin | cos]
+            q, k = FF.apply_rope(q, k, table[:, half:], table[:, :half], position_ids=position_ids,
+                                 interleaved=True, rotary_dim=attn.rotary_dim)
+        dropout = attn.attention_dropout if hasattr(attn, "attention_dropout") else attn.attn_dropout.p
+        out = _attend(attn, q, k, v, attention_mask, cache if per_token else layer_past, dropout)
         hidden = mlp.act(up)
-        return _joint_output(out, hidden, attn.out_proj, mlp.fc_out, hidden_states), None
+        out = _joint_output(out, hidden, attn.out_proj, mlp.fc_out, hidden_states)
+        return out if per_token else (out, None)
 
 
 class _FusedGPTNeoXLayer:

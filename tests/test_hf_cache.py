@@ -506,3 +506,11 @@ def test_window_and_sinks_errors():
     with pytest.raises(ValueError, match=r"sink=2\) the first 2 positions of every row are its sinks, but some "
                                          r"row's are padding"):
         generate(model, ids, mask, FusedCache(model.config, window=4, sink=2))
+    layer = SinkLayer(4, 1)
+    keys, values = layer.update(*kv(3))
+    q = torch.randn(2, 4, 3, 4)
+    biased = torch.zeros(2, 1, 3, 3)
+    biased[..., 0] = -0.5
+    with pytest.raises(ValueError, match="reads the attention mask as keep / hide only, but this additive mask "
+                                         "holds other values"):
+        fusedllm.hf.attention_forward(torch.nn.Module(), q, keys, values, biased)

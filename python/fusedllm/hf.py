@@ -172,7 +172,12 @@ def _window_attention(query, key, value, mask, layout, scale, dropout_p, softcap
                              f"{layout.end} positions seen and the {q_len} queries, got shape {list(mask.shape)}")
         positions = layout.positions(query.device)
         if mask.dtype != torch.bool:  # an additive mask: 0 keeps, the dtype's minimum (or -inf) hides
-            mask = mask > torch.finfo(mask.dtype).min / 2
+            hidden = mask <= torch.finfo(mask.dtype).min / 2
+            if bool(((mask != 0) & ~hidden).any()):
+                raise ValueError("fusedllm.hf: a FusedCache(window=...) layer reads the attention mask as keep / "
+                                 "hide only, but this additive mask holds other values (a bias); pass a bool mask, "
+                                 "or 0 and the dtype's minimum")
+            mask = ~hidden
         held = mask.index_select(-1, positions)
         visible = layout.visible(query.device)
         # A row's sink positions must be real tokens: left padding over them would leave the row without sinks.

@@ -284,7 +284,6 @@ class RingLayer(_BoundedStorage, DynamicSlidingWindowLayer):
             self.keys, self.values = self._view(self._k, kept), self._view(self._v, kept)
 
 
-
 class WindowLayout:
     """What a :class:`SinkLayer` tells the "fusedllm" attention about the keys
     it returned (carried as ``keys.fusedllm_layout``): which positions they

@@ -188,8 +188,7 @@ def _window_attention(query, key, value, mask, layout, scale, dropout_p, softcap
             raise ValueError(f"fusedllm.hf: with FusedCache(window=..., sink={layout.sink}) the first "
                              f"{layout.sink} positions of every row are its sinks, but some row's are padding "
                              f"(left padding); generate such rows with prompts of equal length, or without sinks")
-        out = FF.attention(query, key, value, mask=held & visible, sinks=sinks, **args, **scales)
-        return out
+        return FF.attention(query, key, value, mask=held & visible, sinks=sinks, **args, **scales)
     if not layout.ordered:
         return FF.attention(query, key, value, sinks=sinks, **args, **scales)
     # a chunk: the sink keys (positions < sink, first), then the window's, ending at the last query

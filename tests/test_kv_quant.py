@@ -183,6 +183,47 @@ def test_int8_attention_matches_dequantized(device, dtype, shape, causal, window
 
 
 @pytest.mark.parametrize("code", CODES, ids=str)
+@pytest.mark.parametrize("shape,window", [((1, 8, 2, 1, 2100, 128), 700), ((2, 4, 1, 2, 1000, 64), 333),
+                                          ((1, 4, 2, 1, 530, 32), 1)])
+def test_int8_decoding_over_partly_and_fully_visible_tiles(device, shape, window, code):
+    """A decoding step whose window starts inside a key tile: that tile is masked,
+    the following ones are whole (the CPU runs the two kinds differently)."""
+    b, hq, hkv, sq, sk, d = shape
+    q = torch.randn(b, hq, sq, d, device=device).bfloat16()
+    k8, k_scale, v8, v_scale = quantized(torch.randn(b, hkv, sk, d, device=device),
+                                         torch.randn(b, hkv, sk, d, device=device), code)
+    with torch.no_grad():
+        out = fusedllm.attention(q, k8, v8, causal=True, window=window, k_scale=k_scale, v_scale=v_scale)
+    want, _ = ref_attention(q.double(), dequantize_kv(k8, k_scale).double(),
+                            dequantize_kv(v8, v_scale).double(), causal=True, window=window)
+    checks.assert_close(out, want, FORWARD_TOL[torch.bfloat16], "int8 decoding", upcast=True)
+
+
+@pytest.mark.parametrize("code", CODES, ids=str)
+@pytest.mark.parametrize("where", ["q", "k_scale", "v_scale", "inf_q"])
+def test_int8_decoding_non_finite_rows(device, where, code):
+    """A NaN (or an infinite query) reaches exactly the output rows it feeds."""
+    b, hq, hkv, sk, d = 1, 8, 2, 1200, 64
+    q = torch.randn(b, hq, 1, d, device=device).bfloat16()
+    k8, k_scale, v8, v_scale = quantized(torch.randn(b, hkv, sk, d, device=device),
+                                         torch.randn(b, hkv, sk, d, device=device), code)
+    poisoned = torch.zeros(hq, dtype=torch.bool)
+    if where in ("q", "inf_q"):
+        q[0, 5, 0, 3] = float("nan") if where == "q" else float("inf")
+        poisoned[5] = True
+    else:
+        (k_scale if where == "k_scale" else v_scale)[0, 1, 700] = float("nan")
+        poisoned[4:] = True  # the query heads of kv head 1
+    with torch.no_grad():
+        out = fusedllm.attention(q, k8, v8, k_scale=k_scale, v_scale=v_scale)
+    want, _ = ref_attention(q.double(), dequantize_kv(k8, k_scale).double(), dequantize_kv(v8, v_scale).double())
+    per_head = out[0, :, 0]
+    assert torch.isnan(per_head[poisoned]).all()
+    checks.assert_close(out[:, ~poisoned], want[:, ~poisoned], FORWARD_TOL[torch.bfloat16], "other heads",
+                        upcast=True)
+
+
+@pytest.mark.parametrize("code", CODES, ids=str)
 @pytest.mark.parametrize("dtype", Q_DTYPES)
 @pytest.mark.parametrize("outliers", [False, True])
 def test_int8_attention_within_stated_bound(device, dtype, outliers, code):

@@ -181,6 +181,59 @@ inline void softmax_tile_8(float* s, int64_t ld, int64_t nk, float* row_max, flo
   _mm256_storeu_ps(row_max, new_max);
   _mm256_storeu_ps(alpha, a);
 }
+
+// A decoding tile over int8 K and V with the keys along the lanes: s[i * ld + j]
+// (i < rows, j < nk) holds query row i's score against key j, but for the
+// key's scale ks[j]. Runs the online softmax step of each row and leaves
+// P diag(vs) in place as int16 pair words along the row (word p of row i at
+// reinterpret_cast<uint32_t*>(s)[i * ld + p]), each row scaled so that its
+// largest value is 32767, the scale back in p_scale[i] (NaN for a row holding
+// a NaN). ks and vs are read up to round_up(nk, 16) (zeros past nk). Against
+// the transposed tile (keys x rows), whose 16 lanes hold the 4 or 8 rows, this
+// needs no transpose and its exponentials, scalings and roundings shrink by
+// the rows' share of the lanes.
+inline void softmax_rows_int16(float* s, int64_t ld, int64_t rows, int64_t nk, const float* ks, const float* vs,
+                               float* row_max, float* row_sum, float* alpha, float* p_scale) {
+  const int64_t n16 = round_up(nk, 16);
+  for (int64_t i = 0; i < rows; ++i) {
+    float* r = s + i * ld;
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n16; j += 16) {
+      const __mmask16 live = j + 16 <= nk ? __mmask16(0xFFFF) : __mmask16((1u << (nk - j)) - 1);
+      const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, _mm512_loadu_ps(r + j), _mm512_loadu_ps(ks + j));
+      _mm512_storeu_ps(r + j, x);
+      m = _mm512_max_ps(m, x);
+    }
+    const float new_max = std::max(row_max[i], _mm512_reduce_max_ps(m));
+    // a row with no visible key so far keeps shift 0, so exp(-inf - shift) = 0
+    const float shift = new_max == -INFINITY ? 0.0f : new_max;
+    const float a = _mm256_cvtss_f32(exp_8(_mm256_set1_ps(row_max[i] - shift)));
+    const __m256 sh = _mm256_set1_ps(shift);
+    __m256 sum = _mm256_setzero_ps(), top = _mm256_setzero_ps();  // P diag(vs) >= 0: its max from 0
+    __mmask8 nan = 0;
+    for (int64_t j = 0; j < n16; j += 8) {
+      const __m256 p = exp_8(_mm256_sub_ps(_mm256_loadu_ps(r + j), sh));
+      sum = _mm256_add_ps(sum, p);
+      const __m256 y = _mm256_mul_ps(p, _mm256_loadu_ps(vs + j));
+      nan |= _mm256_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+      top = _mm256_max_ps(top, y);
+      _mm256_storeu_ps(r + j, y);
+    }
+    row_sum[i] = row_sum[i] * a + _mm512_reduce_add_ps(_mm512_zextps256_ps512(sum));
+    row_max[i] = new_max;
+    alpha[i] = a;
+    const float largest = _mm512_reduce_max_ps(_mm512_zextps256_ps512(top));
+    const bool usable = nan == 0 && largest > 0.0f && largest < INFINITY;
+    p_scale[i] = nan != 0 ? NAN : largest * (1.0f / 32767.0f);
+    const __m512 inv = _mm512_set1_ps(usable ? 32767.0f / largest : 0.0f);
+    // words [j / 2, j / 2 + 8) lie at or before floats [j, j + 16), already read
+    uint32_t* words = reinterpret_cast<uint32_t*>(r);
+    for (int64_t j = 0; j < n16; j += 16) {
+      const __m256i h = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(r + j), inv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + j / 2), h);
+    }
+  }
+}
 #endif
 
 template <typename T>
@@ -223,6 +276,7 @@ struct ForwardKernel {
 #if defined(__AVX512BF16__)
     const int64_t nk_pad = round_up(t.block_k, 16);
     const bool int_k = narrow && k.quantized() && !k.float8, int_v = narrow && v.quantized() && !v.float8;
+    const bool plain_scores = !a.mods.any_score_mod() && !a.tensor_mask.present() && !a.dropout.enabled;
 #endif
     if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
@@ -273,6 +327,25 @@ struct ForwardKernel {
           prefetch_part(1);
           gemm_pairs<ALayout::kRowMajor, false, Pairs::kInt16>(rows, round_up(nk, 16), dp, qp, dp, kp32, nk_pad,
                                                                w.sr, nk_pad, nullptr, scale, w.q_scale);
+          // int8 V too and nothing between the scores and the softmax: the
+          // tile stays rows x keys (softmax_rows_int16)
+          if (int_v && plain_scores && tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
+            float* ks = w.s;
+            float* vs = w.s + nk_pad;
+            k.gather_scales(j0, nk, nk_pad, ks);
+            v.gather_scales(j0, nk, nk_pad, vs);
+            prefetch_part(2);
+            softmax_rows_int16(w.sr, nk_pad, rows, nk, ks, vs, w.row_max, w.row_sum, w.alpha, w.p_scale);
+            prefetch_part(3);
+            v.with_rows(j0, nk, [&](const auto& row) {
+              if constexpr (kInt8Rows<decltype(row(0))>) pack_int8_rows_across(row, nk, d, vp32, d_pad);
+            });
+            prefetch_part(4);
+            gemm_pairs<ALayout::kRowMajor, true, Pairs::kInt16>(rows, d_pad, (nk + 1) / 2,
+                                                                reinterpret_cast<const uint32_t*>(w.sr), nk_pad,
+                                                                vp32, d_pad, w.o, d_pad, w.alpha, 1.0f, w.p_scale);
+            continue;
+          }
           transpose_16_rows(w.sr, nk_pad, nk, w.s);
         } else if (narrow) {
           // S = Q K^T (rows x keys, K packed across the keys), then S^T

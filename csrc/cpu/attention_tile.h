@@ -417,7 +417,25 @@ struct KvRows {
       for (int64_t t = 0; t < n; ++t) {
         for (int64_t c = 0; c < bytes; c += 64) prefetch_line(first + t * step + c);
       }
+      if (quantized()) {  // and their scales (the scaling loads stalled on them; measured)
+        const char* s = reinterpret_cast<const char*>(scale + pages.row_offset(b, j0 + i, scale_page_stride, scale_stride));
+        const int64_t s_step = scale_stride * int64_t(sizeof(float));
+        if (s_step >= 64) {
+          for (int64_t t = 0; t < n; ++t) prefetch_line(s + t * s_step);
+        } else {
+          const char* line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(s) & ~uintptr_t(63));
+          for (; line < s + n * s_step; line += 64) prefetch_line(line);
+        }
+      }
     });
+  }
+  // The scales of rows [j0, j0 + nk) as dst[0, nk), zero in [nk, n_pad).
+  void gather_scales(int64_t j0, int64_t nk, int64_t n_pad, float* dst) const {
+    runs(j0, nk, [&](int64_t i, int64_t n) {
+      const float* s = scale + pages.row_offset(b, j0 + i, scale_page_stride, scale_stride);
+      for (int64_t t = 0; t < n; ++t) dst[i + t] = s[t * scale_stride];
+    });
+    std::fill(dst + nk, dst + n_pad, 0.0f);
   }
   // acc[j * ld + c] *= the scale of row j0 + j, for j < nk and c < ld.
   void scale_rows(acc_t* acc, int64_t ld, int64_t j0, int64_t nk) const {

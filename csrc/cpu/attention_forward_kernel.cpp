@@ -19,8 +19,9 @@ namespace flash {
 namespace {
 
 // Query rows up to which the bfloat16 scores are computed with the keys along
-// the vector lanes (S = Q K^T, then transposed): the S^T = K Q^T product puts
-// the rows along the lanes, 16 of which hold a decoding step's 4 or 8 rows.
+// the vector lanes (S = Q K^T; transposed only for the score modifications and
+// masks): the S^T = K Q^T product puts the rows along the lanes, 16 of which
+// hold a decoding step's 4 or 8 rows.
 constexpr int64_t kNarrowRows = 8;
 
 // Pieces of the next key tile prefetched during the current one: at its
@@ -182,27 +183,30 @@ inline void softmax_tile_8(float* s, int64_t ld, int64_t nk, float* row_max, flo
   _mm256_storeu_ps(alpha, a);
 }
 
-// A decoding tile over int8 K and V with the keys along the lanes: s[i * ld + j]
-// (i < rows, j < nk) holds query row i's score against key j, but for the
-// key's scale ks[j]. Runs the online softmax step of each row and leaves
-// P diag(vs) in place as int16 pair words along the row (word p of row i at
-// reinterpret_cast<uint32_t*>(s)[i * ld + p]), each row scaled so that its
-// largest value is 32767, the scale back in p_scale[i] (NaN for a row holding
-// a NaN). ks and vs are read up to round_up(nk, 16) (zeros past nk). Against
-// the transposed tile (keys x rows), whose 16 lanes hold the 4 or 8 rows, this
-// needs no transpose and its exponentials, scalings and roundings shrink by
-// the rows' share of the lanes.
-inline void softmax_rows_int16(float* s, int64_t ld, int64_t rows, int64_t nk, const float* ks, const float* vs,
-                               float* row_max, float* row_sum, float* alpha, float* p_scale) {
+// A decoding tile with the keys along the lanes: s[i * ld + j] (i < rows,
+// j < nk) holds query row i's score against key j, but for the key's scale
+// ks[j] (null: none). Runs the online softmax step of each row and leaves
+// P diag(vs) (vs null: P) in place as pair words along the row (word p of row i
+// at reinterpret_cast<uint32_t*>(s)[i * ld + p]): bfloat16, or int16 with each
+// row scaled so that its largest value is 32767, the scale back in p_scale[i]
+// (NaN for a row holding a NaN). ks and vs are read up to round_up(nk, 16)
+// (zeros past nk). Against the transposed tile (keys x rows), whose 16 lanes
+// hold the 4 or 8 rows, this needs no transpose, and its exponentials,
+// scalings and roundings shrink by the rows' share of the lanes.
+template <Pairs kP>
+inline void softmax_rows(float* s, int64_t ld, int64_t rows, int64_t nk, const float* ks, const float* vs,
+                         float* row_max, float* row_sum, float* alpha, float* p_scale) {
   const int64_t n16 = round_up(nk, 16);
   for (int64_t i = 0; i < rows; ++i) {
     float* r = s + i * ld;
     __m512 m = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n16; j += 16) {
       const __mmask16 live = j + 16 <= nk ? __mmask16(0xFFFF) : __mmask16((1u << (nk - j)) - 1);
-      const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, _mm512_loadu_ps(r + j), _mm512_loadu_ps(ks + j));
-      _mm512_storeu_ps(r + j, x);
-      m = _mm512_max_ps(m, x);
+      const __m512 x = _mm512_loadu_ps(r + j);
+      const __m512 y = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, x,
+                                          ks != nullptr ? _mm512_loadu_ps(ks + j) : _mm512_set1_ps(1.0f));
+      _mm512_storeu_ps(r + j, y);
+      m = _mm512_max_ps(m, y);
     }
     const float new_max = std::max(row_max[i], _mm512_reduce_max_ps(m));
     // a row with no visible key so far keeps shift 0, so exp(-inf - shift) = 0
@@ -214,23 +218,30 @@ inline void softmax_rows_int16(float* s, int64_t ld, int64_t rows, int64_t nk, c
     for (int64_t j = 0; j < n16; j += 8) {
       const __m256 p = exp_8(_mm256_sub_ps(_mm256_loadu_ps(r + j), sh));
       sum = _mm256_add_ps(sum, p);
-      const __m256 y = _mm256_mul_ps(p, _mm256_loadu_ps(vs + j));
-      nan |= _mm256_cmp_ps_mask(y, y, _CMP_UNORD_Q);
-      top = _mm256_max_ps(top, y);
+      const __m256 y = vs != nullptr ? _mm256_mul_ps(p, _mm256_loadu_ps(vs + j)) : p;
+      if constexpr (kP == Pairs::kInt16) {
+        nan |= _mm256_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+        top = _mm256_max_ps(top, y);
+      }
       _mm256_storeu_ps(r + j, y);
     }
     row_sum[i] = row_sum[i] * a + _mm512_reduce_add_ps(_mm512_zextps256_ps512(sum));
     row_max[i] = new_max;
     alpha[i] = a;
-    const float largest = _mm512_reduce_max_ps(_mm512_zextps256_ps512(top));
-    const bool usable = nan == 0 && largest > 0.0f && largest < INFINITY;
-    p_scale[i] = nan != 0 ? NAN : largest * (1.0f / 32767.0f);
-    const __m512 inv = _mm512_set1_ps(usable ? 32767.0f / largest : 0.0f);
     // words [j / 2, j / 2 + 8) lie at or before floats [j, j + 16), already read
-    uint32_t* words = reinterpret_cast<uint32_t*>(r);
-    for (int64_t j = 0; j < n16; j += 16) {
-      const __m256i h = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(r + j), inv)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + j / 2), h);
+    __m256i* words = reinterpret_cast<__m256i*>(r);
+    if constexpr (kP == Pairs::kInt16) {
+      const float largest = _mm512_reduce_max_ps(_mm512_zextps256_ps512(top));
+      const bool usable = nan == 0 && largest > 0.0f && largest < INFINITY;
+      p_scale[i] = nan != 0 ? NAN : largest * (1.0f / 32767.0f);
+      const __m512 inv = _mm512_set1_ps(usable ? 32767.0f / largest : 0.0f);
+      for (int64_t j = 0; j < n16; j += 16) {
+        _mm256_storeu_si256(words + j / 16, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(r + j), inv))));
+      }
+    } else {
+      for (int64_t j = 0; j < n16; j += 16) {
+        _mm256_storeu_si256(words + j / 16, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(r + j)));
+      }
     }
   }
 }
@@ -317,7 +328,7 @@ struct ForwardKernel {
       };
       prefetch_part(0);
       int64_t k_ld, v_ld;
-      // S^T = K (Q * scale)^T: keys x rows.
+      // S^T = K (Q * scale)^T: keys x rows (narrow: S, rows x keys).
       if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
         if (int_k) {
@@ -327,33 +338,12 @@ struct ForwardKernel {
           prefetch_part(1);
           gemm_pairs<ALayout::kRowMajor, false, Pairs::kInt16>(rows, round_up(nk, 16), dp, qp, dp, kp32, nk_pad,
                                                                w.sr, nk_pad, nullptr, scale, w.q_scale);
-          // int8 V too and nothing between the scores and the softmax: the
-          // tile stays rows x keys (softmax_rows_int16)
-          if (int_v && plain_scores && tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
-            float* ks = w.s;
-            float* vs = w.s + nk_pad;
-            k.gather_scales(j0, nk, nk_pad, ks);
-            v.gather_scales(j0, nk, nk_pad, vs);
-            prefetch_part(2);
-            softmax_rows_int16(w.sr, nk_pad, rows, nk, ks, vs, w.row_max, w.row_sum, w.alpha, w.p_scale);
-            prefetch_part(3);
-            v.with_rows(j0, nk, [&](const auto& row) {
-              if constexpr (kInt8Rows<decltype(row(0))>) pack_int8_rows_across(row, nk, d, vp32, d_pad);
-            });
-            prefetch_part(4);
-            gemm_pairs<ALayout::kRowMajor, true, Pairs::kInt16>(rows, d_pad, (nk + 1) / 2,
-                                                                reinterpret_cast<const uint32_t*>(w.sr), nk_pad,
-                                                                vp32, d_pad, w.o, d_pad, w.alpha, 1.0f, w.p_scale);
-            continue;
-          }
-          transpose_16_rows(w.sr, nk_pad, nk, w.s);
         } else if (narrow) {
-          // S = Q K^T (rows x keys, K packed across the keys), then S^T
+          // S = Q K^T (rows x keys, K packed across the keys)
           k.with_rows(j0, nk, [&](const auto& row) { pack_rows_transposed_wide(row, nk, d, kp32, nk_pad); });
           prefetch_part(1);
           gemm_pairs<ALayout::kRowMajor, false>(rows, round_up(nk, 16), dp, qp, dp, kp32, nk_pad, w.sr, nk_pad,
                                                 nullptr, scale);
-          transpose_16_rows(w.sr, nk_pad, nk, w.s);
         } else {
           k.with_rows(j0, nk, [&](const auto& row) {
             k.runs(j0, nk, [&](int64_t i, int64_t n) { pack_rows_along(row(i), k.seq_stride, n, d, kp32 + i * dp, dp); });
@@ -361,6 +351,34 @@ struct ForwardKernel {
           prefetch_part(1);
           gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp32, dp, qp, ld, w.s, ld, nullptr, scale);
         }
+        if (narrow && plain_scores && tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
+          // nothing between the scores and the softmax: the tile stays rows x keys
+          float* const ks = k.quantized() ? w.s : nullptr;
+          float* const vs = v.quantized() ? w.s + nk_pad : nullptr;
+          if (ks != nullptr) k.gather_scales(j0, nk, nk_pad, ks);
+          if (vs != nullptr) v.gather_scales(j0, nk, nk_pad, vs);
+          prefetch_part(2);
+          const uint32_t* pp = reinterpret_cast<const uint32_t*>(w.sr);
+          if (int_v) {
+            softmax_rows<Pairs::kInt16>(w.sr, nk_pad, rows, nk, ks, vs, w.row_max, w.row_sum, w.alpha, w.p_scale);
+            prefetch_part(3);
+            v.with_rows(j0, nk, [&](const auto& row) {
+              if constexpr (kInt8Rows<decltype(row(0))>) pack_int8_rows_across(row, nk, d, vp32, d_pad);
+            });
+            prefetch_part(4);
+            gemm_pairs<ALayout::kRowMajor, true, Pairs::kInt16>(rows, d_pad, (nk + 1) / 2, pp, nk_pad, vp32, d_pad,
+                                                                w.o, d_pad, w.alpha, 1.0f, w.p_scale);
+          } else {
+            softmax_rows<Pairs::kBf16>(w.sr, nk_pad, rows, nk, ks, vs, w.row_max, w.row_sum, w.alpha, nullptr);
+            prefetch_part(3);
+            v.with_rows(j0, nk, [&](const auto& row) { pack_rows_across(row, nk, d, vp32, d_pad); });
+            prefetch_part(4);
+            gemm_pairs<ALayout::kRowMajor, true>(rows, d_pad, (nk + 1) / 2, pp, nk_pad, vp32, d_pad, w.o, d_pad,
+                                                 w.alpha);
+          }
+          continue;
+        }
+        if (narrow) transpose_16_rows(w.sr, nk_pad, nk, w.s);
         if (k.quantized()) k.scale_rows(w.s, ld, j0, nk);
 #endif
       } else {

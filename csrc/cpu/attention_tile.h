@@ -151,6 +151,10 @@ struct Tiling {
     q_tiles = ceil_div(sq, block_q);
     k_tiles = ceil_div(sk, block_k);
   }
+  void cap_keys_per_tile(int64_t n) {
+    block_k = std::min(block_k, n);
+    k_tiles = ceil_div(sk, block_k);
+  }
 
   // Column i of a tile of kv head g starting at position p0: query head,
   // position, and flat [B, Hq, Sq] row in batch b.

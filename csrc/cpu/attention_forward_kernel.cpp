@@ -26,15 +26,17 @@ constexpr int64_t kNarrowRows = 8;
 
 // Keys per tile of a decoding step (at most kNarrowRows query rows per kv
 // head), so that the tile's packed K and V (float32 copies on the float32
-// path) stay in the level-1 cache beside the scores. Measured on a Zen 4 (32
-// KiB L1d), 32/8 heads of 128, 2k-32k keys, batch 1 and 8, against 96 keys:
-// float32 tiles 16 (1.3-1.5x as fast), bfloat16 pair words 32 (1.6-1.7x),
-// int8 K and V 64 (1.03-1.06x).
+// path) stay in the level-1 cache beside the scores: a budget of head dims x
+// keys, in multiples of 16 keys. Measured on a Zen 4 (32 KiB L1d), 32/8
+// heads of 128 over 2k-32k keys, batch 1 and 8, against 96 keys: float32
+// tiles best at 16 keys (1.3-1.5x as fast), bfloat16 pair words at 32
+// (1.6-1.7x), int8 and float8 codes at 64 (1.03-1.06x); at head dim 32,
+// bfloat16 best at 64 or more keys.
 template <typename T>
 int64_t decoding_keys_per_tile(const AttentionForwardArgs& a) {
-  if (!kPairProducts<T>) return 16;
-  const bool int8_kv = a.k_scale.data != nullptr && !a.k_scale.float8 && a.v_scale.data != nullptr && !a.v_scale.float8;
-  return int8_kv ? 64 : 32;
+  const bool codes = a.k_scale.data != nullptr && a.v_scale.data != nullptr;
+  const int64_t budget = !kPairProducts<T> ? 2048 : (codes ? 8192 : 4096);
+  return std::clamp<int64_t>(budget / std::max<int64_t>(a.head_dim, 1) / 16 * 16, 16, kKeysPerTile);
 }
 
 // Pieces of the next key tile prefetched during the current one: at its

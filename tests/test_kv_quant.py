@@ -223,6 +223,55 @@ def test_int8_decoding_non_finite_rows(device, where, code):
                         upcast=True)
 
 
+def every_code(code):
+    """Each of the code's 256 byte values once (float8's two NaN bytes as 0), as a [256] tensor."""
+    bytes_ = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    if code == torch.float8_e4m3fn:
+        bytes_[(bytes_ & 0x7F) == 0x7F] = 0
+    return bytes_.view(code)
+
+
+@pytest.mark.parametrize("code", CODES, ids=str)
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_every_key_code_read_exactly(device, code, q_len):
+    """One key holding every code: a one-hot query's log-sum-exp is that code's
+    value times the softmax scale, exactly (decoding and prefill tiles)."""
+    codes = every_code(code)
+    k8 = codes.view(1, 1, 1, 256).to(device)
+    v8 = torch.zeros(1, 1, 1, 256, dtype=code, device=device)
+    ones = torch.ones(1, 1, 1, device=device)
+    want = dequantize_kv(codes.view(1, 256), torch.ones(1)).view(256).double() / 16
+    for dims in torch.arange(256).view(-1, 8):
+        q = torch.zeros(1, 8, q_len, 256, device=device)
+        q[0, torch.arange(8), :, dims] = 1.0
+        with torch.no_grad():
+            _, lse = fusedllm.functional._attention_with_lse(q.bfloat16(), k8, v8, k_scale=ones, v_scale=ones)
+        got = lse[0, :, 0].double().cpu()
+        assert torch.equal(got, want[dims]), f"codes {dims.tolist()}: {got.tolist()} != {want[dims].tolist()}"
+
+
+@pytest.mark.parametrize("code", CODES, ids=str)
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_every_value_code_read_exactly(device, code, q_len):
+    """Value rows holding every code, and keys that put all of each query's
+    weight on one row: the output is that row's values, exactly."""
+    codes = every_code(code).view(16, 16)
+    v8 = codes.view(1, 1, 16, 16).to(device)
+    # key j: 448 in dim j (float8's largest; int8: 127), so query e_j scores it far above the rest
+    top = 127 if code == torch.int8 else 448.0
+    k = torch.zeros(16, 16)
+    k[torch.arange(16), torch.arange(16)] = top
+    k8 = k.to(code).view(1, 1, 16, 16).to(device)
+    ones = torch.ones(1, 1, 16, device=device)
+    want = dequantize_kv(codes, torch.ones(16)).to(torch.bfloat16)
+    for rows in torch.arange(16).view(2, 8):
+        q = torch.zeros(1, 8, q_len, 16, device=device)
+        q[0, torch.arange(8), :, rows] = 4.0
+        with torch.no_grad():
+            out = fusedllm.attention(q.bfloat16(), k8, v8, k_scale=ones, v_scale=ones)
+        assert torch.equal(out[0, :, 0].cpu(), want[rows]), f"rows {rows.tolist()}"
+
+
 @pytest.mark.parametrize("code", CODES, ids=str)
 @pytest.mark.parametrize("dtype", Q_DTYPES)
 @pytest.mark.parametrize("outliers", [False, True])

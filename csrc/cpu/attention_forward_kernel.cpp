@@ -379,7 +379,7 @@ struct ForwardKernel {
             softmax_rows<Pairs::kInt16>(w.sr, nk_pad, rows, nk, ks, vs, w.row_max, w.row_sum, w.alpha, w.p_scale);
             prefetch_part(3);
             v.with_rows(j0, nk, [&](const auto& row) {
-              if constexpr (kInt8Rows<decltype(row(0))>) pack_int8_rows_across(row, nk, d, vp32, d_pad);
+              if constexpr (kInt8Rows<decltype(row(0))>) pack_widened_rows_across(row, nk, d, vp32, d_pad);
             });
             prefetch_part(4);
             gemm_pairs<ALayout::kRowMajor, true, Pairs::kInt16>(rows, d_pad, (nk + 1) / 2, pp, nk_pad, vp32, d_pad,
@@ -438,7 +438,7 @@ struct ForwardKernel {
         if (v.quantized()) v.scale_rows(w.s, ld, j0, nk);  // P diag(v_scale) V8 = P V
         if (int_v) {
           v.with_rows(j0, nk, [&](const auto& row) {
-            if constexpr (kInt8Rows<decltype(row(0))>) pack_int8_rows_across(row, nk, d, vp32, d_pad);
+            if constexpr (kInt8Rows<decltype(row(0))>) pack_widened_rows_across(row, nk, d, vp32, d_pad);
           });
           prefetch_part(4);
           const uint32_t* pp = pack_tile_pairs_int16(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s), w.p_scale);

@@ -353,22 +353,27 @@ inline void pack_rows_along(const c10::BFloat16* src, int64_t stride, int64_t ro
 inline uint16_t code_bfloat16_bits(int8_t x) { return c10::BFloat16(static_cast<float>(x)).x; }
 inline uint16_t code_bfloat16_bits(c10::Float8_e4m3fn x) { return c10::BFloat16(kvq::float8_value(x.x)).x; }
 
-// 16 codes (in a register) as float32.
-inline __m512 codes_to_float(__m128i q, const int8_t*) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
-inline __m512 codes_to_float(__m128i q, const c10::Float8_e4m3fn*) {
-  const __m256i w = _mm256_cvtepu8_epi16(q);  // as float16 bits of code * 2^-8 (attention_tile.h)
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
-                                    _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
-  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+// 16 int8 codes from src, or count (<= 16) of them and zeros past count, as float32.
+inline __m512 codes_to_float(const int8_t* src) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
 }
-// 16 codes from src, or count (<= 16) of them and zeros past count, as float32.
-template <typename Code>
-inline __m512 codes_to_float(const Code* src) {
-  return codes_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)), src);
+inline __m512 codes_to_float(const int8_t* src, int64_t count) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << count) - 1), src)));
 }
-template <typename Code>
-inline __m512 codes_to_float(const Code* src, int64_t count) {
-  return codes_to_float(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << count) - 1), src), src);
+
+// 32 float8 e4m3 codes as the bfloat16 bits of their values, in order, in
+// integer instructions (about half of those through float16 and float32):
+// a normal code's exponent moves up 4 bits and gains 120 (bias 127 against 7),
+// its mantissa up 4; the 8 subnormals (and zero) come from a table. Exact; a
+// NaN code reads as 480, as float8_half_bits does.
+inline __m512i float8_bfloat16_bits(__m256i codes) {
+  alignas(64) static constexpr uint16_t kSubnormal[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+  const __m512i w = _mm512_cvtepu8_epi16(codes);
+  const __m512i magnitude = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7));
+  const __mmask32 subnormal = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8));
+  const __m512i bits = _mm512_mask_permutexvar_epi16(normal, subnormal, magnitude, _mm512_load_si512(kSubnormal));
+  return _mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
 }
 
 template <typename R>
@@ -446,13 +451,17 @@ inline void transpose_16_rows(const float* src, int64_t lds, int64_t cols, float
 }
 
 // Up to 32 terms of a row from term c on (n terms in all) as 16 pair words,
-// zero past n: bfloat16 as stored, int8 as bfloat16.
+// zero past n: bfloat16 as stored, int8 and float8 codes as bfloat16.
 inline __m512i row_pair_words(const c10::BFloat16* row, int64_t c, int64_t n) {
   const int64_t count = std::min<int64_t>(32, n - c);
   return _mm512_maskz_loadu_epi16(static_cast<__mmask32>(count == 32 ? ~0u : (1u << count) - 1), row + c);
 }
-template <typename Code, typename = std::enable_if_t<kCodeRows<Code>>>
-inline __m512i row_pair_words(const Code* row, int64_t c, int64_t n) {
+inline __m512i row_pair_words(const c10::Float8_e4m3fn* row, int64_t c, int64_t n) {
+  const int64_t count = std::min<int64_t>(32, n - c);
+  return float8_bfloat16_bits(
+      _mm256_maskz_loadu_epi8(static_cast<__mmask32>(count == 32 ? ~0u : (1u << count) - 1), row + c));
+}
+inline __m512i row_pair_words(const int8_t* row, int64_t c, int64_t n) {
   const int64_t count = std::min<int64_t>(32, n - c);
   const auto part = [&](int64_t from) {
     return codes_to_float(row + c + from, std::clamp<int64_t>(count - from, 0, 16));
@@ -488,36 +497,45 @@ inline float pack_row_int16(const c10::BFloat16* src, int64_t n, uint32_t* dst) 
   return nan ? std::numeric_limits<float>::quiet_NaN() : m / 32767.0f;
 }
 
-// pack_rows_across for int8 rows as int16 pair words (vpdpwssd): 32 columns
-// of both rows widened, then interleaved in one permute per 16 words.
+// 32 codes from src widened to 16-bit terms: int8 as int16 (Pairs::kInt16),
+// float8 e4m3 as bfloat16 bits.
+inline __m512i widen_codes(const int8_t* src) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+inline __m512i widen_codes(const c10::Float8_e4m3fn* src) {
+  return float8_bfloat16_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
+inline uint16_t widened_code(int8_t x) { return static_cast<uint16_t>(int16_t(x)); }
+inline uint16_t widened_code(c10::Float8_e4m3fn x) { return code_bfloat16_bits(x); }
+
+// pack_rows_across for int8 rows as int16 pair words (vpdpwssd), or for
+// float8 rows as bfloat16: 32 columns of both rows widened, then interleaved
+// in one permute per 16 words.
 template <typename Row>
-inline void pack_int8_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
+inline void pack_widened_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
   alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                     8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i low = _mm512_load_si512(kLow);
   const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
   for (int64_t p = 0; p * 2 < rows; ++p) {
-    const int8_t* r0 = row(2 * p);
-    const int8_t* r1 = 2 * p + 1 < rows ? row(2 * p + 1) : nullptr;
+    const auto* r0 = row(2 * p);
+    const auto* r1 = 2 * p + 1 < rows ? row(2 * p + 1) : nullptr;
     uint32_t* out = dst + p * ldp;
     int64_t c = 0;
     for (; c + 32 <= n; c += 32) {
-      const __m512i x0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + c)));
-      const __m512i x1 = r1 != nullptr ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + c)))
-                                       : _mm512_setzero_si512();
+      const __m512i x0 = widen_codes(r0 + c);
+      const __m512i x1 = r1 != nullptr ? widen_codes(r1 + c) : _mm512_setzero_si512();
       _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(x0, low, x1));
       _mm512_storeu_si512(out + c + 16, _mm512_permutex2var_epi16(x0, high, x1));
     }
-    for (; c < n; ++c) {
-      out[c] = pair_word(static_cast<uint16_t>(int16_t(r0[c])), r1 != nullptr ? static_cast<uint16_t>(int16_t(r1[c])) : 0);
-    }
+    for (; c < n; ++c) out[c] = pair_word(widened_code(r0[c]), r1 != nullptr ? widened_code(r1[c]) : 0);
     for (; c < ldp; ++c) out[c] = 0;
   }
 }
 
-// pack_code_rows_across: pack_rows_across for int8 or float8 rows.
+// int8 rows as bfloat16 pair words across the rows (pack_code_rows_across).
 template <typename Row>
-inline void pack_code_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
+inline void pack_int8_rows_as_bfloat16(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t p = 0; p * 2 < rows; ++p) {
     const auto* r0 = row(2 * p);
@@ -534,6 +552,16 @@ inline void pack_code_rows_across(const Row& row, int64_t rows, int64_t n, uint3
       out[c] = pair_word(code_bfloat16_bits(r0[c]), r1 != nullptr ? code_bfloat16_bits(r1[c]) : 0);
     }
     for (; c < ldp; ++c) out[c] = 0;
+  }
+}
+
+// pack_code_rows_across: pack_rows_across for int8 or float8 rows, as bfloat16.
+template <typename Row>
+inline void pack_code_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
+  if constexpr (!kInt8Rows<decltype(row(0))>) {
+    pack_widened_rows_across(row, rows, n, dst, ldp);  // float8's bfloat16 bits in integer instructions
+  } else {
+    pack_int8_rows_as_bfloat16(row, rows, n, dst, ldp);
   }
 }
 

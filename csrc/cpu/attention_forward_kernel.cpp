@@ -291,6 +291,10 @@ struct ForwardKernel {
     // Q (P) rounded to int16 with one scale per row (per row and tile): the
     // codes widen in one instruction where bfloat16 takes five, and the
     // rounding (2^-16 of the row's largest value) is finer than bfloat16's.
+    // Decoding tiles read K and V as they lie, widened in registers: the
+    // scores summed across lanes (scores_along_keys), V's rows interleaved
+    // into pair words inside the product (RowsB); packing them cost more
+    // (stores, reloads, K's 16 x 16 transposes) than the products themselves.
     constexpr bool kPairs = kPairProducts<T>;
 #if defined(__AVX512BF16__)
     const int64_t dp = (d + 1) / 2;
@@ -324,6 +328,32 @@ struct ForwardKernel {
       // (Q * scale)^T, staged row-major in the output buffer first.
       gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, scale, w.o, w.qt);
     }
+#if defined(__AVX512BF16__)
+    // Narrow tiles: O = diag(alpha) O + P V, V's rows read as they lie (P's
+    // pair words row-major in pp, or column-major out of the transposed tile).
+    // Keys [0, half) first, then between(), then keys [half, nk) (half even).
+    const auto values_product = [&](auto layout, const uint32_t* pp, int64_t lda, int64_t j0, int64_t nk,
+                                    int64_t half, const auto& between) {
+      constexpr ALayout kA = decltype(layout)::value;
+      v.with_rows(j0, nk, [&](const auto& row) {
+        for (const auto [from, to] : {std::pair<int64_t, int64_t>{0, half}, {half, nk}}) {
+          const auto part = [&](int64_t j) { return row(from + j); };
+          using Part = std::decay_t<decltype(part)>;
+          const uint32_t* a = kA == ALayout::kRowMajor ? pp + from / 2 : pp + from / 2 * lda;
+          const float* alpha = from == 0 ? w.alpha : nullptr;  // O rescaled once
+          if constexpr (kInt8Rows<decltype(row(0))>) {  // int_v: P in int16, one scale per row
+            gemm_pairs<kA, true, Pairs::kInt16>(rows, d_pad, (to - from + 1) / 2, a, lda,
+                                                RowsB<Pairs::kInt16, Part>(part, to - from, d), w.o, d_pad, alpha, 1.0f,
+                                                w.p_scale);
+          } else {
+            gemm_pairs<kA, true>(rows, d_pad, (to - from + 1) / 2, a, lda, RowsB<Pairs::kBf16, Part>(part, to - from, d),
+                                 w.o, d_pad, alpha);
+          }
+          if (from == 0) between();
+        }
+      });
+    };
+#endif
     std::fill(w.o, w.o + ld * d_pad, acc_t(0));
     std::fill(w.row_max, w.row_max + ld, kNegInf<acc_t>);
     std::fill(w.row_sum, w.row_sum + ld, acc_t(0));
@@ -332,6 +362,7 @@ struct ForwardKernel {
     for (int64_t i = split; i < tiles.count; i += splits) {
       const int64_t j0 = tiles.start(i);
       const int64_t nk = tiles.stop(i) - j0;
+      const int64_t half = std::min(nk, round_up(ceil_div(nk, 2), 16));  // narrow tiles' products in two parts
       // The next tile's rows, asked for in kPrefetchParts pieces spread over
       // this tile's work (all at once, the requests fill the core's miss
       // queue and the prefetches wait on memory; measured).
@@ -347,19 +378,20 @@ struct ForwardKernel {
       // S^T = K (Q * scale)^T: keys x rows (narrow: S, rows x keys).
       if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-        if (int_k) {
+        if (narrow) {
+          // S = Q K^T (rows x keys), K read as it lies; in two halves with a
+          // prefetch between
           k.with_rows(j0, nk, [&](const auto& row) {
-            if constexpr (kInt8Rows<decltype(row(0))>) pack_rows_transposed_wide<Pairs::kInt16>(row, nk, d, kp32, nk_pad);
+            for (const auto [from, to] : {std::pair<int64_t, int64_t>{0, half}, {half, nk}}) {
+              const auto key = [&](int64_t j) { return row(from + j); };
+              if constexpr (kInt8Rows<decltype(row(0))>) {  // int_k
+                scores_along_keys<Pairs::kInt16>(key, to - from, d, qp, dp, rows, w.sr + from, nk_pad, scale, w.q_scale);
+              } else {
+                scores_along_keys<Pairs::kBf16>(key, to - from, d, qp, dp, rows, w.sr + from, nk_pad, scale, nullptr);
+              }
+              if (from == 0) prefetch_part(1);
+            }
           });
-          prefetch_part(1);
-          gemm_pairs<ALayout::kRowMajor, false, Pairs::kInt16>(rows, round_up(nk, 16), dp, qp, dp, kp32, nk_pad,
-                                                               w.sr, nk_pad, nullptr, scale, w.q_scale);
-        } else if (narrow) {
-          // S = Q K^T (rows x keys, K packed across the keys)
-          k.with_rows(j0, nk, [&](const auto& row) { pack_rows_transposed_wide(row, nk, d, kp32, nk_pad); });
-          prefetch_part(1);
-          gemm_pairs<ALayout::kRowMajor, false>(rows, round_up(nk, 16), dp, qp, dp, kp32, nk_pad, w.sr, nk_pad,
-                                                nullptr, scale);
         } else {
           k.with_rows(j0, nk, [&](const auto& row) {
             k.runs(j0, nk, [&](int64_t i, int64_t n) { pack_rows_along(row(i), k.seq_stride, n, d, kp32 + i * dp, dp); });
@@ -374,24 +406,14 @@ struct ForwardKernel {
           if (ks != nullptr) k.gather_scales(j0, nk, nk_pad, ks);
           if (vs != nullptr) v.gather_scales(j0, nk, nk_pad, vs);
           prefetch_part(2);
-          const uint32_t* pp = reinterpret_cast<const uint32_t*>(w.sr);
           if (int_v) {
             softmax_rows<Pairs::kInt16>(w.sr, nk_pad, rows, nk, ks, vs, w.row_max, w.row_sum, w.alpha, w.p_scale);
-            prefetch_part(3);
-            v.with_rows(j0, nk, [&](const auto& row) {
-              if constexpr (kInt8Rows<decltype(row(0))>) pack_widened_rows_across(row, nk, d, vp32, d_pad);
-            });
-            prefetch_part(4);
-            gemm_pairs<ALayout::kRowMajor, true, Pairs::kInt16>(rows, d_pad, (nk + 1) / 2, pp, nk_pad, vp32, d_pad,
-                                                                w.o, d_pad, w.alpha, 1.0f, w.p_scale);
           } else {
             softmax_rows<Pairs::kBf16>(w.sr, nk_pad, rows, nk, ks, vs, w.row_max, w.row_sum, w.alpha, nullptr);
-            prefetch_part(3);
-            v.with_rows(j0, nk, [&](const auto& row) { pack_rows_across(row, nk, d, vp32, d_pad); });
-            prefetch_part(4);
-            gemm_pairs<ALayout::kRowMajor, true>(rows, d_pad, (nk + 1) / 2, pp, nk_pad, vp32, d_pad, w.o, d_pad,
-                                                 w.alpha);
           }
+          prefetch_part(3);
+          values_product(std::integral_constant<ALayout, ALayout::kRowMajor>{},
+                         reinterpret_cast<const uint32_t*>(w.sr), nk_pad, j0, nk, half, [&] { prefetch_part(4); });
           continue;
         }
         if (narrow) transpose_16_rows(w.sr, nk_pad, nk, w.s);
@@ -436,14 +458,11 @@ struct ForwardKernel {
       if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
         if (v.quantized()) v.scale_rows(w.s, ld, j0, nk);  // P diag(v_scale) V8 = P V
-        if (int_v) {
-          v.with_rows(j0, nk, [&](const auto& row) {
-            if constexpr (kInt8Rows<decltype(row(0))>) pack_widened_rows_across(row, nk, d, vp32, d_pad);
-          });
-          prefetch_part(4);
-          const uint32_t* pp = pack_tile_pairs_int16(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s), w.p_scale);
-          gemm_pairs<ALayout::kColMajor, true, Pairs::kInt16>(rows, d_pad, (nk + 1) / 2, pp, ld, vp32, d_pad, w.o,
-                                                              d_pad, w.alpha, 1.0f, w.p_scale);
+        if (narrow) {
+          uint32_t* const words = reinterpret_cast<uint32_t*>(w.s);
+          values_product(std::integral_constant<ALayout, ALayout::kColMajor>{},
+                         int_v ? pack_tile_pairs_int16(w.s, ld, nk, words, w.p_scale) : pack_tile_pairs(w.s, ld, nk, words),
+                         ld, j0, nk, half, [&] { prefetch_part(4); });
         } else {
           v.with_rows(j0, nk, [&](const auto& row) { pack_rows_across(row, nk, d, vp32, d_pad); });
           prefetch_part(4);

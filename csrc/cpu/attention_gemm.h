@@ -215,13 +215,24 @@ enum class Pairs { kBf16, kInt16 };
 constexpr int kMRPairs = 6;  // rows per micro-kernel
 constexpr int kNVPairs = 4;  // vectors of 16 columns per micro-kernel (24 accumulators)
 
+// B operands of the pair kernels: load<NV>(p, col, bv) gives words (p, col +
+// 16 v) .. (p, col + 16 v + 15) of B in bv[v].
+struct PackedB {  // pair-packed in memory: word (p, n) at b[p * ldb + n]
+  const uint32_t* b;
+  int64_t ldb;
+  template <int NV>
+  void load(int64_t p, int64_t col, __m512i (&bv)[NV]) const {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_si512(b + p * ldb + col + v * 16);
+  }
+};
+
 // C[MR x NV*16] = out_scale * diag(a_scale) A B + (kLoadC ? diag(row_scale) C : 0),
 // a null a_scale or row_scale meaning ones.
-template <int MR, int NV, ALayout kA, bool kLoadC, Pairs kP>
-inline void micro_kernel_pairs(int64_t KP, const uint32_t* __restrict a, int64_t lda,
-                               const uint32_t* __restrict b, int64_t ldb, float* __restrict c,
-                               int64_t ldc, const float* __restrict row_scale, float out_scale,
-                               const float* __restrict a_scale) {
+template <int MR, int NV, ALayout kA, bool kLoadC, Pairs kP, typename B>
+inline void micro_kernel_pairs(int64_t KP, const uint32_t* __restrict a, int64_t lda, const B& b, int64_t col,
+                               float* __restrict c, int64_t ldc, const float* __restrict row_scale,
+                               float out_scale, const float* __restrict a_scale) {
   using Acc = std::conditional_t<kP == Pairs::kInt16, __m512i, __m512>;
   Acc acc[MR][NV];
 #pragma GCC unroll 8
@@ -232,8 +243,7 @@ inline void micro_kernel_pairs(int64_t KP, const uint32_t* __restrict a, int64_t
 #pragma GCC unroll 2
   for (int64_t p = 0; p < KP; ++p) {
     __m512i bv[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = _mm512_loadu_si512(b + p * ldb + v * 16);
+    b.template load<NV>(p, col, bv);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m512i ai = _mm512_set1_epi32(
@@ -267,17 +277,16 @@ inline void micro_kernel_pairs(int64_t KP, const uint32_t* __restrict a, int64_t
   }
 }
 
-template <int NV, ALayout kA, bool kLoadC, Pairs kP>
-inline void gemm_pairs_panel(int64_t M, int64_t KP, const uint32_t* a, int64_t lda, const uint32_t* b,
-                             int64_t ldb, float* c, int64_t ldc, const float* row_scale,
-                             float out_scale, const float* a_scale) {
+template <int NV, ALayout kA, bool kLoadC, Pairs kP, typename B>
+inline void gemm_pairs_panel(int64_t M, int64_t KP, const uint32_t* a, int64_t lda, const B& b, int64_t col,
+                             float* c, int64_t ldc, const float* row_scale, float out_scale, const float* a_scale) {
   const auto a_rows = [lda](const uint32_t* base, int64_t i) {
     return kA == ALayout::kRowMajor ? base + i * lda : base + i;
   };
   const auto rows_from = [](const float* v, int64_t i) { return v != nullptr ? v + i : nullptr; };
   int64_t i = 0;
   for (; i + kMRPairs <= M; i += kMRPairs) {
-    micro_kernel_pairs<kMRPairs, NV, kA, kLoadC, kP>(KP, a_rows(a, i), lda, b, ldb, c + i * ldc, ldc,
+    micro_kernel_pairs<kMRPairs, NV, kA, kLoadC, kP>(KP, a_rows(a, i), lda, b, col, c + i * ldc, ldc,
                                                      rows_from(row_scale, i), out_scale, rows_from(a_scale, i));
   }
   const uint32_t* ai = a_rows(a, i);
@@ -285,32 +294,38 @@ inline void gemm_pairs_panel(int64_t M, int64_t KP, const uint32_t* a, int64_t l
   const float* si = rows_from(row_scale, i);
   const float* ti = rows_from(a_scale, i);
   switch (M - i) {
-    case 1: micro_kernel_pairs<1, NV, kA, kLoadC, kP>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale, ti); break;
-    case 2: micro_kernel_pairs<2, NV, kA, kLoadC, kP>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale, ti); break;
-    case 3: micro_kernel_pairs<3, NV, kA, kLoadC, kP>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale, ti); break;
-    case 4: micro_kernel_pairs<4, NV, kA, kLoadC, kP>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale, ti); break;
-    case 5: micro_kernel_pairs<5, NV, kA, kLoadC, kP>(KP, ai, lda, b, ldb, ci, ldc, si, out_scale, ti); break;
+    case 1: micro_kernel_pairs<1, NV, kA, kLoadC, kP>(KP, ai, lda, b, col, ci, ldc, si, out_scale, ti); break;
+    case 2: micro_kernel_pairs<2, NV, kA, kLoadC, kP>(KP, ai, lda, b, col, ci, ldc, si, out_scale, ti); break;
+    case 3: micro_kernel_pairs<3, NV, kA, kLoadC, kP>(KP, ai, lda, b, col, ci, ldc, si, out_scale, ti); break;
+    case 4: micro_kernel_pairs<4, NV, kA, kLoadC, kP>(KP, ai, lda, b, col, ci, ldc, si, out_scale, ti); break;
+    case 5: micro_kernel_pairs<5, NV, kA, kLoadC, kP>(KP, ai, lda, b, col, ci, ldc, si, out_scale, ti); break;
     default: break;
   }
 }
 
 // C[M x N] = out_scale * diag(a_scale) A B + (kLoadC ? diag(row_scale) C : 0)
-// over KP pairs of the inner dimension; N a multiple of 16.
+// over KP pairs of the inner dimension; N a multiple of 16; B a PackedB (the
+// pointer overload) or any source with its load<NV>.
+template <ALayout kA, bool kLoadC, Pairs kP = Pairs::kBf16, typename B>
+void gemm_pairs(int64_t M, int64_t N, int64_t KP, const uint32_t* a, int64_t lda, const B& b, float* c,
+                int64_t ldc, const float* row_scale = nullptr, float out_scale = 1.0f,
+                const float* a_scale = nullptr) {
+  int64_t j = 0;
+  for (; j + kNVPairs * 16 <= N; j += kNVPairs * 16) {
+    gemm_pairs_panel<kNVPairs, kA, kLoadC, kP>(M, KP, a, lda, b, j, c + j, ldc, row_scale, out_scale, a_scale);
+  }
+  for (; j + 32 <= N; j += 32) {
+    gemm_pairs_panel<2, kA, kLoadC, kP>(M, KP, a, lda, b, j, c + j, ldc, row_scale, out_scale, a_scale);
+  }
+  for (; j < N; j += 16) {
+    gemm_pairs_panel<1, kA, kLoadC, kP>(M, KP, a, lda, b, j, c + j, ldc, row_scale, out_scale, a_scale);
+  }
+}
 template <ALayout kA, bool kLoadC, Pairs kP = Pairs::kBf16>
 void gemm_pairs(int64_t M, int64_t N, int64_t KP, const uint32_t* a, int64_t lda, const uint32_t* b,
                 int64_t ldb, float* c, int64_t ldc, const float* row_scale = nullptr,
                 float out_scale = 1.0f, const float* a_scale = nullptr) {
-  int64_t j = 0;
-  for (; j + kNVPairs * 16 <= N; j += kNVPairs * 16) {
-    gemm_pairs_panel<kNVPairs, kA, kLoadC, kP>(M, KP, a, lda, b + j, ldb, c + j, ldc, row_scale, out_scale,
-                                               a_scale);
-  }
-  for (; j + 32 <= N; j += 32) {
-    gemm_pairs_panel<2, kA, kLoadC, kP>(M, KP, a, lda, b + j, ldb, c + j, ldc, row_scale, out_scale, a_scale);
-  }
-  for (; j < N; j += 16) {
-    gemm_pairs_panel<1, kA, kLoadC, kP>(M, KP, a, lda, b + j, ldb, c + j, ldc, row_scale, out_scale, a_scale);
-  }
+  gemm_pairs<kA, kLoadC, kP>(M, N, KP, a, lda, PackedB{b, ldb}, c, ldc, row_scale, out_scale, a_scale);
 }
 
 // Packing. A pair word: bfloat16 bits of term 2p in the low half, 2p + 1 in
@@ -579,29 +594,185 @@ inline void pack_rows_along(const Code* src, int64_t stride, int64_t rows, int64
   }
 }
 
-// Rows of bfloat16 (or int8, as bfloat16) as pair words across the rows:
-// dst[p * ldp + j] holds terms 2p, 2p + 1 of row j, for p < ceil(n / 2) and
-// j < round_up(rows, 16) (zero past rows; ldp at least that). row(j) gives
-// row j's first element. 16 rows at a time, through a 16 x 16 word transpose.
-// Pairs::kInt16: int8 rows as int16 pair words.
-template <Pairs kP = Pairs::kBf16, typename Row>
-inline void pack_rows_transposed_wide(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
+// Scores of a decoding tile, keys along the lanes, without packing K:
+// out[i * ldo + j] = out_scale * q_scale[i] * (row i of A) . (key j) for
+// i < rows, j < round_up(nk, 16) (0 past nk; a null q_scale meaning ones).
+// A holds rows of pair words along the head dim (word i * lda + p: terms 2p,
+// 2p + 1); key(j) gives key j's n terms, read as they lie (bfloat16, or int8 /
+// float8 codes widened in registers). Each key's products run along the head
+// dim, 16 lanes of partial sums per row, which a tree of 4 levels (15
+// unpack-and-add steps per row and 16 keys) folds into one lane per key:
+// no 16 x 16 transpose of K per tile.
+template <Pairs kP>
+struct KeyLanes {
+  using Acc = std::conditional_t<kP == Pairs::kInt16, __m512i, __m512>;
+  static Acc zero() { return Acc{}; }
+  static Acc add(Acc x, Acc y) {
+    if constexpr (kP == Pairs::kInt16) {
+      return _mm512_add_epi32(x, y);
+    } else {
+      return _mm512_add_ps(x, y);
+    }
+  }
+  static __m512i bits(Acc x) {
+    if constexpr (kP == Pairs::kInt16) {
+      return x;
+    } else {
+      return _mm512_castps_si512(x);
+    }
+  }
+  static Acc acc(__m512i x) {
+    if constexpr (kP == Pairs::kInt16) {
+      return x;
+    } else {
+      return _mm512_castsi512_ps(x);
+    }
+  }
+  static Acc dot(Acc c, __m512i a, __m512i b) {
+    if constexpr (kP == Pairs::kInt16) {
+      return _mm512_dpwssd_epi32(c, a, b);
+    } else {
+      return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b);
+    }
+  }
+  // Two vectors of partial sums, x over keys X and y over keys Y (the same
+  // number of lanes each), folded into one: level 0 pairs lanes 4L + k with
+  // 4L + k + 2, level 1 with 4L + k + 1, levels 2 and 3 128-bit lane pairs.
+  template <int kLevel>
+  static Acc fold(Acc x, Acc y) {
+    const __m512i a = bits(x), b = bits(y);
+    if constexpr (kLevel == 0) {
+      return add(acc(_mm512_unpacklo_epi32(a, b)), acc(_mm512_unpackhi_epi32(a, b)));
+    } else if constexpr (kLevel == 1) {
+      return add(acc(_mm512_unpacklo_epi64(a, b)), acc(_mm512_unpackhi_epi64(a, b)));
+    } else {
+      return add(acc(_mm512_shuffle_i32x4(a, b, 0x88)), acc(_mm512_shuffle_i32x4(a, b, 0xDD)));
+    }
+  }
+};
+
+// 32 terms of a row from term c on (n in all) as 16-bit words, zero past n:
+// bfloat16 as stored, int8 codes as int16 (Pairs::kInt16), float8 codes as
+// bfloat16 bits. Along a key they are its pair words.
+template <Pairs kP, typename Code>
+[[gnu::always_inline]] inline __m512i row_words(const Code* row, int64_t c, int64_t n) {
+  if (c >= n) return _mm512_setzero_si512();
+  if constexpr (kP == Pairs::kInt16) {
+    return c + 32 <= n ? widen_codes(row + c) : int16_pair_words(row, c, n);
+  } else if constexpr (std::is_same_v<Code, c10::BFloat16>) {
+    return c + 32 <= n ? _mm512_loadu_si512(row + c) : row_pair_words(row, c, n);
+  } else {
+    static_assert(std::is_same_v<Code, c10::Float8_e4m3fn>, "int8 rows take Pairs::kInt16");
+    return c + 32 <= n ? widen_codes(row + c) : row_pair_words(row, c, n);
+  }
+}
+
+// B of the pair kernels as rows read as they lie (row(j): j < rows, n terms
+// each): word (p, col) pairs term col of rows 2p and 2p + 1, interleaved in
+// registers (one permute per 16 words) instead of packed in memory first.
+template <Pairs kP, typename Row>
+struct RowsB {
+  const Row& row;
+  int64_t rows, n;
+  __m512i low, high;
+  RowsB(const Row& row, int64_t rows, int64_t n) : row(row), rows(rows), n(n) {
+    alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    low = _mm512_load_si512(kLow);
+    high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  }
+  template <int NV>
+  [[gnu::always_inline]] void load(int64_t p, int64_t col, __m512i (&bv)[NV]) const {
+    const auto* r0 = row(2 * p);
+    const auto* r1 = 2 * p + 1 < rows ? row(2 * p + 1) : nullptr;
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v += 2) {
+      const __m512i x0 = row_words<kP>(r0, col + 16 * v, n);
+      const __m512i x1 = r1 != nullptr ? row_words<kP>(r1, col + 16 * v, n) : _mm512_setzero_si512();
+      bv[v] = _mm512_permutex2var_epi16(x0, low, x1);
+      if constexpr (NV > 1) bv[v + 1] = _mm512_permutex2var_epi16(x0, high, x1);
+    }
+  }
+};
+
+// One key's products with R rows of A: R vectors of 16 partial sums.
+template <int R, Pairs kP, typename Code>
+[[gnu::always_inline]] inline void key_products(const Code* key, int64_t n, const uint32_t* a, int64_t lda,
+                         typename KeyLanes<kP>::Acc (&acc)[R]) {
+  using L = KeyLanes<kP>;
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) acc[i] = L::zero();
+  if (key == nullptr) return;
   const int64_t np = (n + 1) / 2;
-  for (int64_t j0 = 0; j0 < rows; j0 += 16) {
-    for (int64_t c = 0; c < n; c += 32) {
-      __m512i w[16];
-      for (int i = 0; i < 16; ++i) {
-        if (j0 + i >= rows) {
-          w[i] = _mm512_setzero_si512();
-        } else if constexpr (kP == Pairs::kInt16) {
-          w[i] = int16_pair_words(row(j0 + i), c, n);
-        } else {
-          w[i] = row_pair_words(row(j0 + i), c, n);
-        }
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+    const __m512i k = row_words<kP>(key, c, n);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) acc[i] = L::dot(acc[i], _mm512_loadu_si512(a + i * lda + c / 2), k);
+  }
+  if (c < n) {
+    const __m512i k = row_words<kP>(key, c, n);
+    const __mmask16 words = static_cast<__mmask16>((1u << (np - c / 2)) - 1);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) acc[i] = L::dot(acc[i], _mm512_maskz_loadu_epi32(words, a + i * lda + c / 2), k);
+  }
+}
+
+// R <= 4 rows against keys [j0, j0 + 16): the fold of level 0 takes keys
+// 2m, 2m + 1, level 1 two of those, and so on, so that at most 5 R vectors
+// are live.
+template <int R, Pairs kP, typename Key>
+inline void scores_16_keys(const Key& key, int64_t j0, int64_t nk, int64_t n, const uint32_t* a, int64_t lda,
+                           float* out, int64_t ldo, float out_scale, const float* q_scale) {
+  using L = KeyLanes<kP>;
+  using Acc = typename L::Acc;
+  Acc half[2][R];
+#pragma GCC unroll 2
+  for (int q = 0; q < 2; ++q) {
+    Acc quarter[2][R];
+#pragma GCC unroll 2
+    for (int p = 0; p < 2; ++p) {
+      Acc pair[2][R];
+#pragma GCC unroll 2
+      for (int m = 0; m < 2; ++m) {
+        Acc x[R], y[R];
+        const int64_t j = j0 + 8 * q + 4 * p + 2 * m;
+        key_products<R, kP>(j < nk ? key(j) : nullptr, n, a, lda, x);
+        key_products<R, kP>(j + 1 < nk ? key(j + 1) : nullptr, n, a, lda, y);
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i) pair[m][i] = L::template fold<0>(x[i], y[i]);
       }
-      transpose_16x16_words(w);
-      for (int64_t p = c / 2; p < std::min(np, c / 2 + 16); ++p) {
-        _mm512_storeu_si512(dst + p * ldp + j0, w[p - c / 2]);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) quarter[p][i] = L::template fold<1>(pair[0][i], pair[1][i]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) half[q][i] = L::template fold<2>(quarter[0][i], quarter[1][i]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    const Acc s = L::template fold<3>(half[0][i], half[1][i]);
+    const __m512 scale = _mm512_set1_ps(q_scale != nullptr ? out_scale * q_scale[i] : out_scale);
+    if constexpr (kP == Pairs::kInt16) {
+      _mm512_storeu_ps(out + i * ldo + j0, _mm512_mul_ps(_mm512_cvtepi32_ps(s), scale));
+    } else {
+      _mm512_storeu_ps(out + i * ldo + j0, _mm512_mul_ps(s, scale));
+    }
+  }
+}
+
+template <Pairs kP, typename Key>
+inline void scores_along_keys(const Key& key, int64_t nk, int64_t n, const uint32_t* a, int64_t lda, int64_t rows,
+                              float* out, int64_t ldo, float out_scale, const float* q_scale) {
+  for (int64_t i0 = 0; i0 < rows; i0 += 4) {
+    const uint32_t* ai = a + i0 * lda;
+    float* oi = out + i0 * ldo;
+    const float* si = q_scale != nullptr ? q_scale + i0 : nullptr;
+    for (int64_t j0 = 0; j0 < nk; j0 += 16) {
+      switch (std::min<int64_t>(4, rows - i0)) {
+        case 1: scores_16_keys<1, kP>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
+        case 2: scores_16_keys<2, kP>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
+        case 3: scores_16_keys<3, kP>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
+        default: scores_16_keys<4, kP>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
       }
     }
   }

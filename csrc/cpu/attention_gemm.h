@@ -636,8 +636,9 @@ struct KeyLanes {
     }
   }
   // Two vectors of partial sums, x over keys X and y over keys Y (the same
-  // number of lanes each), folded into one: level 0 pairs lanes 4L + k with
-  // 4L + k + 2, level 1 with 4L + k + 1, levels 2 and 3 128-bit lane pairs.
+  // number of lanes each), folded into one holding both: levels 0 and 1 add
+  // the two halves of each 128-bit lane (x's and y's 32-bit, then 64-bit,
+  // entries interleaved), levels 2 and 3 pairs of 128-bit lanes.
   template <int kLevel>
   static Acc fold(Acc x, Acc y) {
     const __m512i a = bits(x), b = bits(y);

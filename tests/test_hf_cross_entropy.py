@@ -112,6 +112,40 @@ def test_eval_and_generation_keep_the_models_own_forward():
                        fused.generate(ids, max_new_tokens=5, do_sample=False))
 
 
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("how", ["keyword", "positional"])
+def test_cache_passed_as_the_models_forward_names_it(training, how):
+    """The cache goes on under the model's own name for it (`past_key_values`
+    before transformers 5.24, `cache` from it on), keyword or positional, and
+    the patched forward names no cache the caller did not pass: transformers
+    5.24 warns at every call where both names are set."""
+    import inspect
+    import warnings
+
+    model = make_model("llama").train(training)
+    fused = copy.deepcopy(model)
+    fusedllm.patch(fused, cross_entropy=True)
+    name = list(inspect.signature(type(model).forward).parameters)[4]
+    assert name in ("past_key_values", "cache")
+    ids, labels = batch()
+    outs = []
+    for m in (model, fused):
+        cache = transformers.DynamicCache(config=m.config)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if how == "keyword":
+                out = m(input_ids=ids, labels=labels, use_cache=True, **{name: cache})
+            else:
+                out = m(ids, None, None, cache, None, labels, True)
+        assert not [w for w in caught if "cache" in str(w.message) or "past_key_values" in str(w.message)], \
+            [str(w.message) for w in caught]
+        assert cache.get_seq_length() == ids.shape[1], "the cache passed is the one filled"
+        outs.append(out)
+    torch.testing.assert_close(outs[1].loss, outs[0].loss, atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="positional arguments"):
+        fused(ids, None, None, None, None, labels, True, 0, "one too many")
+
+
 def test_training_thirty_steps_follows_unpatched():
     model = make_model("qwen2")
     fused = copy.deepcopy(model)

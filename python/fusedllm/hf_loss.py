@@ -13,6 +13,7 @@ built). Without labels, or in eval mode, it is the model's own forward
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -59,13 +60,23 @@ def causal_lm_loss(model, hidden: torch.Tensor, labels: torch.Tensor | None, *, 
     return loss
 
 
-def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                   inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None, *args, **kwargs):
+    # Arguments past position_ids go on under the names the model's own forward
+    # gives them (its cache is `past_key_values` before transformers 5.24 and
+    # `cache` from it on), and only those the caller gave: naming a cache the
+    # caller did not pass makes 5.24 warn at every call.
+    if args:
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        names = [p.name for p in inspect.signature(type(self).forward).parameters.values()
+                 if p.kind in positional][4:]
+        if len(args) > len(names) or any(name in kwargs for name in names[:len(args)]):
+            raise TypeError(f"{type(self).__name__}.forward: {len(args) + 4} positional arguments do not "
+                            f"match its parameters {['input_ids', 'attention_mask', 'position_ids'] + names}")
+        kwargs.update(zip(names, args))
+    labels = kwargs.pop("labels", None)
     if labels is None or not self.training:
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask,
-                                  position_ids=position_ids, past_key_values=past_key_values,
-                                  inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                                  logits_to_keep=logits_to_keep, **kwargs)
+                                  position_ids=position_ids, labels=labels, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     try:
@@ -78,9 +89,8 @@ def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None,
                    if k in kwargs}
     if "num_items_in_batch" in loss_kwargs:  # the decoder is given it too, as transformers does
         kwargs["num_items_in_batch"] = loss_kwargs["num_items_in_batch"]
-    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-                         use_cache=use_cache, **kwargs)
+    logits_to_keep = kwargs.pop("logits_to_keep", 0)
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
     loss = causal_lm_loss(self, hidden, labels, **loss_kwargs)
     logits = None

@@ -28,7 +28,7 @@ import sys
 if not __package__:  # run as a file: import from the repository root, as `python -m` does
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import Benchmark, interleaved_medians, run, time_once  # noqa: E402
+from benchmarks.harness import Benchmark, cache_keyword, interleaved_medians, run, time_once  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -71,18 +71,19 @@ def positions(mask):
 @torch.no_grad()
 def prefill(model, ids, mask):
     out = model(ids, attention_mask=mask, position_ids=positions(mask), use_cache=True)
-    return out.past_key_values, out.logits[:, -1:].argmax(-1), mask, positions(mask)[:, -1:]
+    return getattr(out, cache_keyword(model)), out.logits[:, -1:].argmax(-1), mask, positions(mask)[:, -1:]
 
 
 @torch.no_grad()
 def decode(model, state, new_tokens):
     past, token, mask, last_pos = state
+    keyword = cache_keyword(model)
     tokens = [token]
     for _ in range(new_tokens):
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         last_pos = last_pos + 1
-        out = model(token, attention_mask=mask, position_ids=last_pos, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(token, attention_mask=mask, position_ids=last_pos, use_cache=True, **{keyword: past})
+        past = getattr(out, keyword)
         token = out.logits[:, -1:].argmax(-1)
         tokens.append(token)
     return torch.cat(tokens, dim=1)

@@ -33,7 +33,7 @@ import sys
 if not __package__:  # run as a file: import from the repository root, as `python -m` does
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import Benchmark, dtype_name, run, time_once  # noqa: E402
+from benchmarks.harness import Benchmark, cache_keyword, dtype_name, run, time_once  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -74,8 +74,10 @@ def bench_one(model, cache, batch, context, new, device, dtype):
         token = torch.randint(0, CONFIG["vocab_size"], (batch, 1), generator=g, device=device)
         position = [context]
 
+        keyword = cache_keyword(model)
+
         def step():
-            out = model(input_ids=token, past_key_values=cache, use_cache=True,
+            out = model(input_ids=token, use_cache=True, **{keyword: cache},
                         position_ids=torch.full((batch, 1), position[0], device=device))
             position[0] += 1
             return out.logits

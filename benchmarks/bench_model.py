@@ -59,7 +59,7 @@ import time
 if not __package__:  # run as a file: import from the repository root, as `python -m` does
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import Benchmark, interleaved_medians, run  # noqa: E402
+from benchmarks.harness import Benchmark, cache_keyword, interleaved_medians, run  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -166,11 +166,12 @@ def generate_without_cache(forward, ids, new):
 @torch.no_grad()
 def generate_hf(model, ids, new):
     """Greedy with transformers' DynamicCache."""
+    keyword = cache_keyword(model)
     out = model(ids, use_cache=True)
     token = out.logits[:, -1:].argmax(-1)
     tokens = [token]
     for _ in range(new - 1):
-        out = model(token, past_key_values=out.past_key_values, use_cache=True)
+        out = model(token, use_cache=True, **{keyword: getattr(out, keyword)})
         token = out.logits[:, -1:].argmax(-1)
         tokens.append(token)
     return torch.cat(tokens, dim=1)

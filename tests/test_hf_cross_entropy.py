@@ -140,6 +140,7 @@ def test_cache_passed_as_the_models_forward_names_it(training, how):
         assert not [w for w in caught if "cache" in str(w.message) or "past_key_values" in str(w.message)], \
             [str(w.message) for w in caught]
         assert cache.get_seq_length() == ids.shape[1], "the cache passed is the one filled"
+        assert out["cache" if "cache" in out else "past_key_values"] is cache
         outs.append(out)
     torch.testing.assert_close(outs[1].loss, outs[0].loss, atol=1e-5, rtol=1e-5)
     with pytest.raises(TypeError, match="positional arguments"):

@@ -19,8 +19,9 @@ storage that is written in place:
   returns that view; memory stays ``2W`` positions for any length.
 
 It works with every attention backend (the views are what transformers'
-masks describe) and with ``generate`` (``past_key_values=FusedCache(config)``),
-beam search included. Built for transformers 5's cache layers.
+masks describe) and with ``generate`` (``cache=FusedCache(config)`` from
+transformers 5.24 on, ``past_key_values=FusedCache(config)`` before), beam
+search included. Built for transformers 5's cache layers.
 
 ``FusedCache(config, window=W, sink=s)`` bounds the full-attention layers
 (:class:`SinkLayer`): each keeps the first ``s`` positions and the last ``W``
@@ -442,7 +443,8 @@ class FusedCache(DynamicCache):
     Quantized storage and ``window`` are read by the "fusedllm" attention only
     (the model loaded with ``attn_implementation="fusedllm"``).
 
-    ``model.generate(input_ids, past_key_values=FusedCache(model.config))``
+    ``model.generate(input_ids, cache=FusedCache(model.config))`` (transformers
+    5.24 on; ``past_key_values=`` before, which 5.24 still takes with a warning)
     """
 
     def __init__(self, config=None, capacity: int = 256, dtype: torch.dtype | None = None,

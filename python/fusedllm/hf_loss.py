@@ -13,6 +13,7 @@ built). Without labels, or in eval mode, it is the model's own forward
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import types
 
@@ -99,8 +100,10 @@ def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None,
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-    return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    # the cache field is `cache` from transformers 5.24 on (`past_key_values`, its old name, logs a warning)
+    cache = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+    return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                  attentions=outputs.attentions, **{cache: getattr(outputs, cache)})
 
 
 def patch_causal_lm(model: torch.nn.Module) -> str | None:

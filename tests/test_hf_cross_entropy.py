@@ -145,6 +145,8 @@ def test_cache_passed_as_the_models_forward_names_it(training, how):
     torch.testing.assert_close(outs[1].loss, outs[0].loss, atol=1e-5, rtol=1e-5)
     with pytest.raises(TypeError, match="positional arguments"):
         fused(ids, None, None, None, None, labels, True, 0, "one too many")
+    with pytest.raises(TypeError, match=f"multiple values for argument '{name}'"):
+        fused(ids, None, None, None, **{name: None})
 
 
 def test_training_thirty_steps_follows_unpatched():

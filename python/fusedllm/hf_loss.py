@@ -70,9 +70,13 @@ def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None,
         positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         names = [p.name for p in inspect.signature(type(self).forward).parameters.values()
                  if p.kind in positional][4:]
-        if len(args) > len(names) or any(name in kwargs for name in names[:len(args)]):
-            raise TypeError(f"{type(self).__name__}.forward: {len(args) + 4} positional arguments do not "
-                            f"match its parameters {['input_ids', 'attention_mask', 'position_ids'] + names}")
+        owner = f"{type(self).__name__}.forward"
+        if len(args) > len(names):
+            raise TypeError(f"{owner} takes at most {3 + len(names)} positional arguments "
+                            f"{['input_ids', 'attention_mask', 'position_ids'] + names}, got {3 + len(args)}")
+        twice = [name for name in names[:len(args)] if name in kwargs]
+        if twice:
+            raise TypeError(f"{owner} got multiple values for argument {twice[0]!r}")
         kwargs.update(zip(names, args))
     labels = kwargs.pop("labels", None)
     if labels is None or not self.training:

@@ -523,15 +523,20 @@ inline __m512i widen_codes(const c10::Float8_e4m3fn* src) {
 inline uint16_t widened_code(int8_t x) { return static_cast<uint16_t>(int16_t(x)); }
 inline uint16_t widened_code(c10::Float8_e4m3fn x) { return code_bfloat16_bits(x); }
 
+// vpermt2w indices taking words first, first + 1, ... first + 15 of two
+// vectors x0 and x1 as pair words (word k of x0 in the low half, of x1 in the high).
+inline __m512i interleaved_words(int first) {
+  alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  return _mm512_add_epi16(_mm512_load_si512(kLow), _mm512_set1_epi16(static_cast<int16_t>(first)));
+}
+
 // pack_rows_across for int8 rows as int16 pair words (vpdpwssd), or for
 // float8 rows as bfloat16: 32 columns of both rows widened, then interleaved
 // in one permute per 16 words.
 template <typename Row>
 inline void pack_widened_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
-  alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i low = _mm512_load_si512(kLow);
-  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  const __m512i low = interleaved_words(0), high = interleaved_words(16);
   for (int64_t p = 0; p * 2 < rows; ++p) {
     const auto* r0 = row(2 * p);
     const auto* r1 = 2 * p + 1 < rows ? row(2 * p + 1) : nullptr;
@@ -677,10 +682,8 @@ struct RowsB {
   int64_t rows, n;
   __m512i low, high;
   RowsB(const Row& row, int64_t rows, int64_t n) : row(row), rows(rows), n(n) {
-    alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    low = _mm512_load_si512(kLow);
-    high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    low = interleaved_words(0);
+    high = interleaved_words(16);
   }
   template <int NV>
   [[gnu::always_inline]] void load(int64_t p, int64_t col, __m512i (&bv)[NV]) const {

@@ -397,37 +397,6 @@ constexpr bool kCodeRows = std::is_same_v<R, int8_t> || std::is_same_v<R, c10::F
 template <typename P>
 constexpr bool kInt8Rows = std::is_same_v<P, const int8_t*>;
 
-template <typename Row>
-inline void pack_code_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp);
-
-// Rows r, r + 1 of bfloat16 interleaved: dst[p * ldp + c] = (row 2p, row 2p + 1)
-// of column c, for p < ceil(rows / 2) and c < n (zero for c in [n, ldp) and for
-// the missing row of an odd count). row(i) gives row i's first element; rows
-// of int8 or float8 codes are packed as bfloat16.
-template <typename Row>
-inline void pack_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
-  if constexpr (kCodeRows<std::remove_cv_t<std::remove_pointer_t<decltype(row(0))>>>) {
-    pack_code_rows_across(row, rows, n, dst, ldp);
-  } else {
-    for (int64_t p = 0; p * 2 < rows; ++p) {
-      const c10::BFloat16* r0 = row(2 * p);
-      const c10::BFloat16* r1 = 2 * p + 1 < rows ? row(2 * p + 1) : nullptr;
-      uint32_t* out = dst + p * ldp;
-      int64_t c = 0;
-      for (; c + 16 <= n; c += 16) {
-        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + c)));
-        const __m512i hi = r1 != nullptr
-            ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + c)))
-            : _mm512_setzero_si512();
-        _mm512_storeu_si512(out + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-      }
-      for (; c < n; ++c) out[c] = pair_word(r0[c].x, r1 != nullptr ? r1[c].x : 0);
-      for (; c < ldp; ++c) out[c] = 0;
-    }
-  }
-}
-
-
 // r[i] becomes column i of the 16 x 16 matrix of 32-bit words whose rows were r.
 // Always inlined: called out of line, the 16 registers go through memory.
 __attribute__((always_inline)) inline void transpose_16x16_words(__m512i (&r)[16]) {
@@ -520,8 +489,6 @@ inline __m512i widen_codes(const int8_t* src) {
 inline __m512i widen_codes(const c10::Float8_e4m3fn* src) {
   return float8_bfloat16_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
 }
-inline uint16_t widened_code(int8_t x) { return static_cast<uint16_t>(int16_t(x)); }
-inline uint16_t widened_code(c10::Float8_e4m3fn x) { return code_bfloat16_bits(x); }
 
 // vpermt2w indices taking words first, first + 1, ... first + 15 of two
 // vectors x0 and x1 as pair words (word k of x0 in the low half, of x1 in the high).
@@ -531,29 +498,7 @@ inline __m512i interleaved_words(int first) {
   return _mm512_add_epi16(_mm512_load_si512(kLow), _mm512_set1_epi16(static_cast<int16_t>(first)));
 }
 
-// pack_rows_across for int8 rows as int16 pair words (vpdpwssd), or for
-// float8 rows as bfloat16: 32 columns of both rows widened, then interleaved
-// in one permute per 16 words.
-template <typename Row>
-inline void pack_widened_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
-  const __m512i low = interleaved_words(0), high = interleaved_words(16);
-  for (int64_t p = 0; p * 2 < rows; ++p) {
-    const auto* r0 = row(2 * p);
-    const auto* r1 = 2 * p + 1 < rows ? row(2 * p + 1) : nullptr;
-    uint32_t* out = dst + p * ldp;
-    int64_t c = 0;
-    for (; c + 32 <= n; c += 32) {
-      const __m512i x0 = widen_codes(r0 + c);
-      const __m512i x1 = r1 != nullptr ? widen_codes(r1 + c) : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(x0, low, x1));
-      _mm512_storeu_si512(out + c + 16, _mm512_permutex2var_epi16(x0, high, x1));
-    }
-    for (; c < n; ++c) out[c] = pair_word(widened_code(r0[c]), r1 != nullptr ? widened_code(r1[c]) : 0);
-    for (; c < ldp; ++c) out[c] = 0;
-  }
-}
-
-// int8 rows as bfloat16 pair words across the rows (pack_code_rows_across).
+// int8 rows as bfloat16 pair words across the rows (pack_rows_across).
 template <typename Row>
 inline void pack_int8_rows_as_bfloat16(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -572,16 +517,6 @@ inline void pack_int8_rows_as_bfloat16(const Row& row, int64_t rows, int64_t n, 
       out[c] = pair_word(code_bfloat16_bits(r0[c]), r1 != nullptr ? code_bfloat16_bits(r1[c]) : 0);
     }
     for (; c < ldp; ++c) out[c] = 0;
-  }
-}
-
-// pack_code_rows_across: pack_rows_across for int8 or float8 rows, as bfloat16.
-template <typename Row>
-inline void pack_code_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
-  if constexpr (!kInt8Rows<decltype(row(0))>) {
-    pack_widened_rows_across(row, rows, n, dst, ldp);  // float8's bfloat16 bits in integer instructions
-  } else {
-    pack_int8_rows_as_bfloat16(row, rows, n, dst, ldp);
   }
 }
 
@@ -698,6 +633,34 @@ struct RowsB {
     }
   }
 };
+
+// Rows r, r + 1 interleaved: dst[p * ldp + c] = (row 2p, row 2p + 1) of
+// column c as bfloat16, for p < ceil(rows / 2) and c < n (zero for c in
+// [n, ldp) and for the missing row of an odd count; ldp a multiple of 16).
+// row(i) gives row i's first element: bfloat16, or int8 / float8 codes.
+template <typename Row>
+inline void pack_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* dst, int64_t ldp) {
+  if constexpr (kInt8Rows<decltype(row(0))>) {
+    pack_int8_rows_as_bfloat16(row, rows, n, dst, ldp);
+  } else {
+    const RowsB<Pairs::kBf16, Row> b(row, rows, n);
+    for (int64_t p = 0; p * 2 < rows; ++p) {
+      uint32_t* out = dst + p * ldp;
+      int64_t c = 0;
+      for (; c + 32 <= ldp; c += 32) {
+        __m512i bv[2];
+        b.template load<2>(p, c, bv);
+        _mm512_storeu_si512(out + c, bv[0]);
+        _mm512_storeu_si512(out + c + 16, bv[1]);
+      }
+      if (c < ldp) {
+        __m512i bv[1];
+        b.template load<1>(p, c, bv);
+        _mm512_storeu_si512(out + c, bv[0]);
+      }
+    }
+  }
+}
 
 // One key's products with R rows of A: R vectors of 16 partial sums.
 template <int R, Pairs kP, typename Code>

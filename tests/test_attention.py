@@ -85,6 +85,60 @@ def test_matches_reference(device, shape, causal, window, dtype):
         assert torch.equal(t.detach(), b), "an input was modified"
 
 
+# Decoding tiles (at most 8 query rows per kv head, which the CPU kernels
+# score with the keys along the vector lanes): every group ratio, head dims
+# below, at and past a vector (with tails), key counts around the 16-key
+# blocks, one key, and K / V laid out as transformers keeps them.
+DECODING_SHAPES = [
+    (2, 8, 8, 1, 40, 16),
+    (1, 4, 2, 1, 17, 33),
+    (1, 8, 1, 1, 97, 128),
+    (1, 16, 2, 1, 65, 256),
+    (1, 8, 1, 1, 50, 1),
+    (1, 4, 4, 1, 31, 8),
+    (1, 2, 1, 3, 70, 100),
+    (1, 4, 1, 1, 1, 64),
+]
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal,window", MASKS, ids=lambda x: str(x))
+@pytest.mark.parametrize("shape", DECODING_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_decoding_tiles_match_reference(device, shape, causal, window, dtype, layout):
+    b, hq, hkv, sq, sk, d = shape
+    q = torch.randn(b, hq, sq, d, dtype=dtype, device=device)
+    if layout == "bhsd":
+        k, v = (torch.randn(b, hkv, sk, d, dtype=dtype, device=device) for _ in range(2))
+    else:  # [batch, kv_len, kv_heads, head_dim] storage seen as [batch, kv_heads, kv_len, head_dim]
+        k, v = (torch.randn(b, sk, hkv, d, dtype=dtype, device=device).transpose(1, 2) for _ in range(2))
+    out, lse = run_op(q, k, v, causal, window)
+    ref_out, ref_lse = ref_attention(q.double(), k.double(), v.double(), causal=causal, window=window)
+    assert_close(out, ref_out, FORWARD_TOL[dtype], "out")
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows without keys differ"
+    assert_close(lse, ref_lse, FORWARD_TOL[dtype], "lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_decoding_nan_reaches_exactly_its_rows(device, where, dtype):
+    """A NaN reaches the output rows it feeds and no other, also when a
+    decoding step's keys are split across tasks and merged."""
+    q, k, v = make_qkv(1, 8, 2, 1, 1200, 64, dtype, device)
+    poisoned = torch.zeros(8, dtype=torch.bool)
+    if where == "q":
+        q[0, 5, 0, 3] = float("nan")
+        poisoned[5] = True
+    else:
+        (k if where == "k" else v)[0, 1, 700, 3] = float("nan")
+        poisoned[4:] = True  # the query heads of kv head 1
+    out, _ = run_op(q, k, v, False, None)
+    # a NaN in v reaches its own column of the output; in q or k, the whole row
+    assert torch.isnan(out[0, poisoned, 0, 3 if where == "v" else slice(None)]).all()
+    ref_out, _ = ref_attention(q.double(), k.double(), v.double())
+    assert_close(out[:, ~poisoned], ref_out[:, ~poisoned], FORWARD_TOL[dtype], "other heads")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_long_prefill_with_window(device, dtype):
     """1000 positions, causal + sliding window, GQA 6:2, two batches."""

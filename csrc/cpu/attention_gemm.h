@@ -16,7 +16,7 @@
 #include <limits>
 #include <type_traits>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -192,6 +192,196 @@ constexpr bool kPairProducts =
 #else
     false;
 #endif
+
+#if defined(__AVX512F__)
+// ---------------------------------------------------------------------------
+// Decoding tiles (at most a few query rows per kv head), keys along the lanes.
+// ---------------------------------------------------------------------------
+
+// r[i] becomes column i of the 16 x 16 matrix of 32-bit words whose rows were r.
+// Always inlined: called out of line, the 16 registers go through memory.
+__attribute__((always_inline)) inline void transpose_16x16_words(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: words 4L, 4L + 1 (lo) and 4L + 2, 4L + 3 (hi) of rows 2i, 2i + 1
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + k], lane L: word 4L + k of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of r[k], r[4 + k], r[8 + k], r[12 + k]
+    const __m512i a = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), b = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
+    const __m512i d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
+    t[k] = _mm512_shuffle_i32x4(a, c, 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    t[8 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// dst[c * 16 + r] = src[r * lds + c] for r < 16 and c < round_up(cols, 16)
+// (src readable that far): a 16-row float32 tile transposed, 16 columns at a time.
+inline void transpose_16_rows(const float* src, int64_t lds, int64_t cols, float* dst) {
+  for (int64_t c = 0; c < cols; c += 16) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * lds + c);
+    transpose_16x16_words(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (c + i) * 16, r[i]);
+  }
+}
+
+// Scores of a decoding tile, keys along the lanes, without packing K:
+// out[i * ldo + j] = out_scale * q_scale[i] * (row i of A) . (key j) for
+// i < rows, j < round_up(nk, 16) (0 past nk; a null q_scale meaning ones).
+// key(j) gives key j's n terms, read as they lie (widened in registers).
+// Each key's products run along the head dim, 16 lanes of partial sums per
+// row (L::products: FloatKeyLanes on float32 FMAs, KeyLanes on pair words),
+// which a tree of 4 levels (15 unpack-and-add steps per row and 16 keys)
+// folds into one lane per key: no 16 x 16 transpose of K per tile.
+template <typename Acc>
+struct LaneFold {
+  static constexpr bool kInt = std::is_same_v<Acc, __m512i>;
+  static Acc zero() { return Acc{}; }
+  static Acc add(Acc x, Acc y) {
+    if constexpr (kInt) {
+      return _mm512_add_epi32(x, y);
+    } else {
+      return _mm512_add_ps(x, y);
+    }
+  }
+  static __m512i bits(Acc x) {
+    if constexpr (kInt) {
+      return x;
+    } else {
+      return _mm512_castps_si512(x);
+    }
+  }
+  static Acc acc(__m512i x) {
+    if constexpr (kInt) {
+      return x;
+    } else {
+      return _mm512_castsi512_ps(x);
+    }
+  }
+  static __m512 to_float(Acc x) {
+    if constexpr (kInt) {
+      return _mm512_cvtepi32_ps(x);
+    } else {
+      return x;
+    }
+  }
+  // Two vectors of partial sums, x over keys X and y over keys Y (the same
+  // number of lanes each), folded into one holding both: levels 0 and 1 add
+  // the two halves of each 128-bit lane (x's and y's 32-bit, then 64-bit,
+  // entries interleaved), levels 2 and 3 pairs of 128-bit lanes.
+  template <int kLevel>
+  static Acc fold(Acc x, Acc y) {
+    const __m512i a = bits(x), b = bits(y);
+    if constexpr (kLevel == 0) {
+      return add(acc(_mm512_unpacklo_epi32(a, b)), acc(_mm512_unpackhi_epi32(a, b)));
+    } else if constexpr (kLevel == 1) {
+      return add(acc(_mm512_unpacklo_epi64(a, b)), acc(_mm512_unpackhi_epi64(a, b)));
+    } else {
+      return add(acc(_mm512_shuffle_i32x4(a, b, 0x88)), acc(_mm512_shuffle_i32x4(a, b, 0xDD)));
+    }
+  }
+};
+
+// float32 products: A holds rows of float32 terms (zero from n to a multiple
+// of 16), keys are float32, bfloat16 or float16 rows.
+template <typename T>
+struct FloatKeyLanes : LaneFold<__m512> {
+  using Acc = __m512;
+  using A = float;
+  // Terms c .. c + 15 of a row as float32, zero past n.
+  [[gnu::always_inline]] static __m512 terms(const T* row, int64_t c, int64_t n) {
+    const __mmask16 m = c + 16 <= n ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - c)) - 1);
+    if constexpr (std::is_same_v<T, float>) {
+      return _mm512_maskz_loadu_ps(m, row + c);
+    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + c));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+    } else {
+      static_assert(std::is_same_v<T, c10::Half>, "float32, bfloat16 or float16 keys");
+      return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, row + c));
+    }
+  }
+  // One key's products with R rows of A: R vectors of 16 partial sums.
+  template <int R>
+  [[gnu::always_inline]] static void products(const T* key, int64_t n, const float* a, int64_t lda,
+                                              Acc (&acc)[R]) {
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) acc[i] = zero();
+    if (key == nullptr) return;
+    for (int64_t c = 0; c < n; c += 16) {
+      const __m512 k = terms(key, c, n);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(a + i * lda + c), k, acc[i]);
+    }
+  }
+};
+
+// R <= 4 rows against keys [j0, j0 + 16): the fold of level 0 takes keys
+// 2m, 2m + 1, level 1 two of those, and so on, so that at most 5 R vectors
+// are live.
+template <int R, typename L, typename Key>
+inline void scores_16_keys(const Key& key, int64_t j0, int64_t nk, int64_t n, const typename L::A* a, int64_t lda,
+                           float* out, int64_t ldo, float out_scale, const float* q_scale) {
+  using Acc = typename L::Acc;
+  Acc half[2][R];
+#pragma GCC unroll 2
+  for (int q = 0; q < 2; ++q) {
+    Acc quarter[2][R];
+#pragma GCC unroll 2
+    for (int p = 0; p < 2; ++p) {
+      Acc pair[2][R];
+#pragma GCC unroll 2
+      for (int m = 0; m < 2; ++m) {
+        Acc x[R], y[R];
+        const int64_t j = j0 + 8 * q + 4 * p + 2 * m;
+        L::template products<R>(j < nk ? key(j) : nullptr, n, a, lda, x);
+        L::template products<R>(j + 1 < nk ? key(j + 1) : nullptr, n, a, lda, y);
+#pragma GCC unroll 4
+        for (int i = 0; i < R; ++i) pair[m][i] = L::template fold<0>(x[i], y[i]);
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) quarter[p][i] = L::template fold<1>(pair[0][i], pair[1][i]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) half[q][i] = L::template fold<2>(quarter[0][i], quarter[1][i]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    const Acc s = L::template fold<3>(half[0][i], half[1][i]);
+    const __m512 scale = _mm512_set1_ps(q_scale != nullptr ? out_scale * q_scale[i] : out_scale);
+    _mm512_storeu_ps(out + i * ldo + j0, _mm512_mul_ps(L::to_float(s), scale));
+  }
+}
+
+template <typename L, typename Key>
+inline void scores_along_keys(const Key& key, int64_t nk, int64_t n, const typename L::A* a, int64_t lda, int64_t rows,
+                              float* out, int64_t ldo, float out_scale, const float* q_scale) {
+  for (int64_t i0 = 0; i0 < rows; i0 += 4) {
+    const typename L::A* ai = a + i0 * lda;
+    float* oi = out + i0 * ldo;
+    const float* si = q_scale != nullptr ? q_scale + i0 : nullptr;
+    for (int64_t j0 = 0; j0 < nk; j0 += 16) {
+      switch (std::min<int64_t>(4, rows - i0)) {
+        case 1: scores_16_keys<1, L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
+        case 2: scores_16_keys<2, L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
+        case 3: scores_16_keys<3, L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
+        default: scores_16_keys<4, L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
+      }
+    }
+  }
+}
+
+#endif  // __AVX512F__
 
 #if defined(__AVX512BF16__)
 // ---------------------------------------------------------------------------
@@ -397,43 +587,6 @@ constexpr bool kCodeRows = std::is_same_v<R, int8_t> || std::is_same_v<R, c10::F
 template <typename P>
 constexpr bool kInt8Rows = std::is_same_v<P, const int8_t*>;
 
-// r[i] becomes column i of the 16 x 16 matrix of 32-bit words whose rows were r.
-// Always inlined: called out of line, the 16 registers go through memory.
-__attribute__((always_inline)) inline void transpose_16x16_words(__m512i (&r)[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: words 4L, 4L + 1 (lo) and 4L + 2, 4L + 3 (hi) of rows 2i, 2i + 1
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4i + k], lane L: word 4L + k of rows 4i .. 4i + 3
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of r[k], r[4 + k], r[8 + k], r[12 + k]
-    const __m512i a = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), b = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
-    const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
-    const __m512i d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
-    t[k] = _mm512_shuffle_i32x4(a, c, 0x88);
-    t[4 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);
-    t[8 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
-    t[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
-// dst[c * 16 + r] = src[r * lds + c] for r < 16 and c < round_up(cols, 16)
-// (src readable that far): a 16-row float32 tile transposed, 16 columns at a time.
-inline void transpose_16_rows(const float* src, int64_t lds, int64_t cols, float* dst) {
-  for (int64_t c = 0; c < cols; c += 16) {
-    __m512i r[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * lds + c);
-    transpose_16x16_words(r);
-    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (c + i) * 16, r[i]);
-  }
-}
-
 // Up to 32 terms of a row from term c on (n terms in all) as 16 pair words,
 // zero past n: bfloat16 as stored, int8 and float8 codes as bfloat16.
 inline __m512i row_pair_words(const c10::BFloat16* row, int64_t c, int64_t n) {
@@ -534,64 +687,6 @@ inline void pack_rows_along(const Code* src, int64_t stride, int64_t rows, int64
   }
 }
 
-// Scores of a decoding tile, keys along the lanes, without packing K:
-// out[i * ldo + j] = out_scale * q_scale[i] * (row i of A) . (key j) for
-// i < rows, j < round_up(nk, 16) (0 past nk; a null q_scale meaning ones).
-// A holds rows of pair words along the head dim (word i * lda + p: terms 2p,
-// 2p + 1); key(j) gives key j's n terms, read as they lie (bfloat16, or int8 /
-// float8 codes widened in registers). Each key's products run along the head
-// dim, 16 lanes of partial sums per row, which a tree of 4 levels (15
-// unpack-and-add steps per row and 16 keys) folds into one lane per key:
-// no 16 x 16 transpose of K per tile.
-template <Pairs kP>
-struct KeyLanes {
-  using Acc = std::conditional_t<kP == Pairs::kInt16, __m512i, __m512>;
-  static Acc zero() { return Acc{}; }
-  static Acc add(Acc x, Acc y) {
-    if constexpr (kP == Pairs::kInt16) {
-      return _mm512_add_epi32(x, y);
-    } else {
-      return _mm512_add_ps(x, y);
-    }
-  }
-  static __m512i bits(Acc x) {
-    if constexpr (kP == Pairs::kInt16) {
-      return x;
-    } else {
-      return _mm512_castps_si512(x);
-    }
-  }
-  static Acc acc(__m512i x) {
-    if constexpr (kP == Pairs::kInt16) {
-      return x;
-    } else {
-      return _mm512_castsi512_ps(x);
-    }
-  }
-  static Acc dot(Acc c, __m512i a, __m512i b) {
-    if constexpr (kP == Pairs::kInt16) {
-      return _mm512_dpwssd_epi32(c, a, b);
-    } else {
-      return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b);
-    }
-  }
-  // Two vectors of partial sums, x over keys X and y over keys Y (the same
-  // number of lanes each), folded into one holding both: levels 0 and 1 add
-  // the two halves of each 128-bit lane (x's and y's 32-bit, then 64-bit,
-  // entries interleaved), levels 2 and 3 pairs of 128-bit lanes.
-  template <int kLevel>
-  static Acc fold(Acc x, Acc y) {
-    const __m512i a = bits(x), b = bits(y);
-    if constexpr (kLevel == 0) {
-      return add(acc(_mm512_unpacklo_epi32(a, b)), acc(_mm512_unpackhi_epi32(a, b)));
-    } else if constexpr (kLevel == 1) {
-      return add(acc(_mm512_unpacklo_epi64(a, b)), acc(_mm512_unpackhi_epi64(a, b)));
-    } else {
-      return add(acc(_mm512_shuffle_i32x4(a, b, 0x88)), acc(_mm512_shuffle_i32x4(a, b, 0xDD)));
-    }
-  }
-};
-
 // 32 terms of a row from term c on (n in all) as 16-bit words, zero past n:
 // bfloat16 as stored, int8 codes as int16 (Pairs::kInt16), float8 codes as
 // bfloat16 bits. Along a key they are its pair words.
@@ -607,6 +702,44 @@ template <Pairs kP, typename Code>
     return c + 32 <= n ? widen_codes(row + c) : row_pair_words(row, c, n);
   }
 }
+
+// Pair-word products (vdpbf16ps on bfloat16 words, vpdpwssd on int16 ones;
+// scores_along_keys): A holds rows of pair words along the head dim (word
+// i * lda + p: terms 2p, 2p + 1); keys are bfloat16 rows, or int8 / float8
+// codes widened in registers (row_words).
+template <Pairs kP>
+struct KeyLanes : LaneFold<std::conditional_t<kP == Pairs::kInt16, __m512i, __m512>> {
+  using Acc = std::conditional_t<kP == Pairs::kInt16, __m512i, __m512>;
+  using A = uint32_t;
+  static Acc dot(Acc c, __m512i a, __m512i b) {
+    if constexpr (kP == Pairs::kInt16) {
+      return _mm512_dpwssd_epi32(c, a, b);
+    } else {
+      return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b);
+    }
+  }
+  // One key's products with R rows of A: R vectors of 16 partial sums.
+  template <int R, typename Code>
+  [[gnu::always_inline]] static void products(const Code* key, int64_t n, const uint32_t* a, int64_t lda,
+                                              Acc (&acc)[R]) {
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) acc[i] = Acc{};
+    if (key == nullptr) return;
+    const int64_t np = (n + 1) / 2;
+    int64_t c = 0;
+    for (; c + 32 <= n; c += 32) {
+      const __m512i k = row_words<kP>(key, c, n);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) acc[i] = dot(acc[i], _mm512_loadu_si512(a + i * lda + c / 2), k);
+    }
+    if (c < n) {
+      const __m512i k = row_words<kP>(key, c, n);
+      const __mmask16 words = static_cast<__mmask16>((1u << (np - c / 2)) - 1);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) acc[i] = dot(acc[i], _mm512_maskz_loadu_epi32(words, a + i * lda + c / 2), k);
+    }
+  }
+};
 
 // B of the pair kernels as rows read as they lie (row(j): j < rows, n terms
 // each): word (p, col) pairs term col of rows 2p and 2p + 1, interleaved in
@@ -657,89 +790,6 @@ inline void pack_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* 
         __m512i bv[1];
         b.template load<1>(p, c, bv);
         _mm512_storeu_si512(out + c, bv[0]);
-      }
-    }
-  }
-}
-
-// One key's products with R rows of A: R vectors of 16 partial sums.
-template <int R, Pairs kP, typename Code>
-[[gnu::always_inline]] inline void key_products(const Code* key, int64_t n, const uint32_t* a, int64_t lda,
-                         typename KeyLanes<kP>::Acc (&acc)[R]) {
-  using L = KeyLanes<kP>;
-#pragma GCC unroll 4
-  for (int i = 0; i < R; ++i) acc[i] = L::zero();
-  if (key == nullptr) return;
-  const int64_t np = (n + 1) / 2;
-  int64_t c = 0;
-  for (; c + 32 <= n; c += 32) {
-    const __m512i k = row_words<kP>(key, c, n);
-#pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) acc[i] = L::dot(acc[i], _mm512_loadu_si512(a + i * lda + c / 2), k);
-  }
-  if (c < n) {
-    const __m512i k = row_words<kP>(key, c, n);
-    const __mmask16 words = static_cast<__mmask16>((1u << (np - c / 2)) - 1);
-#pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) acc[i] = L::dot(acc[i], _mm512_maskz_loadu_epi32(words, a + i * lda + c / 2), k);
-  }
-}
-
-// R <= 4 rows against keys [j0, j0 + 16): the fold of level 0 takes keys
-// 2m, 2m + 1, level 1 two of those, and so on, so that at most 5 R vectors
-// are live.
-template <int R, Pairs kP, typename Key>
-inline void scores_16_keys(const Key& key, int64_t j0, int64_t nk, int64_t n, const uint32_t* a, int64_t lda,
-                           float* out, int64_t ldo, float out_scale, const float* q_scale) {
-  using L = KeyLanes<kP>;
-  using Acc = typename L::Acc;
-  Acc half[2][R];
-#pragma GCC unroll 2
-  for (int q = 0; q < 2; ++q) {
-    Acc quarter[2][R];
-#pragma GCC unroll 2
-    for (int p = 0; p < 2; ++p) {
-      Acc pair[2][R];
-#pragma GCC unroll 2
-      for (int m = 0; m < 2; ++m) {
-        Acc x[R], y[R];
-        const int64_t j = j0 + 8 * q + 4 * p + 2 * m;
-        key_products<R, kP>(j < nk ? key(j) : nullptr, n, a, lda, x);
-        key_products<R, kP>(j + 1 < nk ? key(j + 1) : nullptr, n, a, lda, y);
-#pragma GCC unroll 4
-        for (int i = 0; i < R; ++i) pair[m][i] = L::template fold<0>(x[i], y[i]);
-      }
-#pragma GCC unroll 4
-      for (int i = 0; i < R; ++i) quarter[p][i] = L::template fold<1>(pair[0][i], pair[1][i]);
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) half[q][i] = L::template fold<2>(quarter[0][i], quarter[1][i]);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < R; ++i) {
-    const Acc s = L::template fold<3>(half[0][i], half[1][i]);
-    const __m512 scale = _mm512_set1_ps(q_scale != nullptr ? out_scale * q_scale[i] : out_scale);
-    if constexpr (kP == Pairs::kInt16) {
-      _mm512_storeu_ps(out + i * ldo + j0, _mm512_mul_ps(_mm512_cvtepi32_ps(s), scale));
-    } else {
-      _mm512_storeu_ps(out + i * ldo + j0, _mm512_mul_ps(s, scale));
-    }
-  }
-}
-
-template <Pairs kP, typename Key>
-inline void scores_along_keys(const Key& key, int64_t nk, int64_t n, const uint32_t* a, int64_t lda, int64_t rows,
-                              float* out, int64_t ldo, float out_scale, const float* q_scale) {
-  for (int64_t i0 = 0; i0 < rows; i0 += 4) {
-    const uint32_t* ai = a + i0 * lda;
-    float* oi = out + i0 * ldo;
-    const float* si = q_scale != nullptr ? q_scale + i0 : nullptr;
-    for (int64_t j0 = 0; j0 < nk; j0 += 16) {
-      switch (std::min<int64_t>(4, rows - i0)) {
-        case 1: scores_16_keys<1, kP>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
-        case 2: scores_16_keys<2, kP>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
-        case 3: scores_16_keys<3, kP>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
-        default: scores_16_keys<4, kP>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
       }
     }
   }

@@ -120,9 +120,11 @@ constexpr int64_t kKeysPerTile = 96;
 constexpr int64_t kMinTasks = 8;      // split further below this many independent tasks
 constexpr int64_t kMaxPartialBytes = int64_t(256) << 20;  // cap on split-partial scratch
 // Multiply-adds of QK^T below which a call runs on the calling thread: waking
-// other threads (and, on a loaded machine, waiting for them to be scheduled)
-// costs more than such a call (a decoding step over a short cache).
-constexpr int64_t kMinParallelWork = int64_t(1) << 21;
+// the other threads costs more than such a call (a few microseconds; a
+// decoding step over a short cache). Measured on a 2-core Zen 4: 2^21 kept
+// decoding steps of 100-500 us (float32, head dim 32-128) on one thread,
+// where SDPA used both.
+constexpr int64_t kMinParallelWork = int64_t(1) << 16;
 
 // Slots for a call: threads when the work is large enough, else one.
 inline int64_t work_slots(int64_t n_tasks, int64_t work) {

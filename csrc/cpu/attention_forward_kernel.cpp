@@ -304,12 +304,12 @@ struct ForwardKernel {
     const auto q_row = [&](int64_t i) { return t.row_in(q, a.q.head_stride, a.q.seq_stride, g, p0, i); };
 #endif
     const bool narrow = kPairs && rows <= kNarrowRows;  // then ld is 16
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
     // float32 products of a decoding tile (float32, or 16-bit without
     // vdpbf16ps): the scores along the keys too (FloatKeyLanes), against the
     // scaled Q rows in kbuf (K is read where it lies), then transposed into
     // the tile the rest of the float32 path reads. Q's rows in the lanes
-    // (rows x keys as keys x rows) used 4 or 8 of 16 lanes.
+    // (rows x keys as keys x rows) used 4 or 8 of 16 (8) lanes.
     constexpr bool kFloatLanes = !kPairs && std::is_same_v<acc_t, float>;
     const bool narrow_float = kFloatLanes && rows <= kNarrowRows && !k.quantized();
     acc_t* const q_rows = w.kbuf;
@@ -336,7 +336,7 @@ struct ForwardKernel {
       }
 #endif
     } else {
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
       if (narrow_float) {  // rows of Q * scale; S's rows past `rows` stay zero
         gather_rows(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, scale, q_rows);
         std::fill(w.sr + rows * sr_ld, w.sr + ld * sr_ld, acc_t(0));
@@ -439,7 +439,7 @@ struct ForwardKernel {
 #endif
       } else {
         bool scored = false;
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
         if constexpr (kFloatLanes) {
           if (narrow_float) {
             k.with_rows(j0, nk, [&](const auto& row) {
@@ -452,7 +452,11 @@ struct ForwardKernel {
                 }
               }
             });
+#if defined(__AVX512F__)
             transpose_16_rows(w.sr, sr_ld, nk, w.s);
+#else
+            transpose(w.sr, sr_ld, ld, round_up(nk, ld), w.s, ld);
+#endif
             scored = true;
           }
         }

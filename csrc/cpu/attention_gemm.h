@@ -16,7 +16,7 @@
 #include <limits>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -193,11 +193,12 @@ constexpr bool kPairProducts =
     false;
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 // ---------------------------------------------------------------------------
 // Decoding tiles (at most a few query rows per kv head), keys along the lanes.
 // ---------------------------------------------------------------------------
 
+#if defined(__AVX512F__)
 // r[i] becomes column i of the 16 x 16 matrix of 32-bit words whose rows were r.
 // Always inlined: called out of line, the 16 registers go through memory.
 __attribute__((always_inline)) inline void transpose_16x16_words(__m512i (&r)[16]) {
@@ -235,17 +236,25 @@ inline void transpose_16_rows(const float* src, int64_t lds, int64_t cols, float
   }
 }
 
+#endif  // __AVX512F__
+
 // Scores of a decoding tile, keys along the lanes, without packing K:
 // out[i * ldo + j] = out_scale * q_scale[i] * (row i of A) . (key j) for
-// i < rows, j < round_up(nk, 16) (0 past nk; a null q_scale meaning ones).
+// i < rows, j < round_up(nk, kLanes) (0 past nk; a null q_scale meaning ones).
 // key(j) gives key j's n terms, read as they lie (widened in registers).
-// Each key's products run along the head dim, 16 lanes of partial sums per
+// Each key's products run along the head dim, a vector of partial sums per
 // row (L::products: FloatKeyLanes on float32 FMAs, KeyLanes on pair words),
-// which a tree of 4 levels (15 unpack-and-add steps per row and 16 keys)
-// folds into one lane per key: no 16 x 16 transpose of K per tile.
+// which a tree of log2(kLanes) levels (kLanes - 1 unpack-and-add steps per
+// row and kLanes keys) folds into one lane per key: no transpose of K.
 template <typename Acc>
-struct LaneFold {
+struct LaneFold;
+
+#if defined(__AVX512F__)
+template <typename Acc>
+struct LaneFold512 {
   static constexpr bool kInt = std::is_same_v<Acc, __m512i>;
+  static constexpr int kLanes = 16, kLevels = 4;
+  static constexpr int kRowBlock = 4;  // rows per fold tree: at most 5 x 4 vectors live
   static Acc zero() { return Acc{}; }
   static Acc add(Acc x, Acc y) {
     if constexpr (kInt) {
@@ -275,6 +284,9 @@ struct LaneFold {
       return x;
     }
   }
+  static void store(float* dst, Acc x, float scale) {
+    _mm512_storeu_ps(dst, _mm512_mul_ps(to_float(x), _mm512_set1_ps(scale)));
+  }
   // Two vectors of partial sums, x over keys X and y over keys Y (the same
   // number of lanes each), folded into one holding both: levels 0 and 1 add
   // the two halves of each 128-bit lane (x's and y's 32-bit, then 64-bit,
@@ -291,15 +303,57 @@ struct LaneFold {
     }
   }
 };
+template <>
+struct LaneFold<__m512> : LaneFold512<__m512> {};
+template <>
+struct LaneFold<__m512i> : LaneFold512<__m512i> {};
+#endif  // __AVX512F__
+
+// AVX2: 8 lanes, the same levels 0 and 1 within each 128-bit lane, level 2
+// across the two.
+template <>
+struct LaneFold<__m256> {
+  static constexpr int kLanes = 8, kLevels = 3;
+  static constexpr int kRowBlock = 2;  // 16 registers
+  static __m256 zero() { return _mm256_setzero_ps(); }
+  static void store(float* dst, __m256 x, float scale) {
+    _mm256_storeu_ps(dst, _mm256_mul_ps(x, _mm256_set1_ps(scale)));
+  }
+  template <int kLevel>
+  static __m256 fold(__m256 x, __m256 y) {
+    const __m256i a = _mm256_castps_si256(x), b = _mm256_castps_si256(y);
+    __m256i lo, hi;
+    if constexpr (kLevel == 0) {
+      lo = _mm256_unpacklo_epi32(a, b), hi = _mm256_unpackhi_epi32(a, b);
+    } else if constexpr (kLevel == 1) {
+      lo = _mm256_unpacklo_epi64(a, b), hi = _mm256_unpackhi_epi64(a, b);
+    } else {
+      lo = _mm256_permute2x128_si256(a, b, 0x20), hi = _mm256_permute2x128_si256(a, b, 0x31);
+    }
+    return _mm256_add_ps(_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi));
+  }
+};
 
 // float32 products: A holds rows of float32 terms (zero from n to a multiple
-// of 16), keys are float32, bfloat16 or float16 rows.
+// of the lanes), keys are float32, bfloat16 or float16 rows.
 template <typename T>
-struct FloatKeyLanes : LaneFold<__m512> {
+struct FloatKeyLanes : LaneFold<
+#if defined(__AVX512F__)
+                           __m512
+#else
+                           __m256
+#endif
+                           > {
+#if defined(__AVX512F__)
   using Acc = __m512;
+#else
+  using Acc = __m256;
+#endif
   using A = float;
-  // Terms c .. c + 15 of a row as float32, zero past n.
-  [[gnu::always_inline]] static __m512 terms(const T* row, int64_t c, int64_t n) {
+  static constexpr int kLanes = sizeof(Acc) / sizeof(float);
+  // Terms c .. c + kLanes - 1 of a row as float32, zero past n.
+  [[gnu::always_inline]] static Acc terms(const T* row, int64_t c, int64_t n) {
+#if defined(__AVX512F__)
     const __mmask16 m = c + 16 <= n ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - c)) - 1);
     if constexpr (std::is_same_v<T, float>) {
       return _mm512_maskz_loadu_ps(m, row + c);
@@ -310,78 +364,94 @@ struct FloatKeyLanes : LaneFold<__m512> {
       static_assert(std::is_same_v<T, c10::Half>, "float32, bfloat16 or float16 keys");
       return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, row + c));
     }
+#else
+    T tail[8] = {};
+    const T* src = row + c;
+    if (c + 8 > n) {  // the row's last terms, zero after
+      std::copy(src, row + n, tail);
+      src = tail;
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      return _mm256_loadu_ps(src);
+    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+    } else {
+      static_assert(std::is_same_v<T, c10::Half>, "float32, bfloat16 or float16 keys");
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    }
+#endif
   }
-  // One key's products with R rows of A: R vectors of 16 partial sums.
+  // One key's products with R rows of A: R vectors of partial sums.
   template <int R>
   [[gnu::always_inline]] static void products(const T* key, int64_t n, const float* a, int64_t lda,
                                               Acc (&acc)[R]) {
 #pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) acc[i] = zero();
+    for (int i = 0; i < R; ++i) acc[i] = Acc{};
     if (key == nullptr) return;
-    for (int64_t c = 0; c < n; c += 16) {
-      const __m512 k = terms(key, c, n);
+    for (int64_t c = 0; c < n; c += kLanes) {
+      const Acc k = terms(key, c, n);
 #pragma GCC unroll 4
-      for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(a + i * lda + c), k, acc[i]);
+      for (int i = 0; i < R; ++i) {
+#if defined(__AVX512F__)
+        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(a + i * lda + c), k, acc[i]);
+#else
+        acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i * lda + c), k, acc[i]);
+#endif
+      }
     }
   }
 };
 
-// R <= 4 rows against keys [j0, j0 + 16): the fold of level 0 takes keys
-// 2m, 2m + 1, level 1 two of those, and so on, so that at most 5 R vectors
-// are live.
-template <int R, typename L, typename Key>
-inline void scores_16_keys(const Key& key, int64_t j0, int64_t nk, int64_t n, const typename L::A* a, int64_t lda,
-                           float* out, int64_t ldo, float out_scale, const float* q_scale) {
-  using Acc = typename L::Acc;
-  Acc half[2][R];
-#pragma GCC unroll 2
-  for (int q = 0; q < 2; ++q) {
-    Acc quarter[2][R];
-#pragma GCC unroll 2
-    for (int p = 0; p < 2; ++p) {
-      Acc pair[2][R];
-#pragma GCC unroll 2
-      for (int m = 0; m < 2; ++m) {
-        Acc x[R], y[R];
-        const int64_t j = j0 + 8 * q + 4 * p + 2 * m;
-        L::template products<R>(j < nk ? key(j) : nullptr, n, a, lda, x);
-        L::template products<R>(j + 1 < nk ? key(j + 1) : nullptr, n, a, lda, y);
+// Keys [j, j + 2^kLevel) against R rows, folded kLevel times: lane l of
+// out[i] holds key j + l's sum when kLevel is L's last level. Keys 2m and
+// 2m + 1 fold first, then pairs of those, and so on, so that at most
+// (kLevels + 1) R vectors are live.
+template <int kLevel, int R, typename L, typename Key>
+[[gnu::always_inline]] inline void folded_keys(const Key& key, int64_t j, int64_t nk, int64_t n,
+                                               const typename L::A* a, int64_t lda, typename L::Acc (&out)[R]) {
+  if constexpr (kLevel == 0) {
+    L::template products<R>(j < nk ? key(j) : nullptr, n, a, lda, out);
+  } else {
+    typename L::Acc x[R], y[R];
+    folded_keys<kLevel - 1, R, L>(key, j, nk, n, a, lda, x);
+    folded_keys<kLevel - 1, R, L>(key, j + (1 << (kLevel - 1)), nk, n, a, lda, y);
 #pragma GCC unroll 4
-        for (int i = 0; i < R; ++i) pair[m][i] = L::template fold<0>(x[i], y[i]);
-      }
-#pragma GCC unroll 4
-      for (int i = 0; i < R; ++i) quarter[p][i] = L::template fold<1>(pair[0][i], pair[1][i]);
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) half[q][i] = L::template fold<2>(quarter[0][i], quarter[1][i]);
+    for (int i = 0; i < R; ++i) out[i] = L::template fold<kLevel - 1>(x[i], y[i]);
   }
+}
+
+template <int R, typename L, typename Key>
+inline void scores_lane_keys(const Key& key, int64_t j0, int64_t nk, int64_t n, const typename L::A* a, int64_t lda,
+                             float* out, int64_t ldo, float out_scale, const float* q_scale) {
+  typename L::Acc s[R];
+  folded_keys<L::kLevels, R, L>(key, j0, nk, n, a, lda, s);
 #pragma GCC unroll 4
   for (int i = 0; i < R; ++i) {
-    const Acc s = L::template fold<3>(half[0][i], half[1][i]);
-    const __m512 scale = _mm512_set1_ps(q_scale != nullptr ? out_scale * q_scale[i] : out_scale);
-    _mm512_storeu_ps(out + i * ldo + j0, _mm512_mul_ps(L::to_float(s), scale));
+    L::store(out + i * ldo + j0, s[i], q_scale != nullptr ? out_scale * q_scale[i] : out_scale);
   }
 }
 
 template <typename L, typename Key>
 inline void scores_along_keys(const Key& key, int64_t nk, int64_t n, const typename L::A* a, int64_t lda, int64_t rows,
                               float* out, int64_t ldo, float out_scale, const float* q_scale) {
-  for (int64_t i0 = 0; i0 < rows; i0 += 4) {
+  constexpr int kRows = L::kRowBlock;
+  for (int64_t i0 = 0; i0 < rows; i0 += kRows) {
     const typename L::A* ai = a + i0 * lda;
     float* oi = out + i0 * ldo;
     const float* si = q_scale != nullptr ? q_scale + i0 : nullptr;
-    for (int64_t j0 = 0; j0 < nk; j0 += 16) {
-      switch (std::min<int64_t>(4, rows - i0)) {
-        case 1: scores_16_keys<1, L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
-        case 2: scores_16_keys<2, L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
-        case 3: scores_16_keys<3, L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
-        default: scores_16_keys<4, L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
+    for (int64_t j0 = 0; j0 < nk; j0 += L::kLanes) {
+      switch (std::min<int64_t>(kRows, rows - i0)) {
+        case 1: scores_lane_keys<1, L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
+        case 2: scores_lane_keys<2, L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
+        case 3: scores_lane_keys<std::min(3, kRows), L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
+        default: scores_lane_keys<kRows, L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
       }
     }
   }
 }
 
-#endif  // __AVX512F__
+#endif  // __AVX2__
 
 #if defined(__AVX512BF16__)
 // ---------------------------------------------------------------------------

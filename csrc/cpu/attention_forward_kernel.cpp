@@ -311,7 +311,7 @@ struct ForwardKernel {
     // the tile the rest of the float32 path reads. Q's rows in the lanes
     // (rows x keys as keys x rows) used 4 or 8 of 16 (8) lanes.
     constexpr bool kFloatLanes = !kPairs && std::is_same_v<acc_t, float>;
-    const bool narrow_float = kFloatLanes && rows <= kNarrowRows && !k.quantized();
+    const bool narrow_float = kFloatLanes && rows <= kNarrowRows;
     acc_t* const q_rows = w.kbuf;
     const int64_t sr_ld = round_up(t.block_k, 16);
 #endif
@@ -443,13 +443,11 @@ struct ForwardKernel {
         if constexpr (kFloatLanes) {
           if (narrow_float) {
             k.with_rows(j0, nk, [&](const auto& row) {
-              if constexpr (std::is_same_v<decltype(row(0)), const T*>) {
-                for (const auto [from, to] : {std::pair<int64_t, int64_t>{0, half}, {half, nk}}) {
-                  const auto key = [&](int64_t j) { return row(from + j); };
-                  scores_along_keys<FloatKeyLanes<T>>(key, to - from, d, q_rows, d_pad, rows, w.sr + from, sr_ld,
-                                                      1.0f, nullptr);
-                  if (from == 0) prefetch_part(1);
-                }
+              for (const auto [from, to] : {std::pair<int64_t, int64_t>{0, half}, {half, nk}}) {
+                const auto key = [&](int64_t j) { return row(from + j); };
+                scores_along_keys<FloatKeyLanes>(key, to - from, d, q_rows, d_pad, rows, w.sr + from, sr_ld, 1.0f,
+                                                 nullptr);
+                if (from == 0) prefetch_part(1);
               }
             });
 #if defined(__AVX512F__)
@@ -457,6 +455,7 @@ struct ForwardKernel {
 #else
             transpose(w.sr, sr_ld, ld, round_up(nk, ld), w.s, ld);
 #endif
+            if (k.quantized()) k.scale_rows(w.s, ld, j0, nk);  // the codes' products times their scales
             scored = true;
           }
         }

@@ -8,6 +8,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 
+#include "attention_tile.h"  // float8_half_bits
 #include "fusedllm/kv_quant.h"
 
 #include <algorithm>
@@ -335,8 +336,8 @@ struct LaneFold<__m256> {
 };
 
 // float32 products: A holds rows of float32 terms (zero from n to a multiple
-// of the lanes), keys are float32, bfloat16 or float16 rows.
-template <typename T>
+// of the lanes), keys are float32, bfloat16 or float16 rows, or int8 /
+// float8 e4m3 codes (their scales applied to the scores after).
 struct FloatKeyLanes : LaneFold<
 #if defined(__AVX512F__)
                            __m512
@@ -352,39 +353,50 @@ struct FloatKeyLanes : LaneFold<
   using A = float;
   static constexpr int kLanes = sizeof(Acc) / sizeof(float);
   // Terms c .. c + kLanes - 1 of a row as float32, zero past n.
-  [[gnu::always_inline]] static Acc terms(const T* row, int64_t c, int64_t n) {
+  template <typename Code>
+  [[gnu::always_inline]] static Acc terms(const Code* row, int64_t c, int64_t n) {
 #if defined(__AVX512F__)
     const __mmask16 m = c + 16 <= n ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - c)) - 1);
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<Code, float>) {
       return _mm512_maskz_loadu_ps(m, row + c);
-    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    } else if constexpr (std::is_same_v<Code, c10::BFloat16>) {
       const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + c));
       return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-    } else {
-      static_assert(std::is_same_v<T, c10::Half>, "float32, bfloat16 or float16 keys");
+    } else if constexpr (std::is_same_v<Code, c10::Half>) {
       return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, row + c));
+    } else if constexpr (std::is_same_v<Code, int8_t>) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, row + c)));
+    } else {
+      static_assert(std::is_same_v<Code, c10::Float8_e4m3fn>, "float, 16-bit or code rows");
+      const __m256i half = float8_half_bits(_mm_maskz_loadu_epi8(m, row + c));  // code * 2^-8
+      return _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
     }
 #else
-    T tail[8] = {};
-    const T* src = row + c;
+    Code tail[8] = {};
+    const Code* src = row + c;
     if (c + 8 > n) {  // the row's last terms, zero after
       std::copy(src, row + n, tail);
       src = tail;
     }
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<Code, float>) {
       return _mm256_loadu_ps(src);
-    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    } else if constexpr (std::is_same_v<Code, c10::BFloat16>) {
       const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
       return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
-    } else {
-      static_assert(std::is_same_v<T, c10::Half>, "float32, bfloat16 or float16 keys");
+    } else if constexpr (std::is_same_v<Code, c10::Half>) {
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    } else if constexpr (std::is_same_v<Code, int8_t>) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
+    } else {
+      static_assert(std::is_same_v<Code, c10::Float8_e4m3fn>, "float, 16-bit or code rows");
+      const __m256i half = float8_half_bits(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+      return _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(half)), _mm256_set1_ps(256.0f));
     }
 #endif
   }
   // One key's products with R rows of A: R vectors of partial sums.
-  template <int R>
-  [[gnu::always_inline]] static void products(const T* key, int64_t n, const float* a, int64_t lda,
+  template <int R, typename Code>
+  [[gnu::always_inline]] static void products(const Code* key, int64_t n, const float* a, int64_t lda,
                                               Acc (&acc)[R]) {
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) acc[i] = Acc{};

@@ -256,7 +256,6 @@ struct LaneFold512 {
   static constexpr bool kInt = std::is_same_v<Acc, __m512i>;
   static constexpr int kLanes = 16, kLevels = 4;
   static constexpr int kRowBlock = 4;  // rows per fold tree: at most 5 x 4 vectors live
-  static Acc zero() { return Acc{}; }
   static Acc add(Acc x, Acc y) {
     if constexpr (kInt) {
       return _mm512_add_epi32(x, y);
@@ -316,7 +315,6 @@ template <>
 struct LaneFold<__m256> {
   static constexpr int kLanes = 8, kLevels = 3;
   static constexpr int kRowBlock = 2;  // 16 registers
-  static __m256 zero() { return _mm256_setzero_ps(); }
   static void store(float* dst, __m256 x, float scale) {
     _mm256_storeu_ps(dst, _mm256_mul_ps(x, _mm256_set1_ps(scale)));
   }
@@ -338,20 +336,14 @@ struct LaneFold<__m256> {
 // float32 products: A holds rows of float32 terms (zero from n to a multiple
 // of the lanes), keys are float32, bfloat16 or float16 rows, or int8 /
 // float8 e4m3 codes (their scales applied to the scores after).
-struct FloatKeyLanes : LaneFold<
 #if defined(__AVX512F__)
-                           __m512
+using FloatLanes = __m512;
 #else
-                           __m256
+using FloatLanes = __m256;
 #endif
-                           > {
-#if defined(__AVX512F__)
-  using Acc = __m512;
-#else
-  using Acc = __m256;
-#endif
+struct FloatKeyLanes : LaneFold<FloatLanes> {
+  using Acc = FloatLanes;
   using A = float;
-  static constexpr int kLanes = sizeof(Acc) / sizeof(float);
   // Terms c .. c + kLanes - 1 of a row as float32, zero past n.
   template <typename Code>
   [[gnu::always_inline]] static Acc terms(const Code* row, int64_t c, int64_t n) {
@@ -444,21 +436,26 @@ inline void scores_lane_keys(const Key& key, int64_t j0, int64_t nk, int64_t n, 
   }
 }
 
+// scores_lane_keys for r <= R rows (R a compile-time bound).
+template <int R, typename L, typename Key>
+inline void scores_lane_keys_up_to(int64_t r, const Key& key, int64_t j0, int64_t nk, int64_t n,
+                                   const typename L::A* a, int64_t lda, float* out, int64_t ldo, float out_scale,
+                                   const float* q_scale) {
+  if constexpr (R > 1) {
+    if (r < R) return scores_lane_keys_up_to<R - 1, L>(r, key, j0, nk, n, a, lda, out, ldo, out_scale, q_scale);
+  }
+  scores_lane_keys<R, L>(key, j0, nk, n, a, lda, out, ldo, out_scale, q_scale);
+}
+
 template <typename L, typename Key>
 inline void scores_along_keys(const Key& key, int64_t nk, int64_t n, const typename L::A* a, int64_t lda, int64_t rows,
                               float* out, int64_t ldo, float out_scale, const float* q_scale) {
-  constexpr int kRows = L::kRowBlock;
-  for (int64_t i0 = 0; i0 < rows; i0 += kRows) {
-    const typename L::A* ai = a + i0 * lda;
-    float* oi = out + i0 * ldo;
+  for (int64_t i0 = 0; i0 < rows; i0 += L::kRowBlock) {
+    const int64_t r = std::min<int64_t>(L::kRowBlock, rows - i0);
     const float* si = q_scale != nullptr ? q_scale + i0 : nullptr;
     for (int64_t j0 = 0; j0 < nk; j0 += L::kLanes) {
-      switch (std::min<int64_t>(kRows, rows - i0)) {
-        case 1: scores_lane_keys<1, L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
-        case 2: scores_lane_keys<2, L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
-        case 3: scores_lane_keys<std::min(3, kRows), L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
-        default: scores_lane_keys<kRows, L>(key, j0, nk, n, ai, lda, oi, ldo, out_scale, si); break;
-      }
+      scores_lane_keys_up_to<L::kRowBlock, L>(r, key, j0, nk, n, a + i0 * lda, lda, out + i0 * ldo, ldo, out_scale,
+                                              si);
     }
   }
 }

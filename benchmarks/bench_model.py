@@ -59,7 +59,8 @@ import time
 if not __package__:  # run as a file: import from the repository root, as `python -m` does
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import Benchmark, cache_keyword, interleaved_medians, run  # noqa: E402
+from benchmarks.harness import Benchmark, interleaved_medians, run  # noqa: E402
+from testkit.hf import cache_keyword  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -152,15 +152,6 @@ def roofline_row(work: float, times: dict, roofs: dict | None = None, subject: s
     return row
 
 
-def cache_keyword(model) -> str:
-    """The name the model's forward, and its output, give the cache: `cache`
-    from transformers 5.24 on (which warns at `past_key_values`),
-    `past_key_values` before."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     """float32, bfloat16, ...: how the case labels write a dtype."""
     return str(dtype).replace("torch.", "")

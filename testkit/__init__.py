@@ -4,6 +4,8 @@
   oracle of the compat and patch tests and the eager baselines of the benchmarks.
 - ``testkit.memory``: ``peak_memory_bytes``, the peak memory torch
   allocates during a call, on a CPU or a GPU.
+- ``testkit.hf``: ``cache_keyword``, the name transformers' models give the
+  KV cache argument in the installed release.
 
 Importable from the repository root: pytest puts the root on ``sys.path``
 (``pythonpath`` in pyproject.toml), ``python -m benchmarks.<script>`` runs from

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import fusedllm.hf  # noqa: E402  (registers "fusedllm")
 from fusedllm.hf import attention_forward  # noqa: E402
+from testkit.hf import cache_keyword  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
@@ -138,14 +139,15 @@ def test_decoding_with_cache_matches_full_forward(device, kind):
     model = build(kind, device)
     set_attention(model, "fusedllm")
     ids = torch.randint(0, SMALL["vocab_size"], (2, 11), device=device)
+    keyword = cache_keyword(model)
     with torch.no_grad():
         full = model(ids).logits
         out = model(ids[:, :6], use_cache=True)
-        steps, past = [out.logits], out.past_key_values
+        steps, past = [out.logits], getattr(out, keyword)
         for i in range(6, 11):
-            out = model(ids[:, i:i + 1], past_key_values=past, use_cache=True)
+            out = model(ids[:, i:i + 1], use_cache=True, **{keyword: past})
             steps.append(out.logits)
-            past = out.past_key_values
+            past = getattr(out, keyword)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
 
 

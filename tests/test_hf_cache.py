@@ -14,6 +14,7 @@ if not hasattr(cache_utils, "DynamicSlidingWindowLayer"):
 import fusedllm.hf  # noqa: E402
 from fusedllm.hf import FusedCache  # noqa: E402
 from fusedllm.hf_cache import GrowingLayer, RingLayer, SinkLayer  # noqa: E402
+from testkit.hf import cache_keyword  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
@@ -129,8 +130,8 @@ def left_padded(device, batch=2, seq=9, pad=3):
 
 
 def generate(model, ids, mask, cache, **kw):
-    return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=14, do_sample=False,
-                          pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kw)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0,
+                          output_logits=True, return_dict_in_generate=True, **{cache_keyword(model): cache}, **kw)
 
 
 @pytest.mark.parametrize("kind", MODELS)
@@ -182,7 +183,7 @@ def test_without_config_every_layer_grows():
     model = llama().eval()
     ids = torch.randint(3, 128, (1, 5))
     cache = FusedCache()
-    model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, **{cache_keyword(model): cache})
     assert [type(layer).__name__ for layer in cache.layers] == ["GrowingLayer"] * 2
     assert cache.get_seq_length() == 7
 
@@ -214,11 +215,12 @@ def test_sampling_and_continuing_with_the_same_cache():
     results = []
     for cache in (FusedCache(model.config), transformers.DynamicCache(config=model.config)):
         torch.manual_seed(5)
-        first = model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=True, top_k=5,
-                               pad_token_id=0)
+        first = model.generate(ids, max_new_tokens=8, do_sample=True, top_k=5, pad_token_id=0,
+                               **{cache_keyword(model): cache})
         turn = torch.cat([first, torch.randint(3, SMALL["vocab_size"], (first.shape[0], 3),
                                                generator=torch.Generator().manual_seed(2))], 1)
-        second = model.generate(turn, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        second = model.generate(turn, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                **{cache_keyword(model): cache})
         results.append(second)
     assert torch.equal(results[0], results[1])
 
@@ -417,7 +419,7 @@ def test_window_and_sinks_in_chunks(kind, chunks, device):
     model.set_attn_implementation("fusedllm")
     cache, start = FusedCache(model.config, window=4, sink=2), 0
     for n in chunks:
-        got = model(ids[:, start:start + n].to(device), past_key_values=cache, use_cache=True).logits
+        got = model(ids[:, start:start + n].to(device), use_cache=True, **{cache_keyword(model): cache}).logits
         torch.testing.assert_close(got, want[:, start:start + n], rtol=1e-5, atol=1e-5)
         start += n
 

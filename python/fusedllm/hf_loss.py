@@ -14,6 +14,7 @@ built). Without labels, or in eval mode, it is the model's own forward
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import types
 
@@ -104,10 +105,17 @@ def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None,
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-    # the cache field is `cache` from transformers 5.24 on (`past_key_values`, its old name, logs a warning)
-    cache = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+    cache = _output_cache_field()
     return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                   attentions=outputs.attentions, **{cache: getattr(outputs, cache)})
+
+
+@functools.cache
+def _output_cache_field() -> str:
+    # `cache` from transformers 5.24 on (`past_key_values`, its old name, logs a warning)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 
 
 def patch_causal_lm(model: torch.nn.Module) -> str | None:

@@ -39,22 +39,29 @@ __device__ __forceinline__ void stage_kv(acc_t* dst, const KvSource& src, int64_
   }
   const float* scale = src.scale == nullptr ? nullptr
       : src.scale + g * src.scale_st.h + (pages.paged() ? 0 : b * src.scale_st.b + start * src.scale_st.s);
-  for (int idx = threadIdx.x; idx < kKeys * kD; idx += blockDim.x) {
-    const int jj = idx / kD, c = idx % kD;
+  // A warp per key row, its lanes along the row: the row's place (through the
+  // block table when paged) and its scale are found once per lane and row.
+  const int warps = blockDim.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  for (int jj = threadIdx.x / kWarpSize; jj < kKeys; jj += warps) {
     const int64_t key = j0 + jj;
-    acc_t x = 0;
-    if (key < end && c < d) {
-      const int64_t row = first + g * src.st.h + pages.row_offset(b, key, src.st.b, src.st.s);
-      if (scale == nullptr) {
-        x = static_cast<acc_t>(static_cast<const T*>(src.data)[row + c]);
-      } else {
-        const uint8_t code = static_cast<const uint8_t*>(src.data)[row + c];
-        const float value = src.code == kvq::Code::kInt8 ? static_cast<float>(static_cast<int8_t>(code))
-                                                         : kvq::float8_value(code);
-        x = static_cast<acc_t>(value * scale[pages.row_offset(b, key, src.scale_st.b, src.scale_st.s)]);
+    const bool present = key < end;
+    const int64_t row = present ? first + g * src.st.h + pages.row_offset(b, key, src.st.b, src.st.s) : 0;
+    const float row_scale =
+        present && scale != nullptr ? scale[pages.row_offset(b, key, src.scale_st.b, src.scale_st.s)] : 0.f;
+    for (int c = lane; c < kD; c += kWarpSize) {
+      acc_t x = 0;
+      if (present && c < d) {
+        if (scale == nullptr) {
+          x = static_cast<acc_t>(static_cast<const T*>(src.data)[row + c]);
+        } else {
+          const uint8_t code = static_cast<const uint8_t*>(src.data)[row + c];
+          const float value = src.code == kvq::Code::kInt8 ? static_cast<float>(static_cast<int8_t>(code))
+                                                           : kvq::float8_value(code);
+          x = static_cast<acc_t>(value * row_scale);
+        }
       }
+      dst[jj * kLd + c] = x;
     }
-    dst[jj * kLd + c] = x;
   }
 }
 

@@ -32,9 +32,9 @@ constexpr int64_t kNarrowRows = 8;
 // tiles best at 16 keys (1.3-1.5x as fast), bfloat16 pair words at 32
 // (1.6-1.7x), int8 and float8 codes at 64 (1.03-1.06x); at head dim 32,
 // bfloat16 best at 64 or more keys. (The float32 budget predates reading K,
-// and V at head dims up to 64, where they lie; a budget of 4096 measured no
-// better on the float32 path then: faster on cached tiles, slower over 8k
-// keys at batch 4.)
+// and V at head dims up to 64, where they lie. A budget of 4096 together
+// with V read where it lies at every head dim ran faster on cached tiles
+// and slower over 8k keys at batch 4; not measured apart.)
 template <typename T>
 int64_t decoding_keys_per_tile(const AttentionForwardArgs& a) {
   const bool codes = a.k_scale.data != nullptr && a.v_scale.data != nullptr;

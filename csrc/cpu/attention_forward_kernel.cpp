@@ -316,16 +316,17 @@ struct ForwardKernel {
     constexpr bool kFloatLanes = !kPairs && std::is_same_v<acc_t, float>;
     const bool narrow_float = kFloatLanes && rows <= kNarrowRows;
     acc_t* const q_rows = w.kbuf;
-    const int64_t sr_ld = round_up(t.block_k, 16);
+    const int64_t sr_ld = round_up(t.block_k, 16);  // of the rows x keys scores in w.sr (narrow tiles)
+    // S's rows past `rows` stay zero
+    if (narrow || narrow_float) std::fill(w.sr + rows * sr_ld, w.sr + ld * sr_ld, acc_t(0));
 #endif
 #if defined(__AVX512BF16__)
-    const int64_t nk_pad = round_up(t.block_k, 16);
     const bool int_k = narrow && k.quantized() && !k.float8, int_v = narrow && v.quantized() && !v.float8;
     const bool plain_scores = !a.mods.any_score_mod() && !a.tensor_mask.present() && !a.dropout.enabled;
 #endif
     if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
-      if (narrow) {  // Q as pair words along its rows; S's rows past `rows` stay zero
+      if (narrow) {  // Q as pair words along its rows
         for (int64_t i = 0; i < rows; ++i) {
           if (int_k) {
             w.q_scale[i] = pack_row_int16(q_row(i), d, qp + i * dp);
@@ -333,16 +334,14 @@ struct ForwardKernel {
             pack_rows_along(q_row(i), 0, 1, d, qp + i * dp, dp);
           }
         }
-        std::fill(w.sr + rows * nk_pad, w.sr + ld * nk_pad, acc_t(0));
       } else {
         pack_rows_transposed(q_row, rows, ld, d, qp);
       }
 #endif
     } else {
 #if defined(__AVX2__)
-      if (narrow_float) {  // rows of Q * scale; S's rows past `rows` stay zero
+      if (narrow_float) {  // rows of Q * scale
         gather_rows(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, scale, q_rows);
-        std::fill(w.sr + rows * sr_ld, w.sr + ld * sr_ld, acc_t(0));
       } else
 #endif
       {  // (Q * scale)^T, staged row-major in the output buffer first.
@@ -406,9 +405,9 @@ struct ForwardKernel {
             for (const auto [from, to] : {std::pair<int64_t, int64_t>{0, half}, {half, nk}}) {
               const auto key = [&](int64_t j) { return row(from + j); };
               if constexpr (kInt8Rows<decltype(row(0))>) {  // int_k
-                scores_along_keys<KeyLanes<Pairs::kInt16>>(key, to - from, d, qp, dp, rows, w.sr + from, nk_pad, scale, w.q_scale);
+                scores_along_keys<KeyLanes<Pairs::kInt16>>(key, to - from, d, qp, dp, rows, w.sr + from, sr_ld, scale, w.q_scale);
               } else {
-                scores_along_keys<KeyLanes<Pairs::kBf16>>(key, to - from, d, qp, dp, rows, w.sr + from, nk_pad, scale, nullptr);
+                scores_along_keys<KeyLanes<Pairs::kBf16>>(key, to - from, d, qp, dp, rows, w.sr + from, sr_ld, scale, nullptr);
               }
               if (from == 0) prefetch_part(1);
             }
@@ -423,21 +422,21 @@ struct ForwardKernel {
         if (narrow && plain_scores && tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
           // nothing between the scores and the softmax: the tile stays rows x keys
           float* const ks = k.quantized() ? w.s : nullptr;
-          float* const vs = v.quantized() ? w.s + nk_pad : nullptr;
-          if (ks != nullptr) k.gather_scales(j0, nk, nk_pad, ks);
-          if (vs != nullptr) v.gather_scales(j0, nk, nk_pad, vs);
+          float* const vs = v.quantized() ? w.s + sr_ld : nullptr;
+          if (ks != nullptr) k.gather_scales(j0, nk, sr_ld, ks);
+          if (vs != nullptr) v.gather_scales(j0, nk, sr_ld, vs);
           prefetch_part(2);
           if (int_v) {
-            softmax_rows<Pairs::kInt16>(w.sr, nk_pad, rows, nk, ks, vs, w.row_max, w.row_sum, w.alpha, w.p_scale);
+            softmax_rows<Pairs::kInt16>(w.sr, sr_ld, rows, nk, ks, vs, w.row_max, w.row_sum, w.alpha, w.p_scale);
           } else {
-            softmax_rows<Pairs::kBf16>(w.sr, nk_pad, rows, nk, ks, vs, w.row_max, w.row_sum, w.alpha, nullptr);
+            softmax_rows<Pairs::kBf16>(w.sr, sr_ld, rows, nk, ks, vs, w.row_max, w.row_sum, w.alpha, nullptr);
           }
           prefetch_part(3);
           values_product(std::integral_constant<ALayout, ALayout::kRowMajor>{},
-                         reinterpret_cast<const uint32_t*>(w.sr), nk_pad, j0, nk, half, [&] { prefetch_part(4); });
+                         reinterpret_cast<const uint32_t*>(w.sr), sr_ld, j0, nk, half, [&] { prefetch_part(4); });
           continue;
         }
-        if (narrow) transpose_16_rows(w.sr, nk_pad, nk, w.s);
+        if (narrow) transpose_16_rows(w.sr, sr_ld, nk, w.s);
         if (k.quantized()) k.scale_rows(w.s, ld, j0, nk);
 #endif
       } else {

@@ -176,9 +176,15 @@ struct CrossEntropyOps {
     at::Tensor loss = at::empty({tokens}, acc_opts);
     at::Tensor grad_hidden = want_hidden ? at::empty_like(hidden_in, at::MemoryFormat::Contiguous)
                                          : hidden_in.new_empty({0});
-    const bool low_precision = dtype != acc;
-    // A half-precision weight's gradient is made at the end, from its float32 sum.
-    at::Tensor grad_weight = want_weight && !low_precision
+    // The logits chunk: in the accumulation dtype, or (Impl::kLogitsInInputDtype)
+    // in the input dtype as an eager linear layer rounds them.
+    const at::ScalarType logits_dtype = Impl::kLogitsInInputDtype ? dtype : acc;
+    const int64_t chunk = chunk_rows(tokens, vocab, c10::elementSize(logits_dtype));
+    // A half-precision weight's gradient over several chunks is made at the
+    // end, from its float32 sum; from one chunk it is one multiply, which
+    // accumulates in float32 and rounds once, as eager's does.
+    const bool sum_weight_grad = dtype != acc && chunk < tokens;
+    at::Tensor grad_weight = want_weight && !sum_weight_grad
                                  ? at::empty_like(weight_in, at::MemoryFormat::Contiguous)
                                  : hidden_in.new_empty({0});
     at::Tensor grad_bias = hidden_in.new_empty({0});
@@ -196,11 +202,8 @@ struct CrossEntropyOps {
         grad_scale.has_value() ? converted(*grad_scale, acc).contiguous() : at::Tensor();
     at::Tensor lse = at::empty({tokens}, acc_opts);
 
-    // The logits chunk: in the accumulation dtype, or (Impl::kLogitsInInputDtype)
-    // in the input dtype as an eager linear layer rounds them; the gradient goes
-    // in place when the chunk has the input dtype, else into its own buffer.
-    const at::ScalarType logits_dtype = Impl::kLogitsInInputDtype ? dtype : acc;
-    const int64_t chunk = chunk_rows(tokens, vocab, c10::elementSize(logits_dtype));
+    // The gradient goes in place when the logits chunk has the input dtype,
+    // else into its own buffer.
     at::Tensor logits = at::empty({chunk, vocab}, hidden.options().dtype(logits_dtype));
     // The bias joins the logits inside the multiply when they have its dtype.
     const at::Tensor bias_acc =
@@ -208,7 +211,7 @@ struct CrossEntropyOps {
     at::Tensor grad_logits = grad && logits_dtype != dtype ? at::empty({chunk, vocab}, hidden.options())
                                                            : logits;
     // The weight gradient is summed over chunks in the accumulation dtype.
-    at::Tensor grad_weight_acc = want_weight && low_precision ? at::empty({vocab, hidden_size}, acc_opts)
+    at::Tensor grad_weight_acc = want_weight && sum_weight_grad ? at::empty({vocab, hidden_size}, acc_opts)
                                                               : grad_weight;
     at::Tensor grad_bias_acc = want_bias ? at::zeros({vocab}, acc_opts) : at::Tensor();
 
@@ -245,7 +248,7 @@ struct CrossEntropyOps {
       if (want_weight) Impl::matmul(grad_weight_acc, dz.t(), h, /*accumulate=*/r0 > 0);
       if (want_bias) grad_bias_acc.add_(at::sum(dz, 0, false, acc));
     }
-    if (want_weight && low_precision) {
+    if (want_weight && sum_weight_grad) {
       logits = grad_logits = at::Tensor();  // the chunk buffers are done with
       grad_weight = grad_weight_acc.to(dtype);
     }

@@ -34,10 +34,14 @@ struct CpuCrossEntropy {
       return;
     }
     constexpr int64_t kSlab = 2048;
+    // One buffer for every slab's product: fresh pages per slab cost more
+    // than the add (first-touch faults).
+    at::Tensor slab = at::empty({std::min(kSlab, a.size(0)), b.size(1)}, a.options());
     for (int64_t i = 0; i < a.size(0); i += kSlab) {
       const int64_t n = std::min(kSlab, a.size(0) - i);
       at::Tensor part = out.narrow(0, i, n);
-      const at::Tensor product = at::mm(a.narrow(0, i, n), b);
+      at::Tensor product = slab.narrow(0, 0, n);
+      at::mm_out(product, a.narrow(0, i, n), b);
       if (accumulate) {
         part.add_(product);
       } else {

@@ -4,7 +4,8 @@
 // into lse, losses and, when asked, the logits' gradient (float32 math, float64
 // for float64); two more multiplies give the chunk's hidden gradient and add
 // its share of the weight gradient (summed in float32 over the chunks). Only a
-// chunk of the [tokens, V] logits (about 64 MiB) exists at a time.
+// chunk of the [tokens, V] logits exists at a time (64 MiB, or a quarter of
+// the weight gradient's float32 bytes: chunk_rows).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -117,12 +118,16 @@ inline CrossEntropyArgs check_cross_entropy(const char* op, const at::Tensor& hi
   return a;
 }
 
-// Tokens per chunk: at least 256 rows (each chunk adds into the whole weight
-// gradient, so few chunks keep that traffic small beside the multiplies) and
-// as many as fit in 64 MiB of logits. FUSEDLLM_CE_CHUNK_ROWS sets it (the
-// tests use it to cross chunk boundaries at small sizes).
-inline int64_t chunk_rows(int64_t tokens, int64_t vocab, int64_t logit_bytes) {
-  int64_t rows = std::max<int64_t>(256, (int64_t{64} << 20) / (vocab * logit_bytes));
+// Tokens per chunk: as many as fit in 64 MiB of logits, and at least 256
+// rows; with the weight gradient, as many as fit in a quarter of its float32
+// sum's bytes (`weight_grad_bytes`), because every chunk reads and writes that
+// whole sum, and with fewer rows its traffic outweighs the multiplies (a
+// bfloat16 vocabulary of 128k in chunks of 261 rows: 5-10% of the time).
+// FUSEDLLM_CE_CHUNK_ROWS sets it (the tests use it to cross chunk boundaries
+// at small sizes).
+inline int64_t chunk_rows(int64_t tokens, int64_t vocab, int64_t logit_bytes, int64_t weight_grad_bytes) {
+  const int64_t budget = std::max<int64_t>(int64_t{64} << 20, weight_grad_bytes / 4);
+  int64_t rows = std::max<int64_t>(256, budget / (vocab * logit_bytes));
   if (const char* forced = std::getenv("FUSEDLLM_CE_CHUNK_ROWS")) rows = std::atoll(forced);
   return std::clamp<int64_t>(rows, 1, std::max<int64_t>(tokens, 1));
 }
@@ -179,7 +184,8 @@ struct CrossEntropyOps {
     // The logits chunk: in the accumulation dtype, or (Impl::kLogitsInInputDtype)
     // in the input dtype as an eager linear layer rounds them.
     const at::ScalarType logits_dtype = Impl::kLogitsInInputDtype ? dtype : acc;
-    const int64_t chunk = chunk_rows(tokens, vocab, c10::elementSize(logits_dtype));
+    const int64_t chunk = chunk_rows(tokens, vocab, c10::elementSize(logits_dtype),
+                                     want_weight ? vocab * hidden_size * c10::elementSize(acc) : 0);
     // A half-precision weight's gradient over several chunks is made at the
     // end, from its float32 sum; from one chunk it is one multiply, which
     // accumulates in float32 and rounds once, as eager's does.

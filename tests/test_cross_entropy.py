@@ -161,6 +161,30 @@ def test_opcheck(requires_grad):
                            [True, True, False]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_weight_gradient_sums_in_float32_only_over_chunks(dtype, monkeypatch):
+    """A bfloat16 / float16 weight's gradient needs a float32 sum the weight's
+    size only when the tokens take more than one chunk: from one chunk it is
+    one multiply into its own dtype, and the pass's peak is at least half that
+    sum below the chunked pass's (torch's bfloat16 multiply may stage its
+    output in a buffer of its own)."""
+    from testkit.memory import peak_memory_bytes
+
+    tokens, hidden, vocab = 32, 64, 4096
+    h, w, _, t = make_inputs(tokens, hidden, vocab, dtype, "cpu", bias=False)
+    float32_sum = vocab * hidden * 4
+
+    def run():
+        ops.linear_cross_entropy_pass(h, w, None, t, None, -100, 0.0, 0.0, 0.0, [True, True, False])
+
+    one = peak_memory_bytes(run, "cpu")
+    monkeypatch.setenv("FUSEDLLM_CE_CHUNK_ROWS", "8")
+    chunked = peak_memory_bytes(run, "cpu")
+    assert chunked >= float32_sum and chunked - one >= float32_sum // 2, (one, float32_sum, chunked)
+    monkeypatch.delenv("FUSEDLLM_CE_CHUNK_ROWS")
+    check_against_reference(h, w, None, t, dtype)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_compiles_fullgraph_with_ignored_targets(reduction):

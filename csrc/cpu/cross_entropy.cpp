@@ -34,8 +34,8 @@ struct CpuCrossEntropy {
       return;
     }
     constexpr int64_t kSlab = 2048;
-    // One buffer for every slab's product: fresh pages per slab cost more
-    // than the add (first-touch faults).
+    // One buffer for every slab's product: a fresh one per slab faulted its
+    // pages in each time.
     at::Tensor slab = at::empty({std::min(kSlab, a.size(0)), b.size(1)}, a.options());
     for (int64_t i = 0; i < a.size(0); i += kSlab) {
       const int64_t n = std::min(kSlab, a.size(0) - i);

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import fusedllm
 from checks import FORWARD_TOL, GRAD_TOL, assert_close, results_across_thread_counts
 from reference import linear_cross_entropy as ref_lce
+from testkit.memory import peak_memory_bytes
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 REDUCTIONS = ["mean", "sum", "none"]
@@ -168,8 +169,6 @@ def test_half_weight_gradient_sums_in_float32_only_over_chunks(dtype, monkeypatc
     one multiply into its own dtype, and the pass's peak is at least half that
     sum below the chunked pass's (torch's bfloat16 multiply may stage its
     output in a buffer of its own)."""
-    from testkit.memory import peak_memory_bytes
-
     tokens, hidden, vocab = 32, 64, 4096
     h, w, _, t = make_inputs(tokens, hidden, vocab, dtype, "cpu", bias=False)
     float32_sum = vocab * hidden * 4

@@ -4,8 +4,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <algorithm>
-
 #include "cross_entropy_kernel.h"
 #include "fusedllm/cross_entropy_op.h"
 
@@ -21,33 +19,8 @@ struct CpuCrossEntropy {
   // gradient in place.
   static constexpr bool kLogitsInInputDtype = true;
 
-  // A float32 `out` from bfloat16 / float16 operands: each product is rounded
-  // once to the operands' dtype and added (or written) in float32, a slab of
-  // rows at a time so that no [vocab, hidden] temporary is made.
-  static void matmul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
-    if (a.scalar_type() == out.scalar_type()) {
-      if (accumulate) {
-        out.addmm_(a, b);
-      } else {
-        at::mm_out(out, a, b);
-      }
-      return;
-    }
-    constexpr int64_t kSlab = 2048;
-    // One buffer for every slab's product: a fresh one per slab faulted its
-    // pages in each time.
-    at::Tensor slab = at::empty({std::min(kSlab, a.size(0)), b.size(1)}, a.options());
-    for (int64_t i = 0; i < a.size(0); i += kSlab) {
-      const int64_t n = std::min(kSlab, a.size(0) - i);
-      at::Tensor part = out.narrow(0, i, n);
-      at::Tensor product = slab.narrow(0, 0, n);
-      at::mm_out(product, a.narrow(0, i, n), b);
-      if (accumulate) {
-        part.add_(product);
-      } else {
-        part.copy_(product);
-      }
-    }
+  static void matmul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+    at::mm_out(out, a, b);
   }
 
   static void rows(const CrossEntropyRows& r) {
@@ -65,6 +38,8 @@ struct CpuCrossEntropy {
     a.lse = r.lse.data_ptr();
     a.scale = r.scale.defined() ? r.scale.const_data_ptr() : nullptr;
     a.grad = r.grad;
+    a.slab = r.slab;
+    a.column0 = r.column0;
     cross_entropy_row_kernels.get()(a);
   }
 };

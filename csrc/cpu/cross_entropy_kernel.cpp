@@ -2,7 +2,8 @@
 // on a chunk of logits of the input dtype (float32 math): per row, one pass for
 // the cap, the maximum and the sum of s, one for the sum of exponentials, and,
 // for the gradient, one writing it over the logits (a row of a 128k vocabulary
-// is 256-512 KB: it stays in L2 between the passes).
+// is 256-512 KB: it stays in L2 between the passes). A slab of a row's columns
+// (the weight gradient's pass) takes the row's lse and writes the gradient only.
 #include "cross_entropy_kernel.h"
 
 #include <ATen/Dispatch.h>
@@ -118,25 +119,34 @@ void rows_typed(const CrossEntropyRowArgs& a) {
   at::parallel_for(0, a.rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* row = static_cast<T*>(a.logits) + r * a.logits_stride;
-      A m, s_sum;
-      cap_max_sum<T, A>(row, a.vocab, o, m, s_sum);
-      const A lse = m + std::log(sum_exp<T, A>(row, a.vocab, m));
       const int64_t t = a.target[r];
       const bool ignored = t == a.ignore_index;
-      const A s_t = ignored ? A(0) : static_cast<A>(row[t]);
-      static_cast<A*>(a.lse)[r] = lse;
-      static_cast<A*>(a.loss)[r] = ignored ? A(0) : ce::row_loss<A>(o, lse, s_t, s_sum);
+      // The target's column in this row's logits, if they hold it.
+      const int64_t tc = t - a.column0;
+      const bool has_target = !ignored && tc >= 0 && tc < a.vocab;
+      A m, s_sum, lse;
+      cap_max_sum<T, A>(row, a.vocab, o, m, s_sum);  // a slab needs only the cap
+      if (a.slab) {
+        lse = static_cast<const A*>(a.lse)[r];
+      } else {
+        lse = m + std::log(sum_exp<T, A>(row, a.vocab, m));
+        static_cast<A*>(a.lse)[r] = lse;
+        static_cast<A*>(a.loss)[r] =
+            ignored ? A(0) : ce::row_loss<A>(o, lse, static_cast<A>(row[tc]), s_sum);
+      }
       if (!a.grad) continue;
       if (ignored) {
         std::fill(row, row + a.vocab, T(0));
         continue;
       }
+      const A s_t = has_target ? static_cast<A>(row[tc]) : A(0);
       const A scale = a.scale ? static_cast<const A*>(a.scale)[r] : A(1);
       const ce::RowGrad<A> g = ce::row_grad<A>(o, lse, scale);
       write_grad<T, A>(row, a.vocab, lse, g, o);
+      if (!has_target) continue;
       A d_t = g.p_scale * std::exp(s_t - lse) - g.off - g.on;
       if (o.softcap > 0.f) d_t *= ce::cap_slope(s_t, A(1) / A(o.softcap));
-      row[t] = static_cast<T>(d_t);
+      row[tc] = static_cast<T>(d_t);
     }
   });
 }

@@ -24,6 +24,11 @@ struct CrossEntropyRowArgs {
   void* loss; void* lse;
   const void* scale;  // null: 1 for every row
   bool grad;
+  // The logits are the columns column0 .. column0 + vocab - 1 of the rows,
+  // whose lse is read: only the gradient is written (options.vocab is the
+  // whole vocabulary's size).
+  bool slab;
+  int64_t column0;
 };
 
 using CrossEntropyRowFn = void (*)(const CrossEntropyRowArgs&);

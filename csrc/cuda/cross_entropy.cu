@@ -29,51 +29,60 @@ struct Math {
 
 // Grid-stride over rows, one row per block at a time. `grad` may alias
 // `logits` (float32 and float64 inputs): each thread reads and writes only its
-// own columns after the barrier that follows the target's read.
+// own columns after the barrier that follows the target's read. With `slab`,
+// the logits are the columns column0 .. column0 + vocab - 1 of the rows
+// (o.vocab is the whole vocabulary's size): lse is read and only the gradient
+// is written.
 template <typename A, typename G>
 __global__ void cross_entropy_rows_kernel(A* logits, int64_t logits_stride,
                                           const int64_t* __restrict__ target, A* __restrict__ loss,
-                                          A* __restrict__ lse_out, const A* __restrict__ scale,
+                                          A* __restrict__ lse_io, const A* __restrict__ scale,
                                           G* grad, int64_t grad_stride, int64_t rows, int64_t vocab,
-                                          ce::Options o, int64_t ignore_index) {
+                                          ce::Options o, int64_t ignore_index, bool slab,
+                                          int64_t column0) {
   __shared__ A scratch[kWarpSize];
   const bool capped = o.softcap > 0.f;
   const A cap = A(o.softcap);
   const A inf = std::numeric_limits<A>::infinity();
+  const A nan = std::numeric_limits<A>::quiet_NaN();
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     A* s = logits + r * logits_stride;
-    // This thread's columns: online maximum and sum of exponentials, sum of s.
-    A m = -inf, l = A(0), total = A(0);
-    for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
-      A v = s[j];
-      if (capped) {
-        v = ce::capped<Math>(v, cap);
-        s[j] = v;
-      }
-      total += v;
-      if (v > m) {
-        l = l * Math::exp(m - v) + A(1);
-        m = v;
-      } else {
-        l += Math::exp(v - m);
-      }
-    }
-    const A row_max = block_reduce_max(m, scratch);
-    const A sum_exp = block_reduce_sum(m == -inf ? A(0) : l * Math::exp(m - row_max), scratch);
-    const A s_sum = block_reduce_sum(total, scratch);  // its barriers publish the capped s
-    const A lse = row_max + Math::log(sum_exp);
     const int64_t t = target[r];
     const bool ignored = t == ignore_index;
     // An out-of-range target (checked on the host for CPU tensors only) gives NaN.
-    const bool valid = ignored || (t >= 0 && t < vocab);
-    const A nan = std::numeric_limits<A>::quiet_NaN();
-    const A s_t = (!ignored && valid) ? s[t] : A(0);
-    if (threadIdx.x == 0) {
-      lse_out[r] = lse;
-      loss[r] = ignored ? A(0) : (valid ? ce::row_loss<A>(o, lse, s_t, s_sum) : nan);
+    const bool valid = ignored || (t >= 0 && t < o.vocab);
+    const int64_t tc = t - column0;  // the target's column here, if this row holds it
+    A lse;
+    if (slab) {
+      lse = lse_io[r];  // and each thread caps its own columns in the gradient's loop
+    } else {
+      // This thread's columns: online maximum and sum of exponentials, sum of s.
+      A m = -inf, l = A(0), total = A(0);
+      for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
+        A v = s[j];
+        if (capped) {
+          v = ce::capped<Math>(v, cap);
+          s[j] = v;
+        }
+        total += v;
+        if (v > m) {
+          l = l * Math::exp(m - v) + A(1);
+          m = v;
+        } else {
+          l += Math::exp(v - m);
+        }
+      }
+      const A row_max = block_reduce_max(m, scratch);
+      const A sum_exp = block_reduce_sum(m == -inf ? A(0) : l * Math::exp(m - row_max), scratch);
+      const A s_sum = block_reduce_sum(total, scratch);  // its barriers publish the capped s
+      lse = row_max + Math::log(sum_exp);
+      if (threadIdx.x == 0) {
+        lse_io[r] = lse;
+        loss[r] = ignored ? A(0) : (valid ? ce::row_loss<A>(o, lse, s[tc], s_sum) : nan);
+      }
     }
     if (grad == nullptr) continue;
-    __syncthreads();  // every thread has read s[t] before it may be overwritten
+    if (!slab) __syncthreads();  // thread 0 has read s[tc] before it may be overwritten
     G* d = grad + r * grad_stride;
     const ce::RowGrad<A> g = ce::row_grad<A>(o, lse, scale ? scale[r] : A(1));
     const A inv_cap = capped ? A(1) / cap : A(0);
@@ -84,8 +93,8 @@ __global__ void cross_entropy_rows_kernel(A* logits, int64_t logits_stride,
       } else if (!valid) {
         v = nan;
       } else {
-        const A sj = s[j];
-        v = g.p_scale * Math::exp(sj - lse) - g.off - (j == t ? g.on : A(0));
+        const A sj = slab && capped ? ce::capped<Math>(s[j], cap) : s[j];
+        v = g.p_scale * Math::exp(sj - lse) - g.off - (j == tc ? g.on : A(0));
         if (capped) v *= ce::cap_slope(sj, inv_cap);
       }
       d[j] = static_cast<G>(v);
@@ -99,24 +108,13 @@ struct CudaCrossEntropy {
   // float32 logits (cuBLAS's float32 output from bfloat16 / float16 operands).
   static constexpr bool kLogitsInInputDtype = false;
 
-  static void matmul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  static void matmul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
 #if defined(FUSEDLLM_SIMT)
     // Emulated: CPU tensors, the operands widened as the GPU's float32 accumulation does.
-    const at::Tensor af = a.to(out.scalar_type()), bf = b.to(out.scalar_type());
-    if (accumulate) {
-      out.addmm_(af, bf);
-    } else {
-      at::mm_out(out, af, bf);
-    }
+    at::mm_out(out, a.to(out.scalar_type()), b.to(out.scalar_type()));
 #else
     if (a.scalar_type() == out.scalar_type()) {
-      if (accumulate) {
-        out.addmm_(a, b);
-      } else {
-        at::mm_out(out, a, b);
-      }
-    } else if (accumulate) {
-      at::addmm_out(out, out, a, b, out.scalar_type());
+      at::mm_out(out, a, b);
     } else {
       at::mm_out(out, a, b, out.scalar_type());
     }
@@ -138,7 +136,7 @@ struct CudaCrossEntropy {
              r.lse.mutable_data_ptr<A>(), r.scale.defined() ? r.scale.const_data_ptr<A>() : nullptr,
              r.grad ? r.grad_logits.mutable_data_ptr<G>() : nullptr,
              r.grad ? r.grad_logits.stride(0) : int64_t{0}, rows, vocab, r.options,
-             r.ignore_index);
+             r.ignore_index, r.slab, r.column0);
     };
     // The gradient has the input's dtype: the logits' own (in place) or a half type.
     const at::ScalarType grad_dtype = r.grad ? r.grad_logits.scalar_type() : r.logits.scalar_type();

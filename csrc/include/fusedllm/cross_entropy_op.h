@@ -3,9 +3,10 @@
 // logits [rows, V] are one matrix multiply; the device's row kernel turns them
 // into lse, losses and, when asked, the logits' gradient (float32 math, float64
 // for float64); two more multiplies give the chunk's hidden gradient and add
-// its share of the weight gradient (summed in float32 over the chunks). Only a
-// chunk of the [tokens, V] logits exists at a time (64 MiB, or a quarter of
-// the weight gradient's float32 bytes: chunk_rows).
+// its share of the weight gradient (summed in float32 over the chunks), or, for
+// a half-precision weight over several chunks, a second pass by vocabulary
+// slabs makes the weight gradient. Only a chunk (or a slab) of the [tokens, V]
+// logits exists at a time.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -39,6 +40,9 @@ inline Reduction parse_reduction(std::string_view reduction, const char* op) {
 // `grad`, the row kernel writes the gradient of sum(scale * loss) with respect
 // to z into `grad_logits` ([rows, V], row-contiguous, the input dtype; it may
 // be `logits` itself).
+// With `slab`, `logits` holds the columns column0 .. column0 + logits.size(1) - 1
+// of the rows: their lse is read (not computed), no loss is written, and only
+// the gradient is (`grad` is set).
 struct CrossEntropyRows {
   ce::Options options;
   int64_t ignore_index = -100;
@@ -47,6 +51,8 @@ struct CrossEntropyRows {
   at::Tensor scale;           // accumulation dtype [rows], or undefined: 1 for every row
   bool grad = false;
   at::Tensor grad_logits;
+  bool slab = false;
+  int64_t column0 = 0;
 };
 
 // t in dtype dt, without calling `to` when t has it already (`to` then returns
@@ -118,18 +124,22 @@ inline CrossEntropyArgs check_cross_entropy(const char* op, const at::Tensor& hi
   return a;
 }
 
-// Tokens per chunk: as many as fit in 64 MiB of logits, and at least 256
-// rows; with the weight gradient, as many as fit in a quarter of its float32
-// sum's bytes (`weight_grad_bytes`), because every chunk reads and writes that
-// whole sum (2048 tokens x 2048 -> 128256 in bfloat16: 261-row chunks took
-// 4-14% longer than 1024-row ones).
-// FUSEDLLM_CE_CHUNK_ROWS sets it (the tests use it to cross chunk boundaries
-// at small sizes).
-inline int64_t chunk_rows(int64_t tokens, int64_t vocab, int64_t logit_bytes, int64_t weight_grad_bytes) {
-  const int64_t budget = std::max<int64_t>(int64_t{64} << 20, weight_grad_bytes / 4);
+// Tokens per chunk: as many as fit in `budget` bytes of logits, and at least
+// 256 rows. FUSEDLLM_CE_CHUNK_ROWS sets it (the tests use it to cross chunk
+// boundaries at small sizes).
+inline int64_t chunk_rows(int64_t tokens, int64_t vocab, int64_t logit_bytes, int64_t budget) {
   int64_t rows = std::max<int64_t>(256, budget / (vocab * logit_bytes));
   if (const char* forced = std::getenv("FUSEDLLM_CE_CHUNK_ROWS")) rows = std::atoll(forced);
   return std::clamp<int64_t>(rows, 1, std::max<int64_t>(tokens, 1));
+}
+
+// Vocabulary columns per slab of the weight gradient's pass: as many as fit in
+// `budget` bytes of [tokens, columns] logits, and at least 256.
+// FUSEDLLM_CE_SLAB_COLUMNS sets it (tests).
+inline int64_t slab_columns(int64_t tokens, int64_t vocab, int64_t logit_bytes, int64_t budget) {
+  int64_t columns = std::max<int64_t>(256, budget / (tokens * logit_bytes));
+  if (const char* forced = std::getenv("FUSEDLLM_CE_SLAB_COLUMNS")) columns = std::atoll(forced);
+  return std::clamp<int64_t>(columns, 1, vocab);
 }
 
 // What cross_entropy's reduction makes of per-token losses: the mean is over
@@ -145,9 +155,8 @@ inline at::Tensor reduce_losses(const at::Tensor& per_token, const at::Tensor& t
 // Impl provides:
 //   kLogitsInInputDtype: whether the logits chunk has the input dtype (else
 //     the accumulation dtype);
-//   matmul(out, a, b, accumulate): out = [out +] a @ b, a and b 2-D in the
-//     input dtype with one unit stride each, out in the accumulation dtype
-//     (or the logits chunk's);
+//   matmul(out, a, b): out = a @ b (the logits), a and b 2-D in the input
+//     dtype with one unit stride each, out in the logits' dtype;
 //   rows(const CrossEntropyRows&): the row kernel.
 template <typename Impl>
 struct CrossEntropyOps {
@@ -184,18 +193,35 @@ struct CrossEntropyOps {
     // The logits chunk: in the accumulation dtype, or (Impl::kLogitsInInputDtype)
     // in the input dtype as an eager linear layer rounds them.
     const at::ScalarType logits_dtype = Impl::kLogitsInInputDtype ? dtype : acc;
-    const int64_t chunk = chunk_rows(tokens, vocab, c10::elementSize(logits_dtype),
-                                     want_weight ? vocab * hidden_size * c10::elementSize(acc) : 0);
-    // A half-precision weight's gradient over several chunks is made at the
-    // end, from its float32 sum; from one chunk it is one multiply, which
-    // accumulates in float32 and rounds once, as eager's does.
-    const bool sum_weight_grad = dtype != acc && chunk < tokens;
-    at::Tensor grad_weight = want_weight && !sum_weight_grad
-                                 ? at::empty_like(weight_in, at::MemoryFormat::Contiguous)
-                                 : hidden_in.new_empty({0});
+    const int64_t logit_bytes = c10::elementSize(logits_dtype);
+    constexpr int64_t kMiB = int64_t{1} << 20;
+    // 64 MiB of logits at a time; with a float32 weight's gradient, which every
+    // chunk reads and writes whole, up to a quarter of its bytes (2048 tokens x
+    // 2048 -> 128256: 261-row chunks took 4-14% longer than 1024-row ones).
+    const int64_t weight_bytes = vocab * hidden_size * c10::elementSize(dtype);
+    int64_t chunk = chunk_rows(tokens, vocab, logit_bytes,
+                               std::max(64 * kMiB, want_weight && dtype == acc ? weight_bytes / 4 : 0));
+    // A half-precision weight's gradient from one chunk is one multiply into
+    // its dtype (float32 accumulation, one rounding, as eager's). Over several
+    // chunks, a float32 sum over them would be twice the weight's size (most of
+    // the op's memory at a few thousand tokens), so it is made by vocabulary
+    // slabs instead: after the chunks (logits, lse, loss, hidden gradient), each
+    // slab's logits for all tokens are made again from the known lse, and its
+    // rows of the weight gradient are one multiply over all tokens. That is a
+    // fourth multiply of the logits' size; the chunk and slab buffers then stay
+    // within a quarter of the weight's bytes (at least 16 MiB, at most 64).
+    const bool by_slabs = want_weight && dtype != acc && chunk < tokens;
+    int64_t slab = 0;
+    if (by_slabs) {
+      const int64_t budget = std::clamp(weight_bytes / 4, 16 * kMiB, 64 * kMiB);
+      chunk = chunk_rows(tokens, vocab, logit_bytes, budget);
+      slab = slab_columns(tokens, vocab, logit_bytes, budget);
+    }
+    at::Tensor grad_weight = want_weight ? at::empty_like(weight_in, at::MemoryFormat::Contiguous)
+                                         : hidden_in.new_empty({0});
     at::Tensor grad_bias = hidden_in.new_empty({0});
     if (tokens == 0) {
-      if (want_weight) grad_weight = at::zeros_like(weight_in, at::MemoryFormat::Contiguous);
+      if (want_weight) grad_weight.zero_();
       if (want_bias) grad_bias = at::zeros({vocab}, hidden_in.options());
       return {loss, grad_hidden, grad_weight, grad_bias};
     }
@@ -208,30 +234,29 @@ struct CrossEntropyOps {
         grad_scale.has_value() ? converted(*grad_scale, acc).contiguous() : at::Tensor();
     at::Tensor lse = at::empty({tokens}, acc_opts);
 
-    // The gradient goes in place when the logits chunk has the input dtype,
-    // else into its own buffer.
-    at::Tensor logits = at::empty({chunk, vocab}, hidden.options().dtype(logits_dtype));
+    // One buffer for the chunks' logits, then the slabs'; the gradient goes in
+    // place when the logits have the input dtype, else into a buffer of its own.
+    const int64_t buffer_size = std::max(chunk * vocab, tokens * slab);
+    const at::Tensor logits_buffer = at::empty({buffer_size}, hidden.options().dtype(logits_dtype));
+    const at::Tensor grad_buffer =
+        grad && logits_dtype != dtype ? at::empty({buffer_size}, hidden.options()) : logits_buffer;
+    // [rows, columns] row-contiguous views of the buffers' first elements.
+    const auto rows_of = [](const at::Tensor& buffer, int64_t rows, int64_t columns) {
+      return buffer.narrow(0, 0, rows * columns).view({rows, columns});
+    };
     // The bias joins the logits inside the multiply when they have its dtype.
     const at::Tensor bias_acc =
         bias.has_value() && logits_dtype != dtype ? bias->to(logits_dtype) : at::Tensor();
-    at::Tensor grad_logits = grad && logits_dtype != dtype ? at::empty({chunk, vocab}, hidden.options())
-                                                           : logits;
-    // The weight gradient is summed over chunks in the accumulation dtype.
-    at::Tensor grad_weight_acc = want_weight && sum_weight_grad ? at::empty({vocab, hidden_size}, acc_opts)
-                                                              : grad_weight;
-    at::Tensor grad_bias_acc = want_bias ? at::zeros({vocab}, acc_opts) : at::Tensor();
-
-    for (int64_t r0 = 0; r0 < tokens; r0 += chunk) {
-      const int64_t n = std::min(chunk, tokens - r0);
-      const at::Tensor h = hidden.narrow(0, r0, n);
-      at::Tensor z = logits.narrow(0, 0, n);
+    const auto logits_of = [&](at::Tensor& z, const at::Tensor& h, int64_t v0, int64_t columns) {
+      const at::Tensor w = weight.narrow(0, v0, columns);
       if (logits_dtype == dtype && bias.has_value()) {
-        at::addmm_out(z, *bias, h, weight.t());  // one rounding, as F.linear's
+        at::addmm_out(z, bias->narrow(0, v0, columns), h, w.t());  // one rounding, as F.linear's
       } else {
-        Impl::matmul(z, h, weight.t(), /*accumulate=*/false);
-        if (bias_acc.defined()) z.add_(bias_acc);
+        Impl::matmul(z, h, w.t());
+        if (bias_acc.defined()) z.add_(bias_acc.narrow(0, v0, columns));
       }
-
+    };
+    const auto row_pass = [&](const at::Tensor& z, const at::Tensor& dz, int64_t r0, int64_t n) {
       CrossEntropyRows rows;
       rows.options = args.options;
       rows.ignore_index = args.ignore_index;
@@ -241,9 +266,18 @@ struct CrossEntropyOps {
       rows.lse = lse.narrow(0, r0, n);
       if (scale.defined()) rows.scale = scale.narrow(0, r0, n);
       rows.grad = grad;
-      const at::Tensor dz = grad ? grad_logits.narrow(0, 0, n) : at::Tensor();
       rows.grad_logits = dz;
-      Impl::rows(rows);
+      return rows;
+    };
+    at::Tensor grad_bias_acc = want_bias ? at::zeros({vocab}, acc_opts) : at::Tensor();
+
+    for (int64_t r0 = 0; r0 < tokens; r0 += chunk) {
+      const int64_t n = std::min(chunk, tokens - r0);
+      const at::Tensor h = hidden.narrow(0, r0, n);
+      at::Tensor z = rows_of(logits_buffer, n, vocab);
+      logits_of(z, h, 0, vocab);
+      const at::Tensor dz = grad ? rows_of(grad_buffer, n, vocab) : at::Tensor();
+      Impl::rows(row_pass(z, dz, r0, n));
       if (!grad) continue;
 
       // The input dtype's multiply accumulates in float32 over the vocabulary.
@@ -251,12 +285,27 @@ struct CrossEntropyOps {
         at::Tensor dh = grad_hidden.narrow(0, r0, n);
         at::mm_out(dh, dz, weight);
       }
-      if (want_weight) Impl::matmul(grad_weight_acc, dz.t(), h, /*accumulate=*/r0 > 0);
+      // Over the chunks, a float32 weight's gradient is summed in place.
+      if (want_weight && !by_slabs) {
+        if (r0 == 0) {
+          at::mm_out(grad_weight, dz.t(), h);
+        } else {
+          grad_weight.addmm_(dz.t(), h);
+        }
+      }
       if (want_bias) grad_bias_acc.add_(at::sum(dz, 0, false, acc));
     }
-    if (want_weight && sum_weight_grad) {
-      logits = grad_logits = at::Tensor();  // the chunk buffers are done with
-      grad_weight = grad_weight_acc.to(dtype);
+    for (int64_t v0 = 0; by_slabs && v0 < vocab; v0 += slab) {
+      const int64_t columns = std::min(slab, vocab - v0);
+      at::Tensor z = rows_of(logits_buffer, tokens, columns);
+      logits_of(z, hidden, v0, columns);
+      const at::Tensor dz = rows_of(grad_buffer, tokens, columns);
+      CrossEntropyRows rows = row_pass(z, dz, 0, tokens);
+      rows.slab = true;
+      rows.column0 = v0;
+      Impl::rows(rows);
+      at::Tensor dw = grad_weight.narrow(0, v0, columns);
+      at::mm_out(dw, dz.t(), hidden);
     }
     if (want_bias) grad_bias = converted(grad_bias_acc, dtype);
     return {loss, grad_hidden, grad_weight, grad_bias};

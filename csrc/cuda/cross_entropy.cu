@@ -108,15 +108,23 @@ struct CudaCrossEntropy {
   // float32 logits (cuBLAS's float32 output from bfloat16 / float16 operands).
   static constexpr bool kLogitsInInputDtype = false;
 
-  static void matmul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  static void matmul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                     const std::optional<at::Tensor>& bias) {
 #if defined(FUSEDLLM_SIMT)
-    // Emulated: CPU tensors, the operands widened as the GPU's float32 accumulation does.
-    at::mm_out(out, a.to(out.scalar_type()), b.to(out.scalar_type()));
+    // Emulated: CPU tensors, the operands widened as the GPU's float32
+    // accumulation does, the result rounded once.
+    const at::ScalarType acc = a.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    at::Tensor product = at::mm(a.to(acc), b.to(acc));
+    if (bias.has_value()) product.add_(bias->to(acc));
+    out.copy_(product);
 #else
-    if (a.scalar_type() == out.scalar_type()) {
-      at::mm_out(out, a, b);
-    } else {
+    if (a.scalar_type() != out.scalar_type()) {
       at::mm_out(out, a, b, out.scalar_type());
+      if (bias.has_value()) out.add_(*bias);
+    } else if (bias.has_value()) {
+      at::addmm_out(out, *bias, a, b);
+    } else {
+      at::mm_out(out, a, b);
     }
 #endif
   }

@@ -155,8 +155,10 @@ inline at::Tensor reduce_losses(const at::Tensor& per_token, const at::Tensor& t
 // Impl provides:
 //   kLogitsInInputDtype: whether the logits chunk has the input dtype (else
 //     the accumulation dtype);
-//   matmul(out, a, b): out = a @ b (the logits), a and b 2-D in the input
-//     dtype with one unit stride each, out in the logits' dtype;
+//   matmul(out, a, b, bias): out = a @ b (+ bias, a row broadcast over out's
+//     rows), a and b 2-D in the input dtype with one unit stride each, out
+//     row-contiguous in the input dtype or (the logits) in the logits' dtype;
+//     float32 accumulation (float64 for float64), one rounding to out's dtype;
 //   rows(const CrossEntropyRows&): the row kernel.
 template <typename Impl>
 struct CrossEntropyOps {
@@ -214,8 +216,10 @@ struct CrossEntropyOps {
     int64_t slab = 0;
     if (by_slabs) {
       const int64_t budget = std::clamp(weight_bytes / 4, 16 * kMiB, 64 * kMiB);
-      chunk = chunk_rows(tokens, vocab, logit_bytes, budget);
-      slab = slab_columns(tokens, vocab, logit_bytes, budget);
+      // Bytes per logit: with the gradient in a buffer of its own, both.
+      const int64_t bytes = logit_bytes + (logits_dtype != dtype ? c10::elementSize(dtype) : 0);
+      chunk = chunk_rows(tokens, vocab, bytes, budget);
+      slab = slab_columns(tokens, vocab, bytes, budget);
     }
     at::Tensor grad_weight = want_weight ? at::empty_like(weight_in, at::MemoryFormat::Contiguous)
                                          : hidden_in.new_empty({0});
@@ -244,17 +248,10 @@ struct CrossEntropyOps {
     const auto rows_of = [](const at::Tensor& buffer, int64_t rows, int64_t columns) {
       return buffer.narrow(0, 0, rows * columns).view({rows, columns});
     };
-    // The bias joins the logits inside the multiply when they have its dtype.
-    const at::Tensor bias_acc =
-        bias.has_value() && logits_dtype != dtype ? bias->to(logits_dtype) : at::Tensor();
     const auto logits_of = [&](at::Tensor& z, const at::Tensor& h, int64_t v0, int64_t columns) {
-      const at::Tensor w = weight.narrow(0, v0, columns);
-      if (logits_dtype == dtype && bias.has_value()) {
-        at::addmm_out(z, bias->narrow(0, v0, columns), h, w.t());  // one rounding, as F.linear's
-      } else {
-        Impl::matmul(z, h, w.t());
-        if (bias_acc.defined()) z.add_(bias_acc.narrow(0, v0, columns));
-      }
+      std::optional<at::Tensor> b;
+      if (bias.has_value()) b = bias->narrow(0, v0, columns);
+      Impl::matmul(z, h, weight.narrow(0, v0, columns).t(), b);
     };
     const auto row_pass = [&](const at::Tensor& z, const at::Tensor& dz, int64_t r0, int64_t n) {
       CrossEntropyRows rows;
@@ -280,15 +277,14 @@ struct CrossEntropyOps {
       Impl::rows(row_pass(z, dz, r0, n));
       if (!grad) continue;
 
-      // The input dtype's multiply accumulates in float32 over the vocabulary.
       if (want_hidden) {
         at::Tensor dh = grad_hidden.narrow(0, r0, n);
-        at::mm_out(dh, dz, weight);
+        Impl::matmul(dh, dz, weight, std::nullopt);
       }
       // Over the chunks, a float32 weight's gradient is summed in place.
       if (want_weight && !by_slabs) {
         if (r0 == 0) {
-          at::mm_out(grad_weight, dz.t(), h);
+          Impl::matmul(grad_weight, dz.t(), h, std::nullopt);
         } else {
           grad_weight.addmm_(dz.t(), h);
         }
@@ -305,7 +301,7 @@ struct CrossEntropyOps {
       rows.column0 = v0;
       Impl::rows(rows);
       at::Tensor dw = grad_weight.narrow(0, v0, columns);
-      at::mm_out(dw, dz.t(), hidden);
+      Impl::matmul(dw, dz.t(), hidden, std::nullopt);
     }
     if (want_bias) grad_bias = converted(grad_bias_acc, dtype);
     return {loss, grad_hidden, grad_weight, grad_bias};

@@ -1,5 +1,5 @@
 // Mixture-of-experts ops on CPU: the flow of fusedllm/moe_op.h with each
-// expert's rows multiplied by torch's BLAS (blocks of its contiguous rows
+// expert's rows multiplied by matmul.h's products (blocks of its contiguous rows
 // spread over threads), and the router and row moves of fusedllm/moe.h spread
 // over threads by token.
 #include <ATen/ATen.h>
@@ -10,11 +10,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "fusedllm/activations.h"
 #include "fusedllm/moe.h"
 #include "fusedllm/moe_op.h"
+#include "matmul.h"
 
 namespace fusedllm::cpu {
 namespace {
@@ -213,11 +215,8 @@ struct CpuMoe {
   // out = a @ weight (+ bias), weight [K, N] (a view), bias [N] or undefined.
   static void product(at::Tensor& out, const at::Tensor& a, const at::Tensor& weight,
                       const at::Tensor& bias) {
-    if (bias.defined()) {
-      at::addmm_out(out, bias, a, weight);
-    } else {
-      at::mm_out(out, a, weight);
-    }
+    matrix_product(out, a, weight,
+                   bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
   }
 
   // Expert e's gate/up (down) weight as the [K, N] right operand of a row product.
@@ -376,7 +375,8 @@ struct CpuMoe {
       const int64_t first = off[t.expert], n = off[t.expert + 1] - first;
       if (weight_grad) {
         at::Tensor o = out[t.expert].narrow(0, t.first, t.rows);
-        at::mm_out(o, a.narrow(0, first, n).narrow(1, t.first, t.rows).t(), b.narrow(0, first, n));
+        matrix_product(o, a.narrow(0, first, n).narrow(1, t.first, t.rows).t(),
+                       b.narrow(0, first, n), std::nullopt);
       } else {
         at::Tensor o = out.narrow(0, first + t.first, t.rows);
         const at::Tensor w = kind == GroupedProduct::kRowsTimesWeightT ? b[t.expert].t() : b[t.expert];

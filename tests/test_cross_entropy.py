@@ -90,8 +90,8 @@ def test_half_weight_gradient_by_vocabulary_slabs(device, dtype, reduction, shap
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("chunk", [None, 512], ids=["onechunk", "chunks512"])
 def test_half_products_past_a_thousand_in_every_dimension(dtype, chunk, monkeypatch):
-    """Products of more than 1024 rows, columns and summed terms: a CPU without
-    AVX-512 makes half-precision products from float32 blocks of 1024."""
+    """Products of more than 1024 rows, columns and summed terms: float16 products,
+    and bfloat16 ones on a CPU without AVX-512, are made from float32 blocks of 1024."""
     if chunk is not None:
         monkeypatch.setenv("FUSEDLLM_CE_CHUNK_ROWS", str(chunk))
         monkeypatch.setenv("FUSEDLLM_CE_SLAB_COLUMNS", "1100")

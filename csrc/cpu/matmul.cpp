@@ -8,11 +8,15 @@
 namespace fusedllm::cpu {
 namespace {
 
-// Whether torch's bfloat16 / float16 multiplies run on matrix instructions on
-// this CPU: without AVX-512 they fall back to loops (AMD EPYC Zen 3, AVX2,
-// torch 2.14.1, [512, 2048] x [2048, 4096]: 0.3-22 GFLOP/s by layout, against
-// 61-65 for float32).
-bool native_half_matmul() { return active_isa() >= Isa::kAvx512; }
+// Whether torch's multiply of this half-precision dtype runs on matrix
+// instructions on this CPU. Without them it falls back to loops (AMD EPYC Zen 3,
+// AVX2, torch 2.14.1, [512, 2048] x [2048, 4096]: 0.3-22 GFLOP/s by layout,
+// against 61-65 for float32). Torch's bfloat16 multiply needs AVX-512; its
+// float16 one needs AVX512-FP16 or AMX-FP16, which no variant here targets, so
+// float16 always takes the float32 blocks.
+bool native_half_matmul(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 && active_isa() >= Isa::kAvx512;
+}
 
 // out = a @ b (+ bias) from bfloat16 / float16 operands through float32
 // blocks of at most kBlock in each dimension: each block of out is summed over
@@ -70,7 +74,7 @@ void float32_blocks_mm(at::Tensor& out, const at::Tensor& a, const at::Tensor& b
 void matrix_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                     const std::optional<at::Tensor>& bias) {
   const bool half = a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf;
-  if (half && !native_half_matmul()) {
+  if (half && !native_half_matmul(a.scalar_type())) {
     float32_blocks_mm(out, a, b, bias);
   } else if (bias.has_value()) {
     at::addmm_out(out, *bias, a, b);  // one rounding, as F.linear's

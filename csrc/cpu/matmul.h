@@ -10,9 +10,9 @@ namespace fusedllm::cpu {
 
 // out = a @ b (+ bias, a row broadcast over out's rows), summed in float32
 // (float64 for float64) and rounded once to out's dtype. a and b are 2-D in
-// one dtype; out is 2-D in theirs. Torch's multiply, except for bfloat16 /
-// float16 operands on a CPU where torch's have no matrix instructions (no
-// AVX-512): there they are made from float32 blocks.
+// one dtype; out is 2-D in theirs. Torch's multiply, except for half-precision
+// operands where torch's have no matrix instructions (bfloat16 without AVX-512;
+// float16 always): there they are made from float32 blocks.
 void matrix_product(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                     const std::optional<at::Tensor>& bias);
 

@@ -73,6 +73,21 @@ void cap_max_sum(T* row, int64_t n, const ce::Options& o, A& max_out, A& sum_out
   sum_out = total;
 }
 
+// Caps the row in place (the capped values rounded to T).
+template <typename T, typename A>
+void cap_row(T* row, int64_t n, const ce::Options& o) {
+  using IO = VecIO<T>;
+  using AV = typename IO::AV;
+  constexpr int P = IO::kParts;
+  const AV cap(A(o.softcap));
+  row_for_each<IO>(n, [&](int64_t j, int64_t c) {
+    AV v[P];
+    load_step<IO>(row + j, c, v);
+    for (int q = 0; q < P; ++q) v[q] = IO::round(ce::capped<VecMath<AV>>(v[q], cap));
+    store_step<IO>(row + j, c, v);
+  });
+}
+
 template <typename T, typename A>
 A sum_exp(const T* row, int64_t n, A m) {
   using IO = VecIO<T>;
@@ -124,11 +139,14 @@ void rows_typed(const CrossEntropyRowArgs& a) {
       // The target's column in this row's logits, if they hold it.
       const int64_t tc = t - a.column0;
       const bool has_target = !ignored && tc >= 0 && tc < a.vocab;
-      A m, s_sum, lse;
-      cap_max_sum<T, A>(row, a.vocab, o, m, s_sum);  // a slab needs only the cap
+      A lse;
       if (a.slab) {
+        // Only the cap, when capping: the row's statistics are known.
+        if (o.softcap > 0.f) cap_row<T, A>(row, a.vocab, o);
         lse = static_cast<const A*>(a.lse)[r];
       } else {
+        A m, s_sum;
+        cap_max_sum<T, A>(row, a.vocab, o, m, s_sum);
         lse = m + std::log(sum_exp<T, A>(row, a.vocab, m));
         static_cast<A*>(a.lse)[r] = lse;
         static_cast<A*>(a.loss)[r] =

@@ -301,9 +301,10 @@ KV_LEVELS = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 def quantize_kv(x, code=torch.int8):
     """Symmetric rows of the last dim: scale = max|x| / L and values = x * (L / max|x|)
     rounded half to even (0 for an all-zero row): int8 in [-127, 127] (L = 127), or
-    float8 e4m3 codes (L = 448, torch's rounding to the nearest code); L / max|x| is a
-    true division (L / tensor in PyTorch is L * reciprocal, which can round
-    differently). Returns (values, float32 scales); for finite x."""
+    float8 e4m3 codes (L = 448, torch's rounding to the nearest code). Both are true
+    divisions of two tensors: PyTorch's L / tensor is L * reciprocal, and on CUDA
+    tensor / L is tensor * (1 / L), which can round differently. Returns (values,
+    float32 scales); for finite x."""
     levels = KV_LEVELS[code]
     xf = x.float()
     amax = xf.abs().amax(-1)
@@ -313,7 +314,7 @@ def quantize_kv(x, code=torch.int8):
         values = torch.round(y).clamp(-127, 127).to(torch.int8)
     else:
         values = y.clamp(-levels, levels).to(code)
-    return values, amax / levels
+    return values, amax / torch.full_like(amax, levels)
 
 
 def dequantize_kv(values, scales):

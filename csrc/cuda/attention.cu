@@ -1,5 +1,6 @@
 // The attention ops on CUDA and the SIMT forward kernel (one block per tile of
-// (position, head) rows of a kv head and sequence). The SIMT backward kernels
+// (position, head) rows of a kv head and sequence, and per slice of the keys
+// when those blocks alone would leave most of the GPU idle, as in decoding). The SIMT backward kernels
 // are in attention_dq.cu and attention_dkdv.cu, what they share in
 // attention.cuh; the tensor-core kernels in attention_mma*.cu, chosen per call
 // by choose_attention_kernel (attention_mma.cuh).
@@ -65,11 +66,38 @@ __device__ __forceinline__ void stage_kv(acc_t* dst, const KvSource& src, int64_
   }
 }
 
+// The keys of a call in `count` slices of `keys` keys, each slice a block of
+// its own. With more than one, the forward blocks write each slice's
+// normalized output and lse to out [count, rows, d] and lse [count, rows], and
+// attention_merge_kernel makes them one.
+template <typename acc_t>
+struct KeySlices {
+  int64_t count = 1;
+  int64_t keys = std::numeric_limits<int64_t>::max() / 4;
+  int64_t rows = 0;
+  acc_t* out = nullptr;
+  acc_t* lse = nullptr;
+};
+
+// Slices for `blocks` (row tile, kv head, sequence) blocks over up to sk keys,
+// when the blocks alone fill fewer than one per multiprocessor (decoding: a
+// block per kv head and sequence): about kBlocksPerSm blocks per
+// multiprocessor, since a block with a few rows waits on its loads and its
+// reductions most of the time; each slice at least kMinSliceTiles key tiles.
+int64_t key_slice_count(int64_t blocks, int64_t sk, int64_t keys_per_tile) {
+  constexpr int64_t kBlocksPerSm = 8, kMinSliceTiles = 4, kMaxSlices = 256;
+  const int64_t sms = device_properties().multiProcessorCount;
+  if (blocks >= sms) return 1;
+  const int64_t most = std::min(sk / (kMinSliceTiles * keys_per_tile), kMaxSlices);
+  return std::clamp<int64_t>((kBlocksPerSm * sms + blocks - 1) / blocks, 1, std::max<int64_t>(most, 1));
+}
+
 template <typename T, int kDL>
 __global__ void __launch_bounds__(Cfg<at::opmath_type<T>, kDL>::kFwdWarps * kWarpSize, 1)
 attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSource v, T* __restrict__ out,
                          at::opmath_type<T>* __restrict__ lse, attn::QueryRows rows, attn::Seqs seqs,
-                         int d, at::opmath_type<T> scale, Mask mask_all, ScoreExtras extras) {
+                         int d, at::opmath_type<T> scale, Mask mask_all, ScoreExtras extras,
+                         KeySlices<at::opmath_type<T>> slices) {
   using acc_t = at::opmath_type<T>;
   using C = Cfg<acc_t, kDL>;
   using Ops = attn::ScalarOps<acc_t>;
@@ -81,7 +109,10 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
   const int64_t g = blockIdx.y, b = blockIdx.z;
   const int64_t sq = seqs.q_len(b);
   const int64_t rows_total = sq * rows.group;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * C::kFwdRows;
+  const int64_t slice = blockIdx.x % slices.count;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x / slices.count) * C::kFwdRows;
+  // This block's keys: all, or its slice [slice_lo, slice_hi).
+  const int64_t slice_lo = slice * slices.keys, slice_hi = slice_lo + slices.keys;
   if (row0 >= rows_total) return;  // past this (packed) sequence's end: the whole block
   const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -100,12 +131,12 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
     l[r] = 0;
 #pragma unroll
     for (int t = 0; t < kDL; ++t) o[r][t] = 0;
-    lo[r] = row < rows_total ? attn::key_begin(mask, rows.group_pos(row)) : 0;
-    hi[r] = row < rows_total ? attn::key_end(mask, rows.group_pos(row)) : 0;
+    lo[r] = row < rows_total ? std::max(attn::key_begin(mask, rows.group_pos(row)), slice_lo) : 0;
+    hi[r] = row < rows_total ? std::min(attn::key_end(mask, rows.group_pos(row)), slice_hi) : 0;
   }
   const int64_t last_row = (row0 + C::kFwdRows < rows_total ? row0 + C::kFwdRows : rows_total) - 1;
-  const int64_t key_lo = attn::key_begin(mask, rows.group_pos(row0));
-  const int64_t key_hi = attn::key_end(mask, rows.group_pos(last_row));
+  const int64_t key_lo = std::max(attn::key_begin(mask, rows.group_pos(row0)), slice_lo);
+  const int64_t key_hi = std::min(attn::key_end(mask, rows.group_pos(last_row)), slice_hi);
 
   for (int64_t j0 = key_lo; j0 < key_hi; j0 += C::kKeys) {
     __syncthreads();  // the previous tile (and, first time, nothing) is no longer read
@@ -168,6 +199,16 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
     const int64_t out_row = rows.row_of_group_row(b, g, row);
     acc_t lse_r = attn::row_lse(m[r], l[r]);
     acc_t factor = attn::row_inv_sum(l[r]);
+    if (slices.count > 1) {  // this slice's normalized output and lse; the sink joins in the merge
+      acc_t* part = slices.out + (slice * slices.rows + out_row) * d;
+#pragma unroll
+      for (int t = 0; t < kDL; ++t) {
+        const int c = lane + kWarpSize * t;
+        if (c < d) part[c] = o[r][t] * factor;
+      }
+      if (lane == 0) slices.lse[slice * slices.rows + out_row] = lse_r;
+      continue;
+    }
     // A sink joins the finished row's denominator: it scales the output and the lse includes it.
     if (extras.mods.sinks != nullptr) {
       factor *= attn::fold_sink(lse_r, extras.mods.sink<acc_t>(rows.group_head(g, row)));
@@ -179,6 +220,50 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
     }
     if (lane == 0) lse[out_row] = lse_r;
   }
+}
+
+// The key slices' outputs made one: each row's lse is the log-sum-exp of its
+// slices' lse, its output their sum weighted by exp(slice lse - lse), then
+// the sink folds in as in the forward kernel. A warp per row, lanes along d.
+constexpr int kMergeWarps = 4;
+
+template <typename T>
+__global__ void __launch_bounds__(kMergeWarps * kWarpSize)
+attention_merge_kernel(T* __restrict__ out, at::opmath_type<T>* __restrict__ lse, attn::QueryRows rows,
+                       attn::Seqs seqs, int d, ScoreExtras extras,
+                       KeySlices<at::opmath_type<T>> slices) {
+  using acc_t = at::opmath_type<T>;
+  using std::exp;
+  using std::log;
+  constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
+  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeWarps + threadIdx.x / kWarpSize;
+  if (row >= seqs.q_len(b) * rows.group) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t out_row = rows.row_of_group_row(b, g, row);
+  const acc_t* part_lse = slices.lse + out_row;
+  // A NaN in any slice (a NaN or infinite query, a NaN scale) makes the row NaN, as unsliced.
+  acc_t top = -kInf;
+  for (int64_t i = 0; i < slices.count; ++i) {
+    const acc_t x = part_lse[i * slices.rows];
+    top = x > top || x != x ? x : top;
+  }
+  acc_t sum = 0;
+  for (int64_t i = 0; top != -kInf && i < slices.count; ++i) sum += exp(part_lse[i * slices.rows] - top);
+  const acc_t total = top != -kInf ? top + log(sum) : -kInf;
+  acc_t lse_r = total, factor = 1;
+  if (extras.mods.sinks != nullptr) {
+    factor = attn::fold_sink(lse_r, extras.mods.sink<acc_t>(rows.group_head(g, row)));
+  }
+  for (int c = lane; c < d; c += kWarpSize) {
+    acc_t acc = 0;
+    for (int64_t i = 0; i < slices.count; ++i) {
+      const acc_t part = slices.out[(i * slices.rows + out_row) * d + c];
+      acc += attn::merge_weight(part_lse[i * slices.rows], total) * part;
+    }
+    out[out_row * d + c] = static_cast<T>(acc * factor);
+  }
+  if (lane == 0) lse[out_row] = lse_r;
 }
 
 void check_grid(const AttentionShape& s) {
@@ -197,12 +282,33 @@ void launch_attention_forward(const AttentionForwardPlan& p, Stream stream) {
       using C = Cfg<acc_t, kDL>;
       auto kernel = attention_forward_kernel<scalar_t, kDL>;
       allow_shared_memory(kernel, C::fwd_smem());
-      const dim3 grid(static_cast<unsigned>((rows.group_rows() + C::kFwdRows - 1) / C::kFwdRows),
-                      static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+      const int64_t tiles = (rows.group_rows() + C::kFwdRows - 1) / C::kFwdRows;
+      KeySlices<acc_t> slices;
+      const int64_t count = key_slice_count(tiles * s.kv_heads * s.batch, s.sk, C::kKeys);
+      at::Tensor part_out, part_lse;
+      if (count > 1) {
+        // Slices of whole key tiles; the last may be short.
+        slices.keys = (s.sk + count * C::kKeys - 1) / (count * C::kKeys) * C::kKeys;
+        slices.count = (s.sk + slices.keys - 1) / slices.keys;
+        slices.rows = rows.count(s.batch);
+        part_out = at::empty({slices.count, slices.rows, s.head_dim}, p.q.options().dtype(p.lse.scalar_type()));
+        part_lse = at::empty({slices.count, slices.rows}, p.lse.options());
+        slices.out = part_out.mutable_data_ptr<acc_t>();
+        slices.lse = part_lse.mutable_data_ptr<acc_t>();
+      }
+      const dim3 grid(static_cast<unsigned>(tiles * slices.count), static_cast<unsigned>(s.kv_heads),
+                      static_cast<unsigned>(s.batch));
       launch("attention_forward_kernel", kernel, grid, C::kFwdWarps * kWarpSize, C::fwd_smem(),
           stream, p.q.const_data_ptr<scalar_t>(), strides_of(p.q), kv_source(p.k, p.k_scale, p),
           kv_source(p.v, p.v_scale, p), p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), rows,
-          p.seqs, static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p));
+          p.seqs, static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p), slices);
+      if (slices.count > 1) {
+        const dim3 merge_grid(static_cast<unsigned>((rows.group_rows() + kMergeWarps - 1) / kMergeWarps),
+                              static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+        launch("attention_merge_kernel", attention_merge_kernel<scalar_t>, merge_grid, kMergeWarps * kWarpSize,
+               0, stream, p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), rows, p.seqs,
+               static_cast<int>(s.head_dim), extras_of(p), slices);
+      }
     });
   });
 }

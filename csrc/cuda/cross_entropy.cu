@@ -33,6 +33,8 @@ struct Math {
 // the logits are the columns column0 .. column0 + vocab - 1 of the rows
 // (o.vocab is the whole vocabulary's size): lse is read and only the gradient
 // is written.
+constexpr int kLoads = 4;
+
 template <typename A, typename G>
 __global__ void cross_entropy_rows_kernel(A* logits, int64_t logits_stride,
                                           const int64_t* __restrict__ target, A* __restrict__ loss,
@@ -57,19 +59,31 @@ __global__ void cross_entropy_rows_kernel(A* logits, int64_t logits_stride,
       lse = lse_io[r];  // and each thread caps its own columns in the gradient's loop
     } else {
       // This thread's columns: online maximum and sum of exponentials, sum of s.
+      // kLoads columns are read before any is used, so that their loads are in
+      // flight together (one at a time, a block waited on each in turn); the
+      // arithmetic is column by column, in order.
       A m = -inf, l = A(0), total = A(0);
-      for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
-        A v = s[j];
-        if (capped) {
-          v = ce::capped<Math>(v, cap);
-          s[j] = v;
-        }
-        total += v;
-        if (v > m) {
-          l = l * Math::exp(m - v) + A(1);
-          m = v;
-        } else {
-          l += Math::exp(v - m);
+      const int64_t step = blockDim.x;
+      for (int64_t j0 = threadIdx.x; j0 < vocab; j0 += kLoads * step) {
+        A x[kLoads];
+#pragma unroll
+        for (int i = 0; i < kLoads; ++i) x[i] = j0 + i * step < vocab ? s[j0 + i * step] : A(0);
+#pragma unroll
+        for (int i = 0; i < kLoads; ++i) {
+          const int64_t j = j0 + i * step;
+          if (j >= vocab) break;
+          A v = x[i];
+          if (capped) {
+            v = ce::capped<Math>(v, cap);
+            s[j] = v;
+          }
+          total += v;
+          if (v > m) {
+            l = l * Math::exp(m - v) + A(1);
+            m = v;
+          } else {
+            l += Math::exp(v - m);
+          }
         }
       }
       const A row_max = block_reduce_max(m, scratch);
@@ -86,6 +100,7 @@ __global__ void cross_entropy_rows_kernel(A* logits, int64_t logits_stride,
     G* d = grad + r * grad_stride;
     const ce::RowGrad<A> g = ce::row_grad<A>(o, lse, scale ? scale[r] : A(1));
     const A inv_cap = capped ? A(1) / cap : A(0);
+#pragma unroll kLoads
     for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
       A v;
       if (ignored) {

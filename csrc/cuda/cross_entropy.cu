@@ -27,14 +27,15 @@ struct Math {
   __device__ static double log(double x) { return ::log(x); }
 };
 
+// Columns a thread reads ahead of using them.
+constexpr int kLoads = 4;
+
 // Grid-stride over rows, one row per block at a time. `grad` may alias
 // `logits` (float32 and float64 inputs): each thread reads and writes only its
 // own columns after the barrier that follows the target's read. With `slab`,
 // the logits are the columns column0 .. column0 + vocab - 1 of the rows
 // (o.vocab is the whole vocabulary's size): lse is read and only the gradient
 // is written.
-constexpr int kLoads = 4;
-
 template <typename A, typename G>
 __global__ void cross_entropy_rows_kernel(A* logits, int64_t logits_stride,
                                           const int64_t* __restrict__ target, A* __restrict__ loss,

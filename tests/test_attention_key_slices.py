@@ -1,9 +1,14 @@
-"""The CUDA SIMT forward over slices of the keys (csrc/cuda/attention.cu): when
-its (row tile, kv head, sequence) blocks would leave most multiprocessors idle,
-as in decoding over a long cache, each block takes one slice of the keys and a
-merge kernel makes the slices' outputs and log-sum-exps one. The emulator has
-4 multiprocessors, a GPU its own count; both slice these shapes. Values, lse
-and gradients against the float64 reference, with every option."""
+"""The CUDA SIMT forward (csrc/cuda/attention.cu) in decoding's shapes.
+
+Over slices of the keys: when its (row tile, kv head, sequence) blocks would
+leave most multiprocessors idle, as in decoding over a long cache, each block
+takes one slice of the keys and a merge kernel makes the slices' outputs and
+log-sum-exps one. The emulator has 4 multiprocessors, a GPU its own count;
+both slice these shapes. Values, lse and gradients against the float64
+reference, with every option.
+
+Its K/V tile loads: 16 bytes at a time where the pointer, strides and head
+dim allow, else an element at a time; both give the same result."""
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ import fusedllm
 from checks import FORWARD_TOL, assert_close
 from conftest import DEVICES
 from reference import attention as ref_attention
+from reference import dequantize_kv
 from test_attention import make_qkv
 from test_attention_options import _differentiable, check_against_reference, make_options, make_sinks
 from test_attention_tensor_core import check_ran, launches, op_lse
@@ -63,3 +69,40 @@ def test_slices_and_rows_without_keys(device):
         assert_close(lse, ref_lse, FORWARD_TOL[torch.float32], "lse", upcast=True)
     assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
     torch.testing.assert_close(lse[0, :, 0], sinks.detach())
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "float64", "int8", "float8"])
+@pytest.mark.parametrize("layout", ["offset", "row_stride"])
+def test_kv_loads_one_element_at_a_time_equal_wide_loads(device, kind, layout, monkeypatch):
+    """Contiguous K/V from torch's allocator are read 16 bytes at a time; the
+    same values one element past an aligned address, or in rows whose stride
+    is not a multiple of 16 bytes, one element at a time. The arithmetic after
+    the loads is the same, so the outputs are equal, bit for bit."""
+    monkeypatch.setenv("FUSEDLLM_CUDA_ATTENTION", "simt")
+    b, hq, hkv, sq, sk, d = 2, 8, 2, 1, 300, 128
+    dtype = {"float64": torch.float64, "float32": torch.float32}.get(kind, torch.bfloat16)
+    q = torch.randn(b, hq, sq, d, device=device, dtype=dtype)
+    k = torch.randn(b, hkv, sk, d, device=device, dtype=dtype)
+    v = torch.randn(b, hkv, sk, d, device=device, dtype=dtype)
+    kwargs = {}
+    if kind in ("int8", "float8"):
+        code = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+        (k, kwargs["k_scale"]), (v, kwargs["v_scale"]) = (fusedllm.quantize_kv(t, dtype=code) for t in (k, v))
+
+    def unaligned(t):
+        if layout == "offset":
+            flat = torch.zeros(t.numel() + 1, dtype=t.dtype, device=device)
+            moved = flat[1:].view(t.shape)
+        else:
+            moved = torch.zeros(*t.shape[:-1], d + 1, dtype=t.dtype, device=device)[..., :d]
+        moved.copy_(t)
+        return moved
+
+    with torch.no_grad():
+        wide = fusedllm.attention(q, k, v, causal=True, **kwargs)
+        narrow = fusedllm.attention(q, unaligned(k), unaligned(v), causal=True, **kwargs)
+    assert torch.equal(wide, narrow)
+    if kind in ("int8", "float8"):
+        k, v = dequantize_kv(k, kwargs["k_scale"]), dequantize_kv(v, kwargs["v_scale"])
+    want, _ = ref_attention(q.double(), k.double(), v.double(), causal=True)
+    assert_close(wide, want, FORWARD_TOL[dtype], "out", upcast=True)

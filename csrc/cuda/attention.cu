@@ -19,50 +19,102 @@ struct KvSource {
   Strides scale_st;
   attn::Pages pages;
   kvq::Code code;
+  bool wide;  // read 16 bytes at a time: pointer, strides and head_dim allow it
 };
 
+template <typename T>
 KvSource kv_source(const at::Tensor& t, const at::Tensor& scale, const AttentionForwardPlan& p) {
-  if (!scale.defined()) return {t.const_data_ptr(), strides_of(t), nullptr, {}, p.pages, p.code};
-  return {t.const_data_ptr(), strides_of(t), scale.const_data_ptr<float>(), strides_of(scale), p.pages, p.code};
+  const Strides st = strides_of(t);
+  const std::initializer_list<std::pair<const void*, int64_t>> rows = {
+      {t.const_data_ptr(), st.b}, {t.const_data_ptr(), st.h}, {t.const_data_ptr(), st.s}};
+  const int64_t d = p.shape.head_dim;
+  if (!scale.defined()) return {t.const_data_ptr(), st, nullptr, {}, p.pages, p.code, pack_width<T>(d, rows) > 1};
+  return {t.const_data_ptr(), st, scale.const_data_ptr<float>(), strides_of(scale), p.pages, p.code,
+          pack_width<uint8_t>(d, rows) > 1};
 }
 
-// Keys [j0, j0 + kKeys) of kv head g of sequence b (position 0 at `start`),
-// dequantized when int8 / float8; zeros past `end` and past d.
-template <typename T, typename acc_t, int kD, int kLd, int kKeys>
-__device__ __forceinline__ void stage_kv(acc_t* dst, const KvSource& src, int64_t b, int64_t g,
-                                         int64_t start, int64_t j0, int64_t end, int d) {
-  const attn::Pages& pages = src.pages;
-  const int64_t first = pages.paged() ? 0 : b * src.st.b + start * src.st.s;
-  if (src.scale == nullptr && !pages.paged()) {
-    stage_keys<T, acc_t, kD, kLd, kKeys>(dst, static_cast<const T*>(src.data) + first + g * src.st.h,
-                                         src.st.s, j0, end, d);
-    return;
-  }
-  const float* scale = src.scale == nullptr ? nullptr
-      : src.scale + g * src.scale_st.h + (pages.paged() ? 0 : b * src.scale_st.b + start * src.scale_st.s);
-  // A warp per key row, its lanes along the row: the row's place (through the
-  // block table when paged) and its scale are found once per lane and row.
-  const int warps = blockDim.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  for (int jj = threadIdx.x / kWarpSize; jj < kKeys; jj += warps) {
-    const int64_t key = j0 + jj;
-    const bool present = key < end;
-    const int64_t row = present ? first + g * src.st.h + pages.row_offset(b, key, src.st.b, src.st.s) : 0;
-    const float row_scale =
-        present && scale != nullptr ? scale[pages.row_offset(b, key, src.scale_st.b, src.scale_st.s)] : 0.f;
-    for (int c = lane; c < kD; c += kWarpSize) {
-      acc_t x = 0;
-      if (present && c < d) {
-        if (scale == nullptr) {
-          x = static_cast<acc_t>(static_cast<const T*>(src.data)[row + c]);
+// stage_kv for K and V (o = 0, 1) with kPack stored elements of type S per
+// load, each made acc_t by value(element, its row's scale). A thread's loads
+// of both are in flight together before it stores any.
+template <typename S, int kPack, typename acc_t, int kD, int kLd, int kKeys, int kThreads, typename Value>
+__device__ __forceinline__ void stage_kv_packs(acc_t* const (&dst)[2], const KvSource (&src)[2],
+                                               const S* const (&data)[2], const float* const (&scale)[2],
+                                               int64_t b, int64_t j0, int64_t end, int d, Value value) {
+  constexpr int kPerRow = kD / kPack, kPieces = kKeys * kPerRow;
+  constexpr int kPerThread = (kPieces + kThreads - 1) / kThreads;
+  constexpr int kBatch = kPerThread < kLoadsInFlight ? kPerThread : kLoadsInFlight;
+  for (int i0 = threadIdx.x; i0 < kPieces; i0 += kBatch * kThreads) {
+    Pack<S, kPack> x[2][kBatch];
+    float row_scale[2][kBatch];
+#pragma unroll
+    for (int o = 0; o < 2; ++o) {
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int idx = i0 + i * kThreads, c = idx % kPerRow * kPack;
+        const int64_t key = j0 + idx / kPerRow;
+        const attn::Pages& pages = src[o].pages;
+        row_scale[o][i] = 0;
+        if (idx < kPieces && key < end && c < d) {
+          x[o][i] = load_pack<S, kPack>(data[o] + pages.row_offset(b, key, src[o].st.b, src[o].st.s) + c);
+          if (scale[o] != nullptr) {
+            row_scale[o][i] = scale[o][pages.row_offset(b, key, src[o].scale_st.b, src[o].scale_st.s)];
+          }
         } else {
-          const uint8_t code = static_cast<const uint8_t*>(src.data)[row + c];
-          const float value = src.code == kvq::Code::kInt8 ? static_cast<float>(static_cast<int8_t>(code))
-                                                           : kvq::float8_value(code);
-          x = static_cast<acc_t>(value * row_scale);
+#pragma unroll
+          for (int e = 0; e < kPack; ++e) x[o][i].v[e] = S(0);
         }
       }
-      dst[jj * kLd + c] = x;
     }
+#pragma unroll
+    for (int o = 0; o < 2; ++o) {
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int idx = i0 + i * kThreads;
+        if (idx >= kPieces) break;
+        acc_t* row = dst[o] + idx / kPerRow * kLd + idx % kPerRow * kPack;
+#pragma unroll
+        for (int e = 0; e < kPack; ++e) row[e] = value(x[o][i].v[e], row_scale[o][i]);
+      }
+    }
+  }
+}
+
+// Keys [j0, j0 + kKeys) of kv head g of sequence b (position 0 at `start`) into
+// k_s and v_s, dequantized when int8 / float8; zeros past `end` and past d
+// (where a 16-byte load holds only columns < d or only columns >= d: wide).
+template <typename T, typename acc_t, int kD, int kLd, int kKeys, int kThreads>
+__device__ __forceinline__ void stage_kv(acc_t* k_s, acc_t* v_s, const KvSource& k, const KvSource& v,
+                                         int64_t b, int64_t g, int64_t start, int64_t j0, int64_t end, int d) {
+  acc_t* const dst[2] = {k_s, v_s};
+  const KvSource src[2] = {k, v};
+  const auto first = [&](const KvSource& x, Strides st) {
+    return g * st.h + (x.pages.paged() ? 0 : b * st.b + start * st.s);
+  };
+  const bool wide = k.wide && v.wide;
+  if (k.scale == nullptr) {
+    const T* const data[2] = {static_cast<const T*>(k.data) + first(k, k.st),
+                              static_cast<const T*>(v.data) + first(v, v.st)};
+    const float* const scale[2] = {nullptr, nullptr};
+    const auto value = [](T x, float) { return static_cast<acc_t>(x); };
+    if (wide) {
+      stage_kv_packs<T, 16 / sizeof(T), acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value);
+    } else {
+      stage_kv_packs<T, 1, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value);
+    }
+    return;
+  }
+  const uint8_t* const data[2] = {static_cast<const uint8_t*>(k.data) + first(k, k.st),
+                                  static_cast<const uint8_t*>(v.data) + first(v, v.st)};
+  const float* const scale[2] = {k.scale + first(k, k.scale_st), v.scale + first(v, v.scale_st)};
+  const kvq::Code code = k.code;
+  const auto value = [code](uint8_t x, float row_scale) {
+    const float c = code == kvq::Code::kInt8 ? static_cast<float>(static_cast<int8_t>(x)) : kvq::float8_value(x);
+    return static_cast<acc_t>(c * row_scale);
+  };
+  if (wide) {
+    stage_kv_packs<uint8_t, 16, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value);
+  } else {
+    stage_kv_packs<uint8_t, 1, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value);
   }
 }
 
@@ -85,8 +137,10 @@ struct KeySlices {
 // multiprocessor, several at a time on each, each slice at least
 // kMinSliceTiles key tiles. On an H200, batch 1 over 32k keys: 34 ms unsliced,
 // 0.74 ms in 128 slices.
+constexpr int64_t kMaxSlices = 256;
+
 int64_t key_slice_count(int64_t blocks, int64_t sk, int64_t keys_per_tile) {
-  constexpr int64_t kBlocksPerSm = 8, kMinSliceTiles = 4, kMaxSlices = 256;
+  constexpr int64_t kBlocksPerSm = 8, kMinSliceTiles = 4;
   const int64_t sms = device_properties().multiProcessorCount;
   if (blocks >= sms) return 1;
   const int64_t most = std::min(sk / (kMinSliceTiles * keys_per_tile), kMaxSlices);
@@ -94,7 +148,8 @@ int64_t key_slice_count(int64_t blocks, int64_t sk, int64_t keys_per_tile) {
 }
 
 template <typename T, int kDL>
-__global__ void __launch_bounds__(Cfg<at::opmath_type<T>, kDL>::kFwdWarps * kWarpSize, 1)
+__global__ void __launch_bounds__(Cfg<at::opmath_type<T>, kDL>::kFwdWarps * kWarpSize,
+                                  Cfg<at::opmath_type<T>, kDL>::kFwdBlocks)
 attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSource v, T* __restrict__ out,
                          at::opmath_type<T>* __restrict__ lse, attn::QueryRows rows, attn::Seqs seqs,
                          int d, at::opmath_type<T> scale, Mask mask_all, ScoreExtras extras,
@@ -123,11 +178,16 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
   stage_rows<T, acc_t, C::kD, C::kLd>(q_s, C::kFwdRows, q + b * qs.b + seqs.q_start(b) * qs.s, qs, rows,
                                        g, row0, rows_total, d, scale);
 
+  // Warp w owns the tile's rows w, w + kFwdWarps, ...: a decoding step's few
+  // rows (a kv head's query heads) are spread over the warps. Its first
+  // `busy` rows exist; it does no work for the others.
+  const int64_t after = rows_total - row0 - warp;  // rows from this warp's first on
+  const int busy = static_cast<int>(std::clamp<int64_t>((after + C::kFwdWarps - 1) / C::kFwdWarps, 0, RW));
   acc_t m[RW], l[RW], o[RW][kDL];
   int64_t lo[RW], hi[RW];
 #pragma unroll
   for (int r = 0; r < RW; ++r) {
-    const int64_t row = row0 + warp * RW + r;
+    const int64_t row = row0 + r * C::kFwdWarps + warp;
     m[r] = -std::numeric_limits<acc_t>::infinity();
     l[r] = 0;
 #pragma unroll
@@ -141,19 +201,23 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
 
   for (int64_t j0 = key_lo; j0 < key_hi; j0 += C::kKeys) {
     __syncthreads();  // the previous tile (and, first time, nothing) is no longer read
-    stage_kv<T, acc_t, C::kD, C::kLd, C::kKeys>(k_s, k, b, g, k_start, j0, key_hi, d);
-    stage_kv<T, acc_t, C::kD, C::kLd, C::kKeys>(v_s, v, b, g, k_start, j0, key_hi, d);
+    stage_kv<T, acc_t, C::kD, C::kLd, C::kKeys, C::kFwdWarps * kWarpSize>(k_s, v_s, k, v, b, g, k_start, j0,
+                                                                          key_hi, d);
     __syncthreads();
 
+    if (busy == 0) continue;
     const int64_t key = j0 + lane;
-    acc_t p[RW], alpha[RW];
+    acc_t p[RW], alpha[RW], dots[RW];
+    if (lane < C::kKeys) {
+      smem_dots<acc_t, C::kVec, RW>(q_s + warp * C::kLd, C::kFwdWarps * C::kLd, k_s + lane * C::kLd, d_vec,
+                                    busy, dots);
+    }
 #pragma unroll
     for (int r = 0; r < RW; ++r) {
-      acc_t s = lane < C::kKeys ? smem_dot<acc_t, C::kVec>(q_s + (warp * RW + r) * C::kLd,
-                                                           k_s + lane * C::kLd, d_vec)
-                                : acc_t(0);
+      if (r >= busy) break;
+      acc_t s = lane < C::kKeys ? dots[r] : acc_t(0);
       const bool visible = lane < C::kKeys && key >= lo[r] && key < hi[r];
-      const int64_t row = row0 + warp * RW + r;
+      const int64_t row = row0 + r * C::kFwdWarps + warp;
       const int64_t h = rows.group_head(g, row), pos = rows.group_pos(row);
       if (visible) {
         s = extras.masked(extras.modified<acc_t>(s, b, h, pos + mask.offset, key, nullptr), b, h, pos,
@@ -181,6 +245,7 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
       for (int t = 0; t < kDL; ++t) vj[t] = v_s[jj * C::kLd + lane + kWarpSize * t];
 #pragma unroll
       for (int r = 0; r < RW; ++r) {
+        if (r >= busy) break;
         const acc_t pj = warp_broadcast(p[r], jj);
 #pragma unroll
         for (int t = 0; t < kDL; ++t) pv[r][t] += pj * vj[t];
@@ -188,6 +253,7 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
     }
 #pragma unroll
     for (int r = 0; r < RW; ++r) {
+      if (r >= busy) break;
 #pragma unroll
       for (int t = 0; t < kDL; ++t) o[r][t] = o[r][t] * alpha[r] + pv[r][t];
     }
@@ -195,7 +261,7 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
 
 #pragma unroll
   for (int r = 0; r < RW; ++r) {
-    const int64_t row = row0 + warp * RW + r;
+    const int64_t row = row0 + r * C::kFwdWarps + warp;
     if (row >= rows_total) continue;
     const int64_t out_row = rows.row_of_group_row(b, g, row);
     acc_t lse_r = attn::row_lse(m[r], l[r]);
@@ -225,7 +291,10 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
 
 // The key slices' outputs made one: each row's lse is the log-sum-exp of its
 // slices' lse, its output their sum weighted by exp(slice lse - lse), then
-// the sink folds in as in the forward kernel. A warp per row, lanes along d.
+// the sink folds in as in the forward kernel. A warp per row and 32 columns:
+// its lanes over the slices for the lse and the weights, then one column
+// each, the slices' loads several in flight (a warp per row walking slices and
+// columns in turn took longer than the forward kernel).
 constexpr int kMergeWarps = 4;
 
 template <typename T>
@@ -238,33 +307,44 @@ attention_merge_kernel(T* __restrict__ out, at::opmath_type<T>* __restrict__ lse
   using std::log;
   constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
   const int64_t g = blockIdx.y, b = blockIdx.z;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kMergeWarps + threadIdx.x / kWarpSize;
+  const int column_tiles = (d + kWarpSize - 1) / kWarpSize;
+  __shared__ acc_t weights[kMergeWarps][kMaxSlices];
+  const int warp = threadIdx.x / kWarpSize;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kMergeWarps + warp;
+  const int64_t row = item / column_tiles;
   if (row >= seqs.q_len(b) * rows.group) return;
   const int lane = threadIdx.x % kWarpSize;
+  const int tile = static_cast<int>(item % column_tiles), c = tile * kWarpSize + lane;
   const int64_t out_row = rows.row_of_group_row(b, g, row);
+  const int64_t count = slices.count, stride = slices.rows;
   const acc_t* part_lse = slices.lse + out_row;
   // A NaN in any slice (a NaN or infinite query, a NaN scale) makes the row NaN, as unsliced.
   acc_t top = -kInf;
-  for (int64_t i = 0; i < slices.count; ++i) {
-    const acc_t x = part_lse[i * slices.rows];
-    top = x > top || x != x ? x : top;
+  int nan = 0;
+  for (int64_t i = lane; i < count; i += kWarpSize) {
+    const acc_t x = part_lse[i * stride];
+    nan |= x != x;
+    top = x > top ? x : top;
   }
+  top = warp_reduce_max(nan) != 0 ? std::numeric_limits<acc_t>::quiet_NaN() : warp_reduce_max(top);
   acc_t sum = 0;
-  for (int64_t i = 0; top != -kInf && i < slices.count; ++i) sum += exp(part_lse[i * slices.rows] - top);
+  for (int64_t i = lane; top != -kInf && i < count; i += kWarpSize) sum += exp(part_lse[i * stride] - top);
+  sum = warp_reduce_sum(sum);
   const acc_t total = top != -kInf ? top + log(sum) : -kInf;
   acc_t lse_r = total, factor = 1;
   if (extras.mods.sinks != nullptr) {
     factor = attn::fold_sink(lse_r, extras.mods.sink<acc_t>(rows.group_head(g, row)));
   }
-  for (int c = lane; c < d; c += kWarpSize) {
+  for (int64_t i = lane; i < count; i += kWarpSize) weights[warp][i] = attn::merge_weight(part_lse[i * stride], total);
+  __syncwarp();
+  if (c < d) {
+    const acc_t* part = slices.out + out_row * d + c;
     acc_t acc = 0;
-    for (int64_t i = 0; i < slices.count; ++i) {
-      const acc_t part = slices.out[(i * slices.rows + out_row) * d + c];
-      acc += attn::merge_weight(part_lse[i * slices.rows], total) * part;
-    }
+#pragma unroll 8
+    for (int64_t i = 0; i < count; ++i) acc += weights[warp][i] * part[i * stride * d];
     out[out_row * d + c] = static_cast<T>(acc * factor);
   }
-  if (lane == 0) lse[out_row] = lse_r;
+  if (lane == 0 && tile == 0) lse[out_row] = lse_r;
 }
 
 void check_grid(const AttentionShape& s) {
@@ -300,11 +380,13 @@ void launch_attention_forward(const AttentionForwardPlan& p, Stream stream) {
       const dim3 grid(static_cast<unsigned>(tiles * slices.count), static_cast<unsigned>(s.kv_heads),
                       static_cast<unsigned>(s.batch));
       launch("attention_forward_kernel", kernel, grid, C::kFwdWarps * kWarpSize, C::fwd_smem(),
-          stream, p.q.const_data_ptr<scalar_t>(), strides_of(p.q), kv_source(p.k, p.k_scale, p),
-          kv_source(p.v, p.v_scale, p), p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), rows,
-          p.seqs, static_cast<int>(s.head_dim), static_cast<acc_t>(p.scale), p.mask, extras_of(p), slices);
+          stream, p.q.const_data_ptr<scalar_t>(), strides_of(p.q), kv_source<scalar_t>(p.k, p.k_scale, p),
+          kv_source<scalar_t>(p.v, p.v_scale, p), p.out.mutable_data_ptr<scalar_t>(),
+          p.lse.mutable_data_ptr<acc_t>(), rows, p.seqs, static_cast<int>(s.head_dim),
+          static_cast<acc_t>(p.scale), p.mask, extras_of(p), slices);
       if (slices.count > 1) {
-        const dim3 merge_grid(static_cast<unsigned>((rows.group_rows() + kMergeWarps - 1) / kMergeWarps),
+        const int64_t warps = rows.group_rows() * ((s.head_dim + kWarpSize - 1) / kWarpSize);
+        const dim3 merge_grid(static_cast<unsigned>((warps + kMergeWarps - 1) / kMergeWarps),
                               static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
         launch("attention_merge_kernel", attention_merge_kernel<scalar_t>, merge_grid, kMergeWarps * kWarpSize,
                0, stream, p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), rows, p.seqs,

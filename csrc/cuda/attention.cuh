@@ -68,10 +68,14 @@ struct Cfg {
   static constexpr int kKeys = sizeof(acc_t) == 8 ? 16 : 32;  // keys per tile, one per lane
   static constexpr bool kWide = sizeof(acc_t) == 8;
 
-  // forward: 4 warps, each owning kFwdRowsPerWarp rows
+  // forward: 4 warps, each owning kFwdRowsPerWarp rows; kFwdBlocks resident
+  // per multiprocessor at least (a register budget: several blocks hide each
+  // other's loads when decoding; float32 head dims up to 128 fit 168
+  // registers, and spilled at 128)
   static constexpr int kFwdWarps = 4;
   static constexpr int kFwdRowsPerWarp = kWide ? 2 : 4;
   static constexpr int kFwdRows = kFwdWarps * kFwdRowsPerWarp;
+  static constexpr int kFwdBlocks = kWide || kDL > 4 ? 1 : 3;
   static constexpr size_t fwd_smem() { return sizeof(acc_t) * kLd * (kFwdRows + 2 * kKeys); }
 
   // dQ: like the forward with dO rows as well
@@ -91,30 +95,51 @@ struct Cfg {
 
 // Copies `n_rows` rows of head_dim d starting at group row row0 of kv head g
 // of the sequence whose position 0 is at `base` into shared rows of stride
-// kLd, times `scale`; zeros past d and past row rows_total.
+// kLd, times `scale`; zeros past d and past row rows_total. A warp per row:
+// the row's place is found once, its lanes' loads are in flight together.
 template <typename T, typename acc_t, int kD, int kLd>
 __device__ __forceinline__ void stage_rows(acc_t* dst, int n_rows, const T* base, Strides st,
                                            const attn::QueryRows& rows, int64_t g, int64_t row0,
                                            int64_t rows_total, int d, acc_t scale) {
-  for (int idx = threadIdx.x; idx < n_rows * kD; idx += blockDim.x) {
-    const int r = idx / kD, c = idx % kD;
+  constexpr int kPerLane = kD / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  for (int r = threadIdx.x / kWarpSize; r < n_rows; r += blockDim.x / kWarpSize) {
     const int64_t row = row0 + r;
-    acc_t val = 0;
-    if (row < rows_total && c < d) {
-      val = static_cast<acc_t>(base[rows.group_head(g, row) * st.h + rows.group_pos(row) * st.s + c]) * scale;
+    const bool present = row < rows_total;
+    const T* src = present ? base + rows.group_head(g, row) * st.h + rows.group_pos(row) * st.s : base;
+    acc_t x[kPerLane];
+#pragma unroll
+    for (int t = 0; t < kPerLane; ++t) {
+      const int c = lane + t * kWarpSize;
+      x[t] = present && c < d ? static_cast<acc_t>(src[c]) * scale : acc_t(0);
     }
-    dst[r * kLd + c] = val;
+#pragma unroll
+    for (int t = 0; t < kPerLane; ++t) dst[r * kLd + lane + t * kWarpSize] = x[t];
   }
 }
+
+// Elements a thread loads before it stores any: a block that copied one at a
+// time waited for global memory once per element (a decoding step over 32k
+// keys ran at a tenth of the memory's speed).
+constexpr int kLoadsInFlight = 8;
 
 // Copies keys [j0, j0 + kKeys) of one kv head (zeros past `end` and past d).
 template <typename T, typename acc_t, int kD, int kLd, int kKeys>
 __device__ __forceinline__ void stage_keys(acc_t* dst, const T* base, int64_t seq_stride, int64_t j0,
                                            int64_t end, int d) {
-  for (int idx = threadIdx.x; idx < kKeys * kD; idx += blockDim.x) {
-    const int jj = idx / kD, c = idx % kD;
-    const int64_t key = j0 + jj;
-    dst[jj * kLd + c] = (key < end && c < d) ? static_cast<acc_t>(base[key * seq_stride + c]) : acc_t(0);
+  for (int idx0 = threadIdx.x; idx0 < kKeys * kD; idx0 += kLoadsInFlight * blockDim.x) {
+    acc_t x[kLoadsInFlight];
+#pragma unroll
+    for (int i = 0; i < kLoadsInFlight; ++i) {
+      const int idx = idx0 + i * blockDim.x, jj = idx / kD, c = idx % kD;
+      const int64_t key = j0 + jj;
+      x[i] = idx < kKeys * kD && key < end && c < d ? static_cast<acc_t>(base[key * seq_stride + c]) : acc_t(0);
+    }
+#pragma unroll
+    for (int i = 0; i < kLoadsInFlight; ++i) {
+      const int idx = idx0 + i * blockDim.x;
+      if (idx < kKeys * kD) dst[idx / kD * kLd + idx % kD] = x[i];
+    }
   }
 }
 
@@ -125,24 +150,45 @@ __device__ __forceinline__ void stage_keys(acc_t* dst, const T* base, int64_t se
 // less accurate than blocked sums (what SDPA does).
 constexpr int kSumChunk = 32;
 
-// a . b over the first n (a multiple of kVec) entries of two shared rows,
-// summed kSumChunk entries at a time.
-template <typename acc_t, int kVec>
-__device__ __forceinline__ acc_t smem_dot(const acc_t* a, const acc_t* b, int n) {
-  acc_t sum = 0;
+// out[r] = a_r . b over the first n (a multiple of kVec) entries, for the
+// first `rows` of kRows shared rows a_r = a + r * a_ld (rows the same for
+// the whole warp) and one shared row b (read once for all of them), summed
+// kSumChunk entries at a time.
+template <typename acc_t, int kVec, int kRows>
+__device__ __forceinline__ void smem_dots(const acc_t* a, int a_ld, const acc_t* b, int n, int rows,
+                                          acc_t (&out)[kRows]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) out[r] = 0;
   for (int c0 = 0; c0 < n; c0 += kSumChunk) {
     const int c1 = c0 + kSumChunk < n ? c0 + kSumChunk : n;
-    acc_t part = 0;
+    // Two sums per row, of even and odd pack entries: independent chains of
+    // additions (one row's single chain, as in decoding, waited on each
+    // addition in turn; four spilled registers at head dim 128).
+    acc_t part[kRows][2];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) part[r][0] = part[r][1] = 0;
 #pragma unroll 4
     for (int c = c0; c < c1; c += kVec) {
-      const Pack<acc_t, kVec> x = load_pack<acc_t, kVec>(a + c);
       const Pack<acc_t, kVec> y = load_pack<acc_t, kVec>(b + c);
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) part += x.v[e] * y.v[e];
+      for (int r = 0; r < kRows; ++r) {
+        if (r >= rows) break;
+        const Pack<acc_t, kVec> x = load_pack<acc_t, kVec>(a + r * a_ld + c);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) part[r][e % 2] += x.v[e] * y.v[e];
+      }
     }
-    sum += part;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) out[r] += part[r][0] + part[r][1];
   }
-  return sum;
+}
+
+// a . b over the first n (a multiple of kVec) entries of two shared rows.
+template <typename acc_t, int kVec>
+__device__ __forceinline__ acc_t smem_dot(const acc_t* a, const acc_t* b, int n) {
+  acc_t out[1];
+  smem_dots<acc_t, kVec, 1>(a, 0, b, n, 1, out);
+  return out[0];
 }
 
 // What a score sees besides causal/window: soft-capping and ALiBi, the
@@ -202,9 +248,10 @@ struct ScoreExtras {
   }
 };
 
-// Every kernel declares one resident block per SM as its minimum, so ptxas
-// may use the registers the unrolled row/column arrays need instead of
-// spilling them to reach a higher occupancy target.
+// Every kernel but the float32 forward (Cfg::kFwdBlocks) declares one
+// resident block per SM as its minimum, so ptxas may use the registers the
+// unrolled row/column arrays need instead of spilling them to reach a higher
+// occupancy target.
 
 // Calls f(std::integral_constant<int, kDL>) for the smallest 32 * kDL >= d.
 template <typename F>

@@ -20,19 +20,6 @@ namespace fusedllm::cpu {
 inline namespace CPU_CAPABILITY {
 namespace {
 
-template <typename AV>
-struct VecMath {
-  static AV tanh(const AV& x) { return x.tanh(); }
-  static AV exp(const AV& x) {
-    // exp_u20 (about 1e-6 relative error) for float; double keeps the 1-ulp exp.
-    if constexpr (std::is_same_v<typename AV::value_type, float>) {
-      return x.exp_u20();
-    } else {
-      return x.exp();
-    }
-  }
-};
-
 template <typename A>
 struct ScalarMath {
   static A tanh(A x) { return std::tanh(x); }

@@ -15,21 +15,6 @@ namespace {
 
 using act::Activation;
 
-// exp and tanh on vectors for fusedllm/activations.h. For float, exp_u20
-// (about 1e-6 relative error, well inside float32 tolerance) avoids a call
-// per vector; double keeps the 1-ulp exp.
-template <typename AV>
-struct VecMath {
-  static AV exp(const AV& x) {
-    if constexpr (std::is_same_v<typename AV::value_type, float>) {
-      return x.exp_u20();
-    } else {
-      return x.exp();
-    }
-  }
-  static AV tanh(const AV& x) { return x.tanh(); }
-};
-
 // Elements per parallel work item: rows are cut into chunks so that a few long
 // rows or many short ones both spread over every thread.
 constexpr int64_t kChunk = 2048;

@@ -18,14 +18,7 @@
 namespace fusedllm::cuda {
 namespace {
 
-struct Math {
-  __device__ static float tanh(float x) { return ::tanhf(x); }
-  __device__ static double tanh(double x) { return ::tanh(x); }
-  __device__ static float exp(float x) { return ::expf(x); }
-  __device__ static double exp(double x) { return ::exp(x); }
-  __device__ static float log(float x) { return ::logf(x); }
-  __device__ static double log(double x) { return ::log(x); }
-};
+using Math = act::ScalarMath;
 
 // Columns a thread reads ahead of using them.
 constexpr int kLoads = 4;
@@ -118,7 +111,7 @@ __global__ void cross_entropy_rows_kernel(A* logits, int64_t logits_stride,
   }
 }
 
-constexpr int kThreads = 256;
+constexpr int kRowThreads = 256;
 
 struct CudaCrossEntropy {
   // float32 logits (cuBLAS's float32 output from bfloat16 / float16 operands).
@@ -154,7 +147,7 @@ struct CudaCrossEntropy {
     const auto run = [&](auto logits_tag, auto grad_tag) {
       using A = decltype(logits_tag);
       using G = decltype(grad_tag);
-      launch("cross_entropy_rows_kernel", cross_entropy_rows_kernel<A, G>, blocks, kThreads, 0,
+      launch("cross_entropy_rows_kernel", cross_entropy_rows_kernel<A, G>, blocks, kRowThreads, 0,
              stream, r.logits.mutable_data_ptr<A>(), r.logits.stride(0),
              r.target.const_data_ptr<int64_t>(), r.loss.mutable_data_ptr<A>(),
              r.lse.mutable_data_ptr<A>(), r.scale.defined() ? r.scale.const_data_ptr<A>() : nullptr,

@@ -19,12 +19,9 @@
 namespace fusedllm::cuda {
 namespace {
 
-struct Math {
-  __device__ static float exp(float x) { return ::expf(x); }
-  __device__ static double exp(double x) { return ::exp(x); }
-};
+using Math = act::ScalarMath;
 
-constexpr int kThreads = 256;
+constexpr int kMoeThreads = 256;
 constexpr int kRouteThreads = 128;
 
 // One thread per token; `work` [tokens, 2E] and `taken` [tokens, E] are its scratch.
@@ -58,7 +55,7 @@ __global__ void moe_sort_kernel(const int64_t* __restrict__ ids, int64_t pairs, 
                                 int64_t* __restrict__ order, int64_t* __restrict__ position,
                                 int64_t* __restrict__ offsets) {
   __shared__ int64_t scratch[kWarpSize];
-  __shared__ int warp_totals[kThreads / kWarpSize];
+  __shared__ int warp_totals[kMoeThreads / kWarpSize];
   const int64_t e = blockIdx.x;
   const auto in_range = [&](int64_t v) { return v >= 0 && v < experts; };
   const auto mine = [&](int64_t v) { return e < experts ? v == e : !in_range(v); };
@@ -243,7 +240,7 @@ struct CudaMoe {
     const DeviceGuard guard(flat.device());
     // One block more than experts: the pairs out of range, after every group
     // (its offsets entry is the end of the last group).
-    launch("moe_sort_kernel", moe_sort_kernel, static_cast<int>(experts + 1), kThreads, 0,
+    launch("moe_sort_kernel", moe_sort_kernel, static_cast<int>(experts + 1), kMoeThreads, 0,
            current_stream(), flat.const_data_ptr<int64_t>(), flat.numel(), experts,
            order.mutable_data_ptr<int64_t>(), position.mutable_data_ptr<int64_t>(),
            offsets.mutable_data_ptr<int64_t>());
@@ -257,7 +254,7 @@ struct CudaMoe {
       using T = decltype(tag);
       with_moe_weights<T>(weights, [&](const auto* w) {
         launch("moe_gather_kernel", moe_gather_kernel<T, std::remove_cv_t<std::remove_pointer_t<decltype(w)>>>,
-               row_blocks(rows), kThreads, 0, current_stream(), dst.mutable_data_ptr<T>(),
+               row_blocks(rows), kMoeThreads, 0, current_stream(), dst.mutable_data_ptr<T>(),
                src.const_data_ptr<T>(), order.const_data_ptr<int64_t>(), w, rows, cols, k);
       });
     });
@@ -271,7 +268,7 @@ struct CudaMoe {
       using T = decltype(tag);
       with_moe_weights<T>(weights, [&](const auto* w) {
         launch("moe_combine_kernel", moe_combine_kernel<T, std::remove_cv_t<std::remove_pointer_t<decltype(w)>>>,
-               row_blocks(tokens), kThreads, 0, current_stream(), dst.mutable_data_ptr<T>(),
+               row_blocks(tokens), kMoeThreads, 0, current_stream(), dst.mutable_data_ptr<T>(),
                src.const_data_ptr<T>(), position.const_data_ptr<int64_t>(), w, tokens, cols, k);
       });
     });
@@ -284,7 +281,7 @@ struct CudaMoe {
     for_dtype(src.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
       launch("moe_weights_grad_kernel", moe_weights_grad_kernel<T, MoeAcc<T>>, row_blocks(tokens),
-             kThreads, 0, current_stream(), grad.mutable_data_ptr<MoeAcc<T>>(),
+             kMoeThreads, 0, current_stream(), grad.mutable_data_ptr<MoeAcc<T>>(),
              grad_out.const_data_ptr<T>(), src.const_data_ptr<T>(),
              position.const_data_ptr<int64_t>(), tokens, cols, k);
     });
@@ -295,7 +292,7 @@ struct CudaMoe {
     const int64_t rows = out.size(0), inter = out.size(1);
     for_dtype(out.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
-      launch("moe_gated_kernel", moe_gated_kernel<T>, row_blocks(rows), kThreads, 0,
+      launch("moe_gated_kernel", moe_gated_kernel<T>, row_blocks(rows), kMoeThreads, 0,
              current_stream(), out.mutable_data_ptr<T>(), gate_up.const_data_ptr<T>(), o, rows,
              inter);
     });
@@ -307,7 +304,7 @@ struct CudaMoe {
     const int64_t rows = grad.size(0), inter = grad.size(1);
     for_dtype(grad.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
-      launch("moe_gated_backward_kernel", moe_gated_backward_kernel<T>, row_blocks(rows), kThreads,
+      launch("moe_gated_backward_kernel", moe_gated_backward_kernel<T>, row_blocks(rows), kMoeThreads,
              0, current_stream(), grad_gate_up.mutable_data_ptr<T>(), grad.const_data_ptr<T>(),
              gate_up.const_data_ptr<T>(), o, rows, inter);
     });
@@ -321,8 +318,8 @@ struct CudaMoe {
     for_dtype(out.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
       launch("moe_group_sum_kernel", moe_group_sum_kernel<T>,
-             dim3(static_cast<unsigned>(thread_blocks(cols, kThreads)), static_cast<unsigned>(experts)),
-             kThreads, 0, current_stream(), out.mutable_data_ptr<T>(), src.const_data_ptr<T>(),
+             dim3(static_cast<unsigned>(thread_blocks(cols, kMoeThreads)), static_cast<unsigned>(experts)),
+             kMoeThreads, 0, current_stream(), out.mutable_data_ptr<T>(), src.const_data_ptr<T>(),
              offsets.const_data_ptr<int64_t>(), src.size(0), cols);
     });
   }

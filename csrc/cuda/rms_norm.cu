@@ -173,7 +173,7 @@ int max_blocks(int per_sm) {
 
 // Calls `f(std::integral_constant<int, V>, std::bool_constant<W>, std::integral_constant<Casting, C>)`.
 template <typename T, typename F>
-void with_variant(int vec, bool has_weight, Casting casting, F&& f) {
+void with_rms_norm_variant(int vec, bool has_weight, Casting casting, F&& f) {
   constexpr int kWide = 16 / sizeof(T);
   auto by_vec = [&](auto w, auto c) {
     if (vec == kWide) {
@@ -208,7 +208,7 @@ struct CudaRmsNorm {
               {p.out.const_data_ptr(), n}, {h, n}});
       const int threads = threads_for(n, vec);
       const int blocks = static_cast<int>(std::min<int64_t>(rows, max_blocks(8)));
-      with_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
+      with_rms_norm_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
         launch("rms_norm_forward_kernel",
                rms_norm_forward_kernel<scalar_t, decltype(V)::value, decltype(W)::value,
                                        decltype(C)::value>,
@@ -241,7 +241,7 @@ struct CudaRmsNorm {
               {gr, gr ? p.grad_residual.stride(0) : 0}, {p.grad_input.const_data_ptr(), n}});
       const int threads = threads_for(n, vec);
       acc_t* partial_ptr = partial.defined() ? partial.mutable_data_ptr<acc_t>() : nullptr;
-      with_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
+      with_rms_norm_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
         launch("rms_norm_backward_kernel",
                rms_norm_backward_kernel<scalar_t, decltype(V)::value, decltype(W)::value,
                                         decltype(C)::value>,

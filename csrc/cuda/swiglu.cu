@@ -65,18 +65,18 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ grad_out, int64_t g
   });
 }
 
-constexpr int kThreads = 256;
+constexpr int kSwigluThreads = 256;
 
 int blocks_for(int64_t rows, int64_t n, int vec) {
   const int64_t work = rows * (n / vec);
   const int64_t max_blocks =
       static_cast<int64_t>(device_properties().multiProcessorCount) * 16;
-  return static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, max_blocks));
+  return static_cast<int>(std::clamp<int64_t>((work + kSwigluThreads - 1) / kSwigluThreads, 1, max_blocks));
 }
 
 // Calls f(integral_constant<int, V>, integral_constant<Activation, A>).
 template <typename T, typename F>
-void with_variant(int vec, Activation activation, F&& f) {
+void with_swiglu_variant(int vec, Activation activation, F&& f) {
   constexpr int kWide = 16 / sizeof(T);
   auto by_act = [&](auto v) {
     if (activation == Activation::kSilu) {
@@ -102,10 +102,10 @@ struct CudaSwiglu {
       scalar_t* h = p.out.mutable_data_ptr<scalar_t>();
       const int vec = pack_width<scalar_t>(
           p.n, {{g, p.gate.stride(0)}, {u, p.up.stride(0)}, {h, p.out.stride(0)}});
-      with_variant<scalar_t>(vec, p.activation, [&](auto V, auto A) {
+      with_swiglu_variant<scalar_t>(vec, p.activation, [&](auto V, auto A) {
         launch("swiglu_forward_kernel",
                swiglu_forward_kernel<scalar_t, decltype(V)::value, decltype(A)::value>,
-               blocks_for(p.rows, p.n, vec), kThreads, 0, stream, g, p.gate.stride(0), u,
+               blocks_for(p.rows, p.n, vec), kSwigluThreads, 0, stream, g, p.gate.stride(0), u,
                p.up.stride(0), h, p.out.stride(0), p.rows, p.n);
       });
     });
@@ -123,10 +123,10 @@ struct CudaSwiglu {
       const int vec = pack_width<scalar_t>(
           p.n, {{dh, p.grad_out.stride(0)}, {g, p.gate.stride(0)}, {u, p.up.stride(0)},
                 {dg, p.grad_gate.stride(0)}, {du, p.grad_up.stride(0)}});
-      with_variant<scalar_t>(vec, p.activation, [&](auto V, auto A) {
+      with_swiglu_variant<scalar_t>(vec, p.activation, [&](auto V, auto A) {
         launch("swiglu_backward_kernel",
                swiglu_backward_kernel<scalar_t, decltype(V)::value, decltype(A)::value>,
-               blocks_for(p.rows, p.n, vec), kThreads, 0, stream, dh, p.grad_out.stride(0), g,
+               blocks_for(p.rows, p.n, vec), kSwigluThreads, 0, stream, dh, p.grad_out.stride(0), g,
                p.gate.stride(0), u, p.up.stride(0), dg, p.grad_gate.stride(0), du,
                p.grad_up.stride(0), p.rows, p.n);
       });

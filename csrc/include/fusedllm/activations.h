@@ -1,7 +1,8 @@
 // Gated-MLP activations and their derivatives, shared by the CPU kernels
 // (scalar and ATen vector lanes) and the CUDA kernels. `V` is float/double or
 // an ATen vector of them; `Math` supplies exp and tanh for V (ScalarMath below
-// for plain numbers, a vector policy in the CPU kernels).
+// for plain numbers, with the log the CUDA cross-entropy takes too; a vector
+// policy in the CPU kernels).
 #pragma once
 
 #include <cmath>
@@ -20,6 +21,8 @@ struct ScalarMath {
   FUSEDLLM_HOST_DEVICE static double exp(double x) { return ::exp(x); }
   FUSEDLLM_HOST_DEVICE static float tanh(float x) { return ::tanhf(x); }
   FUSEDLLM_HOST_DEVICE static double tanh(double x) { return ::tanh(x); }
+  FUSEDLLM_HOST_DEVICE static float log(float x) { return ::logf(x); }
+  FUSEDLLM_HOST_DEVICE static double log(double x) { return ::log(x); }
 };
 
 // Soft-capping (Gemma 2's final logits and attention scores): s = cap *

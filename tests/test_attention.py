@@ -337,7 +337,11 @@ def test_decoding_step_by_step_matches_prefill(device):
 def test_backward_is_deterministic(device, pairs):
     """Same bits run to run; on CPU also for any thread count."""
     b, hkv = (1, 1) if pairs == 1 else (2, 4)
-    q, k, v = make_qkv(b, 4 * hkv, hkv, 300, 700, 64, torch.float32, device)
+    # The emulator's schedule is fixed, so a second run there can differ only
+    # through memory a kernel reads before writing: shorter sequences, still
+    # several tiles with partial ones, show that at a twentieth of the cost.
+    q_len, kv_len = (70, 150) if checks.emulated() else (300, 700)
+    q, k, v = make_qkv(b, 4 * hkv, hkv, q_len, kv_len, 64, torch.float32, device)
     grad_out = torch.randn_like(q)
 
     def run():

@@ -2,6 +2,7 @@
 
 from ._extension import backend, build_info
 from . import _fake  # noqa: F401  (registers the fake kernels)
+from . import _autocast  # noqa: F401  (registers the ops' autocast rules)
 from .functional import (apply_rope, attention, attention_varlen, fused_add_rms_norm, linear_cross_entropy,
                          moe_experts, moe_load_balancing_loss, moe_route, quantize_kv, rms_norm, swiglu)
 from .rope_scaling import rope_tables

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from ._autocast import plain as _autocast_rule
 from ._limits import (ACTIVATIONS, CASTINGS, FLOAT_DTYPES, MAX_HEAD_DIM, MOE_ACTIVATIONS, MOE_SCORINGS,
                       REDUCTIONS, check_rotary_dim)
 
@@ -242,11 +243,13 @@ def _rms_scale(h: torch.Tensor, weight, eps: float, offset: float, casting: str)
     return out, rstd.squeeze(-1).detach()
 
 
+@_autocast_rule('rms_norm')
 def rms_norm(input, weight, eps, offset, casting):
     _check_rms_norm("fusedllm.rms_norm", input, None, weight, eps, offset, casting)
     return _rms_scale(input, weight, eps, offset, casting)
 
 
+@_autocast_rule('fused_add_rms_norm')
 def fused_add_rms_norm(input, residual, weight, eps, offset, casting):
     _check_rms_norm("fusedllm.fused_add_rms_norm", input, residual, weight, eps, offset, casting)
     h = input + residual
@@ -265,6 +268,7 @@ def _gated(gate, up, activation):
     return (_activation(gate.to(acc), activation) * up.to(acc)).to(gate.dtype)
 
 
+@_autocast_rule('swiglu')
 def swiglu(gate, up, activation):
     op = "fusedllm.swiglu"
     _check_float(op, "gate", gate)
@@ -277,6 +281,7 @@ def swiglu(gate, up, activation):
     return _gated(gate, up, activation)
 
 
+@_autocast_rule('swiglu_packed')
 def swiglu_packed(gate_up, activation):
     op = "fusedllm.swiglu_packed"
     _check_float(op, "gate_up", gate_up)
@@ -315,11 +320,13 @@ def _rope(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse
             _rotate(k, c, s, interleaved, rotary_dim, inverse))
 
 
+@_autocast_rule('rope')
 def rope(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse):
     rotary_dim = _check_rope("fusedllm.rope", q, k, cos, sin, position_ids, offset, rotary_dim)
     return _rope(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse)
 
 
+@_autocast_rule('rope_')
 def rope_(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse):
     rotary_dim = _check_rope("fusedllm.rope_", q, k, cos, sin, position_ids, offset, rotary_dim)
     rq, rk = _rope(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse)
@@ -502,6 +509,7 @@ def _cache_rows(t, b, n, block_table):
     return rows[:, :n].unsqueeze(0)
 
 
+@_autocast_rule('attention')
 def attention(q, k, v, mask, scale, causal, window, dropout_p, seed, window_right=-1, softcap=0.0,
               sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
               max_seqlen_k=0, k_scale=None, v_scale=None, kv_lens=None, block_table=None):
@@ -592,6 +600,7 @@ def attention(q, k, v, mask, scale, causal, window, dropout_p, seed, window_righ
     return torch.cat(outs, 0), torch.cat(lses, 1)
 
 
+@_autocast_rule('quantize_kv')
 def quantize_kv(x, values, scales):
     """The quantize_kv op: int8 (or float8_e4m3fn, as values' dtype says) rows of x and their
     float32 scales, written into values and scales."""
@@ -677,6 +686,7 @@ def check_cross_entropy(op, hidden, weight, bias, target, ignore_index, reductio
                   f"nor ignore_index ({ignore_index})")
 
 
+@_autocast_rule('linear_cross_entropy')
 def linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, label_smoothing,
                          softcap, z_loss):
     """The linear cross-entropy op, through the whole [tokens, vocab] logits
@@ -733,6 +743,7 @@ def check_moe_route(op, router_logits, top_k, scoring, normalize, correction_bia
         _fail(op, f"scaling must be finite, got {scaling:g}")
 
 
+@_autocast_rule('moe_route')
 def moe_route(router_logits, top_k, scoring, normalize, correction_bias, num_groups, top_groups,
               scaling):
     """Top-k experts per token and their weights (float32, float64 for float64
@@ -838,6 +849,7 @@ def _expert_gated(gate_up, activation, interleaved, alpha, limit):
     return out.to(gate_up.dtype)
 
 
+@_autocast_rule('moe_experts')
 def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation, save_for_backward,
                 gate_up_bias=None, down_bias=None, transposed=False, interleaved=False, alpha=1.702,
                 limit=7.0):

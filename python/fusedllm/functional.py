@@ -36,6 +36,31 @@ def _require_tensors(op: str, ref_name: str, ref, **others) -> None:
             raise ValueError(f"{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _mixed(a: torch.dtype, b: torch.dtype) -> bool:
+    """Whether ``b`` is float32 and ``a`` bfloat16 / float16: the pair mixed
+    precision makes (float32 norm weights or residual stream, half-precision
+    activations), accepted where the modules the norms replace accept it.
+    Other dtype pairs stay an error of the op, naming the argument."""
+    return a in _HALF and b == torch.float32
+
+
+def _norm_with_float32_weight(norm, x, weight, offset, casting):
+    """``norm(x, weight)`` for half-precision x and a float32 weight. Llama
+    casting gives ``weight * normalized.to(x.dtype)``, float32 as in Hugging
+    Face's LlamaRMSNorm; Gemma casting multiplies in float32 and casts to
+    x.dtype last, as GemmaRMSNorm. Composed of the kernel and torch ops (the
+    kernels read one dtype); returns what the op returns (rstd last)."""
+    if casting == "llama":
+        outs = norm(x, None, 0.0)
+        scale = weight + offset if offset else weight
+        return (outs[0] * scale, *outs[1:])
+    outs = norm(x.float(), weight, offset)
+    return (*(t.to(x.dtype) for t in outs[:-1]), outs[-1])  # the last is the float32 rstd
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
              offset: float = 0.0, casting: str = "llama") -> torch.Tensor:
     """RMSNorm over the last dim: ``x * rsqrt(mean(x**2) + eps) * (offset + weight)``.
@@ -44,8 +69,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     has the dtype of ``x``. ``casting="llama"`` casts the normalized value to
     ``x.dtype`` before multiplying by the weight (Llama, Mistral, Qwen);
     ``"gemma"`` multiplies in float32 and casts last (Gemma, with ``offset=1``).
+    A float32 weight with bfloat16 / float16 ``x`` (mixed precision) is taken
+    as Hugging Face's norms take it: the Llama casting's result is then float32
+    (the weight times the normalized value in x's dtype), the Gemma casting's
+    x's dtype. docs/mixed-precision.md: this and the behaviour under autocast.
     """
     _require_tensors("fusedllm.rms_norm", "input", x, weight=weight)
+    if weight is not None and _mixed(x.dtype, weight.dtype):
+        return _norm_with_float32_weight(
+            lambda h, w, off: _impl.rms_norm(h, w, eps, off, casting), x, weight, offset, casting)[0]
     out, _rstd = _impl.rms_norm(x, weight, eps, offset, casting)
     return out
 
@@ -55,8 +87,18 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """``h = x + residual; return rms_norm(h), h`` in one pass over memory.
 
     ``h`` (rounded to ``x.dtype``) is the new residual stream of a pre-norm block.
+    A float32 residual with bfloat16 / float16 ``x`` or the other way round (a
+    float32 residual stream under autocast) adds in float32, as ``x + residual``
+    would, and ``h`` is float32; the weight is then taken as in :func:`rms_norm`.
     """
     _require_tensors("fusedllm.fused_add_rms_norm", "input", x, residual=residual, weight=weight)
+    if _mixed(x.dtype, residual.dtype) or _mixed(residual.dtype, x.dtype):
+        x, residual = x.float(), residual.float()  # exact; the add then rounds once, as torch's would
+    if weight is not None and _mixed(x.dtype, weight.dtype):
+        out, residual_out, _rstd = _norm_with_float32_weight(
+            lambda h, w, off: _impl.fused_add_rms_norm(h, residual.to(h.dtype), w, eps, off, casting),
+            x, weight, offset, casting)
+        return out, residual_out
     out, residual_out, _rstd = _impl.fused_add_rms_norm(x, residual, weight, eps, offset, casting)
     return out, residual_out
 

@@ -203,7 +203,7 @@ def _window_attention(query, key, value, mask, layout, scale, dropout_p, softcap
         part = {name: t[:, :, cut:] for name, t in scales.items()}
         pieces.append(FF._attention_with_lse(query, key[:, :, cut:], value[:, :, cut:], causal=True,
                                              window=layout.window, **args, **part))
-    return FF._merge_attention(pieces, query.dtype, sinks)
+    return FF._merge_attention(pieces, pieces[0][0].dtype, sinks)  # the output dtype (autocast: not q's)
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

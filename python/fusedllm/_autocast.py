@@ -1,0 +1,141 @@
+"""What the fusedllm operators do under ``torch.autocast``: ``RULES`` below,
+the per-op table and the reasons in docs/mixed-precision.md.
+
+Each rule is registered as a kernel at the ``AutocastCPU`` / ``AutocastCUDA``
+dispatch keys of ``torch.ops.fusedllm`` (above autograd, so the casts are
+differentiable and torch.compile traces them as ordinary ops), and applied by
+:func:`plain` to the plain-PyTorch path, which then runs with autocast off so
+that it computes what the kernels compute. Ops without a rule fall through:
+autocast leaves them alone, as it leaves the elementwise ops they replace.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from ._extension import has_extension
+
+# "lower": the autocast dtype (torch.get_autocast_dtype); "float32": float32.
+LOWER, FLOAT32 = "lower", "float32"
+
+_ATTENTION = (LOWER, ("q", "k", "v"))
+_CROSS_ENTROPY = (LOWER, ("hidden", "weight", "bias"))
+_EXPERTS = (LOWER, ("hidden", "gate_up_proj", "down_proj", "gate_up_bias", "down_bias"))
+
+# op -> {device type: (policy, the arguments it casts, {output index: the
+# arguments whose promoted dtype it is given back})}. The last is for
+# fused_add_rms_norm's h = input + residual, which keeps the dtype of that add
+# (autocast leaves an add alone) while the normalized output is float32.
+RULES = {
+    "attention": {"cpu": _ATTENTION, "cuda": _ATTENTION},
+    "linear_cross_entropy": {"cpu": _CROSS_ENTROPY, "cuda": _CROSS_ENTROPY},
+    "moe_experts": {"cpu": _EXPERTS, "cuda": _EXPERTS},
+    "rms_norm": {"cuda": (FLOAT32, ("input", "weight"))},
+    "fused_add_rms_norm": {"cuda": (FLOAT32, ("input", "residual", "weight"), {1: ("input", "residual")})},
+}
+
+# Only these are cast: float64 stays (as autocast leaves it), and so do int8
+# and float8 codes of a quantized KV cache.
+_CASTABLE = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _target(policy: str, device_type: str) -> torch.dtype:
+    return torch.get_autocast_dtype(device_type) if policy == LOWER else torch.float32
+
+
+def _cast(value, device_type: str, dtype: torch.dtype):
+    if (isinstance(value, torch.Tensor) and value.dtype in _CASTABLE and value.dtype != dtype
+            and value.device.type == device_type):
+        return value.to(dtype)
+    return value
+
+
+def _arg(params, args, kwargs, name):
+    i = params.index(name)
+    return args[i] if i < len(args) else kwargs.get(name)
+
+
+def _cast_args(params, rule, device_type, args, kwargs):
+    """``(args, kwargs, restore)``: the rule's arguments cast (``params``: the
+    op's argument names), and the dtypes to give outputs back by index."""
+    policy, names, *given_back = rule
+    restore = {}
+    for index, sources in (given_back[0] if given_back else {}).items():
+        dtypes = [t.dtype for t in (_arg(params, args, kwargs, n) for n in sources) if isinstance(t, torch.Tensor)]
+        restore[index] = functools.reduce(torch.promote_types, dtypes)
+    dtype = _target(policy, device_type)
+    args = list(args)
+    for name in names:
+        i = params.index(name)
+        if i < len(args):
+            args[i] = _cast(args[i], device_type, dtype)
+        elif name in kwargs:
+            kwargs = {**kwargs, name: _cast(kwargs[name], device_type, dtype)}
+    return args, kwargs, restore
+
+
+def _restore(outs, restore):
+    if not restore:
+        return outs
+    return type(outs)(o.to(restore[i]) if i in restore else o for i, o in enumerate(outs))
+
+
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+_libraries = []  # the registrations live as long as these
+
+
+def register(ns: str = "fusedllm") -> None:
+    """Registers RULES at the autocast keys of library ``ns``."""
+    lib = torch.library.Library(ns, "IMPL")
+    _libraries.append(lib)
+    for name, by_device in RULES.items():
+        op = getattr(getattr(torch.ops, ns), name).default
+        params = [a.name for a in op._schema.arguments]
+        for device_type, rule in by_device.items():
+            lib.impl(name, _autocast_kernel(op, params, rule, device_type), _AUTOCAST_KEYS[device_type],
+                     with_keyset=True)
+
+
+def _autocast_kernel(op, params, rule, device_type):
+    key = getattr(torch._C.DispatchKey, _AUTOCAST_KEYS[device_type])
+
+    def kernel(_keyset, *args, **kwargs):
+        args, kwargs, restore = _cast_args(params, rule, device_type, args, kwargs)
+        # Below this key only: the op's own kernels run on the cast arguments.
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            outs = op(*args, **kwargs)
+        return _restore(outs, restore)
+
+    return kernel
+
+
+def plain(name: str):
+    """Decorator for a plain-path op: under autocast on its tensors' device it
+    casts as RULES say, then runs with autocast off (as the kernels do)."""
+
+    def wrap(fn):
+        params = list(inspect.signature(fn).parameters)
+        by_device = RULES.get(name, {})
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            device_type = first.device.type if first is not None else "cpu"
+            if device_type not in _AUTOCAST_KEYS or not torch.is_autocast_enabled(device_type):
+                return fn(*args, **kwargs)
+            restore = {}
+            if device_type in by_device:
+                args, kwargs, restore = _cast_args(params, by_device[device_type], device_type, args, kwargs)
+            with torch.autocast(device_type, enabled=False):
+                return _restore(fn(*args, **kwargs), restore)
+
+        return run
+
+    return wrap
+
+
+if has_extension():
+    register("fusedllm")

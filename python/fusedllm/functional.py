@@ -12,12 +12,12 @@ from numbers import Integral, Real
 import torch
 
 from . import _plain
-from ._extension import has_extension
+from ._devices import ops_for
 from ._limits import REDUCTIONS, check_rotary_dim
 
-# The implementation, chosen once: the compiled operators, or the plain path
-# (same names and signatures) when the extension is not loaded.
-_impl = torch.ops.fusedllm if has_extension() else _plain
+# Each call takes its implementation from ops_for(first tensor): the compiled
+# operators on CPU (and CUDA when built with its kernels), the plain path
+# (same names and signatures) on other devices or without the extension.
 
 
 def _require_tensor(op: str, name: str, value) -> None:
@@ -77,8 +77,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     _require_tensors("fusedllm.rms_norm", "input", x, weight=weight)
     if weight is not None and _mixed(x.dtype, weight.dtype):
         return _norm_with_float32_weight(
-            lambda h, w, off: _impl.rms_norm(h, w, eps, off, casting), x, weight, offset, casting)[0]
-    out, _rstd = _impl.rms_norm(x, weight, eps, offset, casting)
+            lambda h, w, off: ops_for(h).rms_norm(h, w, eps, off, casting), x, weight, offset, casting)[0]
+    out, _rstd = ops_for(x).rms_norm(x, weight, eps, offset, casting)
     return out
 
 
@@ -96,10 +96,10 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         x, residual = x.float(), residual.float()  # exact; the add then rounds once, as torch's would
     if weight is not None and _mixed(x.dtype, weight.dtype):
         out, residual_out, _rstd = _norm_with_float32_weight(
-            lambda h, w, off: _impl.fused_add_rms_norm(h, residual.to(h.dtype), w, eps, off, casting),
+            lambda h, w, off: ops_for(h).fused_add_rms_norm(h, residual.to(h.dtype), w, eps, off, casting),
             x, weight, offset, casting)
         return out, residual_out
-    out, residual_out, _rstd = _impl.fused_add_rms_norm(x, residual, weight, eps, offset, casting)
+    out, residual_out, _rstd = ops_for(x).fused_add_rms_norm(x, residual, weight, eps, offset, casting)
     return out, residual_out
 
 
@@ -114,8 +114,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None, activation: str =
     """
     _require_tensors("fusedllm.swiglu", "gate", gate, up=up)
     if up is None:
-        return _impl.swiglu_packed(gate, activation)
-    return _impl.swiglu(gate, up, activation)
+        return ops_for(gate).swiglu_packed(gate, activation)
+    return ops_for(gate).swiglu(gate, up, activation)
 
 
 def _hf_table_layout(op: str, cos: torch.Tensor, q: torch.Tensor, rotary_dim: int,
@@ -183,9 +183,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if inplace:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
             raise ValueError(f"{op}: inplace=True has no autograd; use inplace=False for training")
-        _impl.rope_(q, k, cos, sin, position_ids, int(offset), interleaved, rotary_dim, False)
+        ops_for(q).rope_(q, k, cos, sin, position_ids, int(offset), interleaved, rotary_dim, False)
         return q, k
-    return _impl.rope(q, k, cos, sin, position_ids, int(offset), interleaved, rotary_dim, False)
+    return ops_for(q).rope(q, k, cos, sin, position_ids, int(offset), interleaved, rotary_dim, False)
 
 
 def _window_bounds(op, window):
@@ -333,9 +333,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     scale, window, right, softcap, mask, dropout_p, seed = _attention_args(
         "fusedllm.attention", q, k, v, causal, scale, window, mask, dropout_p, softcap, sinks,
         alibi_slopes, k_scale, v_scale, kv_lens, block_table)
-    out, _lse = _impl.attention(q, k, v, mask, scale, causal, window, dropout_p, seed, right, softcap,
-                                sinks, alibi_slopes, None, None, 0, 0, k_scale, v_scale, kv_lens,
-                                block_table)
+    out, _lse = ops_for(q).attention(q, k, v, mask, scale, causal, window, dropout_p, seed, right, softcap,
+                                     sinks, alibi_slopes, None, None, 0, 0, k_scale, v_scale, kv_lens,
+                                     block_table)
     return out
 
 
@@ -347,8 +347,8 @@ def _attention_with_lse(q, k, v, causal=False, window=None, mask=None, dropout_p
     scale, window, right, softcap, mask, dropout_p, seed = _attention_args(
         "fusedllm.attention", q, k, v, causal, scale, window, mask, dropout_p, softcap, k_scale=k_scale,
         v_scale=v_scale)
-    return _impl.attention(q, k, v, mask, scale, causal, window, dropout_p, seed, right, softcap,
-                           None, None, None, None, 0, 0, k_scale, v_scale)
+    return ops_for(q).attention(q, k, v, mask, scale, causal, window, dropout_p, seed, right, softcap,
+                                None, None, None, None, 0, 0, k_scale, v_scale)
 
 
 def _merge_attention(pieces, dtype: torch.dtype, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -409,8 +409,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             raise ValueError(f"{op}: {name} must be None or an int >= 1, got {value!r}")
         else:
             lengths.append(int(value))
-    out, _lse = _impl.attention(q, k, v, None, scale, causal, window, dropout_p, seed, right, softcap,
-                                sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *lengths, k_scale, v_scale)
+    out, _lse = ops_for(q).attention(q, k, v, None, scale, causal, window, dropout_p, seed, right, softcap,
+                                     sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, *lengths, k_scale,
+                                     v_scale)
     return out
 
 
@@ -473,7 +474,7 @@ def quantize_kv(x: torch.Tensor, values: torch.Tensor | None = None,
     if values is None:
         values = torch.empty(x.shape, dtype=dtype or torch.int8, device=x.device)
         scales = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    _impl.quantize_kv(x, values, scales)
+    ops_for(x).quantize_kv(x, values, scales)
     return values, scales
 
 
@@ -531,7 +532,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         cap = _number(op, "softcap", softcap)
         if not cap > 0:
             raise ValueError(f"{op}: softcap must be > 0 (or None for no cap), got {softcap!r}")
-    loss = _impl.linear_cross_entropy(
+    loss = ops_for(hidden).linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, target.reshape(-1), int(ignore_index),
         reduction, _number(op, "label_smoothing", label_smoothing), cap, _number(op, "z_loss", z_loss))
     return loss.reshape(target.shape) if reduction == "none" else loss
@@ -572,9 +573,9 @@ def moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
     top_groups = num_groups if top_groups is None else _int(op, "top_groups", top_groups)
     if not isinstance(normalize, bool):
         raise ValueError(f"{op}: normalize must be a bool, got {normalize!r}")
-    return _impl.moe_route(router_logits.reshape(-1, router_logits.shape[-1]), top_k, scoring,
-                           normalize, correction_bias, num_groups, top_groups,
-                           _number(op, "scaling", scaling))
+    return ops_for(router_logits).moe_route(router_logits.reshape(-1, router_logits.shape[-1]), top_k,
+                                            scoring, normalize, correction_bias, num_groups, top_groups,
+                                            _number(op, "scaling", scaling))
 
 
 def moe_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
@@ -634,10 +635,10 @@ def moe_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tens
         if not isinstance(flag, bool):
             raise ValueError(f"{op}: {name} must be a bool, got {flag!r}")
     top_k = indices.shape[-1]
-    out = _impl.moe_experts(hidden.reshape(-1, hidden.shape[-1]), indices.reshape(-1, top_k),
-                            weights.reshape(-1, top_k), gate_up_proj, down_proj, activation, False,
-                            gate_up_bias, down_bias, transposed, interleaved,
-                            _number(op, "alpha", alpha), _number(op, "limit", limit))[0]
+    out = ops_for(hidden).moe_experts(hidden.reshape(-1, hidden.shape[-1]), indices.reshape(-1, top_k),
+                                      weights.reshape(-1, top_k), gate_up_proj, down_proj, activation, False,
+                                      gate_up_bias, down_bias, transposed, interleaved,
+                                      _number(op, "alpha", alpha), _number(op, "limit", limit))[0]
     return out.reshape(hidden.shape)
 
 

@@ -46,12 +46,13 @@ before patching keeps training them and ``state_dict()`` keys do not change.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from . import hf_loss, hf_moe
+from . import _devices, hf_loss, hf_moe
 from . import nn as fnn
 from .compat import hf_parallel, nb000, nb001, nb002, nb003
 from .compat._common import eps_of, gated_linears, is_linear, norm_weight, shell
@@ -83,19 +84,24 @@ class PatchReport:
     """What :func:`patch` did: ``replaced`` (path, original class, fused class,
     whether it was verified), ``left`` (candidates kept as they were, and why),
     ``attention`` (the Hugging Face attention implementation switch, or why
-    it was not made) and ``loss`` (with ``cross_entropy=True``: the fused
-    causal-LM loss, or why the model was left)."""
+    it was not made), ``loss`` (with ``cross_entropy=True``: the fused
+    causal-LM loss, or why the model was left) and ``device`` (set when the
+    model's tensors lie on a device fusedllm has no kernels for: why, and
+    that the replacements run the plain-PyTorch path there)."""
 
     replaced: list[Replaced] = field(default_factory=list)
     left: list[Left] = field(default_factory=list)
     attention: str = ""
     loss: str = ""
+    device: str = ""
 
     def count(self, replacement_contains: str = "") -> int:
         return sum(replacement_contains in r.replacement for r in self.replaced)
 
     def __str__(self) -> str:
         lines = [f"fusedllm.patch: {len(self.replaced)} module(s) replaced, {len(self.left)} left"]
+        if self.device:
+            lines.append(f"  device: {self.device}")
         for r in self.replaced:
             check = {True: " [verified]", False: "", None: ""}[r.verified]
             note = f" ({r.note})" if r.note else ""
@@ -311,6 +317,16 @@ def _compute_dtype(model):
     return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else None
 
 
+def _device_note(model) -> str:
+    """For the report: the model's device types without fusedllm kernels, and what runs there."""
+    without = _devices.without_kernels(t.device.type for t in itertools.chain(model.parameters(),
+                                                                             model.buffers()))
+    return "; ".join(
+        f"model on {t}: {_devices.no_kernels_reason(t)}; the replaced modules run fusedllm's plain-PyTorch "
+        f"path there (same results, not fused, possibly slower than the originals; fusedllm.unpatch(model) "
+        f"puts them back)" for t in without)
+
+
 def _switch_hf_attention(model, report):
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation") or not _is_transformers(model):
@@ -374,12 +390,17 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
     (:mod:`fusedllm.hf_loss`).
 
     The model itself (the root) is never replaced, only modules inside it.
+
+    On a device fusedllm has no kernels for (MPS, XPU, a ROCm GPU; CUDA when
+    fusedllm was built without its CUDA kernels) the same modules are
+    replaced, so the model is the same wherever it is moved; there they run
+    fusedllm's plain-PyTorch path, and ``report.device`` says so.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fusedllm.patch: model must be an nn.Module, got {type(model).__name__}")
     flags = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope, "attention": attention, "parallel": parallel,
              "moe": moe}
-    report = PatchReport()
+    report = PatchReport(device=_device_note(model))
     registry = model.__dict__.setdefault(_REGISTRY_ATTR, [])
     compute_dtype = _compute_dtype(model)
 

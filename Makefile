@@ -2,6 +2,7 @@
 #   make demo     venv + torch + build tools + build, then the demo
 #   make test     the same, plus the test dependencies and the CUDA emulator, then the whole test suite
 #   make jupyter  the demo's set-up plus Jupyter, then a Jupyter kernel named fusedllm for this user
+#   make gpu-check OUT=dir   build, test and benchmark on this machine's GPU (benchmarks/gpu_check.py)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -14,7 +15,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
 SOURCES := $(shell find csrc python build_support -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
 
-.PHONY: all venv deps build test test-fast test-simt sanitize demo jupyter bench clean
+.PHONY: all venv deps build test test-fast test-simt sanitize demo jupyter bench gpu-check clean
 
 all: build
 
@@ -125,6 +126,12 @@ bench: $(VENV)/.built $(VENV)/.dev-deps-installed
 	$(BIN)/python benchmarks/bench_parallel_block.py
 	$(BIN)/python benchmarks/bench_cross_entropy.py
 	$(BIN)/python benchmarks/bench_moe.py
+
+# On a machine with a GPU: build for it in OUT/build, run every cuda test, then
+# the GPU benchmarks, with the Python that has torch (no venv of ours, no network).
+OUT ?= build/gpu-check
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py --out $(OUT)
 
 clean:
 	rm -rf build $(VENV)/.built $(VENV)/.built-simt

@@ -71,3 +71,89 @@ def test_disable_extension_selects_reference_path_quietly():
                      FUSEDLLM_DISABLE_EXTENSION="1")
     assert res.returncode == 0, res.stderr
     assert "BACKEND reference" in res.stdout
+
+
+# --- The C++ runtime: taken from the libstdc++ torch loads, never copied in ---
+# A module that carries its own copy of libstdc++ code runs that copy (a module's
+# own symbols come first) on streams and locales the real libstdc++ made: the
+# first error message that formats a number prints nothing or kills the process.
+# Two checks: the modules built here reference every libstdc++ symbol instead of
+# defining it (whichever op or error path would call it), and the configure-time
+# check finds and fixes, or refuses, a toolchain that copies the runtime in.
+
+import importlib.util  # noqa: E402
+import subprocess  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _runtime_check():
+    spec = importlib.util.spec_from_file_location(
+        "cxx_runtime_check", os.path.join(ROOT, "build_support", "cxx_runtime_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+needs_gnu_toolchain = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or shutil.which("nm") is None or shutil.which("g++") is None,
+    reason="checks libstdc++ with nm and g++ (Linux)")
+
+
+@needs_gnu_toolchain
+@pytest.mark.parametrize("module", ["_C", "_simt"])
+def test_extension_modules_carry_no_copy_of_libstdcxx(module):
+    check = _runtime_check()
+    runtime = check.loaded_runtime()
+    assert runtime and "libstdc++" in runtime
+    spec = importlib.util.find_spec(f"fusedllm.{module}")
+    if spec is None:
+        assert module == "_simt", "fusedllm._C is not built"
+        pytest.skip("fusedllm._simt is not built")
+    copied = check.copied_symbols(spec.origin, runtime)
+    assert not copied, f"{spec.origin} defines {len(copied)} of libstdc++'s symbols: {check.demangle(copied[:5])}"
+
+
+def _compiler_that_links_libstdcxx_statically(tmp_path, drops_shared_runtime=False):
+    """A g++ wrapper that copies libstdc++ into what it links, as devtoolset-style
+    wrappers do with libstdc++_nonshared.a; optionally deaf to an explicit libstdc++.so."""
+    script = tmp_path / ("g++-stubborn" if drops_shared_runtime else "g++-static-runtime")
+    drop = 'for a in "$@"; do case "$a" in *libstdc++.so*) ;; *) args+=("$a");; esac; done\n' \
+        if drops_shared_runtime else 'args=("$@")\n'
+    script.write_text(f'#!/bin/bash\nargs=()\n{drop}exec g++ "${{args[@]}}" -static-libstdc++\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+@needs_gnu_toolchain
+def test_build_check_passes_the_system_compiler(tmp_path):
+    result = _runtime_check().check("g++", str(tmp_path), abi=int(torch._C._GLIBCXX_USE_CXX11_ABI))
+    assert result["status"] == "ok", result["message"]
+
+
+@needs_gnu_toolchain
+def test_build_check_fixes_a_compiler_that_copies_libstdcxx(tmp_path):
+    check = _runtime_check()
+    compiler = _compiler_that_links_libstdcxx_statically(tmp_path)
+    result = check.check(compiler, str(tmp_path / "work"), abi=int(torch._C._GLIBCXX_USE_CXX11_ABI))
+    assert result["status"] == "fixed", result["message"]
+    # what it found: the copied stream inserter, and numbers formatted wrongly
+    assert "basic_ostream<char, std::char_traits<char> >::_M_insert<long>" in result["message"] and "formatted" in result["message"]
+    assert result["link_first"] == [check.loaded_runtime()]
+
+
+@needs_gnu_toolchain
+def test_build_check_refuses_a_compiler_it_cannot_fix(tmp_path):
+    compiler = _compiler_that_links_libstdcxx_statically(tmp_path, drops_shared_runtime=True)
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "build_support", "cxx_runtime_check.py"),
+                          "--compiler", compiler, "--abi", str(int(torch._C._GLIBCXX_USE_CXX11_ABI)), "--workdir", str(tmp_path / "work")],
+                         capture_output=True, text=True)
+    assert res.returncode == 1
+    assert compiler in res.stderr and "links parts of libstdc++" in res.stderr
+    assert "CXX=/usr/bin/g++" in res.stderr

@@ -1,0 +1,238 @@
+"""Build, test and benchmark fusedllm on the CUDA machine this runs on, in one command.
+
+    python3 benchmarks/gpu_check.py --out DIR        (or: make gpu-check OUT=DIR)
+
+Needs a CUDA build of torch that sees a GPU, nvcc, CMake, Ninja,
+scikit-build-core and pytest (pytest-xdist to use every core); no network and
+no virtual environment of the project's. It builds fusedllm for the visible
+GPU's architecture into DIR/build (the source tree and the environment are
+left as they are), runs every ``cuda`` test on all cores against that build,
+then the GPU benchmarks with their peers (Liger-Kernel where it imports), and
+writes everything to DIR: environment.txt, build.log, tests.log, tests.xml,
+bench/*.{json,md,png}, bench/*.log and summary.md, which is printed last.
+Each part's time is in the summary. Missing prerequisites stop it before
+anything is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = ["rms_norm", "swiglu", "rope", "cross_entropy", "attention", "decode", "kv_int8", "moe"]
+
+
+def _run(cmd, log_path, env=None, timeout=None, cwd=ROOT) -> tuple[int, float]:
+    """(exit status, seconds); output to log_path. 124 when it ran past timeout."""
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            log.write(f"\n[stopped after {timeout} s]\n")
+            rc = 124
+    return rc, time.perf_counter() - start
+
+
+def _tail(path: str, lines: int = 40) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def prerequisites() -> tuple[dict, list[str]]:
+    """What the run needs, and what is missing (each with how to get it)."""
+    missing = []
+    info = {"python": sys.executable}
+    try:
+        import torch
+    except ImportError:
+        return info, [f"torch is not importable by {sys.executable}"]
+    info["torch"] = torch.__version__
+    info["torch CUDA"] = torch.version.cuda or "none"
+    if not torch.version.cuda:
+        missing.append(f"torch {torch.__version__} is not a CUDA build")
+    elif not torch.cuda.is_available():
+        missing.append("torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES?)")
+    else:
+        props = torch.cuda.get_device_properties(0)
+        info["GPU"] = f"{props.name}, compute capability {props.major}.{props.minor}, " \
+                      f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB"
+        info["arch"] = f"{props.major}.{props.minor}"
+    nvcc = os.environ.get("CUDACXX") or shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc is None:
+        missing.append("nvcc not found (put it on PATH or set CUDACXX)")
+    else:
+        info["nvcc"] = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout \
+            .strip().splitlines()[-1]
+        info["nvcc path"] = nvcc
+    for module, package in [("scikit_build_core", "scikit-build-core"), ("pytest", "pytest"),
+                            ("cmake", "cmake"), ("ninja", "ninja")]:
+        try:
+            __import__(module)
+        except ImportError:
+            if shutil.which(module) is None:
+                missing.append(f"{package} (pip install {package})")
+    for module in ["xdist", "hypothesis"]:
+        try:
+            __import__(module)
+        except ImportError:
+            info[f"no {module}"] = "tests run in one process" if module == "xdist" else "missing"
+            if module == "hypothesis":
+                missing.append("hypothesis (pip install hypothesis): several test files need it")
+    cxx = os.environ.get("CXX") or shutil.which("c++") or "c++"
+    info["C++ compiler"] = cxx + ": " + (subprocess.run([cxx, "--version"], capture_output=True, text=True)
+                                         .stdout.splitlines() or ["?"])[0]
+    try:
+        import liger_kernel  # noqa: F401
+        from importlib.metadata import version
+        info["Liger-Kernel"] = version("liger-kernel")
+    except Exception:
+        info["Liger-Kernel"] = "not importable: its columns are left out"
+    info["cores"] = str(os.cpu_count())
+    info["date"] = datetime.date.today().isoformat()
+    return info, missing
+
+
+def build(out: str, arch: str, jobs: int, nvcc: str) -> tuple[int, float, str]:
+    site = os.path.join(out, "build", "site")
+    shutil.rmtree(site, ignore_errors=True)
+    env = dict(os.environ, TORCH_CUDA_ARCH_LIST=arch, FUSEDLLM_CUDA="1",
+               CMAKE_BUILD_PARALLEL_LEVEL=str(jobs), CUDACXX=nvcc)
+    cmd = [sys.executable, "-m", "pip", "install", "-v", "--no-build-isolation", "--no-deps",
+           "--no-index", "--target", site, "-C", f"build-dir={os.path.join(out, 'build', 'cmake')}", ROOT]
+    rc, seconds = _run(cmd, os.path.join(out, "build.log"), env=env)
+    return rc, seconds, site
+
+
+def run_tests(out: str, site: str, jobs: int, marker: str, has_xdist: bool) -> tuple[int, float]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               FUSEDLLM_REQUIRE_EXTENSION="1", OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", marker, "-p", "no:cacheprovider", "-rf",
+           f"--junitxml={os.path.join(out, 'tests.xml')}", os.path.join(ROOT, "tests")]
+    if has_xdist and jobs > 1:
+        cmd[4:4] = ["-n", str(jobs)]
+    return _run(cmd, os.path.join(out, "tests.log"), env=env)
+
+
+def test_counts(out: str) -> tuple[dict, list[str]]:
+    path = os.path.join(out, "tests.xml")
+    if not os.path.exists(path):
+        return {}, []
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    failed = []
+    for suite in ET.parse(path).getroot().iter("testsuite"):
+        for key in counts:
+            counts[key] += int(suite.get(key, 0))
+        for case in suite.iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                failed.append(f"{case.get('classname')}::{case.get('name')}")
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return counts, failed
+
+
+def run_benchmarks(out: str, site: str, names: list[str], quick: bool, timeout: int) -> list[tuple]:
+    bench_dir = os.path.join(out, "bench")
+    os.makedirs(bench_dir, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, ROOT, os.environ.get("PYTHONPATH", "")])
+               .rstrip(os.pathsep), FUSEDLLM_REQUIRE_EXTENSION="1")
+    results = []
+    for name in names:
+        cmd = [sys.executable, os.path.join(ROOT, "benchmarks", f"bench_{name}.py"), "--device", "cuda",
+               "--out", bench_dir] + (["--quick"] if quick else [])
+        rc, seconds = _run(cmd, os.path.join(bench_dir, f"{name}.log"), env=env, timeout=timeout)
+        results.append((name, rc, seconds))
+    return results
+
+
+def benchmark_summary(out: str) -> list[str]:
+    """Per benchmark row: fusedllm's time and its speed against each peer (× > 1: fusedllm faster)."""
+    lines = []
+    for path in sorted(glob.glob(os.path.join(out, "bench", "*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        rows = data.get("rows", [])
+        if not rows:
+            continue
+        lines += ["", f"### {data.get('meta', {}).get('benchmark', os.path.basename(path))}", ""]
+        peers = sorted({k for row in rows for k in row if k.startswith("vs_")})
+        lines.append("| case | fusedllm ms | " + " | ".join(f"× {p[3:]}" for p in peers) + " |")
+        lines.append("|---|---|" + "---|" * len(peers))
+        for row in rows:
+            fused = row.get("fused_ms")
+            cells = [f"{row[p]:.2f}" if isinstance(row.get(p), (int, float)) else "" for p in peers]
+            lines.append(f"| {row.get('case', '?')} | {fused:.3f} | " if isinstance(fused, (int, float))
+                         else f"| {row.get('case', '?')} | | ")
+            lines[-1] += " | ".join(cells) + " |"
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder for logs, results and the summary")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="build jobs and test processes")
+    parser.add_argument("--tests", default="cuda", metavar="MARKERS",
+                        help="pytest marker expression (default: every cuda test; 'cuda and not slow' "
+                             "leaves out torch.compile and long runs)")
+    parser.add_argument("--bench", default=",".join(BENCHMARKS),
+                        help=f"comma-separated benchmarks, or 'none' (default: {','.join(BENCHMARKS)})")
+    parser.add_argument("--quick", action="store_true", help="benchmarks at small sizes")
+    parser.add_argument("--bench-timeout", type=int, default=300, help="seconds per benchmark script")
+    args = parser.parse_args(argv)
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+
+    info, missing = prerequisites()
+    with open(os.path.join(out, "environment.txt"), "w") as f:
+        f.write("".join(f"{k}: {v}\n" for k, v in info.items()))
+    if missing:
+        print("gpu_check: cannot run here; nothing was built:\n  - " + "\n  - ".join(missing), file=sys.stderr)
+        return 2
+
+    parts = []  # (part, status, seconds, detail)
+    rc, seconds, site = build(out, info["arch"], args.jobs, info["nvcc path"])
+    parts.append(("build", "ok" if rc == 0 else f"failed ({rc})", seconds, f"sm_{info['arch'].replace('.', '')}"))
+    if rc != 0:
+        print(_tail(os.path.join(out, "build.log")), file=sys.stderr)
+    else:
+        rc, seconds = run_tests(out, site, args.jobs, args.tests, "no xdist" not in info)
+        counts, failed = test_counts(out)
+        detail = ", ".join(f"{counts[k]} {k}" for k in ("passed", "failures", "errors", "skipped") if counts.get(k)) \
+            if counts else "no report (see tests.log)"
+        parts.append((f"tests ({args.tests})", "ok" if rc == 0 else f"failed ({rc})", seconds, detail))
+        names = [] if args.bench == "none" else [n.strip() for n in args.bench.split(",") if n.strip()]
+        for name, rc, seconds in run_benchmarks(out, site, names, args.quick, args.bench_timeout):
+            parts.append((f"bench {name}", "ok" if rc == 0 else ("timed out" if rc == 124 else f"failed ({rc})"),
+                          seconds, f"bench/{name}.log"))
+
+    lines = [f"# fusedllm GPU check, {info['date']}", ""]
+    lines += [f"- {k}: {v}" for k, v in info.items() if k != "date"]
+    lines += ["", "| part | status | seconds | detail |", "|---|---|---|---|"]
+    lines += [f"| {p} | {s} | {t:.0f} | {d} |" for p, s, t, d in parts]
+    lines.append(f"| total | | {sum(t for _, _, t, _ in parts):.0f} | |")
+    if len(parts) > 1:
+        _, failed = test_counts(out)
+        if failed:
+            lines += ["", f"Failed tests ({len(failed)}):"] + [f"- {name}" for name in failed[:40]]
+        lines += benchmark_summary(out)
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0 if all(s == "ok" for _, s, _, _ in parts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -276,3 +276,46 @@ def test_packed_gated_mlp_matches_phi3_layout():
     assert_close(mlp(x), mlp.down_proj(torch.nn.functional.silu(gate) * up), FORWARD_TOL[torch.float32])
     with pytest.raises(ValueError, match="activation"):
         PackedGatedMLP(16, 24, activation="relu")
+
+
+def _hf_on(device):
+    torch.manual_seed(0)
+    with torch.device(device):
+        return _hf("llama")
+
+
+def _patch_off_the_cpu_checks(model, device_type):
+    previous = model.config._attn_implementation
+    report = fusedllm.patch(model)
+    # norms and gated MLPs are fused; attention stays the model's own, and says why
+    assert report.count() == 7 and report.count("GatedMLP") == 2, str(report)
+    assert model.config._attn_implementation == previous
+    assert report.attention.startswith(f"left as {previous!r}: left on {device_type} by default")
+    assert "0.10-0.16x SDPA" in report.attention and "attention=True" in report.attention
+    fusedllm.unpatch(model)
+    report = fusedllm.patch(model, attention=True)
+    assert model.config._attn_implementation == "fusedllm", str(report)
+    fusedllm.unpatch(model)
+
+
+def test_patch_leaves_attention_on_other_devices_by_default():
+    """Off the CPU (here a model on the meta device) the families fusedllm is not
+    yet faster at are left unless asked for; on the CPU they are fused."""
+    _patch_off_the_cpu_checks(_hf_on("meta"), "meta")
+    model = _hf_on("cpu")
+    fusedllm.patch(model)
+    assert model.config._attn_implementation == "fusedllm"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_patch_on_a_gpu_keeps_the_models_attention_and_its_outputs():
+    model = _hf_on("cuda").eval()
+    ids = torch.randint(3, 64, (2, 9), device="cuda")
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    _patch_off_the_cpu_checks(model, "cuda")
+    fusedllm.patch(model)
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    assert_close(got, want, (2e-5, 2e-5))

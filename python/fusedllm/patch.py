@@ -359,9 +359,30 @@ def _switch_hf_attention(model, report):
     report.attention = f"{previous!r} -> {hf.NAME!r}"
 
 
+# Families whose fused version is not yet the faster one on a GPU, with the
+# measurement that says so: patch() leaves them there unless asked (None = auto).
+_SLOWER_ON_GPU = {
+    "attention": "fusedllm's CUDA attention ran at 0.10-0.16x SDPA's speed (H100, bf16, forward and backward)",
+    "parallel": "the fused parallel layers run fusedllm's CUDA attention (0.10-0.16x SDPA's speed on an H100)",
+    "moe": "fusedllm's CUDA experts ran at 0.38-0.99x grouped_mm's speed, and 0.49-0.63x the eager "
+           "experts' in float32 (H100)",
+}
+
+
+def _auto_families(model) -> dict:
+    """What ``None`` means for the families above: fused where the model lies on
+    the CPU only (or has no tensors), else left as they are, with the reason."""
+    types = {t.device.type for t in itertools.chain(model.parameters(), model.buffers())}
+    if types <= {"cpu"}:
+        return {name: (True, "") for name in _SLOWER_ON_GPU}
+    where = "/".join(sorted(types - {"cpu"}))
+    return {name: (False, f"left on {where} by default: {why}; {name}=True chooses fusedllm's")
+            for name, why in _SLOWER_ON_GPU.items()}
+
+
 def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True,
-          attention: bool = True, parallel: bool = True, moe: bool = True, cross_entropy: bool = False,
-          verify: bool = False) -> PatchReport:
+          attention: bool | None = None, parallel: bool | None = None, moe: bool | None = None,
+          cross_entropy: bool = False, verify: bool = False) -> PatchReport:
     """Replace, in place, the modules of ``model`` that fusedllm has fused
     versions of; return a :class:`PatchReport` (``print(report)`` for a summary).
 
@@ -374,6 +395,13 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
     replaced by fused twins. Replacements keep the original ``Parameter``
     objects, submodules and training mode; an optimizer built before patching
     keeps working, and so do ``state_dict`` / ``load_state_dict``.
+
+    ``attention``, ``parallel`` and ``moe`` default to ``None``: fused when the
+    model lies on the CPU, left as they are on a GPU (or any other device),
+    where fusedllm's versions are not yet faster than the model's own (SDPA,
+    grouped or eager experts); the report says so for each module left.
+    ``True`` fuses them anywhere, ``False`` nowhere. The choice follows where
+    the model is when it is patched.
 
     ``verify=True`` runs each original and its replacement on a random input
     (eval mode, no gradients) and keeps the original where the outputs differ
@@ -400,6 +428,11 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
         raise TypeError(f"fusedllm.patch: model must be an nn.Module, got {type(model).__name__}")
     flags = {"rms_norm": rms_norm, "swiglu": swiglu, "rope": rope, "attention": attention, "parallel": parallel,
              "moe": moe}
+    reasons = {name: f"{name}=False" for name in flags}
+    for name, (default, why) in _auto_families(model).items():
+        if flags[name] is None:
+            flags[name] = default
+            reasons[name] = why or reasons[name]
     report = PatchReport(device=_device_note(model))
     registry = model.__dict__.setdefault(_REGISTRY_ATTR, [])
     compute_dtype = _compute_dtype(model)
@@ -423,7 +456,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
             flag, build, kind = rule
         name = type(module).__name__
         if not flags[flag]:
-            report.left.append(Left(path, name, f"{flag}=False"))
+            report.left.append(Left(path, name, reasons[flag]))
             return None
         new = build(module)
         if isinstance(new, str):
@@ -475,8 +508,11 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
         report.left.append(Left("", type(model).__name__,
                                 "the model itself is not replaced in place; use fusedllm.compat or patch a parent"))
     walk(model, "")
-    if attention:
+    if flags["attention"]:
         _switch_hf_attention(model, report)
+    elif attention is None and _is_transformers(model) and hasattr(getattr(model, "config", None),
+                                                                   "_attn_implementation"):
+        report.attention = f"left as {model.config._attn_implementation!r}: {reasons['attention']}"
     if cross_entropy:
         reason = hf_loss.patch_causal_lm(model)
         report.loss = ("fused: linear_cross_entropy, no logits in training" if reason is None

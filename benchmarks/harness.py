@@ -11,7 +11,13 @@ machine, runs the cases and writes ``results/<name>.json``, ``.md`` (the table
 that ``readme_tables.py`` copies between README.md's ``<!-- bench:<name> -->``
 markers) and ``.png``; ``--quick`` runs small sizes and writes
 ``results/<name>_quick.*`` instead, which git ignores. On a GPU the names
-take ``_cuda`` (``results/<name>_cuda.md``), beside the CPU results.
+take ``_cuda`` (``results/<name>_cuda.md``), beside the CPU results;
+``--out DIR`` writes them into DIR instead of ``results/``.
+
+Peers that may be missing: :func:`liger` gives Liger-Kernel where it imports
+and the device is CUDA (its kernels are Triton), else None, and the scripts
+then time it beside their own candidates. A table leaves out the columns that
+no row fills, so a peer that was not measured has no column.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ if "--thp" in sys.argv:
 import torch  # noqa: E402
 
 import fusedllm  # noqa: E402
+
+_UNSET = object()
+_liger = _UNSET
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -91,11 +100,16 @@ def forward_only(fn, *inputs):
 
 def forward_backward(fn, inputs, grad):
     """A zero-argument callable running fn(*inputs).backward(grad), clearing the
-    inputs' gradients first (module parameters accumulate, as in training)."""
+    inputs' gradients first (module parameters accumulate, as in training).
+    With a tuple of gradients, fn returns as many outputs, each backpropagating
+    its own."""
     def run():
         for t in inputs:
             t.grad = None
-        fn(*inputs).backward(grad)
+        if isinstance(grad, (tuple, list)):
+            torch.autograd.backward(fn(*inputs), tuple(grad))
+        else:
+            fn(*inputs).backward(grad)
     return run
 
 
@@ -152,6 +166,78 @@ def roofline_row(work: float, times: dict, roofs: dict | None = None, subject: s
     return row
 
 
+def liger(device: torch.device, args=None):
+    """The ``liger_kernel`` package when it imports and `device` is CUDA, else
+    None (also with ``--no-liger``). Its kernels are Triton, so on a CPU it is
+    not even imported: the scripts run there without it installed."""
+    global _liger
+    if device.type != "cuda" or (args is not None and getattr(args, "no_liger", False)):
+        return None
+    if _liger is _UNSET:
+        try:
+            import liger_kernel
+            import liger_kernel.transformers  # noqa: F401  (the modules and functions a user patches with)
+            import liger_kernel.transformers.functional  # noqa: F401
+            _liger = liger_kernel
+        except Exception as exc:  # not installed, or its triton does not load
+            print(f"Liger-Kernel not measured: {type(exc).__name__}: {exc}", flush=True)
+            _liger = None
+    return _liger
+
+
+def liger_version() -> str | None:
+    """The installed Liger-Kernel's version, once :func:`liger` has imported it."""
+    if _liger is _UNSET or _liger is None:
+        return None
+    try:
+        from importlib.metadata import version
+        return version("liger-kernel")
+    except Exception:
+        return getattr(_liger, "__version__", "unknown")
+
+
+# Loose: a peer's kernel orders its float32 sums differently and rounds
+# bfloat16 / float16 at other points; this catches a wrong layout or formula,
+# not the last bits.
+PEER_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+PEER_TOLERANCE_LOW_PRECISION = 6e-2
+
+
+def agreement(ref, got) -> tuple[float, bool]:
+    """(max |ref - got| over tensors or tuples of tensors, whether they are
+    close at a loose tolerance for their dtype). Reported, not asserted."""
+    refs = ref if isinstance(ref, (tuple, list)) else (ref,)
+    gots = got if isinstance(got, (tuple, list)) else (got,)
+    diffs, close = [0.0], len(refs) == len(gots)
+    for a, b in zip(refs, gots):
+        tol = PEER_TOLERANCE.get(a.dtype, PEER_TOLERANCE_LOW_PRECISION)
+        a, b = a.detach().double(), b.detach().double()
+        if a.shape != b.shape:
+            diffs.append(float("inf"))
+            close = False
+            continue
+        diffs.append((a - b).abs().max().item() if a.numel() else 0.0)
+        close = close and torch.allclose(a, b, rtol=tol, atol=tol)
+    # a NaN anywhere shows as NaN (Python's max() would skip it)
+    return (float("nan") if any(d != d for d in diffs) else max(diffs)), close
+
+
+def liger_notes(rows: list, what: str, diff_keys=("liger_diff",)) -> list[str]:
+    """Lines for under a table: which Liger-Kernel was measured and how, and the
+    rows where its result disagrees with fusedllm's. Empty without Liger rows."""
+    measured = [row for row in rows if row.get("liger_ms") is not None]
+    if not measured:
+        return []
+    lines = [f"Liger-Kernel {liger_version()}: {what}; × Liger is Liger's time over fusedllm's "
+             f"(above 1: fusedllm faster)."]
+    for row in measured:
+        if not row.get("liger_close", True):
+            diffs = ", ".join(f"{k} {row[k]:.2e}" for k in diff_keys if row.get(k) is not None)
+            lines.append(f"{row['case']}: Liger's result differs from fusedllm's beyond the loose "
+                         f"tolerance ({diffs})")
+    return lines
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """float32, bfloat16, ...: how the case labels write a dtype."""
     return str(dtype).replace("torch.", "")
@@ -159,12 +245,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def standard_arguments(doc: str, argv=None, options: Callable | None = None):
     """The options every benchmark script takes (--quick, --device, --no-compile,
-    --reps, --thp), plus those `options(parser)` adds."""
+    --no-liger, --reps, --out, --thp), plus those `options(parser)` adds."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    parser.add_argument("--no-liger", action="store_true",
+                        help="skip Liger-Kernel (measured by default where it imports and the device is CUDA)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per candidate")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help=f"write the json, md and png into DIR (created) instead of {RESULTS_DIR}")
     parser.add_argument("--thp", action="store_true",
                         help="THP_MEM_ALLOC_ENABLE=1: 2 MB pages for large CPU tensors "
                              "(read before torch allocates; harness checks sys.argv when imported)")
@@ -240,6 +330,7 @@ class Report:
     name: str
     device: str
     rows: list = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
 
     def add(self, **row) -> None:
         self.rows.append(row)
@@ -257,7 +348,10 @@ class Report:
             "device": self.device,
             "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d"),
+            **self.meta,
         }
+        # a column no row fills (a peer not measured here, compile with --no-compile) is left out
+        columns = [c for c in columns if any(row.get(c[0]) is not None for row in self.rows)]
         with open(base + ".json", "w") as f:
             json.dump({"meta": meta, "rows": self.rows}, f, indent=2)
         lines = [f"| {' | '.join(h for _, h, _ in columns)} |",
@@ -327,7 +421,7 @@ class Benchmark:
 
 def run(bench: Benchmark, argv=None) -> Report:
     """Parse the command line, run the cases, write results/<name>[_cuda][_quick].*
-    and print the table."""
+    (or into --out DIR) and print the table."""
     args = standard_arguments(bench.doc, argv, bench.options)
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -341,8 +435,10 @@ def run(bench: Benchmark, argv=None) -> Report:
     notes = bench.notes(report.rows) if bench.notes is not None else []
     # GPU results sit beside the CPU ones: <name>_cuda.md
     suffix = ("_cuda" if device.type == "cuda" else "") + ("_quick" if args.quick else "")
+    if liger_version() is not None:
+        report.meta["liger_kernel"] = liger_version()
     paths = report.write(bench.columns, bench.plot_key, bench.plot_label,
-                         suffix=suffix, plot=bench.plot, notes=notes)
+                         results_dir=args.out or RESULTS_DIR, suffix=suffix, plot=bench.plot, notes=notes)
     print(f"\nwrote {paths['json']}, {paths['md']}, {paths['png']}\n")
     print(paths["table"])
     if notes:

@@ -28,7 +28,8 @@ import time
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHMARKS = ["rms_norm", "swiglu", "rope", "cross_entropy", "attention", "decode", "kv_int8", "moe"]
+BENCHMARKS = ["rms_norm", "swiglu", "rope", "cross_entropy", "attention", "decode", "kv_int8", "moe",
+              "model:--dtype bfloat16"]
 
 
 def _run(cmd, log_path, env=None, timeout=None, cwd=ROOT) -> tuple[int, float]:
@@ -117,14 +118,14 @@ def build(out: str, arch: str, jobs: int, nvcc: str) -> tuple[int, float, str]:
     return rc, seconds, site
 
 
-def run_tests(out: str, site: str, jobs: int, marker: str, has_xdist: bool) -> tuple[int, float]:
+def run_tests(out: str, site: str, jobs: int, marker: str, has_xdist: bool, timeout=None) -> tuple[int, float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                FUSEDLLM_REQUIRE_EXTENSION="1", OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", marker, "-p", "no:cacheprovider", "-rf",
            f"--junitxml={os.path.join(out, 'tests.xml')}", os.path.join(ROOT, "tests")]
     if has_xdist and jobs > 1:
         cmd[4:4] = ["-n", str(jobs)]
-    return _run(cmd, os.path.join(out, "tests.log"), env=env)
+    return _run(cmd, os.path.join(out, "tests.log"), env=env, timeout=timeout)
 
 
 def test_counts(out: str) -> tuple[dict, list[str]]:
@@ -143,17 +144,24 @@ def test_counts(out: str) -> tuple[dict, list[str]]:
     return counts, failed
 
 
-def run_benchmarks(out: str, site: str, names: list[str], quick: bool, timeout: int) -> list[tuple]:
+def run_benchmarks(out: str, site: str, names: list[str], extra: list[str], timeout: int,
+                   deadline: float) -> list[tuple]:
     bench_dir = os.path.join(out, "bench")
     os.makedirs(bench_dir, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, ROOT, os.environ.get("PYTHONPATH", "")])
                .rstrip(os.pathsep), FUSEDLLM_REQUIRE_EXTENSION="1")
     results = []
-    for name in names:
+    for item in names:
+        name, _, own = item.partition(":")  # "model:--dtype bfloat16": options of that script alone
         cmd = [sys.executable, os.path.join(ROOT, "benchmarks", f"bench_{name}.py"), "--device", "cuda",
-               "--out", bench_dir] + (["--quick"] if quick else [])
-        rc, seconds = _run(cmd, os.path.join(bench_dir, f"{name}.log"), env=env, timeout=timeout)
-        results.append((name, rc, seconds))
+               "--out", bench_dir, *extra, *own.split()]
+        log = f"{name}{'_' + own.replace('-', '').replace(' ', '_') if own else ''}.log"
+        left = deadline - time.monotonic()
+        if left < 20:
+            results.append((item, "skipped", 0.0, "no time left (--time-limit)"))
+            continue
+        rc, seconds = _run(cmd, os.path.join(bench_dir, log), env=env, timeout=int(min(timeout, left)))
+        results.append((item, rc, seconds, f"bench/{log}"))
     return results
 
 
@@ -167,7 +175,8 @@ def benchmark_summary(out: str) -> list[str]:
         if not rows:
             continue
         lines += ["", f"### {data.get('meta', {}).get('benchmark', os.path.basename(path))}", ""]
-        peers = sorted({k for row in rows for k in row if k.startswith("vs_")})
+        peers = sorted({k for row in rows for k, v in row.items()
+                        if k.startswith("vs_") and isinstance(v, (int, float))})
         lines.append("| case | fusedllm ms | " + " | ".join(f"× {p[3:]}" for p in peers) + " |")
         lines.append("|---|---|" + "---|" * len(peers))
         for row in rows:
@@ -187,9 +196,14 @@ def main(argv=None) -> int:
                         help="pytest marker expression (default: every cuda test; 'cuda and not slow' "
                              "leaves out torch.compile and long runs)")
     parser.add_argument("--bench", default=",".join(BENCHMARKS),
-                        help=f"comma-separated benchmarks, or 'none' (default: {','.join(BENCHMARKS)})")
-    parser.add_argument("--quick", action="store_true", help="benchmarks at small sizes")
+                        help=f"comma-separated benchmarks, each optionally with its own options after a "
+                             f"colon ('model:--dtype bfloat16'), or 'none' (default: {','.join(BENCHMARKS)})")
+    parser.add_argument("--bench-args", default="", metavar="ARGS",
+                        help="options for every benchmark script, e.g. '--quick' (small sizes) or '--no-compile'")
     parser.add_argument("--bench-timeout", type=int, default=300, help="seconds per benchmark script")
+    parser.add_argument("--time-limit", type=int, default=None, metavar="SECONDS",
+                        help="stop the tests and skip benchmarks so that the whole run ends within this, "
+                             "summary included")
     args = parser.parse_args(argv)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
@@ -201,21 +215,24 @@ def main(argv=None) -> int:
         print("gpu_check: cannot run here; nothing was built:\n  - " + "\n  - ".join(missing), file=sys.stderr)
         return 2
 
+    deadline = time.monotonic() + (args.time_limit or 10**9)
     parts = []  # (part, status, seconds, detail)
     rc, seconds, site = build(out, info["arch"], args.jobs, info["nvcc path"])
     parts.append(("build", "ok" if rc == 0 else f"failed ({rc})", seconds, f"sm_{info['arch'].replace('.', '')}"))
     if rc != 0:
         print(_tail(os.path.join(out, "build.log")), file=sys.stderr)
     else:
-        rc, seconds = run_tests(out, site, args.jobs, args.tests, "no xdist" not in info)
+        rc, seconds = run_tests(out, site, args.jobs, args.tests, "no xdist" not in info,
+                                timeout=max(30, int(deadline - time.monotonic() - 30)) if args.time_limit else None)
         counts, failed = test_counts(out)
         detail = ", ".join(f"{counts[k]} {k}" for k in ("passed", "failures", "errors", "skipped") if counts.get(k)) \
             if counts else "no report (see tests.log)"
-        parts.append((f"tests ({args.tests})", "ok" if rc == 0 else f"failed ({rc})", seconds, detail))
+        status = "ok" if rc == 0 else "timed out" if rc == 124 else f"failed ({rc})"
+        parts.append((f"tests ({args.tests})", status, seconds, detail))
         names = [] if args.bench == "none" else [n.strip() for n in args.bench.split(",") if n.strip()]
-        for name, rc, seconds in run_benchmarks(out, site, names, args.quick, args.bench_timeout):
-            parts.append((f"bench {name}", "ok" if rc == 0 else ("timed out" if rc == 124 else f"failed ({rc})"),
-                          seconds, f"bench/{name}.log"))
+        for name, rc, seconds, log in run_benchmarks(out, site, names, args.bench_args.split(), args.bench_timeout):
+            status = rc if isinstance(rc, str) else "ok" if rc == 0 else "timed out" if rc == 124 else f"failed ({rc})"
+            parts.append((f"bench {name}", status, seconds, log))
 
     lines = [f"# fusedllm GPU check, {info['date']}", ""]
     lines += [f"- {k}: {v}" for k, v in info.items() if k != "date"]

@@ -107,7 +107,7 @@ def test_elementwise_ops_keep_their_inputs_dtype(device, dtype):
         packed = fusedllm.swiglu(gate_up)
         twin = F.silu(gate) * up
         q, k = lin(x).view(2, 5, 4, 16).transpose(1, 2), lin(x).view(2, 5, 4, 16).transpose(1, 2)
-        cos, sin = fusedllm.rope_tables(16, 8)  # float32 tables
+        cos, sin = fusedllm.rope_tables(16, 8, device=device)  # float32 tables
         rq, rk = fusedllm.apply_rope(q, k, cos, sin)
     assert out.dtype == packed.dtype == twin.dtype == dtype
     assert_close(out, twin, FORWARD_TOL[dtype])

@@ -83,6 +83,22 @@ def _restore(outs, restore):
     return type(outs)(o.to(restore[i]) if i in restore else o for i, o in enumerate(outs))
 
 
+def casts_to_float32(name: str, x: torch.Tensor) -> bool:
+    """Whether op ``name`` casts ``x`` to float32 under the autocast now active
+    (the norms on CUDA): the op then takes any mix of float dtypes itself."""
+    device_type = x.device.type
+    rule = RULES.get(name, {}).get(device_type if device_type == "cpu" else "cuda")  # as plain() reads them
+    return (rule is not None and rule[0] == FLOAT32 and x.dtype in _CASTABLE
+            and _autocast_enabled(device_type))
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    # torch.compile traces is_autocast_enabled but not _is_autocast_available: asked only off CPU and CUDA
+    if device_type not in _AUTOCAST_KEYS and not torch._C._is_autocast_available(device_type):
+        return False
+    return torch.is_autocast_enabled(device_type)
+
+
 _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 _libraries = []  # the registrations live as long as these
 
@@ -114,7 +130,9 @@ def _autocast_kernel(op, params, rule, device_type):
 
 def plain(name: str):
     """Decorator for a plain-path op: under autocast on its tensors' device it
-    casts as RULES say, then runs with autocast off (as the kernels do)."""
+    casts as RULES say, then runs with autocast off (as the kernels do).
+    Accelerators other than CUDA (the plain path is what runs there) take
+    CUDA's rules, as torch's autocast lists for them mostly follow CUDA's."""
 
     def wrap(fn):
         params = list(inspect.signature(fn).parameters)
@@ -124,11 +142,12 @@ def plain(name: str):
         def run(*args, **kwargs):
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             device_type = first.device.type if first is not None else "cpu"
-            if device_type not in _AUTOCAST_KEYS or not torch.is_autocast_enabled(device_type):
+            if not _autocast_enabled(device_type):
                 return fn(*args, **kwargs)
+            rule = by_device.get(device_type if device_type == "cpu" else "cuda")
             restore = {}
-            if device_type in by_device:
-                args, kwargs, restore = _cast_args(params, by_device[device_type], device_type, args, kwargs)
+            if rule is not None:
+                args, kwargs, restore = _cast_args(params, rule, device_type, args, kwargs)
             with torch.autocast(device_type, enabled=False):
                 return _restore(fn(*args, **kwargs), restore)
 

@@ -11,7 +11,7 @@ from numbers import Integral, Real
 
 import torch
 
-from . import _plain
+from . import _autocast, _plain
 from ._devices import ops_for
 from ._limits import REDUCTIONS, check_rotary_dim
 
@@ -75,7 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     x's dtype. docs/mixed-precision.md: this and the behaviour under autocast.
     """
     _require_tensors("fusedllm.rms_norm", "input", x, weight=weight)
-    if weight is not None and _mixed(x.dtype, weight.dtype):
+    if weight is not None and _mixed(x.dtype, weight.dtype) and not _autocast.casts_to_float32("rms_norm", x):
         return _norm_with_float32_weight(
             lambda h, w, off: ops_for(h).rms_norm(h, w, eps, off, casting), x, weight, offset, casting)[0]
     out, _rstd = ops_for(x).rms_norm(x, weight, eps, offset, casting)
@@ -92,9 +92,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     would, and ``h`` is float32; the weight is then taken as in :func:`rms_norm`.
     """
     _require_tensors("fusedllm.fused_add_rms_norm", "input", x, residual=residual, weight=weight)
-    if _mixed(x.dtype, residual.dtype) or _mixed(residual.dtype, x.dtype):
+    if _autocast.casts_to_float32("fused_add_rms_norm", x):
+        pass  # the op casts every input to float32 itself
+    elif _mixed(x.dtype, residual.dtype) or _mixed(residual.dtype, x.dtype):
         x, residual = x.float(), residual.float()  # exact; the add then rounds once, as torch's would
-    if weight is not None and _mixed(x.dtype, weight.dtype):
+    elif weight is not None and _mixed(x.dtype, weight.dtype):
         out, residual_out, _rstd = _norm_with_float32_weight(
             lambda h, w, off: ops_for(h).fused_add_rms_norm(h, residual.to(h.dtype), w, eps, off, casting),
             x, weight, offset, casting)

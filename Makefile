@@ -2,6 +2,8 @@
 #   make demo     venv + torch + build tools + build, then the demo
 #   make test     the same, plus the test dependencies and the CUDA emulator, then the whole test suite
 #   make jupyter  the demo's set-up plus Jupyter, then a Jupyter kernel named fusedllm for this user
+#                 (then: .venv/bin/jupyter execute notebooks/00_fused_rmsnorm.ipynb)
+#   TORCH=cpu     with any of them: torch's CPU-only build (a fresh .venv)
 #   make gpu-check OUT=dir   build, test and benchmark on this machine's GPU (benchmarks/gpu_check.py)
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -11,6 +13,11 @@ BIN := $(VENV)/bin
 # torch sees, as sm_80 PTX where none is visible; FUSEDLLM_CUDA=1 (as CI runs)
 # for every default architecture, FUSEDLLM_CUDA=0 never (CMakeLists.txt).
 TORCH_SPEC ?= torch==2.14.1
+# TORCH=cpu: torch's CPU-only build from PyTorch's own index (no CUDA libraries; fusedllm then has
+# no CUDA kernels). Read when torch is first installed into .venv: rm -rf .venv to switch.
+TORCH ?=
+TORCH_INDEX_cpu := https://download.pytorch.org/whl/cpu
+TORCH_PIP_ARGS := $(if $(TORCH),$(if $(TORCH_INDEX_$(TORCH)),--index-url $(TORCH_INDEX_$(TORCH)),$(error TORCH=$(TORCH): only TORCH=cpu is known)))
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
 SOURCES := $(shell find csrc python build_support -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
@@ -23,8 +30,8 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.torch-installed: | $(BIN)/python
-	$(BIN)/pip install "$(TORCH_SPEC)"
-	@echo "$(TORCH_SPEC)" > $@
+	$(BIN)/pip install $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	@echo "$(TORCH_SPEC) $(TORCH)" > $@
 
 # What building and the demo need (requirements.txt), then what the tests,
 # benchmarks and Jupyter add (requirements-dev.txt): make demo installs the first only.

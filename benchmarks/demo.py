@@ -1,8 +1,8 @@
-"""fusedllm in about a minute, on a tiny LLaMA built the way notebook 003
-("From GPT-2 to LLaMA") builds it. Run with `make demo`.
+"""fusedllm in about a minute, on a tiny LLaMA built the way the notebook
+notebooks/02_gpt2_to_llama ("From GPT-2 to LLaMA") builds it. Run with `make demo`.
 
 1. The same weights in two models: the eager plain-PyTorch notebook model
-   (testkit/notebook_models.py) and fusedllm.compat.nb003.LLaMAModel (fused
+   (testkit/notebook_models.py) and fusedllm.compat.gpt2_to_llama.LLaMAModel (fused
    RMSNorm with the residual add, SwiGLU, RoPE and attention). One batch
    through both, forward and backward: largest differences of the logits and
    of every parameter's gradient, and the time of a forward+backward step.
@@ -205,6 +205,10 @@ def plot(ops, step, gen, path):
     colors = ["#3b7dd8"] * len(ops) + ["#d8843b"] * (len(values) - len(ops))
     fig, ax = plt.subplots(figsize=(9, 4.5))
     ax.barh(range(len(values)), values, color=colors)
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color="#3b7dd8", label="single ops, at the model's sizes"),
+                       Patch(color="#d8843b", label="whole model: training step, generation")],
+              loc="best", fontsize=8, framealpha=0.9)
     ax.axvline(1.0, color="gray", lw=1, ls="--")
     for i, value in enumerate(values):
         ax.text(value, i, f" x{value:.2f}", va="center", fontsize=8)
@@ -213,7 +217,7 @@ def plot(ops, step, gen, path):
     ax.invert_yaxis()
     ax.set_xlabel("speedup over the eager notebook code (> 1 is faster)")
     h = SIZE
-    ax.set_title(f"fusedllm vs eager, tiny notebook-003 LLaMA (hidden {h['hidden']}, {h['layers']} layers, "
+    ax.set_title(f"fusedllm vs eager, tiny LLaMA of notebooks/02_gpt2_to_llama (hidden {h['hidden']}, {h['layers']} layers, "
                  f"{h['heads']}/{h['kv_heads']} heads), float32, CPU", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -222,7 +226,7 @@ def plot(ops, step, gen, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="fusedllm demo on a tiny notebook-003 LLaMA")
+    parser = argparse.ArgumentParser(description="fusedllm demo on the tiny LLaMA of notebooks/02_gpt2_to_llama")
     parser.add_argument("--out", default=os.path.join(HERE, "..", "build", "demo.png"),
                         help="where the plot goes (default: build/demo.png)")
     args = parser.parse_args()
@@ -234,10 +238,10 @@ def main():
         eager, fused = notebook_models(SIZE)
     cfg = eager.config
     params = sum(p.numel() for p in eager.parameters())
-    print(f"tiny LLaMA (notebook 003 design): vocab {cfg.vocab_size}, hidden {cfg.hidden_size}, "
+    print(f"tiny LLaMA (the design of notebooks/02_gpt2_to_llama): vocab {cfg.vocab_size}, hidden {cfg.hidden_size}, "
           f"intermediate {cfg.intermediate_size}, {cfg.n_layers} layers, {cfg.n_heads} heads / "
           f"{cfg.n_kv_heads} kv heads of {cfg.head_dim}; {params / 1e6:.1f} M parameters")
-    print("eager: the notebook's plain-PyTorch classes; fused: fusedllm.compat.nb003.LLaMAModel, "
+    print("eager: the notebook's plain-PyTorch classes; fused: fusedllm.compat.gpt2_to_llama.LLaMAModel, "
           "same state dict\n")
     step = model_step(eager, fused, device)
     gen = generation(eager, fused, device)

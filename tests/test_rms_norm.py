@@ -195,3 +195,28 @@ def test_large_outputs():
     gate_up = torch.randn(1024, 2 * 4100)
     from reference import swiglu as ref_swiglu
     assert_close(fusedllm.swiglu(gate_up), ref_swiglu(gate_up), FORWARD_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("hidden", [64, 4096, 16384, 40000])
+def test_row_widths_of_the_cuda_kernels(device, dtype, hidden):
+    """On CUDA, rows of 1, 2 and 4 16-byte packs a thread (hidden 64, 4096 and
+    16384 take the register-row kernels in one dtype or the other), and past
+    them the two-pass kernels (40000); more rows than blocks, so that blocks
+    carry weight-gradient sums over several rows; the fused add's gradients."""
+    rows = 300 if hidden <= 4096 else 40
+    x, w = make_inputs(rows, hidden, dtype, device, True, 0.0)
+    r = torch.randn_like(x)
+    x.requires_grad_()
+    r.requires_grad_()
+    w.requires_grad_()
+    y, h = fusedllm.fused_add_rms_norm(x, r, w, eps=1e-6)
+    ref_y, ref_h = ref_fused_add(x.detach(), r.detach(), w.detach(), 1e-6)
+    assert torch.equal(h, ref_h)
+    assert_close(y, ref_y, FORWARD_TOL[dtype])
+    g = torch.randn_like(y)
+    y.backward(g)
+    gx, gw, gr = reference_grads(x, w, g, 1e-6, 0.0, residual=r)
+    assert_close(x.grad, gx, GRAD_TOL[dtype])
+    assert_close(r.grad, gr, GRAD_TOL[dtype])
+    assert_close(w.grad, gw, GRAD_TOL[dtype])

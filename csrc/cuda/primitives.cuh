@@ -46,12 +46,24 @@ __device__ __forceinline__ T block_reduce_sum(T v, T* scratch) {
 }
 
 // Grid-stride loop over a [rows, cols] index space: body(row, col) once per
-// element, consecutive threads on consecutive columns (coalesced rows).
+// element, consecutive threads on consecutive columns (coalesced rows). Index
+// spaces below 2^31 divide in 32 bits: a 64-bit division is a long subroutine,
+// which made the per-element kernels that do little else instruction-bound.
 template <typename Body>
 __device__ __forceinline__ void grid_stride_2d(int64_t rows, int64_t cols, Body&& body) {
   const int64_t total = rows * cols;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if (total <= std::numeric_limits<int32_t>::max()) {
+    const uint32_t c = static_cast<uint32_t>(cols);
+    for (uint32_t i = static_cast<uint32_t>(first); i < static_cast<uint32_t>(total);
+         i += static_cast<uint32_t>(step)) {
+      const uint32_t r = i / c;
+      body(static_cast<int64_t>(r), static_cast<int64_t>(i - r * c));
+    }
+    return;
+  }
+  for (int64_t i = first; i < total; i += step) {
     const int64_t r = i / cols;
     body(r, i - r * cols);
   }

@@ -1,12 +1,15 @@
 // rms_norm ops on CUDA. One block per row (grid-stride over rows), packed
 // 16-byte loads where the layout allows, block reductions from primitives.cuh,
 // per-row math from fusedllm/rms_norm.h (the code the CPU kernels run too).
+// Rows that fit in registers (up to 4 packs a thread) take the *_rows kernels;
+// longer or unaligned rows, and float64, the two-pass kernels.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "fusedllm/rms_norm.h"
 #include "fusedllm/rms_norm_op.h"
@@ -146,6 +149,163 @@ __global__ void rms_norm_backward_kernel(const T* __restrict__ grad_out, int64_t
   }
 }
 
+// Rows of up to kPacks packs per thread are held in registers: one read of
+// each input per row, the weight read once per block, and in backward the dw
+// partial sums kept in registers over all the block's rows (one float32 row
+// written per block at the end, instead of a read-modify-write per row).
+// Thread t holds packs t, t + blockDim.x, ... of every row.
+template <typename T, int kVec, int kPacks, bool kHasWeight, Casting kCasting>
+__global__ void rms_norm_forward_rows_kernel(const T* __restrict__ input, int64_t input_stride,
+                                             const T* __restrict__ residual, int64_t residual_stride,
+                                             const T* __restrict__ weight, T* __restrict__ out,
+                                             T* __restrict__ residual_out, at::opmath_type<T>* rstd_out,
+                                             int64_t rows, int64_t n, at::opmath_type<T> eps,
+                                             at::opmath_type<T> offset) {
+  using acc_t = at::opmath_type<T>;
+  __shared__ acc_t scratch[kWarpSize];
+  const RoundTo<T, acc_t> round;
+  const int packs = static_cast<int>(n / kVec);
+  Pack<T, kVec> w[kPacks];
+  if constexpr (kHasWeight) {
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      const int p = threadIdx.x + j * blockDim.x;
+      if (p < packs) w[j] = load_pack<T, kVec>(weight + p * kVec);
+    }
+  }
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* x = input + r * input_stride;
+    Pack<T, kVec> a[kPacks];
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      const int p = threadIdx.x + j * blockDim.x;
+      if (p < packs) a[j] = load_pack<T, kVec>(x + p * kVec);
+    }
+    acc_t sumsq = 0;
+    if (residual != nullptr) {
+      const T* res = residual + r * residual_stride;
+      T* h = residual_out + r * n;
+#pragma unroll
+      for (int j = 0; j < kPacks; ++j) {
+        const int p = threadIdx.x + j * blockDim.x;
+        if (p >= packs) continue;
+        const Pack<T, kVec> b = load_pack<T, kVec>(res + p * kVec);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          a[j].v[k] = static_cast<T>(static_cast<acc_t>(a[j].v[k]) + static_cast<acc_t>(b.v[k]));
+        }
+        store_pack<T, kVec>(h + p * kVec, a[j]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      if (threadIdx.x + j * blockDim.x >= packs) continue;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const acc_t v = static_cast<acc_t>(a[j].v[k]);
+        sumsq += v * v;
+      }
+    }
+    sumsq = block_reduce_sum(sumsq, scratch);
+    const acc_t rstd = rms::rstd_from_sumsq<acc_t>(sumsq, n, eps);
+    if (threadIdx.x == 0) rstd_out[r] = rstd;
+    T* y = out + r * n;
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      const int p = threadIdx.x + j * blockDim.x;
+      if (p >= packs) continue;
+      Pack<T, kVec> o;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const acc_t w_eff = kHasWeight ? static_cast<acc_t>(w[j].v[k]) + offset : acc_t(1);
+        o.v[k] = static_cast<T>(
+            rms::forward_value(static_cast<acc_t>(a[j].v[k]), rstd, w_eff, kCasting, round));
+      }
+      store_pack<T, kVec>(y + p * kVec, o);
+    }
+  }
+}
+
+// As rms_norm_backward_kernel; this block's dw partial sums are written whole
+// to `partial[blockIdx.x, :]` at the end (every block has at least one row).
+template <typename T, int kVec, int kPacks, bool kHasWeight, Casting kCasting>
+__global__ void rms_norm_backward_rows_kernel(const T* __restrict__ grad_out, int64_t grad_out_stride,
+                                              const T* __restrict__ input, int64_t input_stride,
+                                              const at::opmath_type<T>* __restrict__ rstd_in,
+                                              const T* __restrict__ weight,
+                                              const T* __restrict__ grad_residual,
+                                              int64_t grad_residual_stride, T* __restrict__ grad_input,
+                                              at::opmath_type<T>* __restrict__ partial, int64_t rows,
+                                              int64_t n, at::opmath_type<T> offset) {
+  using acc_t = at::opmath_type<T>;
+  __shared__ acc_t scratch[kWarpSize];
+  const RoundTo<T, acc_t> round;
+  const int packs = static_cast<int>(n / kVec);
+  Pack<T, kVec> w[kPacks];
+  Pack<acc_t, kVec> dw[kPacks];
+#pragma unroll
+  for (int j = 0; j < kPacks; ++j) {
+    const int p = threadIdx.x + j * blockDim.x;
+    if constexpr (kHasWeight) {
+      if (p < packs) w[j] = load_pack<T, kVec>(weight + p * kVec);
+    }
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) dw[j].v[k] = 0;
+  }
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* g = grad_out + r * grad_out_stride;
+    const T* x = input + r * input_stride;
+    const acc_t rstd = rstd_in[r];
+    Pack<T, kVec> gp[kPacks], xp[kPacks];
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      const int p = threadIdx.x + j * blockDim.x;
+      if (p >= packs) continue;
+      gp[j] = load_pack<T, kVec>(g + p * kVec);
+      xp[j] = load_pack<T, kVec>(x + p * kVec);
+    }
+    acc_t dot = 0;
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      if (threadIdx.x + j * blockDim.x >= packs) continue;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const acc_t w_eff = kHasWeight ? static_cast<acc_t>(w[j].v[k]) + offset : acc_t(1);
+        dot += rms::backward_dot_term(static_cast<acc_t>(gp[j].v[k]), static_cast<acc_t>(xp[j].v[k]),
+                                      rstd, w_eff);
+      }
+    }
+    const acc_t mean_dot = block_reduce_sum(dot, scratch) / static_cast<acc_t>(n);
+    const T* gr = grad_residual != nullptr ? grad_residual + r * grad_residual_stride : nullptr;
+    T* dx = grad_input + r * n;
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      const int p = threadIdx.x + j * blockDim.x;
+      if (p >= packs) continue;
+      Pack<T, kVec> grp, o;
+      if (gr != nullptr) grp = load_pack<T, kVec>(gr + p * kVec);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const acc_t gv = static_cast<acc_t>(gp[j].v[k]);
+        const acc_t xv = static_cast<acc_t>(xp[j].v[k]);
+        const acc_t w_eff = kHasWeight ? static_cast<acc_t>(w[j].v[k]) + offset : acc_t(1);
+        acc_t d = rms::input_grad(gv, xv, rstd, w_eff, mean_dot);
+        if (gr != nullptr) d += static_cast<acc_t>(grp.v[k]);
+        o.v[k] = static_cast<T>(d);
+        if constexpr (kHasWeight) dw[j].v[k] += rms::weight_grad_term(gv, xv, rstd, kCasting, round);
+      }
+      store_pack<T, kVec>(dx + p * kVec, o);
+    }
+  }
+  if (kHasWeight && partial != nullptr) {
+#pragma unroll
+    for (int j = 0; j < kPacks; ++j) {
+      const int p = threadIdx.x + j * blockDim.x;
+      if (p < packs) store_pack<acc_t, kVec>(partial + blockIdx.x * n + p * kVec, dw[j]);
+    }
+  }
+}
+
 // dw[j] = sum over blocks of partial[b, j], added in block order (deterministic).
 template <typename T>
 __global__ void sum_partials_kernel(const at::opmath_type<T>* __restrict__ partial, int64_t blocks,
@@ -163,6 +323,32 @@ int threads_for(int64_t n, int vec) {
   const int64_t packs = (n + vec - 1) / vec;
   const int64_t warps = std::clamp<int64_t>((packs + kWarpSize - 1) / kWarpSize, 1, 32);
   return static_cast<int>(warps * kWarpSize);
+}
+
+// The rows kernels: packs per thread (1, 2 or 4) and threads for a row of
+// `packs` packs, two packs a thread where the row allows (two 16-byte loads of
+// each input in flight per thread); 0 packs when the row is too long.
+constexpr int kMaxRowPacks = 4;
+struct RowsShape {
+  int packs_per_thread;
+  int threads;
+};
+RowsShape rows_shape(int64_t packs) {
+  if (packs > 1024 * kMaxRowPacks) return {0, 0};
+  const int64_t threads = std::clamp<int64_t>((packs / 2 + kWarpSize - 1) / kWarpSize * kWarpSize, kWarpSize, 1024);
+  const int64_t per_thread = (packs + threads - 1) / threads;
+  return {per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : 4, static_cast<int>(threads)};
+}
+
+template <typename F>
+void with_row_packs(int packs_per_thread, F&& f) {
+  if (packs_per_thread == 1) {
+    f(std::integral_constant<int, 1>{});
+  } else if (packs_per_thread == 2) {
+    f(std::integral_constant<int, 2>{});
+  } else {
+    f(std::integral_constant<int, kMaxRowPacks>{});
+  }
 }
 
 // Enough resident blocks to fill the device; backward uses fewer because
@@ -206,8 +392,26 @@ struct CudaRmsNorm {
       const int vec = pack_width<scalar_t>(
           n, {{x, p.x.stride(0)}, {res, res ? p.residual.stride(0) : 0}, {w, 0},
               {p.out.const_data_ptr(), n}, {h, n}});
-      const int threads = threads_for(n, vec);
       const int blocks = static_cast<int>(std::min<int64_t>(rows, max_blocks(8)));
+      constexpr int kWide = 16 / sizeof(scalar_t);
+      const RowsShape shape = rows_shape(n / kWide);
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        if (vec == kWide && shape.packs_per_thread > 0) {
+          with_row_packs(shape.packs_per_thread, [&](auto P) {
+            with_rms_norm_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
+              launch("rms_norm_forward_rows_kernel",
+                     rms_norm_forward_rows_kernel<scalar_t, kWide, decltype(P)::value, decltype(W)::value,
+                                                  decltype(C)::value>,
+                     blocks, shape.threads, 0, stream, x, p.x.stride(0), res,
+                     res ? p.residual.stride(0) : 0, w, p.out.mutable_data_ptr<scalar_t>(), h,
+                     p.rstd.mutable_data_ptr<acc_t>(), rows, n, static_cast<acc_t>(eps),
+                     static_cast<acc_t>(offset));
+            });
+          });
+          return;
+        }
+      }
+      const int threads = threads_for(n, vec);
       with_rms_norm_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
         launch("rms_norm_forward_kernel",
                rms_norm_forward_kernel<scalar_t, decltype(V)::value, decltype(W)::value,
@@ -224,11 +428,6 @@ struct CudaRmsNorm {
     const int64_t rows = p.x.size(0);
     const int64_t n = p.n;
     const Stream stream = current_stream();
-    const int blocks = static_cast<int>(std::min<int64_t>(rows, max_blocks(2)));
-    at::Tensor partial;
-    if (p.want_weight_grad) {
-      partial = at::zeros({blocks, n}, p.x.options().dtype(rstd_dtype(p.x)));
-    }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.x.scalar_type(), "fusedllm_rms_norm_backward_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       const scalar_t* g = p.grad_out.const_data_ptr<scalar_t>();
@@ -239,17 +438,48 @@ struct CudaRmsNorm {
       const int vec = pack_width<scalar_t>(
           n, {{g, p.grad_out.stride(0)}, {x, p.x.stride(0)}, {w, 0},
               {gr, gr ? p.grad_residual.stride(0) : 0}, {p.grad_input.const_data_ptr(), n}});
-      const int threads = threads_for(n, vec);
+      constexpr int kWide = 16 / sizeof(scalar_t);
+      RowsShape shape = rows_shape(n / kWide);
+      if (vec != kWide || std::is_same_v<scalar_t, double>) shape = {0, 0};
+      // rows kernel: blocks that fill the device once (each writes a dw row);
+      // else fewer, since each owns a float32 row of dw partial sums it updates per row
+      const int blocks = static_cast<int>(std::min<int64_t>(
+          rows, shape.threads > 0 ? max_blocks(std::max(1, 1024 / shape.threads)) : max_blocks(2)));
+      at::Tensor partial;
+      if (p.want_weight_grad) {
+        const auto options = p.x.options().dtype(rstd_dtype(p.x));
+        partial = shape.threads > 0 ? at::empty({blocks, n}, options) : at::zeros({blocks, n}, options);
+      }
       acc_t* partial_ptr = partial.defined() ? partial.mutable_data_ptr<acc_t>() : nullptr;
-      with_rms_norm_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
-        launch("rms_norm_backward_kernel",
-               rms_norm_backward_kernel<scalar_t, decltype(V)::value, decltype(W)::value,
-                                        decltype(C)::value>,
-               blocks, threads, 0, stream, g, p.grad_out.stride(0), x, p.x.stride(0),
-               p.rstd.const_data_ptr<acc_t>(), w, gr, gr ? p.grad_residual.stride(0) : 0,
-               p.grad_input.mutable_data_ptr<scalar_t>(), partial_ptr, rows, n,
-               static_cast<acc_t>(offset));
-      });
+      bool launched = false;
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        if (shape.threads > 0) {
+          with_row_packs(shape.packs_per_thread, [&](auto P) {
+            with_rms_norm_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
+              launch("rms_norm_backward_rows_kernel",
+                     rms_norm_backward_rows_kernel<scalar_t, kWide, decltype(P)::value, decltype(W)::value,
+                                                   decltype(C)::value>,
+                     blocks, shape.threads, 0, stream, g, p.grad_out.stride(0), x, p.x.stride(0),
+                     p.rstd.const_data_ptr<acc_t>(), w, gr, gr ? p.grad_residual.stride(0) : 0,
+                     p.grad_input.mutable_data_ptr<scalar_t>(), partial_ptr, rows, n,
+                     static_cast<acc_t>(offset));
+            });
+          });
+          launched = true;
+        }
+      }
+      if (!launched) {
+        const int threads = threads_for(n, vec);
+        with_rms_norm_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
+          launch("rms_norm_backward_kernel",
+                 rms_norm_backward_kernel<scalar_t, decltype(V)::value, decltype(W)::value,
+                                          decltype(C)::value>,
+                 blocks, threads, 0, stream, g, p.grad_out.stride(0), x, p.x.stride(0),
+                 p.rstd.const_data_ptr<acc_t>(), w, gr, gr ? p.grad_residual.stride(0) : 0,
+                 p.grad_input.mutable_data_ptr<scalar_t>(), partial_ptr, rows, n,
+                 static_cast<acc_t>(offset));
+        });
+      }
       if (partial_ptr != nullptr) {
         const int threads_sum = 256;
         const int blocks_sum =

@@ -1,6 +1,7 @@
 // rope ops on CUDA: one thread per (row, pair) rotates a pair with the shared
 // fusedllm/rope.h math; out of place, the remaining threads of a row copy the
-// features past rotary_dim.
+// features past rotary_dim. Where the layout allows, one thread per 16-byte
+// pack of a row instead (rope_packed_kernel).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -8,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "fusedllm/rope.h"
 #include "fusedllm/rope_op.h"
@@ -64,6 +66,100 @@ __global__ void rope_kernel(RopeTensor q, RopeTensor k, int64_t batch, int64_t s
   });
 }
 
+// As rope_kernel with one 16-byte pack of a row per thread: kVec features
+// of each half (half-split) or kVec / 2 pairs (interleaved), their angles read
+// as one pack; for layouts where every row start and split allows
+// (rope_packable), the row's indices worked out once per pack, not per pair.
+template <typename T, bool kInterleaved>
+__global__ void rope_packed_kernel(RopeTensor q, RopeTensor k, int64_t batch, int64_t seq,
+                                   int64_t head_dim, int64_t rotary_dim, bool inverse,
+                                   const at::opmath_type<T>* __restrict__ cos,
+                                   const at::opmath_type<T>* __restrict__ sin, int64_t table_b,
+                                   int64_t table_row, int64_t table_rows,
+                                   const int64_t* __restrict__ positions, int64_t positions_b,
+                                   int64_t offset) {
+  using acc_t = at::opmath_type<T>;
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kAngles = kInterleaved ? kVec / 2 : kVec;
+  const int64_t half = rotary_dim / 2;
+  const bool copy_rest = q.in != q.out;
+  const int64_t rotary_packs = half / kAngles;
+  const int64_t packs = rotary_packs + (copy_rest ? (head_dim - rotary_dim) / kVec : 0);
+  const int64_t q_rows = batch * q.heads * seq;
+  const int64_t rows = q_rows + batch * k.heads * seq;
+  grid_stride_2d(rows, packs, [&](int64_t r, int64_t pack) {
+    const bool is_q = r < q_rows;
+    const RopeTensor& t = is_q ? q : k;
+    const int64_t idx = is_q ? r : r - q_rows;
+    const int64_t s = idx % seq;
+    const int64_t h = (idx / seq) % t.heads;
+    const int64_t b = idx / (seq * t.heads);
+    const T* x = static_cast<const T*>(t.in) + b * t.in_b + h * t.in_h + s * t.in_s;
+    T* y = static_cast<T*>(t.out) + b * t.out_b + h * t.out_h + s * t.out_s;
+    if (pack >= rotary_packs) {  // pass-through features
+      const int64_t j = rotary_dim + (pack - rotary_packs) * kVec;
+      store_pack<T, kVec>(y + j, load_pack<T, kVec>(x + j));
+      return;
+    }
+    const int64_t pos = positions != nullptr ? positions[b * positions_b + s] : offset + s;
+    CUDA_KERNEL_ASSERT(pos >= 0 && pos < table_rows);
+    const int64_t col = pack * kAngles;  // the first pair's index
+    const int64_t table = b * table_b + pos * table_row + col;
+    const Pack<acc_t, kAngles> c = load_pack<acc_t, kAngles>(cos + table);
+    const Pack<acc_t, kAngles> sn = load_pack<acc_t, kAngles>(sin + table);
+    if constexpr (kInterleaved) {
+      Pack<T, kVec> a = load_pack<T, kVec>(x + 2 * col);
+#pragma unroll
+      for (int i = 0; i < kAngles; ++i) {
+        acc_t x0 = static_cast<acc_t>(a.v[2 * i]);
+        acc_t x1 = static_cast<acc_t>(a.v[2 * i + 1]);
+        rope::rotate_pair(x0, x1, c.v[i], inverse ? -sn.v[i] : sn.v[i]);
+        a.v[2 * i] = static_cast<T>(x0);
+        a.v[2 * i + 1] = static_cast<T>(x1);
+      }
+      store_pack<T, kVec>(y + 2 * col, a);
+    } else {
+      Pack<T, kVec> a = load_pack<T, kVec>(x + col);
+      Pack<T, kVec> e = load_pack<T, kVec>(x + col + half);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        acc_t x0 = static_cast<acc_t>(a.v[i]);
+        acc_t x1 = static_cast<acc_t>(e.v[i]);
+        rope::rotate_pair(x0, x1, c.v[i], inverse ? -sn.v[i] : sn.v[i]);
+        a.v[i] = static_cast<T>(x0);
+        e.v[i] = static_cast<T>(x1);
+      }
+      store_pack<T, kVec>(y + col, a);
+      store_pack<T, kVec>(y + col + half, e);
+    }
+  });
+}
+
+// Whether rope_packed_kernel<T> can take the plan: every feature pack and
+// angle pack it reads starts on its own size.
+template <typename T>
+bool rope_packable(const RopePlan& p) {
+  using acc_t = at::opmath_type<T>;
+  constexpr int kVec = 16 / sizeof(T);
+  const int angles = p.interleaved ? kVec / 2 : kVec;
+  const int64_t half = p.rotary_dim / 2;
+  if (half % angles != 0 || (p.head_dim - p.rotary_dim) % kVec != 0 || p.head_dim % kVec != 0) return false;
+  for (const RopeOperand* o : {&p.q, &p.k}) {
+    for (const at::Tensor* t : {&o->in, &o->out}) {
+      if (t->numel() == 0) continue;
+      if (t->stride(3) != 1 || !pack_aligned<T, kVec>(t->data_ptr())) return false;
+      for (int d = 0; d < 3; ++d) {
+        if (t->size(d) > 1 && t->stride(d) % kVec != 0) return false;
+      }
+    }
+  }
+  const auto aligned_table = [&](const at::Tensor& t) {
+    return reinterpret_cast<std::uintptr_t>(t.const_data_ptr()) % (sizeof(acc_t) * angles) == 0 &&
+           t.stride(0) % angles == 0 && t.stride(1) % angles == 0;
+  };
+  return aligned_table(p.cos) && aligned_table(p.sin);
+}
+
 RopeTensor tensor_args(const RopeOperand& o) {
   return {o.in.size(1),
           o.in.data_ptr(), o.in.stride(0), o.in.stride(1), o.in.stride(2),
@@ -83,6 +179,27 @@ struct CudaRope {
     const int blocks = static_cast<int>(std::clamp<int64_t>((work + kThreads - 1) / kThreads, 1, max_blocks));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.in.scalar_type(), "fusedllm_rope_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
+      if (rope_packable<scalar_t>(p)) {
+        constexpr int kVec = 16 / sizeof(scalar_t);
+        const int64_t packs = p.batch * p.seq * (p.q.in.size(1) + p.k.in.size(1)) *
+                              (p.rotary_dim / 2 / (p.interleaved ? kVec / 2 : kVec) + copy_cols / kVec);
+        const int packed_blocks =
+            static_cast<int>(std::clamp<int64_t>((packs + kThreads - 1) / kThreads, 1, max_blocks));
+        auto run = [&](auto kernel) {
+          launch("rope_packed_kernel", kernel, packed_blocks, kThreads, 0, stream, tensor_args(p.q),
+                 tensor_args(p.k), p.batch, p.seq, p.head_dim, p.rotary_dim, p.inverse,
+                 p.cos.const_data_ptr<acc_t>(), p.sin.const_data_ptr<acc_t>(), p.cos.stride(0),
+                 p.cos.stride(1), p.cos.size(1),
+                 p.positions.defined() ? p.positions.const_data_ptr<int64_t>() : nullptr,
+                 p.positions.defined() ? p.positions.stride(0) : 0, p.offset);
+        };
+        if (p.interleaved) {
+          run(rope_packed_kernel<scalar_t, true>);
+        } else {
+          run(rope_packed_kernel<scalar_t, false>);
+        }
+        return;
+      }
       launch("rope_kernel", rope_kernel<scalar_t>, blocks, kThreads, 0, stream,
           tensor_args(p.q), tensor_args(p.k), p.batch, p.seq, p.head_dim, p.rotary_dim,
           p.interleaved, p.inverse, p.cos.const_data_ptr<acc_t>(), p.sin.const_data_ptr<acc_t>(),

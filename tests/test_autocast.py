@@ -369,3 +369,43 @@ def test_patched_hf_model_trains_with_grad_scaler_float16(kind):
         curves.append(curve)
     assert all(torch.isfinite(torch.tensor(c)).all() for c in curves)
     torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), atol=0.05, rtol=0.02)
+
+
+# The other families patch() covers: their tiny models, ten steps under CPU
+# autocast bfloat16, patched against unpatched (the MoE ones as tests/test_hf_moe.py builds them).
+_MORE_DENSE = {
+    "mistral": dict(),
+    "qwen3": dict(head_dim=8),
+    "phi3": dict(),
+    "gemma": dict(head_dim=8),
+    "gemma3_text": dict(head_dim=8, sliding_window=4),
+    "olmo2": dict(),
+    "cohere": dict(),
+    "gpt_neox": dict(rotary_pct=0.5),
+    "gptj": dict(rotary_dim=4),
+}
+
+
+def _more_model(kind):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind in _MORE_DENSE:
+        config = transformers.AutoConfig.for_model(kind, **_COMMON, **_MORE_DENSE[kind])
+        config._attn_implementation = "eager"
+        return transformers.AutoModelForCausalLM.from_config(config).train()
+    from test_hf_moe import _model as moe_model
+    return moe_model(kind).train()
+
+
+@pytest.mark.parametrize("kind", [*_MORE_DENSE, "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"])
+def test_every_patched_family_trains_under_cpu_autocast(kind):
+    eager = _more_model(kind)
+    patched = copy.deepcopy(eager)
+    report = fusedllm.patch(patched)
+    assert report.replaced, str(report)
+    vocab = eager.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(1, vocab, (2, 12), generator=g) for _ in range(3)]
+    want = _train(eager, batches, 10)
+    got = _train(patched, batches, 10)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=0.05, rtol=0.02)

@@ -340,3 +340,31 @@ def test_deterministic(device, dtype, monkeypatch):
     for i, j in pairs:
         for x, y in zip(results[i], results[j]):
             assert torch.equal(x, y)
+
+
+def test_softcap_rounds_the_capped_logits_once(device):
+    """bfloat16 logits near 1: the cap's correction (about 4e-4) is below
+    bfloat16's resolution there, so rounding the capped logits to bfloat16
+    again would give the uncapped loss. The cap is taken in float32."""
+    h = torch.tensor([[1.0, 0.0]], dtype=torch.bfloat16, device=device)
+    w = torch.eye(2, dtype=torch.bfloat16, device=device)
+    t = torch.tensor([1], device=device)
+    z = h.float() @ w.float().T  # exact
+    want = F.cross_entropy(30.0 * torch.tanh(z / 30.0), t)
+    uncapped = F.cross_entropy(z, t)
+    got = fusedllm.linear_cross_entropy(h, w, t, softcap=30.0)
+    assert abs(want.item() - uncapped.item()) > 2e-4
+    assert abs(got.item() - want.item()) < 1e-6, (got.item(), want.item(), uncapped.item())
+
+
+@pytest.mark.parametrize("options", [dict(label_smoothing=0.1), dict(softcap=2.3), dict(z_loss=0.1)],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_float64_options_stay_double(device, options):
+    """0.1 in float32 is 0.1 + 1.5e-9: options carried as float32 put errors of
+    about 1e-10 into a float64 loss, where float64 promises about 1e-16."""
+    h = torch.randn(9, 16, dtype=torch.float64, device=device)
+    w = torch.randn(50, 16, dtype=torch.float64, device=device)
+    t = torch.randint(0, 50, (9,), device=device)
+    got = fusedllm.linear_cross_entropy(h, w, t, reduction="none", **options)
+    want = ref_lce(h, w, t, reduction="none", **options)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)

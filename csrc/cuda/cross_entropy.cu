@@ -37,7 +37,7 @@ __global__ void cross_entropy_rows_kernel(A* logits, int64_t logits_stride,
                                           ce::Options o, int64_t ignore_index, bool slab,
                                           int64_t column0) {
   __shared__ A scratch[kWarpSize];
-  const bool capped = o.softcap > 0.f;
+  const bool capped = o.softcap > 0.0;
   const A cap = A(o.softcap);
   const A inf = std::numeric_limits<A>::infinity();
   const A nan = std::numeric_limits<A>::quiet_NaN();

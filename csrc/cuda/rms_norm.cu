@@ -149,18 +149,23 @@ __global__ void rms_norm_backward_kernel(const T* __restrict__ grad_out, int64_t
   }
 }
 
+// At most this many threads a block: a thread holds up to 96 registers (ptxas
+// -v, sm_90), and 1024 of them asked for more than a multiprocessor has.
+constexpr int kMaxRowThreads = 512;
+
 // Rows of up to kPacks packs per thread are held in registers: one read of
 // each input per row, the weight read once per block, and in backward the dw
 // partial sums kept in registers over all the block's rows (one float32 row
 // written per block at the end, instead of a read-modify-write per row).
 // Thread t holds packs t, t + blockDim.x, ... of every row.
 template <typename T, int kVec, int kPacks, bool kHasWeight, Casting kCasting>
-__global__ void rms_norm_forward_rows_kernel(const T* __restrict__ input, int64_t input_stride,
-                                             const T* __restrict__ residual, int64_t residual_stride,
-                                             const T* __restrict__ weight, T* __restrict__ out,
-                                             T* __restrict__ residual_out, at::opmath_type<T>* rstd_out,
-                                             int64_t rows, int64_t n, at::opmath_type<T> eps,
-                                             at::opmath_type<T> offset) {
+__global__ void __launch_bounds__(kMaxRowThreads)
+rms_norm_forward_rows_kernel(const T* __restrict__ input, int64_t input_stride,
+                             const T* __restrict__ residual, int64_t residual_stride,
+                             const T* __restrict__ weight, T* __restrict__ out,
+                             T* __restrict__ residual_out, at::opmath_type<T>* rstd_out,
+                             int64_t rows, int64_t n, at::opmath_type<T> eps,
+                             at::opmath_type<T> offset) {
   using acc_t = at::opmath_type<T>;
   __shared__ acc_t scratch[kWarpSize];
   const RoundTo<T, acc_t> round;
@@ -229,14 +234,14 @@ __global__ void rms_norm_forward_rows_kernel(const T* __restrict__ input, int64_
 // As rms_norm_backward_kernel; this block's dw partial sums are written whole
 // to `partial[blockIdx.x, :]` at the end (every block has at least one row).
 template <typename T, int kVec, int kPacks, bool kHasWeight, Casting kCasting>
-__global__ void rms_norm_backward_rows_kernel(const T* __restrict__ grad_out, int64_t grad_out_stride,
-                                              const T* __restrict__ input, int64_t input_stride,
-                                              const at::opmath_type<T>* __restrict__ rstd_in,
-                                              const T* __restrict__ weight,
-                                              const T* __restrict__ grad_residual,
-                                              int64_t grad_residual_stride, T* __restrict__ grad_input,
-                                              at::opmath_type<T>* __restrict__ partial, int64_t rows,
-                                              int64_t n, at::opmath_type<T> offset) {
+__global__ void __launch_bounds__(kMaxRowThreads)
+rms_norm_backward_rows_kernel(const T* __restrict__ grad_out, int64_t grad_out_stride,
+                              const T* __restrict__ input, int64_t input_stride,
+                              const at::opmath_type<T>* __restrict__ rstd_in,
+                              const T* __restrict__ weight, const T* __restrict__ grad_residual,
+                              int64_t grad_residual_stride, T* __restrict__ grad_input,
+                              at::opmath_type<T>* __restrict__ partial, int64_t rows, int64_t n,
+                              at::opmath_type<T> offset) {
   using acc_t = at::opmath_type<T>;
   __shared__ acc_t scratch[kWarpSize];
   const RoundTo<T, acc_t> round;
@@ -334,8 +339,9 @@ struct RowsShape {
   int threads;
 };
 RowsShape rows_shape(int64_t packs) {
-  if (packs > 1024 * kMaxRowPacks) return {0, 0};
-  const int64_t threads = std::clamp<int64_t>((packs / 2 + kWarpSize - 1) / kWarpSize * kWarpSize, kWarpSize, 1024);
+  if (packs > kMaxRowThreads * kMaxRowPacks) return {0, 0};
+  const int64_t threads =
+      std::clamp<int64_t>((packs / 2 + kWarpSize - 1) / kWarpSize * kWarpSize, kWarpSize, kMaxRowThreads);
   const int64_t per_thread = (packs + threads - 1) / threads;
   return {per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : 4, static_cast<int>(threads)};
 }

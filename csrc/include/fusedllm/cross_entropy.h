@@ -19,10 +19,12 @@
 
 namespace fusedllm::ce {
 
+// Double, so that float64 inputs keep their options exact (0.1 as a float is
+// 0.1 + 1.5e-9); each kernel converts them to its accumulation type.
 struct Options {
-  float smoothing = 0.f;  // label smoothing eps in [0, 1]
-  float softcap = 0.f;    // 0: no cap
-  float z_loss = 0.f;     // weight of lse^2
+  double smoothing = 0.0;  // label smoothing eps in [0, 1]
+  double softcap = 0.0;    // 0: no cap
+  double z_loss = 0.0;     // weight of lse^2
   int64_t vocab = 0;
 };
 

@@ -116,9 +116,9 @@ inline CrossEntropyArgs check_cross_entropy(const char* op, const at::Tensor& hi
     }
   }
   CrossEntropyArgs a;
-  a.options.smoothing = static_cast<float>(smoothing);
-  a.options.softcap = static_cast<float>(softcap);
-  a.options.z_loss = static_cast<float>(z_loss);
+  a.options.smoothing = smoothing;
+  a.options.softcap = softcap;
+  a.options.z_loss = z_loss;
   a.options.vocab = weight.size(0);
   a.ignore_index = ignore_index;
   return a;

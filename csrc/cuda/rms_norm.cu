@@ -403,12 +403,16 @@ struct CudaRmsNorm {
       const RowsShape shape = rows_shape(n / kWide);
       if constexpr (!std::is_same_v<scalar_t, double>) {
         if (vec == kWide && shape.packs_per_thread > 0) {
+          // short rows make small blocks (64 threads for 1024 bfloat16): enough
+          // of them for a full multiprocessor (2048 threads, 32 blocks)
+          const int row_blocks = static_cast<int>(
+              std::min<int64_t>(rows, max_blocks(std::clamp(2048 / shape.threads, 1, 32))));
           with_row_packs(shape.packs_per_thread, [&](auto P) {
             with_rms_norm_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
               launch("rms_norm_forward_rows_kernel",
                      rms_norm_forward_rows_kernel<scalar_t, kWide, decltype(P)::value, decltype(W)::value,
                                                   decltype(C)::value>,
-                     blocks, shape.threads, 0, stream, x, p.x.stride(0), res,
+                     row_blocks, shape.threads, 0, stream, x, p.x.stride(0), res,
                      res ? p.residual.stride(0) : 0, w, p.out.mutable_data_ptr<scalar_t>(), h,
                      p.rstd.mutable_data_ptr<acc_t>(), rows, n, static_cast<acc_t>(eps),
                      static_cast<acc_t>(offset));

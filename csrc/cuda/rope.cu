@@ -24,6 +24,28 @@ struct RopeTensor {
   void* out; int64_t out_b, out_h, out_s;
 };
 
+// Row r of the q rows followed by the k rows: where its features are read and
+// written, its batch and its position in the sequence.
+template <typename T>
+struct RopeRow {
+  const T* x;
+  T* y;
+  int64_t b, s;
+};
+
+template <typename T>
+__device__ __forceinline__ RopeRow<T> rope_row(const RopeTensor& q, const RopeTensor& k, int64_t q_rows,
+                                               int64_t seq, int64_t r) {
+  const bool is_q = r < q_rows;
+  const RopeTensor& t = is_q ? q : k;
+  const int64_t idx = is_q ? r : r - q_rows;
+  const int64_t s = idx % seq;
+  const int64_t h = (idx / seq) % t.heads;
+  const int64_t b = idx / (seq * t.heads);
+  return {static_cast<const T*>(t.in) + b * t.in_b + h * t.in_h + s * t.in_s,
+          static_cast<T*>(t.out) + b * t.out_b + h * t.out_h + s * t.out_s, b, s};
+}
+
 template <typename T>
 __global__ void rope_kernel(RopeTensor q, RopeTensor k, int64_t batch, int64_t seq,
                             int64_t head_dim, int64_t rotary_dim, bool interleaved, bool inverse,
@@ -39,14 +61,7 @@ __global__ void rope_kernel(RopeTensor q, RopeTensor k, int64_t batch, int64_t s
   const int64_t q_rows = batch * q.heads * seq;
   const int64_t rows = q_rows + batch * k.heads * seq;
   grid_stride_2d(rows, cols, [&](int64_t r, int64_t col) {
-    const bool is_q = r < q_rows;
-    const RopeTensor& t = is_q ? q : k;
-    const int64_t idx = is_q ? r : r - q_rows;
-    const int64_t s = idx % seq;
-    const int64_t h = (idx / seq) % t.heads;
-    const int64_t b = idx / (seq * t.heads);
-    const T* x = static_cast<const T*>(t.in) + b * t.in_b + h * t.in_h + s * t.in_s;
-    T* y = static_cast<T*>(t.out) + b * t.out_b + h * t.out_h + s * t.out_s;
+    const auto [x, y, b, s] = rope_row<T>(q, k, q_rows, seq, r);
     if (col >= half) {  // pass-through feature
       const int64_t j = rotary_dim + (col - half);
       y[j] = x[j];
@@ -88,14 +103,7 @@ __global__ void rope_packed_kernel(RopeTensor q, RopeTensor k, int64_t batch, in
   const int64_t q_rows = batch * q.heads * seq;
   const int64_t rows = q_rows + batch * k.heads * seq;
   grid_stride_2d(rows, packs, [&](int64_t r, int64_t pack) {
-    const bool is_q = r < q_rows;
-    const RopeTensor& t = is_q ? q : k;
-    const int64_t idx = is_q ? r : r - q_rows;
-    const int64_t s = idx % seq;
-    const int64_t h = (idx / seq) % t.heads;
-    const int64_t b = idx / (seq * t.heads);
-    const T* x = static_cast<const T*>(t.in) + b * t.in_b + h * t.in_h + s * t.in_s;
-    T* y = static_cast<T*>(t.out) + b * t.out_b + h * t.out_h + s * t.out_s;
+    const auto [x, y, b, s] = rope_row<T>(q, k, q_rows, seq, r);
     if (pack >= rotary_packs) {  // pass-through features
       const int64_t j = rotary_dim + (pack - rotary_packs) * kVec;
       store_pack<T, kVec>(y + j, load_pack<T, kVec>(x + j));

@@ -147,7 +147,7 @@ def test_out_of_range_positions_are_a_device_assert_naming_the_condition():
     q = torch.randn(1, 2, 4, 8)
     cos, sin = fusedllm.rope_tables(8, 16)
     positions = torch.tensor([0, 1, 2, 16])
-    with pytest.raises(RuntimeError, match=r"rope_kernel, block \(\d+,0,0\), thread \(\d+,0,0\): "
+    with pytest.raises(RuntimeError, match=r"rope(_packed)?_kernel, block \(\d+,0,0\), thread \(\d+,0,0\): "
                                            r"CUDA_KERNEL_ASSERT\(pos >= 0 && pos < table_rows\) failed"):
         torch.ops.fusedllm_simt.rope(q, q, cos, sin, positions, 0, False, 8, False)
 

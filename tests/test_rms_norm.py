@@ -200,10 +200,11 @@ def test_large_outputs():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("hidden", [64, 4096, 16384, 40000])
 def test_row_widths_of_the_cuda_kernels(device, dtype, hidden):
-    """On CUDA, rows of 1, 2 and 4 16-byte packs a thread (hidden 64, 4096 and
-    16384 take the register-row kernels in one dtype or the other), and past
-    them the two-pass kernels (40000); more rows than blocks, so that blocks
-    carry weight-gradient sums over several rows; the fused add's gradients."""
+    """On CUDA, rows of 1, 2 and (forward only) 4 16-byte packs a thread
+    (hidden 64, 4096 and 16384 take the register-row kernels in one dtype or
+    the other), and past them the two-pass kernels (40000, and the 16384-wide
+    backward); more rows than blocks, so that blocks carry weight-gradient sums
+    over several rows; the fused add's gradients."""
     rows = 300 if hidden <= 4096 else 40
     x, w = make_inputs(rows, hidden, dtype, device, True, 0.0)
     r = torch.randn_like(x)

@@ -330,30 +330,37 @@ int threads_for(int64_t n, int vec) {
   return static_cast<int>(warps * kWarpSize);
 }
 
-// The rows kernels: packs per thread (1, 2 or 4) and threads for a row of
-// `packs` packs, two packs a thread where the row allows (two 16-byte loads of
-// each input in flight per thread); 0 packs when the row is too long.
-constexpr int kMaxRowPacks = 4;
+// The rows kernels: packs per thread (1, 2 or up to `max_per_thread`) and
+// threads for a row of `packs` packs, two packs a thread where the row allows
+// (two 16-byte loads of each input in flight per thread); 0 packs when the row
+// is too long. The forward holds up to 4 packs a thread; the backward, which
+// also holds dO and the weight gradient's sums, 2 (at 4 it spilled registers
+// under the 512-thread bound on sm_75, sm_80 and sm_90).
+constexpr int kForwardRowPacks = 4;
+constexpr int kBackwardRowPacks = 2;
 struct RowsShape {
   int packs_per_thread;
   int threads;
 };
-RowsShape rows_shape(int64_t packs) {
-  if (packs > kMaxRowThreads * kMaxRowPacks) return {0, 0};
+RowsShape rows_shape(int64_t packs, int max_per_thread) {
+  if (packs > static_cast<int64_t>(kMaxRowThreads) * max_per_thread) return {0, 0};
   const int64_t threads =
       std::clamp<int64_t>((packs / 2 + kWarpSize - 1) / kWarpSize * kWarpSize, kWarpSize, kMaxRowThreads);
   const int64_t per_thread = (packs + threads - 1) / threads;
   return {per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : 4, static_cast<int>(threads)};
 }
 
-template <typename F>
+// Calls f(integral_constant<int, P>) for P = packs_per_thread in 1, 2, 4 up to kMax.
+template <int kMax, typename F>
 void with_row_packs(int packs_per_thread, F&& f) {
   if (packs_per_thread == 1) {
     f(std::integral_constant<int, 1>{});
+  } else if constexpr (kMax == 2) {
+    f(std::integral_constant<int, 2>{});
   } else if (packs_per_thread == 2) {
     f(std::integral_constant<int, 2>{});
   } else {
-    f(std::integral_constant<int, kMaxRowPacks>{});
+    f(std::integral_constant<int, 4>{});
   }
 }
 
@@ -400,14 +407,14 @@ struct CudaRmsNorm {
               {p.out.const_data_ptr(), n}, {h, n}});
       const int blocks = static_cast<int>(std::min<int64_t>(rows, max_blocks(8)));
       constexpr int kWide = 16 / sizeof(scalar_t);
-      const RowsShape shape = rows_shape(n / kWide);
+      const RowsShape shape = rows_shape(n / kWide, kForwardRowPacks);
       if constexpr (!std::is_same_v<scalar_t, double>) {
         if (vec == kWide && shape.packs_per_thread > 0) {
           // short rows make small blocks (64 threads for 1024 bfloat16): enough
           // of them for a full multiprocessor (2048 threads, 32 blocks)
           const int row_blocks = static_cast<int>(
               std::min<int64_t>(rows, max_blocks(std::clamp(2048 / shape.threads, 1, 32))));
-          with_row_packs(shape.packs_per_thread, [&](auto P) {
+          with_row_packs<kForwardRowPacks>(shape.packs_per_thread, [&](auto P) {
             with_rms_norm_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
               launch("rms_norm_forward_rows_kernel",
                      rms_norm_forward_rows_kernel<scalar_t, kWide, decltype(P)::value, decltype(W)::value,
@@ -449,7 +456,7 @@ struct CudaRmsNorm {
           n, {{g, p.grad_out.stride(0)}, {x, p.x.stride(0)}, {w, 0},
               {gr, gr ? p.grad_residual.stride(0) : 0}, {p.grad_input.const_data_ptr(), n}});
       constexpr int kWide = 16 / sizeof(scalar_t);
-      RowsShape shape = rows_shape(n / kWide);
+      RowsShape shape = rows_shape(n / kWide, kBackwardRowPacks);
       if (vec != kWide || std::is_same_v<scalar_t, double>) shape = {0, 0};
       // rows kernel: blocks that fill the device once (each writes a dw row);
       // else fewer, since each owns a float32 row of dw partial sums it updates per row
@@ -464,7 +471,7 @@ struct CudaRmsNorm {
       bool launched = false;
       if constexpr (!std::is_same_v<scalar_t, double>) {
         if (shape.threads > 0) {
-          with_row_packs(shape.packs_per_thread, [&](auto P) {
+          with_row_packs<kBackwardRowPacks>(shape.packs_per_thread, [&](auto P) {
             with_rms_norm_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
               launch("rms_norm_backward_rows_kernel",
                      rms_norm_backward_rows_kernel<scalar_t, kWide, decltype(P)::value, decltype(W)::value,

@@ -92,15 +92,17 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     would, and ``h`` is float32; the weight is then taken as in :func:`rms_norm`.
     """
     _require_tensors("fusedllm.fused_add_rms_norm", "input", x, residual=residual, weight=weight)
-    if _autocast.casts_to_float32("fused_add_rms_norm", x):
-        pass  # the op casts every input to float32 itself
-    elif _mixed(x.dtype, residual.dtype) or _mixed(residual.dtype, x.dtype):
-        x, residual = x.float(), residual.float()  # exact; the add then rounds once, as torch's would
-    elif weight is not None and _mixed(x.dtype, weight.dtype):
-        out, residual_out, _rstd = _norm_with_float32_weight(
-            lambda h, w, off: ops_for(h).fused_add_rms_norm(h, residual.to(h.dtype), w, eps, off, casting),
-            x, weight, offset, casting)
-        return out, residual_out
+    mixed_residual = _mixed(x.dtype, residual.dtype) or _mixed(residual.dtype, x.dtype)
+    mixed_weight = weight is not None and _mixed(x.dtype, weight.dtype)
+    # (under an autocast that casts to float32 the op takes any mix itself)
+    if (mixed_residual or mixed_weight) and not _autocast.casts_to_float32("fused_add_rms_norm", x):
+        if mixed_residual:
+            x, residual = x.float(), residual.float()  # exact; the add then rounds once, as torch's would
+        else:
+            out, residual_out, _rstd = _norm_with_float32_weight(
+                lambda h, w, off: ops_for(h).fused_add_rms_norm(h, residual.to(h.dtype), w, eps, off, casting),
+                x, weight, offset, casting)
+            return out, residual_out
     out, residual_out, _rstd = ops_for(x).fused_add_rms_norm(x, residual, weight, eps, offset, casting)
     return out, residual_out
 

@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from . import _plain
+from . import _plain, _sharding
 from ._extension import has_extension
 
 # the device types fusedllm compiles kernels for, and their dispatch keys
@@ -89,6 +89,8 @@ def ops_for(t: torch.Tensor):
     """``torch.ops.fusedllm`` where ``t``'s device type has kernels, else :mod:`fusedllm._plain`
     (warning once for each such device type; silent when the extension is not loaded at all,
     which its import already said)."""
+    if _sharding.needs_registering(t):
+        _sharding.register()
     device_type = t.device.type
     if device_type in KERNEL_DEVICES:
         return _OPS

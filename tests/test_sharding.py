@@ -6,6 +6,7 @@ the CPU; one spawn runs every case, each case is its own test."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import traceback
@@ -19,6 +20,16 @@ from checks import FORWARD_TOL, GRAD_TOL, assert_close
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo")
+
+
+@contextlib.contextmanager
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _flat(x):
@@ -285,3 +296,128 @@ def test_ops_on_a_two_by_two_mesh(results_2d):
     failed = {name: err for name, err in results_2d.items() if err is not None}
     assert len(results_2d) == 3, sorted(results_2d)
     assert not failed, "\n".join(f"--- {n}\n{e}" for n, e in failed.items())
+
+
+# --- tensor parallelism of a patched Hugging Face Llama ------------------------------------------
+
+_STEPS = 3
+
+
+def _llama_config():
+    import transformers
+    return transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _llama_batch():
+    gen = torch.Generator().manual_seed(0)
+    start, stride = torch.randint(0, 64, (4, 1), generator=gen), torch.randint(1, 4, (4, 1), generator=gen)
+    return (start + stride * torch.arange(16)) % 64  # sequence parallelism splits 16 evenly
+
+
+def _llama(state, cross_entropy):
+    import fusedllm
+    import transformers
+    model = transformers.LlamaForCausalLM(_llama_config())
+    model.load_state_dict(state)
+    fusedllm.patch(model, cross_entropy=cross_entropy)
+    return model
+
+
+def _train_llama(model, ids):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for _ in range(_STEPS):
+        opt.zero_grad(set_to_none=True)
+        # positions given: under sequence parallelism the model sees only its slice
+        loss = model(input_ids=ids, labels=ids, position_ids=torch.arange(ids.shape[1])[None]).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _tp_plan(sequence_parallel):
+    """The usual Llama plan: q, k, v, gate and up split by output features,
+    o and down by input features; with sequence parallelism the norms and the
+    residual stream also hold a slice of the sequence each."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    if not sequence_parallel:
+        layer = {f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
+        layer |= {"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                  "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+        return {}, layer
+    colwise = ColwiseParallel(input_layouts=Shard(1))
+    rowwise = RowwiseParallel(output_layouts=Shard(1))
+    layer = {f"self_attn.{p}_proj": colwise for p in "qkv"}
+    layer |= {"self_attn.o_proj": rowwise, "mlp.gate_proj": colwise, "mlp.up_proj": colwise,
+              "mlp.down_proj": rowwise, "input_layernorm": SequenceParallel(),
+              "post_attention_layernorm": SequenceParallel()}
+    top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+           "model.norm": SequenceParallel(),
+           "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    return top, layer
+
+
+_TP_RUNS = {"tensor parallel": (False, False), "tensor and sequence parallel": (True, False),
+            "tensor parallel, fused loss": (False, True)}
+
+
+def _tp_worker(rank, world, store, state_path, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import parallelize_module
+        mesh = init_device_mesh("cpu", (world,))
+        state, ids, results = torch.load(state_path), _llama_batch(), {}
+        for name, (sequence_parallel, cross_entropy) in _TP_RUNS.items():
+            model = _llama(state, cross_entropy)
+            top, layer = _tp_plan(sequence_parallel)
+            parallelize_module(model, mesh, top)
+            for block in model.model.layers:
+                parallelize_module(block, mesh, layer)
+            try:
+                losses = _train_llama(model, ids)
+                params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                          for n, p in model.named_parameters()}
+                results[name] = (losses, params)
+            except Exception:
+                results[name] = traceback.format_exc(limit=8)
+        if rank == 0:
+            torch.save(results, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    pytest.importorskip("transformers")
+    tmp = tmp_path_factory.mktemp("tp")
+    torch.manual_seed(0)
+    import transformers
+    torch.save(transformers.LlamaForCausalLM(_llama_config()).state_dict(), tmp / "state.pt")
+    mp.spawn(_tp_worker, args=(2, str(tmp / "store"), str(tmp / "state.pt"), str(tmp / "out.pt")), nprocs=2,
+             join=True)
+    return torch.load(tmp / "state.pt"), torch.load(tmp / "out.pt")
+
+
+@pytest.mark.parametrize("run", list(_TP_RUNS))
+def test_tensor_parallel_llama_trains_as_one_process(tp_results, run):
+    state, results = tp_results
+    got = results[run]
+    assert not isinstance(got, str), got
+    _, cross_entropy = _TP_RUNS[run]
+    with _one_thread():
+        model = _llama(state, cross_entropy)
+        losses = _train_llama(model, _llama_batch())
+    tp_losses, tp_params = got
+    for step, (a, b) in enumerate(zip(tp_losses, losses)):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"step {step}: {run} {a} vs one process {b}"
+    for name, p in model.named_parameters():
+        assert_close(tp_params[name], p.detach(), GRAD_TOL[torch.float32], name)

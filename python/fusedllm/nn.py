@@ -138,12 +138,21 @@ class PackedGatedMLP(nn.Module):
 _PACKED_MIN_TOKENS = 32
 
 
+def _own_weights(linear: nn.Linear) -> bool:
+    """Whether ``linear`` is plain enough to bypass its call: no hooks (tensor
+    parallelism, adapters and quantizers work through them) and plain tensors
+    for parameters (not DTensors, whose shards a concatenation would mix)."""
+    if linear._forward_pre_hooks or linear._forward_hooks:
+        return False
+    return all(type(p) in (nn.Parameter, torch.Tensor) for p in (linear.weight, linear.bias) if p is not None)
+
+
 def gated_projection(x: torch.Tensor, gate: nn.Linear, up: nn.Linear, activation: str = "silu"):
     """``act(gate(x)) * up(x)`` with the fused gating. From ``_PACKED_MIN_TOKENS``
     tokens on, gate and up run as one matrix multiply on weights concatenated
     at call time (the parameters stay separate ``nn.Linear`` objects)."""
     tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if tokens < _PACKED_MIN_TOKENS:
+    if tokens < _PACKED_MIN_TOKENS or not (_own_weights(gate) and _own_weights(up)):
         return FF.swiglu(gate(x), up(x), activation=activation)
     weight = torch.cat([gate.weight, up.weight], dim=0)
     bias = None if gate.bias is None else torch.cat([gate.bias, up.bias], dim=0)

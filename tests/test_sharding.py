@@ -338,7 +338,7 @@ def _train_llama(model, ids):
     return losses
 
 
-def _tp_plan(sequence_parallel):
+def _tp_plan(sequence_parallel, lm_head=False):
     """The usual Llama plan: q, k, v, gate and up split by output features,
     o and down by input features; with sequence parallelism the norms and the
     residual stream also hold a slice of the sequence each."""
@@ -348,7 +348,8 @@ def _tp_plan(sequence_parallel):
         layer = {f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}
         layer |= {"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
                   "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
-        return {}, layer
+        top = {"lm_head": ColwiseParallel(output_layouts=Replicate())} if lm_head else {}
+        return top, layer
     colwise = ColwiseParallel(input_layouts=Shard(1))
     rowwise = RowwiseParallel(output_layouts=Shard(1))
     layer = {f"self_attn.{p}_proj": colwise for p in "qkv"}
@@ -361,8 +362,11 @@ def _tp_plan(sequence_parallel):
     return top, layer
 
 
-_TP_RUNS = {"tensor parallel": (False, False), "tensor and sequence parallel": (True, False),
-            "tensor parallel, fused loss": (False, True)}
+# name: (sequence parallel, fused loss, LM head split over the vocabulary)
+_TP_RUNS = {"tensor parallel": (False, False, False), "tensor and sequence parallel": (True, False, True),
+            "tensor parallel, fused loss": (False, True, False),
+            "tensor parallel, fused loss, vocabulary-parallel LM head": (False, True, True),
+            "tensor and sequence parallel, fused loss": (True, True, True)}
 
 
 def _tp_worker(rank, world, store, state_path, out):
@@ -375,9 +379,9 @@ def _tp_worker(rank, world, store, state_path, out):
         from torch.distributed.tensor.parallel import parallelize_module
         mesh = init_device_mesh("cpu", (world,))
         state, ids, results = torch.load(state_path), _llama_batch(), {}
-        for name, (sequence_parallel, cross_entropy) in _TP_RUNS.items():
+        for name, (sequence_parallel, cross_entropy, lm_head) in _TP_RUNS.items():
             model = _llama(state, cross_entropy)
-            top, layer = _tp_plan(sequence_parallel)
+            top, layer = _tp_plan(sequence_parallel, lm_head)
             parallelize_module(model, mesh, top)
             for block in model.model.layers:
                 parallelize_module(block, mesh, layer)
@@ -412,7 +416,7 @@ def test_tensor_parallel_llama_trains_as_one_process(tp_results, run):
     state, results = tp_results
     got = results[run]
     assert not isinstance(got, str), got
-    _, cross_entropy = _TP_RUNS[run]
+    _, cross_entropy, _ = _TP_RUNS[run]
     with _one_thread():
         model = _llama(state, cross_entropy)
         losses = _train_llama(model, _llama_batch())

@@ -50,16 +50,37 @@ def causal_lm_loss(model, hidden: torch.Tensor, labels: torch.Tensor | None, *, 
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     head = model.lm_head
+    hidden, target = hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1).to(hidden.device)
+    mesh = _mesh_of(head.weight)
+    if mesh is not None:
+        hidden, target = (_replicated(t, mesh) for t in (hidden, target))
     loss = linear_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]), head.weight, shift_labels.reshape(-1).to(hidden.device),
-        bias=head.bias, ignore_index=ignore_index,
+        hidden, head.weight, target, bias=head.bias, ignore_index=ignore_index,
         reduction="mean" if num_items_in_batch is None else "sum",
         softcap=getattr(model.config, "final_logit_softcapping", None))
+    if mesh is not None:
+        loss = loss.full_tensor()  # the same on every rank, as the unfused head's loss
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
     return loss
+
+
+def _mesh_of(weight):
+    """The device mesh of a DTensor LM head (tensor parallelism), else None."""
+    return weight.device_mesh if type(weight).__name__ == "DTensor" else None
+
+
+def _replicated(t, mesh):
+    """``t`` as a DTensor over ``mesh``: as it is if it already is one, else
+    taken as the same on every rank, as a tensor-parallel LM head takes its
+    input (ColwiseParallel's default input layout). DTensor then gathers the
+    vocabulary-sharded weight for the loss (docs/distributed.md)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    if isinstance(t, DTensor):
+        return t
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None, *args, **kwargs):

@@ -166,6 +166,9 @@ def _cases_1d(cases: _Cases):
     k1, v1 = torch.randn(2, 1, 6, 8), torch.randn(2, 1, 6, 8)
     cases.run("attention one kv head: heads not split from their kv head", lambda: cases.compare(
         causal, [qa, k1, v1], [[S(1)]] * 3, local=False))
+    q3, k3, v3 = torch.randn(2, 3, 6, 8), torch.randn(2, 3, 6, 8), torch.randn(2, 3, 6, 8)
+    cases.run("attention, 3 heads on 2 ranks without groups", lambda: cases.compare(
+        causal, [q3, k3, v3], [[S(1)]] * 3, [[S(1)]]))
     sinks, mask = torch.randn(4), torch.rand(2, 1, 6, 6) > 0.3
     mask[..., 0] = True
     cases.run("attention heads Shard(1) with sinks Shard(0)", lambda: cases.compare(

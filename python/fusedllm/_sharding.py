@@ -222,9 +222,10 @@ def _attention_placements(q, k, mask, sinks, alibi_slopes, cu_seqlens_q, k_scale
             alibi = _placement_on(alibi_slopes, 0, batch) if len(alibi_slopes.shape) == 2 else Replicate()
         return dict(q=Shard(0), kv=kv, out=Shard(0), lse=Shard(0), mask=m, sinks=Replicate(),
                     alibi=alibi, seq=Shard(0), scales=kv)
-    # heads: the query heads of a group must land with their key/value head
+    # heads: the query heads of a group must land with their key/value head,
+    # which uneven shards (torch.chunk's) would break
     hq, hkv = q.shape[heads_dim], k.shape[heads_dim]
-    if hkv % _mesh_size(q):
+    if hq != hkv and hkv % _mesh_size(q):
         return None
     m = None if mask is None else _placement_on(mask, len(mask.shape) - 3, hq)
     alibi = None if alibi_slopes is None else Shard(len(alibi_slopes.shape) - 1)

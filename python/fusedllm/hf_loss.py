@@ -126,9 +126,13 @@ def _fused_forward(self, input_ids=None, attention_mask=None, position_ids=None,
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-    cache = _output_cache_field()
+    cache = _CACHE_FIELD or _output_cache_field()
     return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                   attentions=outputs.attentions, **{cache: getattr(outputs, cache)})
+
+
+# Read when a model is patched, not in its forward: torch.compile cannot trace dataclasses.fields.
+_CACHE_FIELD: str | None = None
 
 
 @functools.cache
@@ -142,8 +146,10 @@ def _output_cache_field() -> str:
 def patch_causal_lm(model: torch.nn.Module) -> str | None:
     """Gives ``model`` the fused-loss forward; returns None, or why it was not
     patched (the model is then unchanged)."""
+    global _CACHE_FIELD
     reason = supported(model)
     if reason is None and not getattr(model, _ATTR, False):
+        _CACHE_FIELD = _output_cache_field()
         model.forward = types.MethodType(_fused_forward, model)
         setattr(model, _ATTR, True)
     return reason

@@ -46,7 +46,8 @@ _ISA_FLAGS = {
     "DEFAULT": set(),
     "AVX2": {"avx2", "fma", "bmi2"},
     "AVX512": {"avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
-    "AVX512_BF16": {"avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
+    "AVX512_BF16": {"avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                    "avx512_vnni"},
 }
 
 # ATEN_CPU_CAPABILITY for each variant: torch has no AVX512-BF16 level, so that

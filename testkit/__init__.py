@@ -6,6 +6,8 @@
   allocates during a call, on a CPU or a GPU.
 - ``testkit.hf``: ``cache_keyword``, the name transformers' models give the
   KV cache argument in the installed release.
+- ``testkit.gloo``: ``spawn``, a function run on several CPU processes joined
+  by gloo (the distributed-training tests).
 
 Importable from the repository root: pytest puts the root on ``sys.path``
 (``pythonpath`` in pyproject.toml), ``python -m benchmarks.<script>`` runs from

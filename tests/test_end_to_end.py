@@ -6,8 +6,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn import functional as F
 
 import fusedllm
@@ -15,6 +13,7 @@ from fusedllm.compat import nb003
 
 from testkit import notebook_models as plain
 from checks import FORWARD_TOL, GRAD_TOL, assert_close
+from testkit import gloo
 
 STEPS = 30
 
@@ -138,35 +137,20 @@ def test_compiled_fused_block_fullgraph():
         assert_close(a, b, GRAD_TOL[torch.float32])
 
 
-def _ddp_worker(rank, world, store_path, state_path, batch_path, out_path):
-    torch.set_num_threads(1)
-    # a file store: no port to race for, no server process that must outlive the other
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world)
-    try:
-        model = nb003.LLaMAModel(nb003.LLaMAConfig(**vars(_config())))
-        model.load_state_dict(torch.load(state_path))
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        ids = torch.load(batch_path).chunk(world)[rank]
-        _lm_loss(ddp(ids[:, :-1]), ids[:, 1:]).backward()
-        if rank == 0:
-            torch.save({n: p.grad for n, p in model.named_parameters()}, out_path)
-        # gloo aborts a process that tears down while its peer still works
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _ddp_grads(rank, world, state, ids):
+    model = nb003.LLaMAModel(nb003.LLaMAConfig(**vars(_config())))
+    model.load_state_dict(state)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ids = ids.chunk(world)[rank]
+    _lm_loss(ddp(ids[:, :-1]), ids[:, 1:]).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
 
 
 def test_ddp_two_processes_average_fused_gradients(tmp_path):
     torch.manual_seed(0)
     model = nb003.LLaMAModel(nb003.LLaMAConfig(**vars(_config())))
     ids = _batches(model.vocab_size, steps=1, batch=4)[0]
-    torch.save(model.state_dict(), tmp_path / "state.pt")
-    torch.save(ids, tmp_path / "batch.pt")
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "store"), str(tmp_path / "state.pt"),
-                                str(tmp_path / "batch.pt"), str(tmp_path / "grads.pt")),
-             nprocs=2, join=True)
-    ddp_grads = torch.load(tmp_path / "grads.pt")
+    ddp_grads = gloo.spawn(_ddp_grads, 2, tmp_path, model.state_dict(), ids)
     # one process, the whole batch: equal halves make the mean of the two
     # per-process mean losses the mean loss of the whole batch
     _lm_loss(model(ids[:, :-1]), ids[:, 1:]).backward()

@@ -7,16 +7,15 @@ the CPU; one spawn runs every case, each case is its own test."""
 from __future__ import annotations
 
 import contextlib
-import datetime
 import math
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from checks import FORWARD_TOL, GRAD_TOL, assert_close
+from testkit import gloo
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo")
@@ -248,27 +247,15 @@ def _cases_2d(cases: _Cases):
         local=False))
 
 
-def _worker(rank, world, mesh_shape, store, out):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        cases = _Cases(init_device_mesh("cpu", mesh_shape))
-        (_cases_1d if len(mesh_shape) == 1 else _cases_2d)(cases)
-        if rank == 0:
-            torch.save(cases.results, out)
-        dist.barrier()  # gloo aborts a process that tears down while its peer still works
-    finally:
-        dist.destroy_process_group()
+def _op_cases(rank, world, mesh_shape):
+    from torch.distributed.device_mesh import init_device_mesh
+    cases = _Cases(init_device_mesh("cpu", mesh_shape))
+    (_cases_1d if len(mesh_shape) == 1 else _cases_2d)(cases)
+    return cases.results
 
 
 def _spawn(tmp_path_factory, mesh_shape):
-    tmp = tmp_path_factory.mktemp("sharding")
-    world = math.prod(mesh_shape)
-    mp.spawn(_worker, args=(world, mesh_shape, str(tmp / "store"), str(tmp / "out.pt")), nprocs=world,
-             join=True)
-    return torch.load(tmp / "out.pt")
+    return gloo.spawn(_op_cases, math.prod(mesh_shape), tmp_path_factory.mktemp("sharding"), mesh_shape)
 
 
 @pytest.fixture(scope="module")
@@ -372,53 +359,39 @@ _TP_RUNS = {"tensor parallel": (False, False, False), "tensor and sequence paral
             "tensor and sequence parallel, fused loss": (True, True, True)}
 
 
-def _tp_worker(rank, world, store, state_path, out):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor.parallel import parallelize_module
-        mesh = init_device_mesh("cpu", (world,))
-        state, ids, results = torch.load(state_path), _llama_batch(), {}
-        for name, (sequence_parallel, cross_entropy, lm_head) in _TP_RUNS.items():
-            model = _llama(state, cross_entropy)
-            top, layer = _tp_plan(sequence_parallel, lm_head)
-            parallelize_module(model, mesh, top)
-            for block in model.model.layers:
-                parallelize_module(block, mesh, layer)
-            try:
-                losses = _train_llama(model, ids)
-                params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-                          for n, p in model.named_parameters()}
-                results[name] = (losses, params)
-            except Exception:
-                results[name] = traceback.format_exc(limit=8)
-        if rank == 0:
-            torch.save(results, out)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _tp_runs(rank, world, state):
+    """Each of _TP_RUNS trained on a tensor-parallel mesh of `world` ranks: the
+    losses and the gathered parameters (or the failure), by name."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+    mesh = init_device_mesh("cpu", (world,))
+    ids, results = _llama_batch(), {}
+    for name, (sequence_parallel, cross_entropy, lm_head) in _TP_RUNS.items():
+        model = _llama(state, cross_entropy)
+        top, layer = _tp_plan(sequence_parallel, lm_head)
+        parallelize_module(model, mesh, top)
+        for block in model.model.layers:
+            parallelize_module(block, mesh, layer)
+        losses = _train_llama(model, ids)
+        results[name] = (losses, {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                                  for n, p in model.named_parameters()})
+    return results
 
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
     pytest.importorskip("transformers")
-    tmp = tmp_path_factory.mktemp("tp")
-    torch.manual_seed(0)
     import transformers
-    torch.save(transformers.LlamaForCausalLM(_llama_config()).state_dict(), tmp / "state.pt")
-    mp.spawn(_tp_worker, args=(2, str(tmp / "store"), str(tmp / "state.pt"), str(tmp / "out.pt")), nprocs=2,
-             join=True)
-    return torch.load(tmp / "state.pt"), torch.load(tmp / "out.pt")
+    torch.manual_seed(0)
+    state = transformers.LlamaForCausalLM(_llama_config()).state_dict()
+    return state, gloo.spawn(_tp_runs, 2, tmp_path_factory.mktemp("tp"), state)
 
 
 @pytest.mark.parametrize("run", list(_TP_RUNS))
 def test_tensor_parallel_llama_trains_as_one_process(tp_results, run):
     state, results = tp_results
     got = results[run]
-    assert not isinstance(got, str), got
     _, cross_entropy, _ = _TP_RUNS[run]
     with _one_thread():
         model = _llama(state, cross_entropy)

@@ -1,6 +1,6 @@
 """How fusedllm's ops run on DTensors (``torch.distributed.tensor``): for each
 op, the placements of its inputs under which every rank computes on its own
-shard, and the placements that makes of the outputs. DTensor redistributes an
+shard, and the placements of its outputs then. DTensor redistributes an
 input placed otherwise to the cheapest of these (an all-gather, say) before
 the op runs; what no redistribution can make right is refused with an error
 that names the placement. docs/distributed.md has the table.
@@ -76,12 +76,9 @@ def _mesh_size(spec) -> int:
     return spec.mesh.size()
 
 
-class _Refused(ValueError):
-    pass
-
-
 def _refuse(op: str, what: str) -> None:
-    raise _Refused(f"fusedllm.{op} on DTensors: {what}")
+    # DTensor reports it as a RuntimeError that quotes this message first
+    raise ValueError(f"fusedllm.{op} on DTensors: {what}")
 
 
 def _pinned(op: str, names: tuple[str, ...], specs: tuple, strategies: list) -> list:

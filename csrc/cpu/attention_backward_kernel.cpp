@@ -248,8 +248,11 @@ struct BackwardKernel {
           gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, v_pairs, dp, dop, ld, w.dp, ld);
 #endif
         } else {
-          kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, w.kbuf, k_ld);
-          const acc_t* vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
+          kp = rows_in_place<T, acc_t>(k + j0 * kss, kss, d, d_pad);
+          const acc_t* vp = rows_in_place<T, acc_t>(v + j0 * vss, vss, d, d_pad);
+          k_ld = v_ld = d;
+          if (kp == nullptr) kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, w.kbuf, k_ld);
+          if (vp == nullptr) vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
           gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
           gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, vp, v_ld, w.dot, ld, w.dp, ld);
         }

@@ -271,6 +271,20 @@ struct KeyTiles {
 // has the accumulator type: the sequential copy streams the tile into cache
 // once, where the products would otherwise fetch it row by row, several rows at
 // a time (measured faster for float32 inputs).
+// src's nk rows where they lie, as an accumulator tile (leading dimension d),
+// where they already are one: stored as acc_t, d_pad wide and back to back
+// (seq_stride == d); else null. Measured on a Zen 4 (float32, d 128, 32/8
+// heads, causal attention): read so, 3-7% faster than through a copy on
+// [B, H, S, D] tensors; rows of [B, S, H, D] ones read in place ran 5% slower
+// (4 KiB apart, they share cache sets), so those are still copied.
+template <typename T, typename acc_t>
+inline const acc_t* rows_in_place(const T* src, int64_t seq_stride, int64_t d, int64_t d_pad) {
+  if constexpr (std::is_same_v<T, acc_t>) {
+    if (d == d_pad && seq_stride == d) return src;
+  }
+  return nullptr;
+}
+
 template <typename T, typename acc_t>
 inline const acc_t* kv_tile(const T* src, int64_t seq_stride, int64_t nk, int64_t d, int64_t d_pad,
                             acc_t* buf, int64_t& ld) {
@@ -452,6 +466,12 @@ struct KvRows {
       const float* s = scale + pages.row_offset(b, j0 + i, scale_page_stride, scale_stride);
       for (int64_t t = 0; t < n; ++t) times(i + t, s[t * scale_stride]);
     });
+  }
+  // Rows [j0, j0 + nk) where they lie (rows_in_place), or null.
+  const acc_t* in_place(int64_t j0, int64_t nk, int64_t d, int64_t d_pad, int64_t& ld) const {
+    if (quantized() || pages.run(j0, nk) != nk) return nullptr;
+    ld = d;
+    return rows_in_place<T, acc_t>(reinterpret_cast<const T*>(row_bytes(j0)), seq_stride, d, d_pad);
   }
   // Rows [j0, j0 + nk) as a contiguous, zero-padded accumulator tile (kv_tile).
   const acc_t* tile(int64_t j0, int64_t nk, int64_t d, int64_t d_pad, acc_t* buf, int64_t& ld) const {

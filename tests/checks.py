@@ -1,5 +1,7 @@
 """Tolerances and comparison helpers shared by the tests."""
 
+import contextlib
+
 import torch
 
 # Tolerances for comparing a fused result with the reference, by dtype:
@@ -16,6 +18,18 @@ GRAD_TOL = {
     torch.bfloat16: (5e-2, 5e-2),
     torch.float16: (1e-2, 1e-2),
 }
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread: for tiny models, thread hand-offs cost more than
+    they save on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def assert_close(actual, expected, tol, what="", upcast=False):

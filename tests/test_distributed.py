@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import fusedllm  # noqa: E402
 
-from checks import FORWARD_TOL, GRAD_TOL, assert_close  # noqa: E402
+from checks import FORWARD_TOL, GRAD_TOL, assert_close, one_thread  # noqa: E402
 from testkit import gloo  # noqa: E402
 
 VOCAB = 64
@@ -28,11 +28,8 @@ STEPS = 3
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    # tiny models: thread hand-offs cost more than they save on a shared machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 def _llama(patch=True, cross_entropy=False, **config):

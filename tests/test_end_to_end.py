@@ -12,7 +12,7 @@ import fusedllm
 from fusedllm.compat import nb003
 
 from testkit import notebook_models as plain
-from checks import FORWARD_TOL, GRAD_TOL, assert_close
+from checks import FORWARD_TOL, GRAD_TOL, assert_close, one_thread
 from testkit import gloo
 
 STEPS = 30
@@ -24,11 +24,8 @@ def _config():
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    # tiny models: thread hand-offs cost more than they save on a shared machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 def _batches(vocab, steps=STEPS, batch=4, seq=12, seed=0):

@@ -6,7 +6,6 @@ the CPU; one spawn runs every case, each case is its own test."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import traceback
 
@@ -14,21 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checks import FORWARD_TOL, GRAD_TOL, assert_close
+from checks import FORWARD_TOL, GRAD_TOL, assert_close, one_thread
 from testkit import gloo
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo")
-
-
-@contextlib.contextmanager
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _flat(x):
@@ -393,7 +382,7 @@ def test_tensor_parallel_llama_trains_as_one_process(tp_results, run):
     state, results = tp_results
     got = results[run]
     _, cross_entropy, _ = _TP_RUNS[run]
-    with _one_thread():
+    with one_thread():
         model = _llama(state, cross_entropy)
         losses = _train_llama(model, _llama_batch())
     tp_losses, tp_params = got

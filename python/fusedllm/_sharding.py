@@ -26,9 +26,14 @@ _registered = False
 Replicate = Shard = Partial = DTensorSpec = None
 
 
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor, without importing DTensor (which costs a second)."""
+    return type(t).__name__ == "DTensor"
+
+
 def needs_registering(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor and the rules are not yet registered."""
-    return not _registered and type(t).__name__ == "DTensor"
+    return not _registered and is_dtensor(t)
 
 
 def register() -> None:

@@ -21,6 +21,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from ._sharding import is_dtensor
 from .functional import linear_cross_entropy
 
 # Model types whose causal-LM forward is decoder -> lm_head -> [final softcap]
@@ -69,7 +70,7 @@ def causal_lm_loss(model, hidden: torch.Tensor, labels: torch.Tensor | None, *, 
 
 def _mesh_of(weight):
     """The device mesh of a DTensor LM head (tensor parallelism), else None."""
-    return weight.device_mesh if type(weight).__name__ == "DTensor" else None
+    return weight.device_mesh if is_dtensor(weight) else None
 
 
 def _replicated(t, mesh):

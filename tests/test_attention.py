@@ -293,6 +293,93 @@ def test_float32_error_is_no_worse_than_sdpa(device, head_dim, causal):
             f"{name}: max error {worst['fused']:.3g} against SDPA's {worst['sdpa']:.3g}")
 
 
+def _grads(call, q, k, v, grad_out):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = call(*leaves)
+    return (out, *torch.autograd.grad(out, leaves, grad_out))
+
+
+# (batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal, scale): queries that
+# see exactly one key: one query and one key with scores of 4.7 and 50 (scale
+# None: chosen for them), GQA decoding rows wide enough for the CUDA tensor-core
+# kernels (head dim 256: their dQ with the SIMT dK/dV), and a causal prefill's
+# first position, prefill tiles and decoding tiles alike.
+ONE_KEY = [
+    (1, 1, 1, 1, 1, 256, False, 4.7),
+    (1, 1, 1, 1, 1, 256, False, 50.0),
+    (1, 4, 4, 1, 1, 64, False, 50.0),
+    (2, 16, 1, 1, 1, 64, False, None),
+    (2, 16, 1, 1, 1, 256, False, None),
+    (2, 8, 2, 48, 48, 64, True, None),
+    (1, 8, 2, 5, 5, 128, True, None),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ONE_KEY, ids=lambda c: "x".join(map(str, c[:6])) + ("-causal" if c[6] else ""))
+def test_softmax_recompute_one_visible_key_gives_exact_zero_gradients(device, case, dtype):
+    """Softmax over a single key is constant: dQ and dK of such a query are
+    exactly 0 (as SDPA's are), and its probability is exactly 1, so dV is dO,
+    whatever the score's size: the backward recomputes the forward's scores
+    and probabilities, and sums rowsum(dO * O) as it sums dP."""
+    b, hq, hkv, sq, sk, d, causal, target = case
+    torch.manual_seed(0)
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, dtype, device)
+    scale = None
+    if target is not None:
+        scale = target / (q.double() * k.double()).sum().item()
+    grad_out = torch.randn_like(q)
+    out, dq, dk, dv = _grads(lambda q, k, v: fusedllm.attention(q, k, v, causal=causal, scale=scale),
+                             q, k, v, grad_out)
+    one_key = dq[:, :, 0] if causal else dq
+    assert torch.count_nonzero(one_key).item() == 0, f"dQ of one-key rows: max {one_key.abs().max().item():.3g}"
+    if not causal:
+        assert torch.count_nonzero(dk).item() == 0, f"dK: max {dk.abs().max().item():.3g}"
+        if hq == hkv:
+            assert torch.equal(dv, grad_out), f"dV - dO: max {(dv.double() - grad_out.double()).abs().max():.3g}"
+        assert torch.equal(out, v.repeat_interleave(hq // hkv, dim=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_softmax_recompute_varlen_single_key_sequences(device, dtype):
+    """8 packed sequences of one query and one key: dQ and dK exactly 0."""
+    torch.manual_seed(1)
+    n, heads, d = 8, 4, 64
+    q, k, v = (torch.randn(n, heads, d, device=device).to(dtype) for _ in range(3))
+    cu = torch.arange(n + 1, dtype=torch.int32, device=device)
+    call = functools.partial(fusedllm.attention_varlen, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1,
+                             max_seqlen_k=1)
+    out, dq, dk, dv = _grads(call, q, k, v, torch.randn_like(q))
+    assert torch.count_nonzero(dq).item() == 0 and torch.count_nonzero(dk).item() == 0
+
+
+@pytest.mark.parametrize("size", [5.0, 50.0, 500.0])
+@pytest.mark.parametrize("keys", [40, 200])
+def test_softmax_recompute_matches_forward_probabilities(device, size, keys):
+    """float32: the probabilities the backward recomputes from the lse equal
+    the forward's to rounding, whatever the scores' size (|lse| ulps apart
+    when the output was normalized by 1 / sum, 3e-5 at scores of 500). One
+    query row and V = I make the output the forward's probabilities and, with
+    dO = 1, dV's rows the backward's (exact products); scores spread by 2% of
+    `size` around it, summed over 64 terms."""
+    torch.manual_seed(2)
+    d = max(64, keys)
+    u = torch.nn.functional.normalize(torch.randn(d, dtype=torch.float64), dim=0)
+    k = (u + 0.02 * torch.randn(keys, d, dtype=torch.float64)).float()
+    q = (u * size * d ** 0.5).float()
+    q, k = q.view(1, 1, 1, d).to(device), k.view(1, 1, keys, d).to(device)
+    v = torch.eye(keys, d, device=device).view(1, 1, keys, d)
+    out, _, _, dv = _grads(fusedllm.attention, q, k, v, torch.ones(1, 1, 1, d, device=device))
+    forward = out[0, 0, 0, :keys].double()
+    recomputed = dv[0, 0, :, 0].double()
+    # exp(x) in float32 is good to |x| ulps at best (x's own rounding): a few
+    # ulps where p is near 1, more for the small ones.
+    ulps = (forward - recomputed).abs() / forward / 2**-24
+    allowed = 8 + 2 * -forward.log()
+    worst = (ulps / allowed).max().item()
+    assert worst <= 1, f"backward's probabilities {worst:.3g}x the allowed distance from the forward's"
+
+
 def test_causal_is_bottom_right_where_sdpa_is_top_left(device):
     """With q_len < kv_len (a KV cache) the queries are the last positions."""
     q, k, v = make_qkv(1, 4, 2, 5, 12, 16, torch.float32, device)

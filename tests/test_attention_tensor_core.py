@@ -29,16 +29,18 @@ assert_close = functools.partial(checks.assert_close, upcast=True)
 
 FORWARD = "attention_mma_forward_kernel"
 SIMT_FORWARD = "attention_forward_kernel"
+DELTA, SIMT_DELTA = "attention_mma_delta_kernel", "attention_delta_kernel"
 DQ, SIMT_DQ = "attention_mma_dq_kernel", "attention_dq_kernel"
 DKDV, SIMT_DKDV = "attention_mma_dkdv_kernel", "attention_dkdv_kernel"
 MAX_DKDV_HEAD_DIM = 128  # wider heads: dK and dV on the SIMT kernel (tc::kMaxDkdvHeadDim)
 
 
 def backward_kernels(head_dim):
-    """The backward kernels the tensor-core path launches, and those it must not."""
+    """The backward kernels the tensor-core path launches, and those it must not
+    (each dP kernel has its delta, summed as it sums dP)."""
     if head_dim <= MAX_DKDV_HEAD_DIM:
-        return (DQ, DKDV), (SIMT_DQ, SIMT_DKDV)
-    return (DQ, SIMT_DKDV), (SIMT_DQ, DKDV)
+        return (DELTA, DQ, DKDV), (SIMT_DELTA, SIMT_DQ, SIMT_DKDV)
+    return (DELTA, DQ, SIMT_DELTA, SIMT_DKDV), (SIMT_DQ, DKDV)
 
 
 def _emulator():
@@ -129,8 +131,8 @@ def test_dispatch_picks_the_kernel(device, dtype, hq, hkv, sq, expected):
     if counts is None:
         pytest.skip("only the emulator counts launches")
     # The backward follows the forward's choice.
-    tensor_cores = (FORWARD, DQ, DKDV)
-    simt = (SIMT_FORWARD, SIMT_DQ, SIMT_DKDV)
+    tensor_cores = (FORWARD, DELTA, DQ, DKDV)
+    simt = (SIMT_FORWARD, SIMT_DELTA, SIMT_DQ, SIMT_DKDV)
     ran, other = (tensor_cores, simt) if expected == FORWARD else (simt, tensor_cores)
     check_ran(counts, *ran, absent=other)
     ref, _ = ref_attention(q.double(), k.double(), v.double())
@@ -158,7 +160,7 @@ def test_build_lists_the_attention_kernels(device):
     fusedllm.attention(*make_qkv(1, 2, 2, 3, 3, 8, torch.float32, device))  # an op for the simt fixture
     simt = _emulator()
     names = simt._simt.attention_kernels() if simt is not None else fusedllm.build_info()["cuda_attention_kernels"]
-    for kernel in (FORWARD, SIMT_FORWARD, DQ, SIMT_DQ, DKDV, SIMT_DKDV):
+    for kernel in (FORWARD, SIMT_FORWARD, DELTA, SIMT_DELTA, DQ, SIMT_DQ, DKDV, SIMT_DKDV):
         assert any(name.startswith(kernel + " ") for name in names), (kernel, names)
 
 

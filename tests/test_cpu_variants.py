@@ -36,7 +36,7 @@ OPS = {
              ("rope",)),
     "attention": ("test_attention.py",
                   "test_matches_reference or (masks_match_reference and float32) or dropout_matches "
-                  "or strided or test_gradcheck_float64 or decoding_tiles",
+                  "or strided or test_gradcheck_float64 or decoding_tiles or softmax_recompute",
                   ("attention_forward", "attention_backward")),
     "attention options": ("test_attention_options.py",
                           "(option_matches_reference and float32 and (17x17 or 1x300)) or "

@@ -20,14 +20,19 @@ namespace {
 // Per-slot scratch of the backward pass.
 template <typename acc_t>
 struct BackwardScratch {
-  acc_t *qt, *dot, *qs, *dor, *dq, *s, *dp, *kbuf, *vbuf, *shift, *delta, *z, *cap_slope, *cols;
+  acc_t *qt, *dot, *ot, *qs, *dor, *orows, *q_along, *dq, *s, *sr, *dp, *kbuf, *vbuf, *shift, *delta, *z,
+      *cap_slope, *cols;
   BackwardScratch(const Tiling<acc_t>& t, Arena& m)
       : qt(m.take<acc_t>(t.d * t.rows_pad)),
         dot(m.take<acc_t>(t.d * t.rows_pad)),
+        ot(m.take<acc_t>(t.d_pad * t.rows_pad)),
         qs(m.take<acc_t>(t.rows_pad * t.d_pad)),
         dor(m.take<acc_t>(t.rows_pad * t.d_pad)),
+        orows(m.take<acc_t>(t.rows_pad * t.d_pad)),
+        q_along(m.take<acc_t>(t.rows_pad * t.d_pad)),
         dq(m.take<acc_t>(t.rows_pad * t.d_pad)),
         s(m.take<acc_t>(t.block_k * t.rows_pad)),
+        sr(m.take<acc_t>(16 * round_up(t.block_k, 16))),
         dp(m.take<acc_t>(t.block_k * t.rows_pad)),
         kbuf(m.take<acc_t>(t.block_k * t.d_pad)),
         vbuf(m.take<acc_t>(t.block_k * t.d_pad)),
@@ -71,19 +76,17 @@ struct BackwardPlan {
   }
 };
 
-// The call's workspace: delta per query row; dK/dV rows unless they
-// accumulate in place; with chunks, every chunk's partial dQ; a
-// BackwardScratch per slot.
+// The call's workspace: dK/dV rows unless they accumulate in place; with
+// chunks, every chunk's partial dQ; a BackwardScratch per slot.
 template <typename T>
 struct BackwardWorkspace {
   using acc_t = typename VecIO<T>::acc_t;
-  acc_t *delta, *dk, *dv, *dq_partial;
+  acc_t *dk, *dv, *dq_partial;
   int64_t scratch_stride;  // bytes
   char* scratch;
 
-  BackwardWorkspace(const BackwardPlan<T>& p, Arena& zeroed, Arena& plain)
-      : delta(plain.take<acc_t>(p.n_q_rows)),
-        dk(p.in_place ? nullptr : zeroed.take<acc_t>(p.kv_rows * p.t.d_pad)),
+  BackwardWorkspace(const BackwardPlan<T>& p, Arena& zeroed, Arena& /*plain*/)
+      : dk(p.in_place ? nullptr : zeroed.take<acc_t>(p.kv_rows * p.t.d_pad)),
         dv(p.in_place ? nullptr : zeroed.take<acc_t>(p.kv_rows * p.t.d_pad)),
         dq_partial(p.chunks > 1 ? zeroed.take<acc_t>(p.chunks * p.n_q_rows * p.t.d_pad) : nullptr),
         scratch_stride(BackwardScratch<acc_t>::bytes(p.t)),
@@ -123,44 +126,19 @@ template <typename T>
 struct BackwardKernel {
   using acc_t = typename VecIO<T>::acc_t;
 
-  // delta[row] = sum(dO * O) over head_dim, rows in QueryRows order.
-  static void compute_delta(const AttentionBackwardArgs& a, acc_t* delta) {
-    using IO = VecIO<T>;
-    using AV = typename IO::AV;
-    const attn::QueryRows rows = a.rows;
-    const int64_t n_rows = rows.count(a.batch);
-    const int64_t d = a.head_dim;
-    at::parallel_for(0, n_rows, std::max<int64_t>(1, 8192 / d), [&](int64_t begin, int64_t end) {
-      const T* go = static_cast<const T*>(a.grad_out.data);
-      const T* out = static_cast<const T*>(a.out.data);
-      const AttentionOperand g_op = a.grad_out, o_op = a.out;
-      for (int64_t row = begin; row < end; ++row) {
-        const int64_t b = rows.batch(row), h = rows.head(row);
-        const int64_t pos = a.seqs.q_start(b) + rows.pos(row);
-        const T* gr = go + b * g_op.batch_stride + h * g_op.head_stride + pos * g_op.seq_stride;
-        const T* orow = out + b * o_op.batch_stride + h * o_op.head_stride + pos * o_op.seq_stride;
-        delta[row] = row_sum<IO>(d, [=](int64_t j, int64_t c, AV(&acc)[IO::kParts]) {
-          AV x[IO::kParts], y[IO::kParts];
-          load_step<IO>(gr + j, c, x);
-          load_step<IO>(orow + j, c, y);
-          for (int q = 0; q < IO::kParts; ++q) acc[q] = at::vec::fmadd(x[q], y[q], acc[q]);
-        });
-      }
-    });
-  }
-
   // One task: kv head g of batch b, key tiles chunk, chunk + chunks, ...;
   // accumulates dK (already scaled) and dV rows into dk/dv (leading dim d_pad)
   // and writes dQ of every query tile (scaled into grad_q when chunks == 1,
   // else unscaled into this chunk's partial rows).
   static void task(const AttentionBackwardArgs& a, const Tiling<acc_t>& t, BackwardScratch<acc_t> w,
-                   int64_t b, int64_t g, int64_t chunk, int64_t chunks, const acc_t* delta_all,
-                   acc_t* dk, acc_t* dv, acc_t* dq_partial) {
+                   int64_t b, int64_t g, int64_t chunk, int64_t chunks, acc_t* dk, acc_t* dv,
+                   acc_t* dq_partial) {
     const int64_t kss = a.k.seq_stride, vss = a.v.seq_stride;
     const int64_t q_start = a.seqs.q_start(b), k_start = a.seqs.k_start(b);
     const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride + q_start * a.q.seq_stride;
     const T* go = static_cast<const T*>(a.grad_out.data) + b * a.grad_out.batch_stride +
                   q_start * a.grad_out.seq_stride;
+    const T* out = static_cast<const T*>(a.out.data) + b * a.out.batch_stride + q_start * a.out.seq_stride;
     const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + g * a.k.head_stride +
                  k_start * kss;
     const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + g * a.v.head_stride +
@@ -184,13 +162,31 @@ struct BackwardKernel {
     uint32_t* const k_pairs = reinterpret_cast<uint32_t*>(w.kbuf);
     uint32_t* const k_across = k_pairs + t.block_k * d_pad / 2;
     uint32_t* const v_pairs = reinterpret_cast<uint32_t*>(w.vbuf);
+    uint32_t* const o_pairs = reinterpret_cast<uint32_t*>(w.ot);
+    uint32_t* const q_along = reinterpret_cast<uint32_t*>(w.q_along);
 #endif
+#if defined(__AVX2__)
+    constexpr bool kFloatLanes = !kPairs && std::is_same_v<acc_t, float>;
+#endif
+    const int64_t sr_ld = round_up(t.block_k, 16);  // of the rows x keys scores in w.sr (narrow tiles)
+    const auto key_row = [&](int64_t j) { return k + j * kss; };
 
     for (int64_t qt = 0; qt * t.block_q < sq; ++qt) {
       const int64_t p0 = qt * t.block_q;
       const int64_t npos = std::min(t.block_q, sq - p0);
       const int64_t rows = npos * group;
       const int64_t ld = round_up(rows, Vectorized<acc_t>::size());
+      // Tiles the forward scored with the keys along the lanes are scored so
+      // here too: the same sums, so the recomputed probabilities are the
+      // forward's (a query seeing one key gets exactly 1).
+      bool narrow = false;
+#if defined(__AVX512BF16__)
+      if constexpr (kPairs) narrow = rows <= kNarrowRows;
+#endif
+#if defined(__AVX2__)
+      if constexpr (kFloatLanes) narrow = rows <= kNarrowRows;
+#endif
+      if (narrow) std::fill(w.sr + rows * sr_ld, w.sr + ld * sr_ld, acc_t(0));  // rows past `rows` transpose to 0
       // With several chunks each owns the global key tiles chunk, chunk + chunks, ...
       const KeyTiles tiles(mask, p0, p0 + npos, t.block_k, chunks > 1);
       int64_t i0 = 0;
@@ -215,21 +211,27 @@ struct BackwardKernel {
           const int64_t packed = (rows + 1) / 2 * d_pad;
           std::fill(q_across + packed, q_across + ld / 2 * d_pad, 0u);
           std::fill(do_across + packed, do_across + ld / 2 * d_pad, 0u);
+          if (narrow) {
+            for (int64_t i = 0; i < rows; ++i) pack_rows_along(q_row(i), 0, 1, d, q_along + i * dp, dp);
+          }
+          // delta = rowsum(dO * O), summed as dP sums dO . v (below)
+          pack_rows_transposed(
+              [&](int64_t i) { return t.row_in(out, a.out.head_stride, a.out.seq_stride, g, p0, i); }, rows, ld, d,
+              o_pairs);
+          column_dots_pairs(dp, o_pairs, dop, ld, w.delta);
 #endif
         } else {
           gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, scale, w.qs, w.qt);
           gather_both(go, a.grad_out.head_stride, a.grad_out.seq_stride, t, g, p0, rows, ld, acc_t(1),
                       w.dor, w.dot);
+          // delta = rowsum(dO * O), summed as dP sums dO . v (below): a row
+          // whose output is one key's value row (that key alone visible) gets
+          // dP - delta = 0 exactly, so dQ and dK exactly 0.
+          gather_both(out, a.out.head_stride, a.out.seq_stride, t, g, p0, rows, ld, acc_t(1), w.orows, w.ot);
+          column_dots(d, w.ot, w.dot, ld, w.delta);
         }
         for (int64_t i = 0; i < ld; ++i) {
-          if (i < rows) {
-            const int64_t row = t.row_of(b, g, p0, i);
-            w.shift[i] = attn::ScalarOps<acc_t>::finite_or_zero(lse[row]);
-            w.delta[i] = delta_all[row];
-          } else {
-            w.shift[i] = 0;
-            w.delta[i] = 0;
-          }
+          w.shift[i] = i < rows ? attn::ScalarOps<acc_t>::finite_or_zero(lse[t.row_of(b, g, p0, i)]) : acc_t(0);
         }
       }
 
@@ -244,7 +246,13 @@ struct BackwardKernel {
           pack_rows_along(k + j0 * kss, kss, nk, d, k_pairs, dp);
           pack_rows_along(v + j0 * vss, vss, nk, d, v_pairs, dp);
           pack_rows_across([&](int64_t j) { return k + (j0 + j) * kss; }, nk, d, k_across, d_pad);
-          gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, k_pairs, dp, qp, ld, w.s, ld, nullptr, scale);
+          if (narrow) {
+            scores_along_keys<KeyLanes<Pairs::kBf16>>([&](int64_t j) { return key_row(j0 + j); }, nk, d, q_along, dp,
+                                                      rows, w.sr, sr_ld, scale, nullptr);
+            transpose_16_rows(w.sr, sr_ld, nk, w.s);
+          } else {
+            gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, k_pairs, dp, qp, ld, w.s, ld, nullptr, scale);
+          }
           gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, v_pairs, dp, dop, ld, w.dp, ld);
 #endif
         } else {
@@ -253,7 +261,22 @@ struct BackwardKernel {
           k_ld = v_ld = d;
           if (kp == nullptr) kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, w.kbuf, k_ld);
           if (vp == nullptr) vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
-          gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
+          bool scored = false;
+#if defined(__AVX2__)
+          if constexpr (kFloatLanes) {
+            if (narrow) {  // Q * scale rows in qs
+              scores_along_keys<FloatKeyLanes>([&](int64_t j) { return key_row(j0 + j); }, nk, d, w.qs, d_pad, rows,
+                                               w.sr, sr_ld, 1.0f, nullptr);
+#if defined(__AVX512F__)
+              transpose_16_rows(w.sr, sr_ld, nk, w.s);
+#else
+              transpose(w.sr, sr_ld, ld, round_up(nk, ld), w.s, ld);
+#endif
+              scored = true;
+            }
+          }
+#endif
+          if (!scored) gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
           gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, vp, v_ld, w.dot, ld, w.dp, ld);
         }
         const TileRows tile{b, g, group, p0, npos, j0, nk};
@@ -332,8 +355,6 @@ struct BackwardKernel {
     const int64_t n_q_rows = p.n_q_rows, kv_rows = p.kv_rows, chunks = p.chunks;
     const bool in_place = p.in_place;
 
-    compute_delta(a, ws.delta);
-
     acc_t* dk = ws.dk;
     acc_t* dv = ws.dv;
     if (in_place) {
@@ -345,7 +366,6 @@ struct BackwardKernel {
       });
     }
     acc_t* dq_p = ws.dq_partial;
-    const acc_t* delta_p = ws.delta;
 
     run_tasks(p.n_tasks, p.slots, [&](int64_t task_index, int64_t slot) {
       const int64_t chunk = task_index % chunks;
@@ -354,8 +374,7 @@ struct BackwardKernel {
       const BackwardScratch<acc_t> w = ws.slot(t, slot);
       acc_t* dq_rows = dq_p != nullptr ? dq_p + chunk * n_q_rows * t.d_pad : nullptr;
       const int64_t kv_row0 = a.key_rows.row(b, g, 0);
-      task(a, t, w, b, g, chunk, chunks, delta_p, dk + kv_row0 * t.d_pad, dv + kv_row0 * t.d_pad,
-           dq_rows);
+      task(a, t, w, b, g, chunk, chunks, dk + kv_row0 * t.d_pad, dv + kv_row0 * t.d_pad, dq_rows);
     });
 
     if (!in_place) {

@@ -18,12 +18,6 @@ inline namespace CPU_CAPABILITY {
 namespace flash {
 namespace {
 
-// Query rows up to which the bfloat16 scores are computed with the keys along
-// the vector lanes (S = Q K^T; transposed only for the score modifications and
-// masks): the S^T = K Q^T product puts the rows along the lanes, 16 of which
-// hold a decoding step's 4 or 8 rows.
-constexpr int64_t kNarrowRows = 8;
-
 // Keys per tile of a decoding step (at most kNarrowRows query rows per kv
 // head), so that the tile's packed K and V (float32 copies on the float32
 // path) stay in the level-1 cache beside the scores: a budget of head dims x
@@ -554,11 +548,12 @@ struct ForwardKernel {
     }
 
     for (int64_t i = 0; i < rows; ++i) {
-      const acc_t inv = attn::row_inv_sum(w.row_sum[i]);
+      const acc_t lse = attn::row_lse(w.row_max[i], w.row_sum[i]);
+      const acc_t norm = attn::row_norm(w.row_max[i], w.row_sum[i], lse);
       const acc_t* src = w.o + i * d_pad;
       acc_t* dst = o_out + i * o_ld;
-      for (int64_t c = 0; c < d; ++c) dst[c] = src[c] * inv;
-      lse_out[i] = attn::row_lse(w.row_max[i], w.row_sum[i]);
+      for (int64_t c = 0; c < d; ++c) dst[c] = src[c] * norm;
+      lse_out[i] = lse;
     }
   }
 

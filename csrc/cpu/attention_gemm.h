@@ -185,6 +185,26 @@ void gemm(int64_t M, int64_t N, int64_t K, const acc_t* a, int64_t lda, const ac
   }
 }
 
+// out[c] = sum over k < K of x[k * ld + c] y[k * ld + c] for c < ld (a
+// multiple of the vector width), summed as micro_kernel sums one element of
+// A B (kKC terms at a time from zero, the chunks added in turn): equal rows
+// give the value their product there has, to the bit.
+template <typename acc_t>
+void column_dots(int64_t K, const acc_t* x, const acc_t* y, int64_t ld, acc_t* out) {
+  using V = Vectorized<acc_t>;
+  for (int64_t c = 0; c < ld; c += V::size()) {
+    V total(acc_t(0));
+    for (int64_t k0 = 0; k0 < K; k0 += kKC) {
+      V part(acc_t(0));
+      for (int64_t k = k0; k < std::min(K, k0 + kKC); ++k) {
+        part = at::vec::fmadd(V::loadu(x + k * ld + c), V::loadu(y + k * ld + c), part);
+      }
+      total = k0 == 0 ? part : total + part;
+    }
+    total.store(out + c);
+  }
+}
+
 // Whether a T operand's products run on the pair kernels below in this variant.
 template <typename T>
 constexpr bool kPairProducts =
@@ -595,6 +615,20 @@ void gemm_pairs(int64_t M, int64_t N, int64_t KP, const uint32_t* a, int64_t lda
                 int64_t ldb, float* c, int64_t ldc, const float* row_scale = nullptr,
                 float out_scale = 1.0f, const float* a_scale = nullptr) {
   gemm_pairs<kA, kLoadC, kP>(M, N, KP, a, lda, PackedB{b, ldb}, c, ldc, row_scale, out_scale, a_scale);
+}
+
+// column_dots over pair words (KP of them, word p of column c at
+// x[p * ld + c], as pack_rows_transposed leaves them), summed as
+// micro_kernel_pairs sums one element: one chain of vdpbf16ps from zero.
+inline void column_dots_pairs(int64_t KP, const uint32_t* x, const uint32_t* y, int64_t ld, float* out) {
+  for (int64_t c = 0; c < ld; c += 16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t p = 0; p < KP; ++p) {
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + p * ld + c),
+                             (__m512bh)_mm512_loadu_si512(y + p * ld + c));
+    }
+    _mm512_storeu_ps(out + c, acc);
+  }
 }
 
 // Packing. A pair word: bfloat16 bits of term 2p in the low half, 2p + 1 in

@@ -117,6 +117,12 @@ inline void store_row(const typename VecIO<T>::acc_t* src, int64_t n,
 
 constexpr int64_t kRowsPerTile = 96;  // query rows (positions x group heads) per tile
 constexpr int64_t kKeysPerTile = 96;
+// Query rows up to which a tile's scores are computed with the keys along the
+// vector lanes (S = Q K^T, scores_along_keys; transposed only for the score
+// modifications and masks): the S^T = K Q^T product puts the rows along the
+// lanes, 16 of which hold a decoding step's 4 or 8 rows. The backward scores
+// such tiles the same way, so that it recomputes the forward's scores exactly.
+constexpr int64_t kNarrowRows = 8;
 constexpr int64_t kMinTasks = 8;      // split further below this many independent tasks
 constexpr int64_t kMaxPartialBytes = int64_t(256) << 20;  // cap on split-partial scratch
 // Multiply-adds of QK^T below which a call runs on the calling thread: waking

@@ -265,7 +265,7 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
     if (row >= rows_total) continue;
     const int64_t out_row = rows.row_of_group_row(b, g, row);
     acc_t lse_r = attn::row_lse(m[r], l[r]);
-    acc_t factor = attn::row_inv_sum(l[r]);
+    acc_t factor = attn::row_norm(m[r], l[r], lse_r);
     if (slices.count > 1) {  // this slice's normalized output and lse; the sink joins in the merge
       acc_t* part = slices.out + (slice * slices.rows + out_row) * d;
 #pragma unroll
@@ -414,18 +414,29 @@ struct CudaAttention {
     check_grid(p.shape);
     const Stream stream = current_stream();
     const AttentionShape& s = p.shape;
-    at::Tensor delta = at::empty({p.rows.count(s.batch)}, p.q.options().dtype(lse_dtype(p.q)));
-    launch_attention_delta(p, delta, stream);
     const bool tensor_cores = choose_attention_kernel(p, p.q.scalar_type()) == AttentionKernel::kTensorCore;
+    const bool mma_dkdv = tensor_cores && s.head_dim <= tc::kMaxDkdvHeadDim;
+    // delta = rowsum(dO * O) summed as each kernel sums its dP = dO . v: on
+    // the tensor cores for theirs, as the SIMT kernels do for those.
+    const auto delta_rows = [&] { return at::empty({p.rows.count(s.batch)}, p.q.options().dtype(lse_dtype(p.q))); };
+    at::Tensor delta_tc, delta_simt;
     if (tensor_cores) {
-      launch_attention_mma_dq(p, delta, stream);
-    } else {
-      launch_attention_dq(p, delta, stream);
+      delta_tc = delta_rows();
+      launch_attention_mma_delta(p, delta_tc, stream);
     }
-    if (tensor_cores && s.head_dim <= tc::kMaxDkdvHeadDim) {
-      launch_attention_mma_dkdv(p, delta, stream);
+    if (!mma_dkdv) {
+      delta_simt = delta_rows();
+      launch_attention_delta(p, delta_simt, stream);
+    }
+    if (tensor_cores) {
+      launch_attention_mma_dq(p, delta_tc, stream);
     } else {
-      launch_attention_dkdv(p, delta, stream);
+      launch_attention_dq(p, delta_simt, stream);
+    }
+    if (mma_dkdv) {
+      launch_attention_mma_dkdv(p, delta_tc, stream);
+    } else {
+      launch_attention_dkdv(p, delta_simt, stream);
     }
   }
 };
@@ -433,8 +444,10 @@ struct CudaAttention {
 }  // namespace
 
 std::vector<std::string> attention_kernels() {
-  return {"attention_forward_kernel (SIMT)", "attention_dq_kernel (SIMT)", "attention_dkdv_kernel (SIMT)",
+  return {"attention_forward_kernel (SIMT)", "attention_delta_kernel (SIMT)", "attention_dq_kernel (SIMT)",
+          "attention_dkdv_kernel (SIMT)",
           "attention_mma_forward_kernel (tensor cores: bfloat16/float16, sm_80+)",
+          "attention_mma_delta_kernel (tensor cores: bfloat16/float16, sm_80+)",
           "attention_mma_dq_kernel (tensor cores: bfloat16/float16, sm_80+)",
           "attention_mma_dkdv_kernel (tensor cores: bfloat16/float16, sm_80+, head dims up to 128)"};
 }

@@ -1,28 +1,36 @@
-// attention backward on CUDA, first part: delta = rowsum(dO * O), then dQ (SIMT).
+// attention backward on CUDA (SIMT), first part: delta = rowsum(dO * O), then dQ.
 #include "attention.cuh"
 
 namespace fusedllm::cuda {
 namespace {
 
-// delta[row] = sum(dO * O) over head_dim, one warp per row (QueryRows order).
-template <typename T>
-__global__ void attention_delta_kernel(const T* __restrict__ grad_out, Strides gs,
-                                       const T* __restrict__ out, Strides os,
-                                       at::opmath_type<T>* __restrict__ delta, attn::QueryRows rows,
-                                       attn::Seqs seqs, int64_t n_rows, int d) {
+// delta = rowsum(dO * O) of a tile of rows (position, head) of kv head g,
+// staged and summed as the dQ and dK/dV kernels stage and sum dP = dO . v
+// (smem_dot): a row whose output is one key's value row (that key alone
+// visible) gets dP - delta = 0 exactly, and so dQ and dK exactly 0.
+template <typename T, int kDL>
+__global__ void attention_delta_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restrict__ out,
+                                       Strides os, at::opmath_type<T>* __restrict__ delta, attn::QueryRows rows,
+                                       attn::Seqs seqs, int d) {
   using acc_t = at::opmath_type<T>;
-  const int lane = threadIdx.x % kWarpSize;
-  const int64_t warps_per_block = blockDim.x / kWarpSize;
-  for (int64_t row = blockIdx.x * warps_per_block + threadIdx.x / kWarpSize; row < n_rows;
-       row += static_cast<int64_t>(gridDim.x) * warps_per_block) {
-    const int64_t b = rows.batch(row), h = rows.head(row);
-    const int64_t pos = seqs.q_start(b) + rows.pos(row);  // in the operand (packed: from its start)
-    const T* g = grad_out + b * gs.b + h * gs.h + pos * gs.s;
-    const T* o = out + b * os.b + h * os.h + pos * os.s;
-    acc_t sum = 0;
-    for (int c = lane; c < d; c += kWarpSize) sum += static_cast<acc_t>(g[c]) * static_cast<acc_t>(o[c]);
-    sum = warp_reduce_sum(sum);
-    if (lane == 0) delta[row] = sum;
+  using C = Cfg<acc_t, kDL>;
+  acc_t* do_s = dynamic_shared<acc_t>();
+  acc_t* o_s = do_s + C::kDqRows * C::kLd;
+  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int64_t rows_total = seqs.q_len(b) * rows.group;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * C::kDqRows;
+  if (row0 >= rows_total) return;  // past this (packed) sequence's end
+  const int64_t q_start = seqs.q_start(b);
+  stage_rows<T, acc_t, C::kD, C::kLd>(do_s, C::kDqRows, grad_out + b * gs.b + q_start * gs.s, gs, rows, g, row0,
+                                       rows_total, d, acc_t(1));
+  stage_rows<T, acc_t, C::kD, C::kLd>(o_s, C::kDqRows, out + b * os.b + q_start * os.s, os, rows, g, row0,
+                                       rows_total, d, acc_t(1));
+  __syncthreads();
+  const int64_t row = row0 + threadIdx.x;
+  if (threadIdx.x < C::kDqRows && row < rows_total) {
+    const int d_vec = (d + C::kVec - 1) / C::kVec * C::kVec;
+    delta[rows.row_of_group_row(b, g, row)] =
+        smem_dot<acc_t, C::kVec>(do_s + threadIdx.x * C::kLd, o_s + threadIdx.x * C::kLd, d_vec);
   }
 }
 
@@ -149,16 +157,19 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
 void launch_attention_delta(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream) {
   const AttentionShape& s = p.shape;
   const attn::QueryRows rows = rows_of(p);
-  const int64_t n_rows = rows.count(s.batch);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.scalar_type(), "fusedllm_attention_delta_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const int delta_threads = 256;
-    const int64_t warps = delta_threads / kWarpSize;
-    const int delta_blocks = static_cast<int>(std::min<int64_t>((n_rows + warps - 1) / warps, 65535));
-    launch("attention_delta_kernel", attention_delta_kernel<scalar_t>, delta_blocks, delta_threads,
-           0, stream, p.grad_out.const_data_ptr<scalar_t>(), strides_of(p.grad_out),
-           p.out.const_data_ptr<scalar_t>(), strides_of(p.out), delta.mutable_data_ptr<acc_t>(),
-           rows, p.seqs, n_rows, static_cast<int>(s.head_dim));
+    with_head_dim(s.head_dim, [&](auto DL) {
+      constexpr int kDL = decltype(DL)::value;
+      using C = Cfg<acc_t, kDL>;
+      const size_t smem = sizeof(acc_t) * C::kLd * 2 * C::kDqRows;
+      const dim3 grid(static_cast<unsigned>((rows.group_rows() + C::kDqRows - 1) / C::kDqRows),
+                      static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+      launch("attention_delta_kernel", attention_delta_kernel<scalar_t, kDL>, grid, C::kDqWarps * kWarpSize, smem,
+             stream, p.grad_out.const_data_ptr<scalar_t>(), strides_of(p.grad_out),
+             p.out.const_data_ptr<scalar_t>(), strides_of(p.out), delta.mutable_data_ptr<acc_t>(), rows, p.seqs,
+             static_cast<int>(s.head_dim));
+    });
   });
 }
 

@@ -5,9 +5,10 @@
 // owns 16 rows. K/V tiles are double-buffered (cp.async for the next tile
 // while the tensor cores work on this one). Per tile: S = Q K^T on the tensor
 // cores, the online softmax on S's accumulator fragments in registers (row
-// statistics over a quad of lanes, exp2 on log2-scaled scores), P rounded to
-// 16 bits straight into A fragments and O += P V. Key tiles outside the
-// block's causal / window bounds are never staged.
+// statistics over a quad of lanes), P rounded to 16 bits straight into A
+// fragments and O += P V. Key tiles outside the block's causal / window
+// bounds are never staged; a plain call (no score modifier, no tensor mask)
+// tests each score's visibility only in the tiles that a bound cuts.
 #include "attention_mma.cuh"
 
 namespace fusedllm::cuda {
@@ -69,10 +70,11 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
     hi[half] = valid[half] ? attn::key_end(mask, pos[half]) : 0;
   }
   const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
-  const float scale_log2 = scale * tc::kLog2e;
+  // Keys both of this lane's rows see (rows past the end see none).
+  const int64_t all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
 
   mma::FragC o[kN];
-  float m[2] = {-kInf, -kInf}, l[2] = {0.f, 0.f};  // running max (log2 units), this lane's sum
+  float m[2] = {-kInf, -kInf}, l[2] = {0.f, 0.f};  // running max, this lane's sum
   for (int64_t tile = 0; tile < n_tiles; ++tile) {
     tc::pipeline_next(tile, n_tiles, stage_kv);
     const int buffer = static_cast<int>(tile % 2);
@@ -81,33 +83,37 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
     mma::FragC s[kKeys / 8];
     tc::mma_rows_rows<T, kD, kKeys, kStride>(s, q_s + warp * 16 * kStride, k_s + buffer * kKeys * kStride);
 
-    // Scores in log2 units, -inf where a key is not visible.
+    // Scores, -inf where a key is not visible.
     float tile_max[2] = {-kInf, -kInf};
+    if (plain && j0 >= all_lo && j0 + kKeys <= all_hi) {
 #pragma unroll
-    for (int n = 0; n < kKeys / 8; ++n) {
+      for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int half = e / 2;
-        const int64_t key = j0 + n * 8 + 2 * quad + (e % 2);
-        float x = -kInf;
-        if (key >= lo[half] && key < hi[half]) {
-          if (plain) {
-            x = s[n].r[e] * scale_log2;
-          } else {
-            const float z = extras.modified<float>(s[n].r[e] * scale, b, head[half], pos[half] + mask.offset,
-                                                   key, nullptr);
-            x = extras.masked(z, b, head[half], pos[half], key) * tc::kLog2e;
-          }
+        for (int e = 0; e < 4; ++e) {
+          s[n].r[e] *= scale;
+          tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n].r[e]);
         }
-        s[n].r[e] = x;
-        tile_max[half] = fmaxf(tile_max[half], x);
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int half = e / 2;
+          const int64_t key = j0 + n * 8 + 2 * quad + (e % 2);
+          const bool visible = key >= lo[half] && key < hi[half];
+          const float x = tc::score(s[n].r[e], visible, plain, scale, extras, mask, b, head[half], pos[half],
+                                    key, nullptr);
+          s[n].r[e] = x;
+          tile_max[half] = fmaxf(tile_max[half], x);
+        }
       }
     }
     float shift[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float alpha = attn::online_softmax_step(m[half], quad_reduce_max(tile_max[half]),
-                                                    shift[half], tc::Exp2Ops{});
+                                                    shift[half], tc::ExpOps{});
       l[half] *= alpha;
 #pragma unroll
       for (int n = 0; n < kN; ++n) {
@@ -120,7 +126,7 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int half = e / 2;
-        float p = exp2f(s[n].r[e] - shift[half]);
+        float p = tc::exp_of_difference(s[n].r[e], shift[half]);
         l[half] += p;  // the sum (and so the lse) is that of the probabilities before dropout
         if (extras.drop.enabled && p > 0.f) {
           p *= extras.keep_factor<float>(b, head[half], pos[half], j0 + n * 8 + 2 * quad + (e % 2));
@@ -140,8 +146,8 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
     if (!valid[half]) continue;
     const int64_t row = row0 + warp * 16 + group + 8 * half;
     const int64_t out_row = rows.row_of_group_row(b, g, row);
-    float lse_r = attn::row_lse(m[half] * tc::kLn2, sum);
-    float factor = attn::row_inv_sum(sum);
+    float lse_r = attn::row_lse(m[half], sum);
+    float factor = attn::row_norm(m[half], sum, lse_r);
     // A sink joins the finished row's denominator: it scales the output and the lse includes it.
     if (extras.mods.sinks != nullptr) factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(head[half]));
     T* o_row = out + out_row * d;

@@ -37,7 +37,6 @@ constexpr int kRows = kWarps * 16;  // query rows of a forward block: 16 per war
 // mostly idle: the SIMT kernel serves them.
 constexpr int64_t kMinRows = 16;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 template <int kD_>
 struct Tile {
@@ -120,16 +119,32 @@ inline bool chunks_aligned(const void* ptr, Strides s) {
 // bytes); cp.async (zero-filling outside the operand) where `chunks` allows and
 // the chunk is whole or past d, element by element otherwise. The caller
 // commits the cp.async group.
+//
+// Where every chunk is whole (chunks and d == kD: the common head dims), a
+// thread's units are unrolled into one cp.async each and a test of the row:
+// the general loop cost about 60 instructions per 16-byte copy in the SASS,
+// half of the forward's key-tile loop.
 template <typename T, int kD, int kTileRows, typename RowFn>
 __device__ __forceinline__ void stage_tile(T* dst, RowFn&& src_row, int d, bool chunks) {
   constexpr int kChunks = kD / 8, kStride = Tile<kD>::kStride;
   constexpr int kSlabsPerOctet = kChunks / 4;  // a slab: 8 rows x 4 chunks, one warp's turn
   static_assert(kTileRows % 8 == 0 && kChunks % 4 == 0, "tiles are whole slabs");
   constexpr int kUnits = kTileRows * kChunks;
+  static_assert(kUnits % kThreads == 0, "every thread copies the same number of chunks");
+  const auto row_of = [](int u) { return 8 * (u / kWarpSize / kSlabsPerOctet) + u % kWarpSize % 8; };
+  const auto col_of = [](int u) { return 8 * (4 * (u / kWarpSize % kSlabsPerOctet) + u % kWarpSize / 8); };
+  if (chunks && d == kD) {
+#pragma unroll
+    for (int i = 0; i < kUnits / kThreads; ++i) {
+      const int u = threadIdx.x + i * kThreads;
+      const int row = row_of(u), col = col_of(u);
+      const T* from = src_row(row);
+      mma::cp_async_16_or_zero(dst + row * kStride + col, from != nullptr ? from + col : dst, from != nullptr);
+    }
+    return;
+  }
   for (int u = threadIdx.x; u < kUnits; u += kThreads) {
-    const int slab = u / kWarpSize, lane = u % kWarpSize;
-    const int row = 8 * (slab / kSlabsPerOctet) + lane % 8;
-    const int col = 8 * (4 * (slab % kSlabsPerOctet) + lane / 8);
+    const int row = row_of(u), col = col_of(u);
     T* to = dst + row * kStride + col;
     const T* from = src_row(row);
     if (chunks && (from == nullptr || col + 8 <= d || col >= d)) {
@@ -150,12 +165,13 @@ __device__ __forceinline__ void stage_tile(T* dst, RowFn&& src_row, int d, bool 
 template <typename T, int kD, int kTileRows>
 __device__ __forceinline__ void stage_key_rows(T* k_dst, T* v_dst, const T* k, int64_t k_stride, const T* v,
                                                int64_t v_stride, int64_t j0, int64_t end, int d, bool chunks) {
-  stage_tile<T, kD, kTileRows>(k_dst, [&](int r) -> const T* {
-    return j0 + r < end ? k + (j0 + r) * k_stride : nullptr;
-  }, d, chunks);
-  stage_tile<T, kD, kTileRows>(v_dst, [&](int r) -> const T* {
-    return j0 + r < end ? v + (j0 + r) * v_stride : nullptr;
-  }, d, chunks);
+  const int n = end - j0 < kTileRows ? static_cast<int>(end - j0) : kTileRows;  // rows present
+  const T* k0 = k + j0 * k_stride;
+  const T* v0 = v + j0 * v_stride;
+  stage_tile<T, kD, kTileRows>(k_dst, [&](int r) -> const T* { return r < n ? k0 + r * k_stride : nullptr; }, d,
+                               chunks);
+  stage_tile<T, kD, kTileRows>(v_dst, [&](int r) -> const T* { return r < n ? v0 + r * v_stride : nullptr; }, d,
+                               chunks);
 }
 
 // Stages rows [r0, r0 + kTileRows) (position, head) of kv head g's group from
@@ -249,11 +265,31 @@ __device__ __forceinline__ void to_a_frags(mma::FragA (&a)[kN / 16], const mma::
   }
 }
 
-// The online-softmax operations on scores in log2 units (exp2 replaces exp:
-// scores are pre-multiplied by log2(e)).
-struct Exp2Ops : attn::ScalarOps<float> {
-  __device__ __forceinline__ static float exp(float x) { return exp2f(x); }
+// exp(x - y) for a score x and a shift y (the running max, or the lse in the
+// backward): the difference first, then to log2 units, so that x == y gives
+// exactly 1 and the backward's exp(score - lse) are the forward's
+// probabilities to rounding (a shift folded into one fused multiply-add,
+// x log2(e) - y log2(e), is off by the rounding of y log2(e), which grows with
+// the scores).
+__device__ __forceinline__ float exp_of_difference(float x, float y) { return exp2f((x - y) * kLog2e); }
+
+// The online-softmax operations with exp as exp_of_difference takes it.
+struct ExpOps : attn::ScalarOps<float> {
+  __device__ __forceinline__ static float exp(float x) { return exp2f(x * kLog2e); }
 };
+
+// The score of (q row, key) from its accumulator value, -inf when the key is
+// not visible; `plain` (no modifier, no tensor mask): scale times the value.
+// d score / d (scale q . k) in *dcap where asked (the backward).
+__device__ __forceinline__ float score(float acc, bool visible, bool plain, float scale, const ScoreExtras& extras,
+                                       const Mask& mask, int64_t b, int64_t head, int64_t pos, int64_t key,
+                                       float* dcap) {
+  if (dcap != nullptr) *dcap = 1.f;
+  if (!visible) return -std::numeric_limits<float>::infinity();
+  if (plain) return acc * scale;
+  const float z = extras.modified<float>(acc * scale, b, head, pos + mask.offset, key, dcap);
+  return extras.masked(z, b, head, pos, key);
+}
 
 }  // namespace tc
 
@@ -288,6 +324,9 @@ inline AttentionKernel choose_attention_kernel(const AttentionParams& p, at::Sca
 // The tensor-core forward (attention_mma.cu) and backward (attention_mma_backward.cu;
 // dK/dV up to head dim kMaxDkdvHeadDim, the SIMT kernel above it).
 void launch_attention_mma_forward(const AttentionForwardPlan& p, Stream stream);
+// delta = rowsum(dO * O) as the tensor-core dP sums it (the SIMT kernels':
+// launch_attention_delta).
+void launch_attention_mma_delta(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 void launch_attention_mma_dq(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 void launch_attention_mma_dkdv(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 

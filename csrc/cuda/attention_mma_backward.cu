@@ -1,11 +1,11 @@
 // The tensor-core attention backward (bfloat16 / float16, sm_80+), FlashAttention-2
 // style, in two kernels that share nothing but delta = rowsum(dO * O) (computed
-// first by the SIMT delta kernel, attention_dq.cu):
+// first, on the tensor cores as they compute dP):
 //
 //   dQ: a block holds 64 query rows (position, head) of one kv head, as the
 //       forward does, with their Q and dO rows; K/V tiles stream through it
 //       double-buffered. Per tile: S = Q K^T and dP = dO V^T on the tensor
-//       cores, P = exp2(S - lse) and dS = P (dP - delta) on the accumulator
+//       cores, P = exp(S - lse) and dS = P (dP - delta) on the accumulator
 //       fragments, dS rounded to 16 bits straight into A fragments and
 //       dQ += dS K.
 //   dK, dV: a block holds 64 keys of one kv head; tiles of the query rows (of
@@ -21,16 +21,47 @@
 namespace fusedllm::cuda {
 namespace {
 
-// The score of (q row, key) from its accumulator value, in log2 units, and
-// d score / d (scale q . k) in dcap; -inf when the key is not visible.
-__device__ __forceinline__ float score_log2(float acc, bool visible, bool plain, float scale,
-                                            const ScoreExtras& extras, const Mask& mask, int64_t b,
-                                            int64_t head, int64_t pos, int64_t key, float& dcap) {
-  dcap = 1.f;
-  if (!visible) return -std::numeric_limits<float>::infinity();
-  if (plain) return acc * scale * tc::kLog2e;
-  const float z = extras.modified<float>(acc * scale, b, head, pos + mask.offset, key, &dcap);
-  return extras.masked(z, b, head, pos, key) * tc::kLog2e;
+// delta = rowsum(dO * O) of 64 query rows (position, head) of one kv head:
+// each warp's 16 rows as the diagonal of dO O^T, the same tensor-core products
+// in the same order as dP = dO V^T below, so that a row whose output is one
+// key's value row (that key alone visible) gets dP - delta = 0 exactly, and so
+// dQ and dK exactly 0.
+template <typename T, int kD>
+__global__ void __launch_bounds__(tc::kThreads, 1)
+attention_mma_delta_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restrict__ out, Strides os,
+                           float* __restrict__ delta, attn::QueryRows rows, attn::Seqs seqs, int d, bool chunks) {
+#if FUSEDLLM_BELOW_SM80
+  __trap();  // dispatch (choose_attention_kernel) never launches it below sm_80
+#else
+  constexpr int kStride = tc::Tile<kD>::kStride;
+  T* do_s = dynamic_shared<T>();         // [kRows][kStride]
+  T* o_s = do_s + tc::kRows * kStride;   // [kRows][kStride]
+  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int64_t rows_total = seqs.q_len(b) * rows.group;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * tc::kRows;
+  if (row0 >= rows_total) return;  // past this (packed) sequence's end: the whole block
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int group = lane / 4, quad = lane % 4;
+  const int64_t q_start = seqs.q_start(b);
+  tc::stage_group_rows<T, kD, tc::kRows>(do_s, grad_out + b * gs.b + q_start * gs.s, gs, rows, g, row0, rows_total,
+                                         d, chunks);
+  tc::stage_group_rows<T, kD, tc::kRows>(o_s, out + b * os.b + q_start * os.s, os, rows, g, row0, rows_total, d,
+                                         chunks);
+  mma::cp_async_commit();
+  mma::cp_async_wait<0>();
+  __syncthreads();
+  mma::FragC c[2];  // [16 rows, 16 rows]
+  tc::mma_rows_rows<T, kD, 16, kStride>(c, do_s + warp * 16 * kStride, o_s + warp * 16 * kStride);
+  // (row, row) for rows `group` (n-tile 0) and group + 8 (n-tile 1) lies in
+  // the lane of this group whose quad holds column `group`.
+  if (quad != group / 2) return;
+  const float diagonal[2] = {group % 2 != 0 ? c[0].r[1] : c[0].r[0], group % 2 != 0 ? c[1].r[3] : c[1].r[2]};
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = row0 + warp * 16 + group + 8 * half;
+    if (row < rows_total) delta[rows.row_of_group_row(b, g, row)] = diagonal[half];
+  }
+#endif
 }
 
 template <typename T, int kD>
@@ -80,7 +111,7 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
 
   // This lane's two rows (half 0: row `group` of the warp's 16, half 1: group + 8).
   int64_t head[2], pos[2], lo[2], hi[2];
-  float lse2[2], dlt[2];
+  float lse_row[2], dlt[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t row = row0 + warp * 16 + group + 8 * half;
@@ -90,7 +121,7 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
     pos[half] = rows.group_pos(row);
     lo[half] = valid ? attn::key_begin(mask, pos[half]) : 0;
     hi[half] = valid ? attn::key_end(mask, pos[half]) : 0;
-    lse2[half] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[lrow]) * tc::kLog2e : 0.f;
+    lse_row[half] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[lrow]) : 0.f;
     dlt[half] = valid ? delta[lrow] : 0.f;
   }
   const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
@@ -113,9 +144,9 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
         const int64_t key = j0 + n * 8 + 2 * quad + (e % 2);
         const bool visible = key >= lo[half] && key < hi[half];
         float dcap;
-        const float x = score_log2(s[n].r[e], visible, plain, scale, extras, mask, b, head[half], pos[half],
-                                   key, dcap);
-        const float p = exp2f(x - lse2[half]);
+        const float x = tc::score(s[n].r[e], visible, plain, scale, extras, mask, b, head[half], pos[half], key,
+                                  &dcap);
+        const float p = tc::exp_of_difference(x, lse_row[half]);
         float dpe = visible ? dp[n].r[e] : 0.f;
         if (extras.drop.enabled && visible) dpe *= extras.keep_factor<float>(b, head[half], pos[half], key);
         // Through the cap: d score / d (scale q . k) = dcap (1 without one).
@@ -161,7 +192,7 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
   T* v_s = k_s + tc::kRows * kStride;         // [kRows][kStride]
   T* q_s = v_s + tc::kRows * kStride;         // [2][kTile][kStride]
   T* do_s = q_s + 2 * kTile * kStride;        // [2][kTile][kStride]
-  float* lse_s = reinterpret_cast<float*>(do_s + 2 * kTile * kStride);  // [2][kTile], log2 units
+  float* lse_s = reinterpret_cast<float*>(do_s + 2 * kTile * kStride);  // [2][kTile]
   float* delta_s = lse_s + 2 * kTile;                                   // [2][kTile]
 
   const int64_t g = blockIdx.y, b = blockIdx.z;
@@ -193,13 +224,13 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
                                        q_chunks);
     if (threadIdx.x < kTile) {
       const int64_t row = r0 + threadIdx.x;
-      float l2 = 0.f, de = 0.f;
+      float ls = 0.f, de = 0.f;
       if (row < rows_end) {
         const int64_t lrow = rows.row_of_group_row(b, g, row);
-        l2 = attn::ScalarOps<float>::finite_or_zero(lse[lrow]) * tc::kLog2e;
+        ls = attn::ScalarOps<float>::finite_or_zero(lse[lrow]);
         de = delta[lrow];
       }
-      lse_s[buffer * kTile + threadIdx.x] = l2;
+      lse_s[buffer * kTile + threadIdx.x] = ls;
       delta_s[buffer * kTile + threadIdx.x] = de;
     }
   };
@@ -232,8 +263,8 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
         const bool visible = row < rows_end && j < j_end && j >= attn::key_begin(mask, p_row) &&
                              j < attn::key_end(mask, p_row);
         float dcap;
-        const float x = score_log2(s[n].r[e], visible, plain, scale, extras, mask, b, h, p_row, j, dcap);
-        const float p = exp2f(x - lse_s[buffer * kTile + col]);
+        const float x = tc::score(s[n].r[e], visible, plain, scale, extras, mask, b, h, p_row, j, &dcap);
+        const float p = tc::exp_of_difference(x, lse_s[buffer * kTile + col]);
         float keep = 1.f;
         if (extras.drop.enabled && visible) keep = extras.keep_factor<float>(b, h, p_row, j);
         const float dpe = visible ? dp[n].r[e] * keep : 0.f;
@@ -273,6 +304,27 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
 }
 
 }  // namespace
+
+void launch_attention_mma_delta(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream) {
+  const AttentionShape& s = p.shape;
+  const attn::QueryRows rows = rows_of(p);
+  const bool chunks = tc::chunks_aligned(p.grad_out.const_data_ptr(), strides_of(p.grad_out)) &&
+                      tc::chunks_aligned(p.out.const_data_ptr(), strides_of(p.out));
+  tc::with_mma_dtype(p.q.scalar_type(), [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    tc::with_mma_head_dim(s.head_dim, [&](auto D) {
+      constexpr int kD = decltype(D)::value;
+      auto kernel = attention_mma_delta_kernel<T, kD>;
+      const size_t smem = sizeof(T) * tc::Tile<kD>::kStride * 2 * tc::kRows;
+      allow_shared_memory(kernel, smem);
+      const dim3 grid(static_cast<unsigned>((rows.group_rows() + tc::kRows - 1) / tc::kRows),
+                      static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+      launch("attention_mma_delta_kernel", kernel, grid, tc::kThreads, smem, stream,
+             p.grad_out.const_data_ptr<T>(), strides_of(p.grad_out), p.out.const_data_ptr<T>(), strides_of(p.out),
+             delta.mutable_data_ptr<float>(), rows, p.seqs, static_cast<int>(s.head_dim), chunks);
+    });
+  });
+}
 
 void launch_attention_mma_dq(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream) {
   const AttentionShape& s = p.shape;

@@ -396,8 +396,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     for CUDA tensors).
 
     Returns ``[total_q, q_heads, head_dim]`` (a strided view). Equals calling
-    :func:`attention` per sequence for every option; dropout draws its own
-    pattern. Differentiable in ``q``, ``k``, ``v`` and ``sinks``; no ``mask``.
+    :func:`attention` per sequence for every option, to rounding: the packed
+    call may cut its work differently (and on CUDA pick other kernels), so
+    outputs and gradients can differ by up to about one unit in the last place
+    of their largest element; dropout draws its own pattern. Differentiable in ``q``, ``k``, ``v`` and ``sinks``; no ``mask``.
     int8 ``k`` and ``v`` take ``k_scale`` / ``v_scale`` ``[total_k, kv_heads]``
     (see :func:`attention`).
     """

@@ -305,10 +305,16 @@ FUSEDLLM_HOST_DEVICE acc_t row_lse(acc_t running_max, acc_t sum) {
   return sum > acc_t(0) ? running_max + log(sum) : -std::numeric_limits<acc_t>::infinity();
 }
 
-// 1 / sum, or 0 for a row that saw no key (so its output is 0, never NaN).
+// The factor that turns a finished row's sum of exp(score - max) * value
+// into its output: exp(max - lse), lse the row's final log-sum-exp (a sink's
+// included), or 0 for a row that saw no key (so its output is 0, never NaN).
+// The backward recomputes each probability as exp(score - lse): this keeps the
+// forward's probabilities those to rounding whatever the scores' size (1 / sum
+// leaves them off by lse's own rounding, |lse| * 2^-24 in float32), and one
+// visible key gives exactly 1 in both.
 template <typename acc_t>
-FUSEDLLM_HOST_DEVICE acc_t row_inv_sum(acc_t sum) {
-  return sum > acc_t(0) ? acc_t(1) / sum : acc_t(0);
+FUSEDLLM_HOST_DEVICE acc_t row_norm(acc_t running_max, acc_t sum, acc_t lse) {
+  return sum > acc_t(0) ? ScalarOps<acc_t>::exp(running_max - lse) : acc_t(0);
 }
 
 // Weight of a partial result with log-sum-exp `part_lse` in a row whose total

@@ -113,7 +113,7 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float alpha = attn::online_softmax_step(m[half], quad_reduce_max(tile_max[half]),
-                                                    shift[half], tc::ExpOps{});
+                                                    shift[half], attn::ScalarOps<float>{});
       l[half] *= alpha;
 #pragma unroll
       for (int n = 0; n < kN; ++n) {
@@ -125,13 +125,21 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
     for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int half = e / 2;
-        float p = tc::exp_of_difference(s[n].r[e], shift[half]);
-        l[half] += p;  // the sum (and so the lse) is that of the probabilities before dropout
-        if (extras.drop.enabled && p > 0.f) {
-          p *= extras.keep_factor<float>(b, head[half], pos[half], j0 + n * 8 + 2 * quad + (e % 2));
-        }
+        const float p = tc::exp_of_difference(s[n].r[e], shift[e / 2]);
+        l[e / 2] += p;  // the sum (and so the lse) is that of the probabilities before dropout
         s[n].r[e] = p;
+      }
+    }
+    if (extras.drop.enabled) {  // tested once per tile, not per score
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int half = e / 2;
+          if (s[n].r[e] > 0.f) {
+            s[n].r[e] *= extras.keep_factor<float>(b, head[half], pos[half], j0 + n * 8 + 2 * quad + (e % 2));
+          }
+        }
       }
     }
     mma::FragA pa[kKeys / 16];

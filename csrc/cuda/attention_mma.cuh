@@ -36,7 +36,6 @@ constexpr int kRows = kWarps * 16;  // query rows of a forward block: 16 per war
 // Fewer query rows than one warp's m-tile (decoding) leave the tensor cores
 // mostly idle: the SIMT kernel serves them.
 constexpr int64_t kMinRows = 16;
-constexpr float kLog2e = 1.4426950408889634f;
 
 template <int kD_>
 struct Tile {
@@ -120,8 +119,9 @@ inline bool chunks_aligned(const void* ptr, Strides s) {
 // the chunk is whole or past d, element by element otherwise. The caller
 // commits the cp.async group.
 //
-// Where every chunk is whole (chunks and d == kD: the common head dims), a
-// thread's units are unrolled into one cp.async each and a test of the row:
+// Where every chunk is whole (chunks and d == kD: the common head dims) and kD
+// <= 128, a thread's units are unrolled into one cp.async each and a test of
+// the row:
 // the general loop cost about 60 instructions per 16-byte copy in the SASS,
 // half of the forward's key-tile loop.
 template <typename T, int kD, int kTileRows, typename RowFn>
@@ -133,7 +133,10 @@ __device__ __forceinline__ void stage_tile(T* dst, RowFn&& src_row, int d, bool 
   static_assert(kUnits % kThreads == 0, "every thread copies the same number of chunks");
   const auto row_of = [](int u) { return 8 * (u / kWarpSize / kSlabsPerOctet) + u % kWarpSize % 8; };
   const auto col_of = [](int u) { return 8 * (4 * (u / kWarpSize % kSlabsPerOctet) + u % kWarpSize / 8); };
-  if (chunks && d == kD) {
+  // At head dim 256 the unrolled copies' addresses took registers the
+  // forward's accumulators need (it spilled).
+  constexpr bool kUnrolled = kD <= 128;
+  if (kUnrolled && chunks && d == kD) {
 #pragma unroll
     for (int i = 0; i < kUnits / kThreads; ++i) {
       const int u = threadIdx.x + i * kThreads;
@@ -266,17 +269,11 @@ __device__ __forceinline__ void to_a_frags(mma::FragA (&a)[kN / 16], const mma::
 }
 
 // exp(x - y) for a score x and a shift y (the running max, or the lse in the
-// backward): the difference first, then to log2 units, so that x == y gives
-// exactly 1 and the backward's exp(score - lse) are the forward's
-// probabilities to rounding (a shift folded into one fused multiply-add,
-// x log2(e) - y log2(e), is off by the rounding of y log2(e), which grows with
-// the scores).
-__device__ __forceinline__ float exp_of_difference(float x, float y) { return exp2f((x - y) * kLog2e); }
-
-// The online-softmax operations with exp as exp_of_difference takes it.
-struct ExpOps : attn::ScalarOps<float> {
-  __device__ __forceinline__ static float exp(float x) { return exp2f(x * kLog2e); }
-};
+// backward): the difference first, then exp_ftz, so that x == y gives exactly
+// 1 and the backward's exp(score - lse) are the forward's probabilities to
+// rounding (a shift folded into one fused multiply-add, x log2(e) - y log2(e),
+// is off by the rounding of y log2(e), which grows with the scores).
+__device__ __forceinline__ float exp_of_difference(float x, float y) { return exp_ftz(x - y); }
 
 // The score of (q row, key) from its accumulator value, -inf when the key is
 // not visible; `plain` (no modifier, no tensor mask): scale times the value.

@@ -124,7 +124,9 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
     lse_row[half] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[lrow]) : 0.f;
     dlt[half] = valid ? delta[lrow] : 0.f;
   }
-  const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
+  const bool plain = !extras.mods.any_score_mod() && !extras.mask.present() && !extras.drop.enabled;
+  // Keys both of this lane's rows see (rows past the end see none).
+  const int64_t all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
 
   mma::FragC dq[kN];
   for (int64_t tile = 0; tile < n_tiles; ++tile) {
@@ -136,21 +138,34 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
     mma::FragC s[kKeys / 8], dp[kKeys / 8];
     tc::mma_rows_rows<T, kD, kKeys, kStride>(s, q_s + warp * 16 * kStride, k_tile);
     tc::mma_rows_rows<T, kD, kKeys, kStride>(dp, do_s + warp * 16 * kStride, v_s + buffer * kKeys * kStride);
+    // Every key visible to both rows: no test per score (not at head dim 256,
+    // where the second copy of the loop spilled on sm_80).
+    if (kD <= 128 && plain && j0 >= all_lo && j0 + kKeys <= all_hi) {
 #pragma unroll
-    for (int n = 0; n < kKeys / 8; ++n) {
+      for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int half = e / 2;
-        const int64_t key = j0 + n * 8 + 2 * quad + (e % 2);
-        const bool visible = key >= lo[half] && key < hi[half];
-        float dcap;
-        const float x = tc::score(s[n].r[e], visible, plain, scale, extras, mask, b, head[half], pos[half], key,
-                                  &dcap);
-        const float p = tc::exp_of_difference(x, lse_row[half]);
-        float dpe = visible ? dp[n].r[e] : 0.f;
-        if (extras.drop.enabled && visible) dpe *= extras.keep_factor<float>(b, head[half], pos[half], key);
-        // Through the cap: d score / d (scale q . k) = dcap (1 without one).
-        s[n].r[e] = attn::score_grad(p, dpe, dlt[half]) * dcap;
+        for (int e = 0; e < 4; ++e) {
+          const float p = tc::exp_of_difference(s[n].r[e] * scale, lse_row[e / 2]);
+          s[n].r[e] = attn::score_grad(p, dp[n].r[e], dlt[e / 2]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int half = e / 2;
+          const int64_t key = j0 + n * 8 + 2 * quad + (e % 2);
+          const bool visible = key >= lo[half] && key < hi[half];
+          float dcap;
+          const float x = tc::score(s[n].r[e], visible, !extras.mods.any_score_mod() && !extras.mask.present(),
+                                    scale, extras, mask, b, head[half], pos[half], key, &dcap);
+          const float p = tc::exp_of_difference(x, lse_row[half]);
+          float dpe = visible ? dp[n].r[e] : 0.f;
+          if (extras.drop.enabled && visible) dpe *= extras.keep_factor<float>(b, head[half], pos[half], key);
+          // Through the cap: d score / d (scale q . k) = dcap (1 without one).
+          s[n].r[e] = attn::score_grad(p, dpe, dlt[half]) * dcap;
+        }
       }
     }
     mma::FragA ds[kKeys / 16];
@@ -240,7 +255,10 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
   int64_t key[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) key[half] = j0 + warp * 16 + group + 8 * half;
-  const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
+  const bool unmodified = !extras.mods.any_score_mod() && !extras.mask.present();
+  const bool plain = unmodified && !extras.drop.enabled;
+  // This warp's 16 keys (the key range of a row grows with its position).
+  const int64_t warp_j0 = j0 + warp * 16, warp_j1 = warp_j0 + 16;
 
   mma::FragC dk[kN], dv[kN];
   for (int64_t tile = 0; tile < n_tiles; ++tile) {
@@ -253,24 +271,42 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
     mma::FragC s[kTile / 8], dp[kTile / 8];  // S^T and dP^T: [16 keys, kTile rows]
     tc::mma_rows_rows<T, kD, kTile, kStride>(s, k_s + warp * 16 * kStride, q_tile);
     tc::mma_rows_rows<T, kD, kTile, kStride>(dp, v_s + warp * 16 * kStride, do_tile);
+    // Every row of the tile sees every key of this warp: its first row's
+    // range ends after them and its last row's begins before them.
+    const bool inside = plain && r0 + kTile <= rows_end && warp_j1 <= j_end &&
+                        warp_j1 <= attn::key_end(mask, rows.group_pos(r0)) &&
+                        warp_j0 >= attn::key_begin(mask, rows.group_pos(r0 + kTile - 1));
+    if (inside) {
 #pragma unroll
-    for (int n = 0; n < kTile / 8; ++n) {
+      for (int n = 0; n < kTile / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = n * 8 + 2 * quad + (e % 2);
-        const int64_t row = r0 + col, j = key[e / 2];
-        const int64_t p_row = rows.group_pos(row), h = rows.group_head(g, row);
-        const bool visible = row < rows_end && j < j_end && j >= attn::key_begin(mask, p_row) &&
-                             j < attn::key_end(mask, p_row);
-        float dcap;
-        const float x = tc::score(s[n].r[e], visible, plain, scale, extras, mask, b, h, p_row, j, &dcap);
-        const float p = tc::exp_of_difference(x, lse_s[buffer * kTile + col]);
-        float keep = 1.f;
-        if (extras.drop.enabled && visible) keep = extras.keep_factor<float>(b, h, p_row, j);
-        const float dpe = visible ? dp[n].r[e] * keep : 0.f;
-        // Through the cap: d score / d (scale q . k) = dcap (1 without one).
-        dp[n].r[e] = attn::score_grad(p, dpe, delta_s[buffer * kTile + col]) * dcap;
-        s[n].r[e] = p * keep;  // dV sees the probabilities after dropout
+        for (int e = 0; e < 4; ++e) {
+          const int col = n * 8 + 2 * quad + (e % 2);
+          const float p = tc::exp_of_difference(s[n].r[e] * scale, lse_s[buffer * kTile + col]);
+          dp[n].r[e] = attn::score_grad(p, dp[n].r[e], delta_s[buffer * kTile + col]);
+          s[n].r[e] = p;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < kTile / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = n * 8 + 2 * quad + (e % 2);
+          const int64_t row = r0 + col, j = key[e / 2];
+          const int64_t p_row = rows.group_pos(row), h = rows.group_head(g, row);
+          const bool visible = row < rows_end && j < j_end && j >= attn::key_begin(mask, p_row) &&
+                               j < attn::key_end(mask, p_row);
+          float dcap;
+          const float x = tc::score(s[n].r[e], visible, unmodified, scale, extras, mask, b, h, p_row, j, &dcap);
+          const float p = tc::exp_of_difference(x, lse_s[buffer * kTile + col]);
+          float keep = 1.f;
+          if (extras.drop.enabled && visible) keep = extras.keep_factor<float>(b, h, p_row, j);
+          const float dpe = visible ? dp[n].r[e] * keep : 0.f;
+          // Through the cap: d score / d (scale q . k) = dcap (1 without one).
+          dp[n].r[e] = attn::score_grad(p, dpe, delta_s[buffer * kTile + col]) * dcap;
+          s[n].r[e] = p * keep;  // dV sees the probabilities after dropout
+        }
       }
     }
     mma::FragA pa[kTile / 16], dsa[kTile / 16];

@@ -115,6 +115,22 @@ __device__ __forceinline__ T* dynamic_shared() {
 #endif
 }
 
+// e^x as ex2.approx.ftz(x log2(e)): two instructions (a multiply and the MUFU
+// one), where __expf and exp2f, compiled without -ftz, add four that keep
+// subnormal results (probabilities below 2^-126 lose nothing as zeros). The
+// emulated build computes it as __expf (device_math.h) and flushes what the
+// GPU flushes.
+__device__ __forceinline__ float exp_ftz(float x) {
+#if defined(FUSEDLLM_SIMT)
+  const float y = __expf(x);
+  return y < 1.17549435e-38f ? 0.f : y;
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
+  return y;
+#endif
+}
+
 // Maximum over the warp, returned to every lane.
 template <typename T>
 __device__ __forceinline__ T warp_reduce_max(T v) {

@@ -1137,27 +1137,46 @@ def _op_args(q, k, v, **changes):
 
 
 OP_BAD_CALLS = [
-    # only one of the two offset tensors
-    _op_args(_t(9, 4, 8), _t(9, 2, 8), _t(9, 2, 8), cu_seqlens_q=_cu(0, 9), max_seqlen_q=9, max_seqlen_k=9),
-    # dense 4-D tensors with offsets
-    _op_args(_t(1, 4, 9, 8), _t(1, 2, 9, 8), _t(1, 2, 9, 8), cu_seqlens_q=_cu(0, 9), cu_seqlens_k=_cu(0, 9),
-             max_seqlen_q=9, max_seqlen_k=9),
-    # a caller's mask with packed sequences
-    _op_args(_t(9, 4, 8), _t(9, 2, 8), _t(9, 2, 8), mask=_t(9, 9), cu_seqlens_q=_cu(0, 9),
-             cu_seqlens_k=_cu(0, 9), max_seqlen_q=9, max_seqlen_k=9),
-    _op_args(_t(1, 4, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), window_right=-3),
-    _op_args(_t(1, 4, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), sinks=_t(3)),
-    _op_args(_t(1, 4, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), alibi_slopes=_t(2, 4)),
-    _op_args(_t(1, 4, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), alibi_slopes=_t(4).bfloat16()),
-    _op_args(_t(9, 4, 8), _t(9, 2, 8), _t(9, 2, 8), cu_seqlens_q=_cu(0, 9, dtype=torch.int64),
-             cu_seqlens_k=_cu(0, 9), max_seqlen_q=9, max_seqlen_k=9),
-    _op_args(_t(9, 4, 8), _t(9, 2, 8), _t(9, 2, 8), cu_seqlens_q=_cu(0, 9), cu_seqlens_k=_cu(0, 4, 9),
-             max_seqlen_q=9, max_seqlen_k=9),
+    pytest.param(ValueError, r"cu_seqlens_q and cu_seqlens_k go together",
+                 _op_args(_t(9, 4, 8), _t(9, 2, 8), _t(9, 2, 8), cu_seqlens_q=_cu(0, 9), max_seqlen_q=9,
+                          max_seqlen_k=9),
+                 id="cu_seqlens_q_without_k"),
+    pytest.param(ValueError, r"with cu_seqlens, q must be 3-D \[total_q, q_heads, head_dim\], "
+                             r"got shape \[1, 4, 9, 8\]",
+                 _op_args(_t(1, 4, 9, 8), _t(1, 2, 9, 8), _t(1, 2, 9, 8), cu_seqlens_q=_cu(0, 9),
+                          cu_seqlens_k=_cu(0, 9), max_seqlen_q=9, max_seqlen_k=9),
+                 id="cu_seqlens_with_4d_q"),
+    pytest.param(ValueError, r"mask is not supported with packed sequences",
+                 _op_args(_t(9, 4, 8), _t(9, 2, 8), _t(9, 2, 8), mask=_t(9, 9), cu_seqlens_q=_cu(0, 9),
+                          cu_seqlens_k=_cu(0, 9), max_seqlen_q=9, max_seqlen_k=9),
+                 id="mask_with_cu_seqlens"),
+    pytest.param(ValueError, r"window_right must be -1 \(no bound\) or a number of keys >= 0, got -3",
+                 _op_args(_t(1, 4, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), window_right=-3),
+                 id="window_right_negative"),
+    pytest.param(ValueError, r"sinks must be 1-D \[q_heads\] = \[4\], got shape \[3\]",
+                 _op_args(_t(1, 4, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), sinks=_t(3)),
+                 id="sinks_shape"),
+    pytest.param(ValueError, r"alibi_slopes must be \[q_heads\] = \[4\] or \[batch, q_heads\] = \[1, 4\], "
+                             r"got shape \[2, 4\]",
+                 _op_args(_t(1, 4, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), alibi_slopes=_t(2, 4)),
+                 id="alibi_slopes_shape"),
+    pytest.param(ValueError, r"alibi_slopes must be float32 or float64, got torch\.bfloat16",
+                 _op_args(_t(1, 4, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), alibi_slopes=_t(4).bfloat16()),
+                 id="alibi_slopes_dtype"),
+    pytest.param(ValueError, r"cu_seqlens_q must be int32, got torch\.int64",
+                 _op_args(_t(9, 4, 8), _t(9, 2, 8), _t(9, 2, 8), cu_seqlens_q=_cu(0, 9, dtype=torch.int64),
+                          cu_seqlens_k=_cu(0, 9), max_seqlen_q=9, max_seqlen_k=9),
+                 id="cu_seqlens_q_dtype"),
+    pytest.param(ValueError, r"cu_seqlens_q and cu_seqlens_k must have the same length \(num_seqs \+ 1\), "
+                             r"got 2 and 3",
+                 _op_args(_t(9, 4, 8), _t(9, 2, 8), _t(9, 2, 8), cu_seqlens_q=_cu(0, 9), cu_seqlens_k=_cu(0, 4, 9),
+                          max_seqlen_q=9, max_seqlen_k=9),
+                 id="cu_seqlens_lengths_differ"),
 ]
 
 
-@pytest.mark.parametrize("args", OP_BAD_CALLS)
-def test_operator_rejects_bad_option_input_without_crashing(args):
+@pytest.mark.parametrize("error,message,args", OP_BAD_CALLS)
+def test_operator_rejects_bad_option_input_without_crashing(error, message, args):
     # Direct torch.ops callers skip the Python checks; the C++ ones still apply.
-    with pytest.raises((ValueError, RuntimeError), match="fusedllm"):
+    with pytest.raises(error, match=message):
         ops.attention(*args)

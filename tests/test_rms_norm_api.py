@@ -148,23 +148,39 @@ def test_non_tensor_input_is_a_type_error():
 
 
 OP_BAD_CALLS = [
-    lambda: ops.rms_norm(torch.randn(4, 16), torch.randn(15), 1e-6, 0.0, "llama"),
-    lambda: ops.rms_norm(torch.ones(4, 16, dtype=torch.int32), None, 1e-6, 0.0, "llama"),
-    lambda: ops.rms_norm(torch.randn(4, 16), torch.randn(16).double(), 1e-6, 0.0, "llama"),
-    lambda: ops.rms_norm(torch.randn(4, 16), None, -1.0, 0.0, "llama"),
-    lambda: ops.rms_norm(torch.randn(4, 16), None, 1e-6, 0.0, "rms"),
-    lambda: ops.fused_add_rms_norm(torch.randn(4, 16), torch.randn(16), None, 1e-6, 0.0, "llama"),
-    lambda: ops.rms_norm_backward(torch.randn(4, 16), torch.randn(4, 16), torch.randn(3), None, 0.0,
-                                  "llama", None, False),
-    lambda: ops.rms_norm_backward(torch.randn(4, 8), torch.randn(4, 16), torch.randn(4), None, 0.0,
-                                  "llama", None, False),
+    pytest.param(ValueError, r"weight must have shape \[16\] \(the last dim of input\), got \[15\]",
+                 lambda: ops.rms_norm(torch.randn(4, 16), torch.randn(15), 1e-6, 0.0, "llama"),
+                 id="weight_shape"),
+    pytest.param(ValueError, r"input must be float32, float64, bfloat16 or float16, got torch\.int32",
+                 lambda: ops.rms_norm(torch.ones(4, 16, dtype=torch.int32), None, 1e-6, 0.0, "llama"),
+                 id="input_dtype"),
+    pytest.param(ValueError, r"weight has dtype torch\.float64 but input has dtype torch\.float32",
+                 lambda: ops.rms_norm(torch.randn(4, 16), torch.randn(16).double(), 1e-6, 0.0, "llama"),
+                 id="weight_dtype"),
+    pytest.param(ValueError, r"eps must be a finite number >= 0, got -1",
+                 lambda: ops.rms_norm(torch.randn(4, 16), None, -1.0, 0.0, "llama"),
+                 id="negative_eps"),
+    pytest.param(ValueError, r"casting must be 'llama' or 'gemma', got 'rms'",
+                 lambda: ops.rms_norm(torch.randn(4, 16), None, 1e-6, 0.0, "rms"),
+                 id="casting"),
+    pytest.param(ValueError, r"fused_add_rms_norm: residual must have the shape of input \[4, 16\], got \[16\]",
+                 lambda: ops.fused_add_rms_norm(torch.randn(4, 16), torch.randn(16), None, 1e-6, 0.0, "llama"),
+                 id="residual_shape"),
+    pytest.param(ValueError, r"rms_norm_backward: rstd must be the per-row statistic",
+                 lambda: ops.rms_norm_backward(torch.randn(4, 16), torch.randn(4, 16), torch.randn(3), None, 0.0,
+                                               "llama", None, False),
+                 id="backward_rstd_shape"),
+    pytest.param(ValueError, r"rms_norm_backward: grad_out must have the shape of input",
+                 lambda: ops.rms_norm_backward(torch.randn(4, 8), torch.randn(4, 16), torch.randn(4), None, 0.0,
+                                               "llama", None, False),
+                 id="backward_grad_out_shape"),
 ]
 
 
-@pytest.mark.parametrize("call", OP_BAD_CALLS)
-def test_operator_rejects_bad_input_without_crashing(call):
+@pytest.mark.parametrize("error,message,call", OP_BAD_CALLS)
+def test_operator_rejects_bad_input_without_crashing(error, message, call):
     # Direct torch.ops callers skip the Python checks; the C++ ones still apply.
-    with pytest.raises((ValueError, RuntimeError), match="fusedllm"):
+    with pytest.raises(error, match=message):
         call()
 
 

@@ -425,20 +425,30 @@ def test_in_place_refuses_autograd():
         fusedllm.apply_rope(q.requires_grad_(), k, cos, sin, inplace=True)
 
 
-@pytest.mark.parametrize("call", [
-    lambda: ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(8, 4), torch.randn(8, 4),
-                     torch.tensor([0, 1, 2, 99]), 0, False, -1, False),
-    lambda: ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(8, 3), torch.randn(8, 3),
-                     None, 0, False, -1, False),
-    lambda: ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(8, 4), torch.randn(8, 4),
-                     None, 6, False, -1, False),
-    lambda: ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 6), torch.randn(8, 4), torch.randn(8, 4),
-                     None, 0, False, -1, False),
-    lambda: ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(8, 4), torch.randn(8, 4),
-                     None, 0, False, 5, False),
+@pytest.mark.parametrize("error,message,call", [
+    pytest.param(ValueError, r"position 99 is outside the cos/sin table of 8 positions",
+                 lambda: ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(8, 4),
+                                  torch.randn(8, 4), torch.tensor([0, 1, 2, 99]), 0, False, -1, False),
+                 id="position_outside_table"),
+    pytest.param(ValueError, r"cos and sin must have last dim 4 \(rotary_dim / 2\), got 3",
+                 lambda: ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(8, 3),
+                                  torch.randn(8, 3), None, 0, False, -1, False),
+                 id="table_width"),
+    pytest.param(ValueError, r"positions 6\.\.9 are past the cos/sin table of 8 positions",
+                 lambda: ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(8, 4),
+                                  torch.randn(8, 4), None, 6, False, -1, False),
+                 id="offset_past_table"),
+    pytest.param(ValueError, r"q and k must have the same head dim, got 8 and 6",
+                 lambda: ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 6), torch.randn(8, 4),
+                                  torch.randn(8, 4), None, 0, False, -1, False),
+                 id="head_dim_mismatch"),
+    pytest.param(ValueError, r"rotary_dim must be a positive even number at most the head dim 8, got 5",
+                 lambda: ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(8, 4),
+                                  torch.randn(8, 4), None, 0, False, 5, False),
+                 id="odd_rotary_dim"),
 ])
-def test_operator_rejects_bad_input_without_crashing(call):
-    with pytest.raises((ValueError, RuntimeError), match="fusedllm"):
+def test_operator_rejects_bad_input_without_crashing(error, message, call):
+    with pytest.raises(error, match=message):
         call()
 
 

@@ -52,13 +52,13 @@ class Kernel:
 # From `ptxas -v` on sm_80 (registers per thread) and Tile<kD> (attention_mma.cuh).
 FORWARD = {d: Kernel("forward", d, tile, regs, products=2, streamed=2, held_reads=1, streamed_reads=1,
                      issue_per_score=8)
-           for d, tile, regs in ((64, 64, 158), (96, 64, 174), (128, 64, 190), (256, 16, 244))}
+           for d, tile, regs in ((64, 64, 168), (96, 64, 251), (128, 64, 254), (256, 16, 255))}
 DQ = {d: Kernel("dQ", d, tile, regs, products=3, streamed=2, held_reads=2, streamed_reads=1.5,
                 issue_per_score=10)
-      for d, tile, regs in ((64, 32, 200), (96, 32, 220), (128, 32, 236), (256, 16, 255))}
+      for d, tile, regs in ((64, 32, 224), (96, 32, 244), (128, 32, 248), (256, 16, 255))}
 DKDV = {d: Kernel("dK/dV", d, 32, regs, products=4, streamed=2, held_reads=2, streamed_reads=2,
                   issue_per_score=14, extra_smem=4 * 4 * 32)
-        for d, regs in ((64, 188), (96, 224), (128, 244))}
+        for d, regs in ((64, 192), (96, 240), (128, 255))}
 
 
 def ctas_per_sm(gpu, k):

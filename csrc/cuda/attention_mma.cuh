@@ -46,6 +46,9 @@ struct Tile {
   // Backward: the tile a block iterates over (keys for dQ, query rows for dK/dV);
   // at kD = 256 dQ's accumulator takes 128 registers, so the tiles are halved.
   static constexpr int kBwdTile = kD <= 128 ? 32 : 16;
+  // Forward blocks per SM the registers must allow: 3 at head dim 64, where
+  // shared memory holds 3 (45 KiB each).
+  static constexpr int kForwardBlocks = kD <= 64 ? 3 : 1;
 
   // Forward: Q rows, then K and V, each double-buffered.
   static constexpr size_t forward_smem(size_t elem) {

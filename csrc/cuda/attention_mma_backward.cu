@@ -124,7 +124,8 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
     lse_row[half] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[lrow]) : 0.f;
     dlt[half] = valid ? delta[lrow] : 0.f;
   }
-  const bool plain = !extras.mods.any_score_mod() && !extras.mask.present() && !extras.drop.enabled;
+  const bool unmodified = !extras.mods.any_score_mod() && !extras.mask.present();
+  const bool plain = unmodified && !extras.drop.enabled;
   // Keys both of this lane's rows see (rows past the end see none).
   const int64_t all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
 
@@ -158,8 +159,8 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
           const int64_t key = j0 + n * 8 + 2 * quad + (e % 2);
           const bool visible = key >= lo[half] && key < hi[half];
           float dcap;
-          const float x = tc::score(s[n].r[e], visible, !extras.mods.any_score_mod() && !extras.mask.present(),
-                                    scale, extras, mask, b, head[half], pos[half], key, &dcap);
+          const float x = tc::score(s[n].r[e], visible, unmodified, scale, extras, mask, b, head[half], pos[half],
+                                    key, &dcap);
           const float p = tc::exp_of_difference(x, lse_row[half]);
           float dpe = visible ? dp[n].r[e] : 0.f;
           if (extras.drop.enabled && visible) dpe *= extras.keep_factor<float>(b, head[half], pos[half], key);

@@ -306,8 +306,9 @@ FUSEDLLM_HOST_DEVICE acc_t row_lse(acc_t running_max, acc_t sum) {
 }
 
 // The factor that turns a finished row's sum of exp(score - max) * value
-// into its output: exp(max - lse), lse the row's final log-sum-exp (a sink's
-// included), or 0 for a row that saw no key (so its output is 0, never NaN).
+// into its output: exp(max - lse), lse the log-sum-exp of the row's keys (a
+// sink folds in after, fold_sink), or 0 for a row that saw no key (so its
+// output is 0, never NaN).
 // The backward recomputes each probability as exp(score - lse): this keeps the
 // forward's probabilities those to rounding whatever the scores' size (1 / sum
 // leaves them off by lse's own rounding, |lse| * 2^-24 in float32), and one

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <utility>
@@ -83,6 +84,32 @@ __device__ __forceinline__ Pack<T, kN> load_pack(const T* p) {
 template <typename T, int kN>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, kN>& pack) {
   *reinterpret_cast<Pack<T, kN>*>(p) = pack;
+}
+
+// store_pack for a 16-byte pack of 2- or 4-byte values filled lane by lane,
+// as one 16-byte store: nvcc splits such a store into 2- or 4-byte ones (a
+// copy through 32-bit words did not change that; st.v4.b32 does).
+template <typename T, int kN>
+__device__ __forceinline__ void store_pack_words(T* p, const Pack<T, kN>& pack) {
+  if constexpr (sizeof(T) * kN == 16 && (sizeof(T) == 2 || sizeof(T) == 4)) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (sizeof(T) == 2) {
+        w[i] = static_cast<uint32_t>(pack.v[2 * i].x) | static_cast<uint32_t>(pack.v[2 * i + 1].x) << 16;
+      } else {
+        memcpy(&w[i], &pack.v[i], sizeof(uint32_t));
+      }
+    }
+#if defined(FUSEDLLM_SIMT)
+    store_pack<uint32_t, 4>(reinterpret_cast<uint32_t*>(p), Pack<uint32_t, 4>{{w[0], w[1], w[2], w[3]}});
+#else
+    asm volatile("st.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+                 : "memory");
+#endif
+  } else {
+    store_pack<T, kN>(p, pack);
+  }
 }
 
 // True when `p` can be read in packs of kN elements.

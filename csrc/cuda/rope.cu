@@ -36,14 +36,29 @@ struct RopeRow {
 template <typename T>
 __device__ __forceinline__ RopeRow<T> rope_row(const RopeTensor& q, const RopeTensor& k, int64_t q_rows,
                                                int64_t seq, int64_t r) {
+  // Each field chosen by value: a reference to one of the two parameters
+  // chosen at run time put both on the stack.
   const bool is_q = r < q_rows;
-  const RopeTensor& t = is_q ? q : k;
-  const int64_t idx = is_q ? r : r - q_rows;
-  const int64_t s = idx % seq;
-  const int64_t h = (idx / seq) % t.heads;
-  const int64_t b = idx / (seq * t.heads);
-  return {static_cast<const T*>(t.in) + b * t.in_b + h * t.in_h + s * t.in_s,
-          static_cast<T*>(t.out) + b * t.out_b + h * t.out_h + s * t.out_s, b, s};
+  const int64_t idx = is_q ? r : r - q_rows, heads = is_q ? q.heads : k.heads;
+  int64_t s, h, b;
+  if (idx <= INT32_MAX && seq <= INT32_MAX && heads <= INT32_MAX) {
+    // 32-bit divisions where the indices fit: a 64-bit one is a call of some
+    // 40 instructions, three of them per pack
+    const uint32_t i = static_cast<uint32_t>(idx), n = static_cast<uint32_t>(seq);
+    const uint32_t nh = static_cast<uint32_t>(heads), rest = i / n;
+    s = i - rest * n;
+    h = rest % nh;
+    b = rest / nh;
+  } else {
+    s = idx % seq;
+    h = (idx / seq) % heads;
+    b = idx / (seq * heads);
+  }
+  const T* in = static_cast<const T*>(is_q ? q.in : k.in);
+  T* out = static_cast<T*>(is_q ? q.out : k.out);
+  return {in + b * (is_q ? q.in_b : k.in_b) + h * (is_q ? q.in_h : k.in_h) + s * (is_q ? q.in_s : k.in_s),
+          out + b * (is_q ? q.out_b : k.out_b) + h * (is_q ? q.out_h : k.out_h) + s * (is_q ? q.out_s : k.out_s),
+          b, s};
 }
 
 template <typename T>
@@ -125,7 +140,7 @@ __global__ void rope_packed_kernel(RopeTensor q, RopeTensor k, int64_t batch, in
         a.v[2 * i] = static_cast<T>(x0);
         a.v[2 * i + 1] = static_cast<T>(x1);
       }
-      store_pack<T, kVec>(y + 2 * col, a);
+      store_pack_words<T, kVec>(y + 2 * col, a);
     } else {
       Pack<T, kVec> a = load_pack<T, kVec>(x + col);
       Pack<T, kVec> e = load_pack<T, kVec>(x + col + half);
@@ -137,8 +152,8 @@ __global__ void rope_packed_kernel(RopeTensor q, RopeTensor k, int64_t batch, in
         a.v[i] = static_cast<T>(x0);
         e.v[i] = static_cast<T>(x1);
       }
-      store_pack<T, kVec>(y + col, a);
-      store_pack<T, kVec>(y + col + half, e);
+      store_pack_words<T, kVec>(y + col, a);
+      store_pack_words<T, kVec>(y + col + half, e);
     }
   });
 }

@@ -29,6 +29,33 @@ DEVICES = [
 ]
 
 
+def cpu_variants(values, *chosen):
+    """A parametrize list of `values` with the `chosen` ones marked
+    cpu_variants (re-run under every compiled CPU variant by
+    test_cpu_variants.py)."""
+    missing = [c for c in chosen if c not in values]
+    assert not missing, f"{missing} not among {values}"
+    return [pytest.param(v, marks=pytest.mark.cpu_variants) if v in chosen else v for v in values]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items):
+    # @pytest.mark.cpu_variants(name=[values], ...) on a test keeps the mark
+    # only on the cases whose parameters all take one of the listed values:
+    # marks on parametrize entries can pick values of one parameter, not
+    # combinations of several.
+    for item in items:
+        mark = item.get_closest_marker("cpu_variants")
+        if mark is None or not mark.kwargs:
+            continue
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        unknown = set(mark.kwargs) - set(params)
+        if unknown:
+            raise pytest.UsageError(f"{item.nodeid}: cpu_variants names no parameter {sorted(unknown)}")
+        if not all(params[name] in values for name, values in mark.kwargs.items()):
+            item.own_markers = [m for m in item.own_markers if m.name != "cpu_variants"]
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     if request.param not in SIMT_SCHEDULES:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import checks
 import fusedllm
 from checks import FORWARD_TOL, GRAD_TOL, results_across_thread_counts
+from conftest import cpu_variants
 from testkit.memory import peak_memory_bytes
 from reference import attention as ref_attention
 
@@ -63,6 +64,7 @@ def run_op(q, k, v, causal, window, scale=None):
     return ops.attention(q, k, v, None, scale, causal, -1 if window is None else window, 0.0, None)
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal,window", MASKS, ids=lambda x: str(x))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -101,6 +103,7 @@ DECODING_SHAPES = [
 ]
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal,window", MASKS, ids=lambda x: str(x))
@@ -205,6 +208,7 @@ def test_window_smaller_than_the_gap_leaves_keys_unseen(device):
         assert torch.equal(gk[:, :, :54], torch.zeros_like(gk[:, :, :54]))
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("layout", ["bshd_transposed", "strided_head_dim", "sliced_sequence"])
 def test_strided_inputs(device, layout):
     b, hq, hkv, s, d = 2, 4, 2, 37, 32
@@ -315,6 +319,7 @@ ONE_KEY = [
 ]
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", ONE_KEY, ids=lambda c: "x".join(map(str, c[:6])) + ("-causal" if c[6] else ""))
 def test_softmax_recompute_one_visible_key_gives_exact_zero_gradients(device, case, dtype):
@@ -340,6 +345,7 @@ def test_softmax_recompute_one_visible_key_gives_exact_zero_gradients(device, ca
         assert torch.equal(out, v.repeat_interleave(hq // hkv, dim=1))
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_softmax_recompute_varlen_single_key_sequences(device, dtype):
     """8 packed sequences of one query and one key: dQ and dK exactly 0."""
@@ -353,6 +359,7 @@ def test_softmax_recompute_varlen_single_key_sequences(device, dtype):
     assert torch.count_nonzero(dq).item() == 0 and torch.count_nonzero(dk).item() == 0
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("size", [5.0, 50.0, 500.0])
 @pytest.mark.parametrize("keys", [40, 200])
 def test_softmax_recompute_matches_forward_probabilities(device, size, keys):
@@ -443,6 +450,7 @@ def test_backward_is_deterministic(device, pairs):
             assert torch.equal(got, first)
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 3), (False, 2)])
 def test_gradcheck_float64(device, causal, window):
     q, k, v = make_qkv(2, 4, 2, 5, 7, 8, torch.float64, device, requires_grad=True)
@@ -572,8 +580,9 @@ MASK_KINDS = ["padding_bool", "notebook_causal_int", "additive_float32", "additi
               "additive_neg_inf_heads"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("dtype", cpu_variants([torch.float32, torch.bfloat16, torch.float64], torch.float32),
+                         ids=str)
+@pytest.mark.parametrize("kind", cpu_variants(MASK_KINDS, "additive_float32"))
 @pytest.mark.parametrize("shape,causal", [((2, 8, 2, 37, 37, 64), True), ((1, 8, 2, 1, 2100, 128), False),
                                           ((1, 6, 2, 40, 150, 80), False)],
                          ids=["prefill_causal", "decode_split_keys", "chunked"])
@@ -627,6 +636,7 @@ def _dropout_reference(q, k, v, seed, p, **kw):
     return ref_attention(q, k, v, keep=keep, dropout_p=p, **kw)
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(2, 4, 2, 33, 33, 64), (1, 8, 1, 1, 2100, 128), (1, 2, 2, 20, 9, 7)],
                          ids=["prefill", "decode_split_keys", "q_longer"])

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import checks
 import fusedllm
 from checks import FORWARD_TOL, GRAD_TOL, emulated, results_across_thread_counts
+from conftest import cpu_variants
 from reference import attention as ref_attention
 from reference import attention_varlen as ref_attention_varlen
 from reference import window_bounds
@@ -121,6 +122,7 @@ def check_against_reference(q, k, v, out, grad_out, grads, dtype, what="", **opt
         assert_close(got, ref, tol, f"{what}grad_{name}")
 
 
+@pytest.mark.cpu_variants(shape=[(2, 4, 4, 17, 17, 32), (1, 8, 2, 1, 300, 64)], dtype=[torch.float32])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("option,causal", OPTION_CASES, ids=lambda x: str(x))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -161,9 +163,10 @@ def test_each_option_changes_the_result(device, option):
         assert (a - b).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", ["padding_bool", "additive_float32", "additive_bfloat16_4d",
-                                  "additive_neg_inf_heads"])
+@pytest.mark.parametrize("dtype", cpu_variants([torch.float32, torch.float64, torch.bfloat16], torch.float32),
+                         ids=str)
+@pytest.mark.parametrize("kind", cpu_variants(["padding_bool", "additive_float32", "additive_bfloat16_4d",
+                                               "additive_neg_inf_heads"], "additive_float32"))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_options_with_masks(device, kind, causal, dtype):
     """softcap, sinks, ALiBi and a (left, right) window on top of a caller's mask:
@@ -612,7 +615,7 @@ def mixed_lengths(long):
     return lengths_q, lengths_k
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", cpu_variants(DTYPES, torch.float32), ids=str)
 @pytest.mark.parametrize("case", VARLEN_CASES)
 def test_varlen_matches_reference_and_per_sequence_calls(device, case, dtype):
     # a long sequence past several tiles; 1000 tokens in the test below
@@ -848,7 +851,7 @@ GRADCHECK_CASES = {
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("case", list(GRADCHECK_CASES))
+@pytest.mark.parametrize("case", cpu_variants(list(GRADCHECK_CASES), "all"))
 def test_gradcheck_float64(device, case, causal):
     # Under the emulator, a random projection of the Jacobian (fast_mode): the
     # whole one takes minutes there.

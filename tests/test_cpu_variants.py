@@ -2,7 +2,7 @@
 AVX512, AVX512_BF16) this machine can execute, and the instructions the
 variants were built to use.
 
-A case runs a selection of the op's own tests in a fresh interpreter with
+A case runs the op's own tests marked cpu_variants in a fresh interpreter with
 ATEN_CPU_CAPABILITY and FUSEDLLM_CPU_ISA set (fusedllm follows torch's choice,
 capped by its own variable), then asks that same
 interpreter which variant every CPU kernel of the op ran, so a case cannot pass
@@ -21,49 +21,30 @@ import subprocess
 
 from checks import ATEN_CAPABILITY, compiled_cpu_isas, run_python, runnable_cpu_isas
 
-# op: (its test file, -k selection of its core correctness tests, its CPU kernel tables)
+# op: (its test file, its CPU kernel tables); the tests run are the file's
+# cases marked cpu_variants (its core correctness tests).
 OPS = {
-    "rms_norm": ("test_rms_norm.py",
-                 "(rms_norm_matches_reference and cpu-37) or (fused_add_rms_norm_matches_reference "
-                 "and not cpu-1-) or strided or zero_size",
-                 ("rms_norm_forward", "rms_norm_backward")),
-    "swiglu": ("test_swiglu.py",
-               "matches_reference or agree_exactly or strided or gradcheck",
-               ("swiglu_forward", "swiglu_backward")),
-    "rope": ("test_rope.py",
-             "(rope_matches_reference and not 2048) or position_ids_and_offset or in_place_variant "
-             "or strided or gradcheck",
-             ("rope",)),
-    "attention": ("test_attention.py",
-                  "test_matches_reference or (masks_match_reference and float32) or dropout_matches "
-                  "or strided or test_gradcheck_float64 or decoding_tiles or softmax_recompute",
-                  ("attention_forward", "attention_backward")),
-    "attention options": ("test_attention_options.py",
-                          "(option_matches_reference and float32 and (17x17 or 1x300)) or "
-                          "(options_with_masks and float32) or (varlen_matches_reference and float32) "
-                          "or (test_gradcheck_float64 and all)",
-                          ("attention_forward", "attention_backward")),
-    "int8 attention": ("test_kv_quant.py",
-                       "(int8_attention_matches_dequantized and (2100 or 40x40)) or int8_attention_options "
-                       "or int8_attention_varlen",
-                       ("attention_forward",)),
-    "paged attention": ("test_kv_paged.py",
-                        "paged_attention_matches_each_sequence or paged_attention_options or "
-                        "paged_int8_attention or kv_lens_over_dense_rows",
-                        ("attention_forward",)),
-    "linear_cross_entropy": ("test_cross_entropy.py",
-                             "(matches_cross_entropy and not float16) or vocabulary_slabs or "
-                             "options or gradcheck",
-                             ("cross_entropy_rows",)),
+    "rms_norm": ("test_rms_norm.py", ("rms_norm_forward", "rms_norm_backward")),
+    "swiglu": ("test_swiglu.py", ("swiglu_forward", "swiglu_backward")),
+    "rope": ("test_rope.py", ("rope",)),
+    "attention": ("test_attention.py", ("attention_forward", "attention_backward")),
+    "attention options": ("test_attention_options.py", ("attention_forward", "attention_backward")),
+    "int8 attention": ("test_kv_quant.py", ("attention_forward",)),
+    "paged attention": ("test_kv_paged.py", ("attention_forward",)),
+    "linear_cross_entropy": ("test_cross_entropy.py", ("cross_entropy_rows",)),
     # No kernel table: the variant picks how half-precision products are made (matmul.cpp).
-    "moe experts": ("test_moe.py",
-                    "experts_match_reference or chunks_of_rows or float32_weights_with_half_hidden",
-                    ()),
+    "moe experts": ("test_moe.py", ()),
 }
 
 # The cpu device only: the emulated CUDA kernels and torch.compile traces do
 # not depend on the CPU variant.
-MARKS = "not slow and not simt and not cuda"
+MARKS = "cpu_variants and not slow and not simt and not cuda"
+
+
+def selection_args(op: str):
+    """pytest arguments that select `op`'s cases."""
+    return ["-q", "-p", "no:cacheprovider", "-m", MARKS, f"tests/{OPS[op][0]}"]
+
 
 RUN_TESTS = """
     import json, sys
@@ -78,14 +59,21 @@ RUN_TESTS = """
 def run_op_tests(op: str, isa: str):
     """Runs `op`'s selected tests on the variant `isa`; returns the
     process result and the variant each CPU kernel ran there."""
-    test_file, selection, _ = OPS[op]
-    args = ["-q", "-p", "no:cacheprovider", "-m", MARKS, "-k", selection, f"tests/{test_file}"]
+    args = selection_args(op)
     res = run_python(f"import sys; sys.argv[1:] = {args!r}", RUN_TESTS,
                      ATEN_CPU_CAPABILITY=ATEN_CAPABILITY[isa], FUSEDLLM_CPU_ISA=isa.lower(),
                      FUSEDLLM_REQUIRE_EXTENSION="1")
     line = next((x for x in res.stdout.splitlines() if x.startswith("KERNELS_RAN ")), None)
     ran = json.loads(line.split(" ", 1)[1]) if line else None
     return res, ran
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_every_op_selects_cases(op):
+    """Each op's selection holds cases, on a machine that cannot execute any
+    variant past DEFAULT too."""
+    res = run_python(f"import sys, pytest; sys.exit(pytest.main({selection_args(op) + ['--collect-only']!r}))")
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]  # 5: no case selected
 
 
 @pytest.mark.parametrize("isa", compiled_cpu_isas())
@@ -98,7 +86,7 @@ def test_op_under_every_cpu_variant(op, isa):
     assert res.returncode == 0, output  # 5 would mean no test was selected
     assert " passed" in res.stdout, output
     assert ran is not None, output
-    for table in OPS[op][2]:
+    for table in OPS[op][1]:
         assert ran.get(table) == isa, f"kernel {table} ran {ran.get(table)}, not {isa}: {ran}"
 
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import fusedllm
 from checks import FORWARD_TOL, GRAD_TOL, assert_close, results_across_thread_counts
+from conftest import cpu_variants
 from reference import linear_cross_entropy as ref_lce
 from testkit.memory import peak_memory_bytes
 
@@ -61,7 +62,7 @@ def check_against_reference(h, w, b, t, dtype, **kw):
     assert all(torch.equal(x, y) for x, y in zip(before, after)), "an input was modified"
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", cpu_variants(DTYPES, torch.float32, torch.float64), ids=str)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("shape", [(1, 8, 5), (37, 16, 1000), (70, 24, 67)], ids=str)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
@@ -73,6 +74,7 @@ def test_matches_cross_entropy(device, dtype, reduction, shape, bias, chunk, mon
     check_against_reference(h, w, b, t, dtype, reduction=reduction)
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("shape", [(37, 16, 1000), (70, 24, 67)], ids=str)
@@ -99,6 +101,7 @@ def test_half_products_past_a_thousand_in_every_dimension(dtype, chunk, monkeypa
     check_against_reference(h, w, b, t, dtype)
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("options", [
@@ -164,6 +167,7 @@ def test_only_the_gradients_asked_for(device):
     assert not loss.requires_grad
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("options", [dict(), dict(label_smoothing=0.3, softcap=2.0, z_loss=0.1)],
                          ids=["plain", "all-options"])
@@ -357,6 +361,7 @@ def test_softcap_rounds_the_capped_logits_once(device):
     assert abs(got.item() - want.item()) < 1e-6, (got.item(), want.item(), uncapped.item())
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("options", [dict(label_smoothing=0.1), dict(softcap=2.3), dict(z_loss=0.1)],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_float64_options_stay_double(device, options):

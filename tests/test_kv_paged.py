@@ -87,6 +87,7 @@ PAGED_SHAPES = [
 ]
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("dtype", Q_DTYPES)
 @pytest.mark.parametrize("shape", PAGED_SHAPES, ids=lambda s: f"{s[0]}/p{s[1]}/{s[2]}-{s[3]}/q{s[4]}/d{s[5]}")
 @pytest.mark.parametrize("causal", [True, False])
@@ -100,6 +101,7 @@ def test_paged_attention_matches_each_sequence(device, dtype, shape, causal):
     checks.assert_close(got, per_sequence(q, rows, causal=causal), tolerance(dtype))
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("option", ["window", "window pair", "softcap", "sinks", "alibi", "alibi per batch",
                                     "scale", "strided pages"])
 def test_paged_attention_options(device, option):
@@ -138,6 +140,7 @@ def test_paged_attention_options(device, option):
     checks.assert_close(got, want, tolerance(torch.float32))
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("code", [torch.int8, torch.float8_e4m3fn], ids=str)
 @pytest.mark.parametrize("dtype", Q_DTYPES)
 @pytest.mark.parametrize("q_len", [1, 6])
@@ -172,6 +175,7 @@ def test_paged_int8_attention_matches_dequantized(device, dtype, q_len, code):
         assert (error <= bound + FORWARD_TOL[dtype][0] * 4).all()
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("dtype", Q_DTYPES)
 def test_kv_lens_over_dense_rows(device, dtype):
     """kv_lens without a table: sequence b reads the first kv_lens[b] rows of its dense k / v."""

@@ -12,6 +12,7 @@ import torch
 import checks
 import fusedllm
 from checks import FORWARD_TOL
+from conftest import cpu_variants
 from reference import attention as ref_attention
 from reference import attention_varlen as ref_attention_varlen
 from reference import dequantize_kv, quantized_attention_error_bound, streaming_attention
@@ -166,7 +167,8 @@ MASKS = [(False, None), (True, None), (True, 7)]
 
 @pytest.mark.parametrize("code", CODES, ids=str)
 @pytest.mark.parametrize("dtype", Q_DTYPES)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", cpu_variants(SHAPES, (1, 8, 2, 1, 2100, 128), (1, 2, 1, 40, 40, 256)),
+                         ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal,window", MASKS)
 def test_int8_attention_matches_dequantized(device, dtype, shape, causal, window, code):
     b, hq, hkv, sq, sk, d = shape
@@ -296,6 +298,7 @@ def test_int8_attention_within_stated_bound(device, dtype, outliers, code):
         assert error <= bound, f"{(b, hq, hkv, sq, sk, d)}: error {error:.3g} above the bound {bound:.3g}"
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("code", CODES, ids=str)
 @pytest.mark.parametrize("option", ["softcap", "sinks", "alibi", "bool_mask", "float_mask", "strided"])
 def test_int8_attention_options(device, option, code):
@@ -329,6 +332,7 @@ def test_int8_attention_options(device, option, code):
     torch.testing.assert_close(out, want, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.cpu_variants
 def test_int8_attention_varlen(device):
     hq, hkv, d = 4, 2, 64
     cu_q = torch.tensor([0, 1, 4, 5], dtype=torch.int32, device=device)

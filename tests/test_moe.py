@@ -88,6 +88,7 @@ def assert_compiled_matches_eager(fn, tensors):
         torch.testing.assert_close(a.grad, b.grad)
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 8, 6, 4, 1), (37, 16, 12, 8, 2), (19, 24, 20, 16, 8)],
                          ids=lambda s: "T{}xH{}xI{}xE{}k{}".format(*s))
@@ -96,6 +97,7 @@ def test_experts_match_reference(device, dtype, shape, activation):
     check_experts(*make_experts(*shape, dtype, device)[:5], activation=activation)
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("chunk", [1, 7, 32])
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 def test_chunks_of_rows(device, chunk, grad, monkeypatch):
@@ -113,6 +115,7 @@ def test_chunks_of_rows(device, chunk, grad, monkeypatch):
                      upcast=True)
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_float32_weights_with_half_hidden(device, dtype):
     """Mixtral's routing weights stay float32 while the model runs in a half type."""
@@ -277,6 +280,7 @@ GPT_OSS_VARIANTS = {
 
 
 # gpt-oss's layout in every dtype, the variants in float32 and bfloat16
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("variant,dtype", [("gpt_oss", d) for d in DTYPES] + [
     (v, d) for v in list(GPT_OSS_VARIANTS)[1:] for d in (torch.float32, torch.bfloat16)], ids=str)
 def test_gpt_oss_experts_match_reference(device, dtype, variant):
@@ -286,6 +290,7 @@ def test_gpt_oss_experts_match_reference(device, dtype, variant):
     check_experts(*args, activation, **options)
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 def test_gpt_oss_chunks_of_rows(device, grad, monkeypatch):
     """The biases of each expert where the CUDA kernels' chunks of rows cut the experts' groups."""

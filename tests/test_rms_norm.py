@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import fusedllm
 from checks import FORWARD_TOL, GRAD_TOL, assert_close, results_across_thread_counts
+from conftest import cpu_variants
 from reference import fused_add_rms_norm as ref_fused_add
 from reference import rms_norm as ref_rms_norm
 
@@ -46,7 +47,7 @@ def make_inputs(rows, hidden, dtype, device, with_weight, offset):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("casting,offset,with_weight", VARIANTS)
 @pytest.mark.parametrize("hidden", HIDDEN)
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows", cpu_variants(ROWS, 37))
 def test_rms_norm_matches_reference(device, dtype, casting, offset, with_weight, hidden, rows):
     x, w = make_inputs(rows, hidden, dtype, device, with_weight, offset)
     x_before = x.clone()
@@ -69,7 +70,7 @@ def test_rms_norm_matches_reference(device, dtype, casting, offset, with_weight,
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("casting,offset,with_weight", VARIANTS)
-@pytest.mark.parametrize("hidden", [1, 127, 4097])
+@pytest.mark.parametrize("hidden", cpu_variants([1, 127, 4097], 127, 4097))
 def test_fused_add_rms_norm_matches_reference(device, dtype, casting, offset, with_weight, hidden):
     x, w = make_inputs(19, hidden, dtype, device, with_weight, offset)
     r = torch.randn_like(x)
@@ -92,6 +93,7 @@ def test_fused_add_rms_norm_matches_reference(device, dtype, casting, offset, wi
         assert_close(w.grad, gw, GRAD_TOL[dtype])
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["transposed", "every_other_column", "row_slice", "expanded"])
 def test_strided_inputs(device, dtype, layout):
@@ -115,6 +117,7 @@ def test_strided_inputs(device, dtype, layout):
     assert_close(x.grad, gx, GRAD_TOL[dtype])
 
 
+@pytest.mark.cpu_variants
 def test_leading_shapes_and_zero_size(device):
     for shape in [(64,), (2, 3, 4, 64), (0, 64), (3, 0, 64)]:
         x = torch.randn(shape, device=device)

@@ -32,7 +32,9 @@ def reference_grads(x, cos, sin, positions, grad, interleaved, rotary_dim):
     return g
 
 
-CASES = [(d, s) for d in (2, 64, 80, 128, 256) for s in (1, 17)] + [(128, 2048), (80, 2048)]
+# The CPU-variant runs take the short cases only.
+CASES = [pytest.param(d, s, marks=pytest.mark.cpu_variants) for d in (2, 64, 80, 128, 256) for s in (1, 17)]
+CASES += [(128, 2048), (80, 2048)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -61,6 +63,7 @@ def test_rope_matches_reference(device, dtype, dim, seq, interleaved, partial):
     assert torch.equal(q.detach(), before[0]) and torch.equal(k.detach(), before[1]), "inputs modified"
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_position_ids_and_offset_agree(device, interleaved):
     q, k = make_qk(3, 4, 1, 9, 64, torch.float32, device)
@@ -90,6 +93,7 @@ def test_relative_position_property(device):
     assert dots[2] == pytest.approx(dots[0], rel=1e-4, abs=1e-4)
 
 
+@pytest.mark.cpu_variants
 def test_in_place_variant_matches_out_of_place(device):
     q, k = make_qk(2, 4, 2, 13, 80, torch.bfloat16, device)
     cos, sin = fusedllm.rope_tables(64, 32, device=device)
@@ -100,6 +104,7 @@ def test_in_place_variant_matches_out_of_place(device):
     assert torch.equal(q2, expected[0]) and torch.equal(k2, expected[1])
 
 
+@pytest.mark.cpu_variants
 def test_strided_views_of_a_fused_qkv_projection(device):
     batch, seq, hq, hkv, dim = 2, 11, 4, 2, 64
     qkv = torch.randn(batch, seq, (hq + 2 * hkv) * dim, device=device)
@@ -116,6 +121,7 @@ def test_strided_views_of_a_fused_qkv_projection(device):
     assert torch.equal(q, qo) and torch.equal(k, ko)
 
 
+@pytest.mark.cpu_variants
 def test_gradcheck_float64(device):
     q = torch.randn(1, 2, 5, 8, dtype=torch.float64, device=device, requires_grad=True)
     k = torch.randn(1, 1, 5, 8, dtype=torch.float64, device=device, requires_grad=True)

@@ -23,6 +23,7 @@ def reference_grads(gate, up, grad_out, activation):
     return torch.autograd.grad(h, (g, u), grad_out.double())
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("features", [1, 7, 4097])
@@ -54,6 +55,7 @@ def test_swiglu_matches_reference(device, dtype, activation, features, rows, pac
     assert torch.equal(gate_up, before), "input was modified"
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_packed_and_split_forms_agree_exactly(device, dtype, activation):
@@ -67,6 +69,7 @@ def test_packed_and_split_forms_agree_exactly(device, dtype, activation):
     assert torch.equal(packed_grad, torch.cat(split_grads, dim=-1))
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("layout", ["halves_of_a_projection", "transposed", "strided_columns"])
 def test_strided_inputs(device, layout):
     base = torch.randn(40, 2 * 96, device=device)
@@ -87,6 +90,7 @@ def test_strided_inputs(device, layout):
     assert_close(up.grad, ref_du, GRAD_TOL[torch.float32])
 
 
+@pytest.mark.cpu_variants
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_gradcheck_float64(device, activation):
     gate = torch.randn(4, 9, dtype=torch.float64, device=device, requires_grad=True)

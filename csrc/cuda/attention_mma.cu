@@ -15,7 +15,7 @@ namespace fusedllm::cuda {
 namespace {
 
 template <typename T, int kD>
-__global__ void __launch_bounds__(tc::kThreads, tc::Tile<kD>::kForwardBlocks)
+__global__ void __launch_bounds__(tc::kThreads, 1)
 attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restrict__ k, Strides ks,
                              const T* __restrict__ v, Strides vs, T* __restrict__ out,
                              float* __restrict__ lse, attn::QueryRows rows, attn::Seqs seqs, int d,
@@ -26,15 +26,17 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
 #else
   using Tl = tc::Tile<kD>;
   constexpr int kKeys = Tl::kKeys, kStride = Tl::kStride, kN = Tl::kNTiles;
+  constexpr int kM = Tl::kFwdM, kRows = Tl::kFwdRows;
+  constexpr int kLaneRows = 2 * kM;  // this lane's rows: `group` and group + 8 of each m-tile
   constexpr float kInf = std::numeric_limits<float>::infinity();
   T* q_s = dynamic_shared<T>();                 // [kRows][kStride]
-  T* k_s = q_s + tc::kRows * kStride;           // [2][kKeys][kStride]
+  T* k_s = q_s + kRows * kStride;               // [2][kKeys][kStride]
   T* v_s = k_s + 2 * kKeys * kStride;           // [2][kKeys][kStride]
 
   const int64_t g = blockIdx.y, b = blockIdx.z;
   const int64_t sq = seqs.q_len(b);
   const int64_t rows_total = sq * rows.group;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * tc::kRows;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows;
   if (row0 >= rows_total) return;  // past this (packed) sequence's end: the whole block
   const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -44,12 +46,12 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
   const T* k_b = k + b * ks.b + g * ks.h + k_start * ks.s;
   const T* v_b = v + b * vs.b + g * vs.h + k_start * vs.s;
 
-  const int64_t last_row = (row0 + tc::kRows < rows_total ? row0 + tc::kRows : rows_total) - 1;
+  const int64_t last_row = (row0 + kRows < rows_total ? row0 + kRows : rows_total) - 1;
   const int64_t key_lo = attn::key_begin(mask, rows.group_pos(row0));
   const int64_t key_hi = attn::key_end(mask, rows.group_pos(last_row));
   const int64_t n_tiles = key_hi > key_lo ? (key_hi - key_lo + kKeys - 1) / kKeys : 0;
 
-  tc::stage_group_rows<T, kD, tc::kRows>(q_s, q_b, qs, rows, g, row0, rows_total, d, q_chunks);
+  tc::stage_group_rows<T, kD, kRows>(q_s, q_b, qs, rows, g, row0, rows_total, d, q_chunks);
   const auto stage_kv = [&](int64_t tile) {
     const int buffer = static_cast<int>(tile % 2);
     tc::stage_key_rows<T, kD, kKeys>(k_s + buffer * kKeys * kStride, v_s + buffer * kKeys * kStride, k_b,
@@ -57,119 +59,142 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
   };
   tc::pipeline_start(n_tiles, stage_kv);
 
-  // This lane's two rows (half 0: row `group` of the warp's 16, half 1: group + 8).
-  int64_t head[2], pos[2], lo[2], hi[2];
-  bool valid[2];
+  // This lane's rows: r = 2 m + half is row `group` + 8 half of the warp's
+  // m-tile m. Their head, position and key range are worked out where needed
+  // (tiles a bound cuts, the end) rather than held through the loop: 4 rows'
+  // 64-bit values took the registers the accumulators need.
+  struct LaneRow {
+    int64_t row, head, pos, lo, hi;  // lo == hi == 0 past the end: no key
+  };
+  const auto lane_row = [&](int r) {
+    LaneRow x;
+    x.row = row0 + (warp * kM + r / 2) * 16 + group + 8 * (r % 2);
+    x.head = rows.group_head(g, x.row);
+    x.pos = rows.group_pos(x.row);
+    const bool valid = x.row < rows_total;
+    x.lo = valid ? attn::key_begin(mask, x.pos) : 0;
+    x.hi = valid ? attn::key_end(mask, x.pos) : 0;
+    return x;
+  };
+  int64_t all_lo = 0, all_hi = std::numeric_limits<int64_t>::max();  // keys all of them see
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int64_t row = row0 + warp * 16 + group + 8 * half;
-    valid[half] = row < rows_total;
-    head[half] = rows.group_head(g, row);
-    pos[half] = rows.group_pos(row);
-    lo[half] = valid[half] ? attn::key_begin(mask, pos[half]) : 0;
-    hi[half] = valid[half] ? attn::key_end(mask, pos[half]) : 0;
+  for (int r = 0; r < kLaneRows; ++r) {
+    const LaneRow x = lane_row(r);
+    all_lo = x.lo > all_lo ? x.lo : all_lo;
+    all_hi = x.hi < all_hi ? x.hi : all_hi;
   }
   const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
-  // Keys both of this lane's rows see (rows past the end see none).
-  const int64_t all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
 
-  mma::FragC o[kN];
-  float m[2] = {-kInf, -kInf}, l[2] = {0.f, 0.f};  // running max, this lane's sum
+  mma::FragC o[kM][kN];
+  float m[kLaneRows], l[kLaneRows];  // running max, this lane's sum
+#pragma unroll
+  for (int r = 0; r < kLaneRows; ++r) m[r] = -kInf, l[r] = 0.f;
   for (int64_t tile = 0; tile < n_tiles; ++tile) {
     tc::pipeline_next(tile, n_tiles, stage_kv);
     const int buffer = static_cast<int>(tile % 2);
     const int64_t j0 = key_lo + tile * kKeys;
 
-    mma::FragC s[kKeys / 8];
-    tc::mma_rows_rows<T, kD, kKeys, kStride>(s, q_s + warp * 16 * kStride, k_s + buffer * kKeys * kStride);
+    mma::FragC s[kM][kKeys / 8];
+    tc::mma_rows_rows<T, kM, kD, kKeys, kStride>(s, q_s + warp * kM * 16 * kStride, k_s + buffer * kKeys * kStride);
 
-    // Scores, -inf where a key is not visible.
-    float tile_max[2] = {-kInf, -kInf};
+    // Scores, -inf where a key is not visible. Element e of an n-tile of
+    // m-tile mt belongs to lane row 2 mt + e / 2.
+    float tile_max[kLaneRows];
+#pragma unroll
+    for (int r = 0; r < kLaneRows; ++r) tile_max[r] = -kInf;
     if (plain && j0 >= all_lo && j0 + kKeys <= all_hi) {
 #pragma unroll
-      for (int n = 0; n < kKeys / 8; ++n) {
+      for (int mt = 0; mt < kM; ++mt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[n].r[e] *= scale;
-          tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n].r[e]);
+        for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[mt][n].r[e] *= scale;
+            tile_max[2 * mt + e / 2] = fmaxf(tile_max[2 * mt + e / 2], s[mt][n].r[e]);
+          }
         }
       }
     } else {
 #pragma unroll
-      for (int n = 0; n < kKeys / 8; ++n) {
+      for (int r = 0; r < kLaneRows; ++r) {
+        const LaneRow x = lane_row(r);
+        const int mt = r / 2;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int half = e / 2;
-          const int64_t key = j0 + n * 8 + 2 * quad + (e % 2);
-          const bool visible = key >= lo[half] && key < hi[half];
-          const float x = tc::score(s[n].r[e], visible, plain, scale, extras, mask, b, head[half], pos[half],
-                                    key, nullptr);
-          s[n].r[e] = x;
-          tile_max[half] = fmaxf(tile_max[half], x);
-        }
-      }
-    }
-    float shift[2];
+        for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float alpha = attn::online_softmax_step(m[half], quad_reduce_max(tile_max[half]),
-                                                    shift[half], attn::ScalarOps<float>{});
-      l[half] *= alpha;
-#pragma unroll
-      for (int n = 0; n < kN; ++n) {
-        o[n].r[2 * half] *= alpha;
-        o[n].r[2 * half + 1] *= alpha;
-      }
-    }
-    // Dropout tested once per tile where registers allow (at head dim 64 the
-    // separate pass took 207 registers where 161 keep 3 blocks per SM).
-    constexpr bool kDropoutPerTile = kD > 64;
-#pragma unroll
-    for (int n = 0; n < kKeys / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float p = tc::exp_of_difference(s[n].r[e], shift[e / 2]);
-        l[e / 2] += p;  // the sum (and so the lse) is that of the probabilities before dropout
-        if (!kDropoutPerTile && extras.drop.enabled && p > 0.f) {
-          p *= extras.keep_factor<float>(b, head[e / 2], pos[e / 2], j0 + n * 8 + 2 * quad + (e % 2));
-        }
-        s[n].r[e] = p;
-      }
-    }
-    if (kDropoutPerTile && extras.drop.enabled) {
-#pragma unroll
-      for (int n = 0; n < kKeys / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int half = e / 2;
-          if (s[n].r[e] > 0.f) {
-            s[n].r[e] *= extras.keep_factor<float>(b, head[half], pos[half], j0 + n * 8 + 2 * quad + (e % 2));
+          for (int e = 2 * (r % 2); e < 2 * (r % 2) + 2; ++e) {
+            const int64_t key = j0 + n * 8 + 2 * quad + (e % 2);
+            const bool visible = key >= x.lo && key < x.hi;
+            const float z =
+                tc::score(s[mt][n].r[e], visible, plain, scale, extras, mask, b, x.head, x.pos, key, nullptr);
+            s[mt][n].r[e] = z;
+            tile_max[r] = fmaxf(tile_max[r], z);
           }
         }
       }
     }
-    mma::FragA pa[kKeys / 16];
-    tc::to_a_frags<T, kKeys>(pa, s);
-    tc::mma_frags_rows<T, kKeys, kD, kStride>(o, pa, v_s + buffer * kKeys * kStride);
+    float shift[kLaneRows];
+#pragma unroll
+    for (int r = 0; r < kLaneRows; ++r) {
+      const float alpha =
+          attn::online_softmax_step(m[r], quad_reduce_max(tile_max[r]), shift[r], attn::ScalarOps<float>{});
+      l[r] *= alpha;
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+        o[r / 2][n].r[2 * (r % 2)] *= alpha;
+        o[r / 2][n].r[2 * (r % 2) + 1] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kM; ++mt) {
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = 2 * mt + e / 2;
+          const float p = tc::exp_of_difference(s[mt][n].r[e], shift[r]);
+          l[r] += p;  // the sum (and so the lse) is that of the probabilities before dropout
+          s[mt][n].r[e] = p;
+        }
+      }
+    }
+    if (extras.drop.enabled) {  // tested once per tile, not per score
+#pragma unroll
+      for (int r = 0; r < kLaneRows; ++r) {
+        const LaneRow x = lane_row(r);
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+          for (int e = 2 * (r % 2); e < 2 * (r % 2) + 2; ++e) {
+            float& p = s[r / 2][n].r[e];
+            if (p > 0.f) p *= extras.keep_factor<float>(b, x.head, x.pos, j0 + n * 8 + 2 * quad + (e % 2));
+          }
+        }
+      }
+    }
+    mma::FragA pa[kM][kKeys / 16];
+#pragma unroll
+    for (int mt = 0; mt < kM; ++mt) tc::to_a_frags<T, kKeys>(pa[mt], s[mt]);
+    tc::mma_frags_rows<T, kM, kKeys, kD, kStride>(o, pa, v_s + buffer * kKeys * kStride);
     __syncthreads();  // every warp is done with this buffer before it is staged again
   }
 
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const float sum = quad_reduce_sum(l[half]);
-    if (!valid[half]) continue;
-    const int64_t row = row0 + warp * 16 + group + 8 * half;
-    const int64_t out_row = rows.row_of_group_row(b, g, row);
-    float lse_r = attn::row_lse(m[half], sum);
-    float factor = attn::row_norm(m[half], sum, lse_r);
+  for (int r = 0; r < kLaneRows; ++r) {
+    const float sum = quad_reduce_sum(l[r]);
+    const LaneRow x = lane_row(r);
+    if (x.row >= rows_total) continue;
+    const int64_t out_row = rows.row_of_group_row(b, g, x.row);
+    float lse_r = attn::row_lse(m[r], sum);
+    float factor = attn::row_norm(m[r], sum, lse_r);
     // A sink joins the finished row's denominator: it scales the output and the lse includes it.
-    if (extras.mods.sinks != nullptr) factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(head[half]));
+    if (extras.mods.sinks != nullptr) factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(x.head));
     T* o_row = out + out_row * d;
 #pragma unroll
     for (int n = 0; n < kN; ++n) {
       const int c = n * 8 + 2 * quad;
-      if (c < d) o_row[c] = T(o[n].r[2 * half] * factor);
-      if (c + 1 < d) o_row[c + 1] = T(o[n].r[2 * half + 1] * factor);
+      if (c < d) o_row[c] = T(o[r / 2][n].r[2 * (r % 2)] * factor);
+      if (c + 1 < d) o_row[c + 1] = T(o[r / 2][n].r[2 * (r % 2) + 1] * factor);
     }
     if (quad == 0) lse[out_row] = lse_r;
   }
@@ -191,7 +216,8 @@ void launch_attention_mma_forward(const AttentionForwardPlan& p, Stream stream) 
       auto kernel = attention_mma_forward_kernel<T, kD>;
       const size_t smem = tc::Tile<kD>::forward_smem(sizeof(T));
       allow_shared_memory(kernel, smem);
-      const dim3 grid(static_cast<unsigned>((rows.group_rows() + tc::kRows - 1) / tc::kRows),
+      constexpr int kRows = tc::Tile<kD>::kFwdRows;
+      const dim3 grid(static_cast<unsigned>((rows.group_rows() + kRows - 1) / kRows),
                       static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
       launch("attention_mma_forward_kernel", kernel, grid, tc::kThreads, smem, stream,
              p.q.const_data_ptr<T>(), strides_of(p.q), p.k.const_data_ptr<T>(), strides_of(p.k),

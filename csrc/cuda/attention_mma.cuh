@@ -41,18 +41,22 @@ template <int kD_>
 struct Tile {
   static constexpr int kD = kD_;                   // padded head dim
   static constexpr int kStride = kD + 8;           // shared row stride (elements)
-  static constexpr int kKeys = kD <= 128 ? 64 : 16;  // keys per K/V tile (registers at kD = 256)
+  // Forward: 16-row m-tiles per warp. Two share every K and V fragment a warp
+  // reads from shared memory (half the reads per product) and give it two
+  // independent chains of products; their output accumulators double, so the
+  // key tiles shrink. At head dim 128 two spilled (sm_90) even with 16-key
+  // tiles, so it keeps one.
+  static constexpr int kFwdM = kD <= 96 ? 2 : 1;
+  static constexpr int kKeys = kD <= 64 || kD == 128 ? 64 : kD <= 96 ? 32 : 16;  // keys per K/V tile
+  static constexpr int kFwdRows = kWarps * 16 * kFwdM;  // query rows of a forward block
   static constexpr int kNTiles = kD / 8;           // 8-column n-tiles of a [16, kD] accumulator
   // Backward: the tile a block iterates over (keys for dQ, query rows for dK/dV);
   // at kD = 256 dQ's accumulator takes 128 registers, so the tiles are halved.
   static constexpr int kBwdTile = kD <= 128 ? 32 : 16;
-  // Forward blocks per SM the registers must allow: 3 at head dim 64, where
-  // shared memory holds 3 (45 KiB each).
-  static constexpr int kForwardBlocks = kD <= 64 ? 3 : 1;
 
   // Forward: Q rows, then K and V, each double-buffered.
   static constexpr size_t forward_smem(size_t elem) {
-    return elem * static_cast<size_t>(kStride) * (kRows + 4 * kKeys);
+    return elem * static_cast<size_t>(kStride) * (kFwdRows + 4 * kKeys);
   }
   // dQ: Q and dO rows, then K and V, each double-buffered.
   static constexpr size_t dq_smem(size_t elem) {
@@ -215,30 +219,45 @@ __device__ __forceinline__ void pipeline_next(int64_t tile, int64_t n_tiles, Sta
   __syncthreads();
 }
 
-// c[16, kN] += a[16, kK] b[kN, kK]^T: a's 16 rows and b's kN rows from shared
-// memory (row stride kStride), as in S = Q K^T.
-template <typename T, int kK, int kN, int kStride>
-__device__ __forceinline__ void mma_rows_rows(mma::FragC (&c)[kN / 8], const T* a, const T* b) {
+// c[m][16, kN] += a_m[16, kK] b[kN, kK]^T for kM m-tiles: a_m the 16 rows at
+// a + 16 m kStride and b's kN rows from shared memory (row stride kStride), as
+// in S = Q K^T; each b fragment read feeds kM products.
+template <typename T, int kM, int kK, int kN, int kStride>
+__device__ __forceinline__ void mma_rows_rows(mma::FragC (&c)[kM][kN / 8], const T* a, const T* b) {
   const int lane = threadIdx.x % kWarpSize;
   const int matrix = lane / 8, matrix_row = lane % 8;  // the 8x8 matrix this lane addresses
 #pragma unroll
   for (int k = 0; k < kK; k += 16) {
-    mma::FragA fa;
-    mma::ldmatrix_x4<false>(fa.r, a + ((matrix % 2) * 8 + matrix_row) * kStride + k + (matrix / 2) * 8);
+    mma::FragA fa[kM];
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+      mma::ldmatrix_x4<false>(fa[m].r,
+                              a + (16 * m + (matrix % 2) * 8 + matrix_row) * kStride + k + (matrix / 2) * 8);
+    }
 #pragma unroll
     for (int n = 0; n < kN; n += 16) {
       uint32_t r[4];  // n-tiles n and n + 8: {r[0], r[1]} and {r[2], r[3]}
       mma::ldmatrix_x4<false>(r, b + (n + (matrix / 2) * 8 + matrix_row) * kStride + k + (matrix % 2) * 8);
-      mma::mma_16816<T>(c[n / 8], fa, mma::FragB{{r[0], r[1]}});
-      mma::mma_16816<T>(c[n / 8 + 1], fa, mma::FragB{{r[2], r[3]}});
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+        mma::mma_16816<T>(c[m][n / 8], fa[m], mma::FragB{{r[0], r[1]}});
+        mma::mma_16816<T>(c[m][n / 8 + 1], fa[m], mma::FragB{{r[2], r[3]}});
+      }
     }
   }
 }
 
-// c[16, kN] += a[16, kK] b[kK, kN]: a in registers (kK / 16 A fragments), b's
-// kK rows of kN from shared memory (ldmatrix .trans), as in O += P V.
+// One m-tile: c[16, kN] += a[16, kK] b[kN, kK]^T.
 template <typename T, int kK, int kN, int kStride>
-__device__ __forceinline__ void mma_frags_rows(mma::FragC (&c)[kN / 8], const mma::FragA (&a)[kK / 16],
+__device__ __forceinline__ void mma_rows_rows(mma::FragC (&c)[kN / 8], const T* a, const T* b) {
+  mma_rows_rows<T, 1, kK, kN, kStride>(reinterpret_cast<mma::FragC(&)[1][kN / 8]>(c), a, b);
+}
+
+// c[m][16, kN] += a[m][16, kK] b[kK, kN] for kM m-tiles: a in registers (kK / 16
+// A fragments each), b's kK rows of kN from shared memory (ldmatrix .trans), as
+// in O += P V; each b fragment read feeds kM products.
+template <typename T, int kM, int kK, int kN, int kStride>
+__device__ __forceinline__ void mma_frags_rows(mma::FragC (&c)[kM][kN / 8], const mma::FragA (&a)[kM][kK / 16],
                                                const T* b) {
   const int lane = threadIdx.x % kWarpSize;
   const int matrix = lane / 8, matrix_row = lane % 8;
@@ -248,10 +267,21 @@ __device__ __forceinline__ void mma_frags_rows(mma::FragC (&c)[kN / 8], const mm
     for (int n = 0; n < kN; n += 16) {
       uint32_t r[4];
       mma::ldmatrix_x4<true>(r, b + (k + (matrix % 2) * 8 + matrix_row) * kStride + n + (matrix / 2) * 8);
-      mma::mma_16816<T>(c[n / 8], a[k / 16], mma::FragB{{r[0], r[1]}});
-      mma::mma_16816<T>(c[n / 8 + 1], a[k / 16], mma::FragB{{r[2], r[3]}});
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+        mma::mma_16816<T>(c[m][n / 8], a[m][k / 16], mma::FragB{{r[0], r[1]}});
+        mma::mma_16816<T>(c[m][n / 8 + 1], a[m][k / 16], mma::FragB{{r[2], r[3]}});
+      }
     }
   }
+}
+
+// One m-tile: c[16, kN] += a[16, kK] b[kK, kN].
+template <typename T, int kK, int kN, int kStride>
+__device__ __forceinline__ void mma_frags_rows(mma::FragC (&c)[kN / 8], const mma::FragA (&a)[kK / 16],
+                                               const T* b) {
+  mma_frags_rows<T, 1, kK, kN, kStride>(reinterpret_cast<mma::FragC(&)[1][kN / 8]>(c),
+                                        reinterpret_cast<const mma::FragA(&)[1][kK / 16]>(a), b);
 }
 
 // Accumulator fragments of a [16, kN] product as the A fragments of the next

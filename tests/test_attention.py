@@ -278,9 +278,7 @@ def test_float32_error_is_no_worse_than_sdpa(device, head_dim, causal):
         for name, fn in (("fused", lambda q, k, v: fusedllm.attention(q, k, v, causal=causal)),
                          ("sdpa", lambda q, k, v: F.scaled_dot_product_attention(
                              q, k, v, is_causal=causal, enable_gqa=True))):
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = fn(*leaves)
-            results[name] = (out, *torch.autograd.grad(out, leaves, grad_out))
+            results[name] = _grads(fn, q, k, v, grad_out)
         for i, name in enumerate(errors):
             errors[name]["ref"].append(ref[i])
             for who in ("fused", "sdpa"):
@@ -298,6 +296,7 @@ def test_float32_error_is_no_worse_than_sdpa(device, head_dim, causal):
 
 
 def _grads(call, q, k, v, grad_out):
+    """call(q, k, v) on fresh leaves: its output and the gradients of q, k, v for grad_out."""
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = call(*leaves)
     return (out, *torch.autograd.grad(out, leaves, grad_out))

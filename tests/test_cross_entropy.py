@@ -90,6 +90,35 @@ def test_half_weight_gradient_by_vocabulary_slabs(device, dtype, reduction, shap
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("vocab", [96, 67], ids=["packs", "scalars"])
+def test_half_weight_gradient_over_chunks_of_512_rows(device, dtype, vocab, monkeypatch):
+    """Chunks of 512 rows or more: on CUDA a half-precision weight's gradient is
+    summed over them in its own dtype (one rounding a chunk), on the CPU made by
+    slabs; rows of 96 logits take the row kernel's 16-byte packs, rows of 67 its
+    one-value loads."""
+    monkeypatch.setenv("FUSEDLLM_CE_CHUNK_ROWS", "512")
+    h, w, b, t = make_inputs(1100, 16, vocab, dtype, device)
+    check_against_reference(h, w, b, t, dtype)
+
+
+def test_logits_buffer_is_about_the_hidden_states_size():
+    """A chunk's logits hold about as many values as the hidden states (rows =
+    tokens / ceil(vocab / hidden), rounded up to a power of two): the pass's
+    memory is its two gradients and that one buffer. Here 512 rows of 8192
+    float32 logits, 16 MiB, as large as the hidden states (float32: torch's
+    own multiply on every CPU, which takes no buffers of ours)."""
+    tokens, hidden, vocab = 8192, 512, 8192
+    h, w, _, t = make_inputs(tokens, hidden, vocab, torch.float32, "cpu", bias=False)
+
+    def run():
+        ops.linear_cross_entropy_pass(h, w, None, t, None, -100, 0.0, 0.0, 0.0, [True, True, False])
+
+    gradients = (tokens + vocab) * hidden * 4
+    buffer = 512 * vocab * 4
+    assert peak_memory_bytes(run, "cpu") <= gradients + buffer + (1 << 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("chunk", [None, 512], ids=["onechunk", "chunks512"])
 def test_half_products_past_a_thousand_in_every_dimension(dtype, chunk, monkeypatch):
     """Products of more than 1024 rows, columns and summed terms: float16 products,

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <optional>
 
 #include "cross_entropy_kernel.h"
@@ -17,18 +18,21 @@ FUSEDLLM_DEFINE_CPU_KERNEL_TABLE(CrossEntropyRowFn, cross_entropy_row_kernels, "
 namespace {
 
 struct CpuCrossEntropy {
-  // The logits chunk has the input dtype: each logit is rounded once to it,
-  // as an eager linear layer does, and the row kernel turns it into the
-  // gradient in place.
-  static constexpr bool kLogitsInInputDtype = true;
+  // A half-precision weight's gradient over several chunks is always made by
+  // slabs: one rounding, at the cost of a fourth multiply.
+  static constexpr int64_t kHalfWeightSumFromRows = std::numeric_limits<int64_t>::max();
 
   static void matmul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                      const std::optional<at::Tensor>& bias) {
     matrix_product(out, a, b, bias);
   }
 
+  // Only float32 / float64 weights' gradients are summed over chunks here.
+  static void matmul_add(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+    out.addmm_(a, b);
+  }
+
   static void rows(const CrossEntropyRows& r) {
-    TORCH_INTERNAL_ASSERT(!r.grad || r.grad_logits.data_ptr() == r.logits.data_ptr());
     CrossEntropyRowArgs a{};
     a.dtype = r.logits.scalar_type();
     a.options = r.options;

@@ -1,9 +1,10 @@
 // Linear cross-entropy ops on CUDA: the chunked pass of
 // fusedllm/cross_entropy_op.h with the multiplies on cuBLAS (tensor cores for
-// bfloat16 and float16, float32 results so the logits are never rounded) and
-// one block per row for the row kernel: an online max and sum of exponentials
-// in one read of the row, then one pass writing the gradient. The math is
-// fusedllm/cross_entropy.h, which the CPU kernels run too.
+// bfloat16 and float16, float32 accumulation, the logits rounded once to the
+// input dtype) and one block per row for the row kernel: an online max and sum
+// of exponentials in one read of the row, then one pass writing the gradient
+// over the logits. The math is fusedllm/cross_entropy.h, which the CPU kernels
+// run too.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -20,29 +21,138 @@ namespace {
 
 using Math = act::ScalarMath;
 
-// Columns a thread reads ahead of using them.
-constexpr int kLoads = 4;
+// Packs a thread reads ahead of using them; with a soft cap (whose tanh makes
+// the passes issue-bound, not memory-bound) two, which keeps them in registers.
+template <bool kCapped>
+constexpr int kLoads = kCapped ? 2 : 4;
 
-// Grid-stride over rows, one row per block at a time. `grad` may alias
-// `logits` (float32 and float64 inputs): each thread reads and writes only its
-// own columns after the barrier that follows the target's read. With `slab`,
-// the logits are the columns column0 .. column0 + vocab - 1 of the rows
-// (o.vocab is the whole vocabulary's size): lse is read and only the gradient
-// is written.
-template <typename A, typename G>
-__global__ void cross_entropy_rows_kernel(A* logits, int64_t logits_stride,
+// Threads a row; at least two blocks a SM (registers at most 128), so that a
+// SM has 32 KB of a row's loads in flight.
+constexpr int kRowThreads = 256;
+constexpr int kRowBlocksPerSm = 2;
+
+// e^x for the row passes: float32 as ex2.approx (two instructions; about 2 ulp,
+// probabilities below 2^-126 flushed to zero) where an accurate expf was ten and
+// made the passes issue-bound; float64 exactly.
+__device__ __forceinline__ float row_exp(float x) { return exp_ftz(x); }
+__device__ __forceinline__ double row_exp(double x) { return Math::exp(x); }
+
+// s, the logit as the loss sees it: z capped (in A, from the stored z, so that
+// no capped value is ever rounded), or z.
+template <bool kCapped, typename A, typename T>
+__device__ __forceinline__ A logit_of(T z, A cap) {
+  const A v = static_cast<A>(z);
+  if constexpr (kCapped) {
+    return ce::capped<Math>(v, cap);
+  } else {
+    return v;
+  }
+}
+
+// kN packs of row `s` from pack p0 on, a block's width apart (those past
+// `packs` not read).
+template <typename T, int kVec, int kN>
+struct PacksAhead {
+  Pack<T, kVec> x[kN];
+  __device__ __forceinline__ PacksAhead(const T* s, int64_t p0, int64_t step, int64_t packs) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      if (p0 + i * step < packs) x[i] = load_pack<T, kVec>(s + (p0 + i * step) * kVec);
+    }
+  }
+};
+
+// This thread's share of a row's statistics: the running maximum m and sum of
+// exponentials l (rescaled once a pack), and the sum of s.
+template <bool kCapped, typename T, typename A, int kVec>
+__device__ __forceinline__ void row_statistics(const T* s, int64_t packs, A cap, A& m, A& l,
+                                               A& total) {
+  const int64_t step = blockDim.x;
+  constexpr int kN = kLoads<kCapped>;
+  for (int64_t p0 = threadIdx.x; p0 < packs; p0 += kN * step) {
+    const PacksAhead<T, kVec, kN> ahead(s, p0, step, packs);
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      if (p0 + i * step >= packs) break;
+      A v[kVec];
+      A pack_max = v[0] = logit_of<kCapped, A>(ahead.x[i].v[0], cap);
+#pragma unroll
+      for (int k = 1; k < kVec; ++k) {
+        v[k] = logit_of<kCapped, A>(ahead.x[i].v[k], cap);
+        pack_max = v[k] > pack_max ? v[k] : pack_max;
+      }
+      if (pack_max > m) {
+        l *= row_exp(m - pack_max);
+        m = pack_max;
+      }
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        total += v[k];
+        l += row_exp(v[k] - m);
+      }
+    }
+  }
+}
+
+// The gradient over this thread's packs of the row, in place: with target
+// column tc (if in this row), (p_scale e^(s - lse) - off - [j == tc] on) ds/dz.
+template <bool kCapped, typename T, typename A, int kVec>
+__device__ __forceinline__ void row_gradient(T* s, int64_t packs, A cap, A lse,
+                                             const ce::RowGrad<A>& g, int64_t tc) {
+  const int64_t step = blockDim.x;
+  const A inv_cap = kCapped ? A(1) / cap : A(0);
+  constexpr int kN = kLoads<kCapped>;
+  for (int64_t p0 = threadIdx.x; p0 < packs; p0 += kN * step) {
+    const PacksAhead<T, kVec, kN> ahead(s, p0, step, packs);
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const int64_t p = p0 + i * step;
+      if (p >= packs) break;
+      const int64_t target_lane = tc - p * kVec;  // in [0, kVec) in the target's pack only
+      Pack<T, kVec> d;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const A sj = logit_of<kCapped, A>(ahead.x[i].v[k], cap);
+        A v = g.p_scale * row_exp(sj - lse) - g.off - (k == target_lane ? g.on : A(0));
+        if constexpr (kCapped) v *= ce::cap_slope(sj, inv_cap);
+        d.v[k] = static_cast<T>(v);
+      }
+      store_pack_words<T, kVec>(s + p * kVec, d);
+    }
+  }
+}
+
+// A row's gradient that is one value throughout (an ignored target: 0; an
+// invalid one: NaN).
+template <typename T, int kVec>
+__device__ __forceinline__ void row_fill(T* s, int64_t packs, T value) {
+  Pack<T, kVec> d;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) d.v[k] = value;
+  for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) store_pack_words<T, kVec>(s + p * kVec, d);
+}
+
+// Grid-stride over rows, one row per block at a time; the logits (the input
+// dtype T, math in A) are read kVec at a time (16 bytes, or 1 where the row's
+// length or alignment does not allow it), kLoads packs in flight a thread.
+// With `grad` each thread writes the gradient over its own columns, after the
+// barrier that follows the target's read. With `slab`, the logits are the
+// columns column0 .. column0 + vocab - 1 of the rows (o.vocab is the whole
+// vocabulary's size): lse is read and only the gradient is written.
+template <typename T, typename A, int kVec>
+__global__ void __launch_bounds__(kRowThreads, kRowBlocksPerSm) cross_entropy_rows_kernel(T* logits, int64_t logits_stride,
                                           const int64_t* __restrict__ target, A* __restrict__ loss,
                                           A* __restrict__ lse_io, const A* __restrict__ scale,
-                                          G* grad, int64_t grad_stride, int64_t rows, int64_t vocab,
-                                          ce::Options o, int64_t ignore_index, bool slab,
-                                          int64_t column0) {
+                                          bool grad, int64_t rows, int64_t vocab, ce::Options o,
+                                          int64_t ignore_index, bool slab, int64_t column0) {
   __shared__ A scratch[kWarpSize];
   const bool capped = o.softcap > 0.0;
   const A cap = A(o.softcap);
   const A inf = std::numeric_limits<A>::infinity();
   const A nan = std::numeric_limits<A>::quiet_NaN();
+  const int64_t packs = vocab / kVec;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    A* s = logits + r * logits_stride;
+    T* s = logits + r * logits_stride;
     const int64_t t = target[r];
     const bool ignored = t == ignore_index;
     // An out-of-range target (checked on the host for CPU tensors only) gives NaN.
@@ -50,91 +160,68 @@ __global__ void cross_entropy_rows_kernel(A* logits, int64_t logits_stride,
     const int64_t tc = t - column0;  // the target's column here, if this row holds it
     A lse;
     if (slab) {
-      lse = lse_io[r];  // and each thread caps its own columns in the gradient's loop
+      lse = lse_io[r];
     } else {
-      // This thread's columns: online maximum and sum of exponentials, sum of s.
-      // kLoads columns are read before any is used, so that their loads are in
-      // flight together (one at a time, a block waited on each in turn); the
-      // arithmetic is column by column, in order.
       A m = -inf, l = A(0), total = A(0);
-      const int64_t step = blockDim.x;
-      for (int64_t j0 = threadIdx.x; j0 < vocab; j0 += kLoads * step) {
-        A x[kLoads];
-#pragma unroll
-        for (int i = 0; i < kLoads; ++i) x[i] = j0 + i * step < vocab ? s[j0 + i * step] : A(0);
-#pragma unroll
-        for (int i = 0; i < kLoads; ++i) {
-          const int64_t j = j0 + i * step;
-          if (j >= vocab) break;
-          A v = x[i];
-          if (capped) {
-            v = ce::capped<Math>(v, cap);
-            s[j] = v;
-          }
-          total += v;
-          if (v > m) {
-            l = l * Math::exp(m - v) + A(1);
-            m = v;
-          } else {
-            l += Math::exp(v - m);
-          }
-        }
+      if (capped) {
+        row_statistics<true, T, A, kVec>(s, packs, cap, m, l, total);
+      } else {
+        row_statistics<false, T, A, kVec>(s, packs, cap, m, l, total);
       }
       const A row_max = block_reduce_max(m, scratch);
       const A sum_exp = block_reduce_sum(m == -inf ? A(0) : l * Math::exp(m - row_max), scratch);
-      const A s_sum = block_reduce_sum(total, scratch);  // its barriers publish the capped s
+      const A s_sum = block_reduce_sum(total, scratch);
       lse = row_max + Math::log(sum_exp);
       if (threadIdx.x == 0) {
         lse_io[r] = lse;
-        loss[r] = ignored ? A(0) : (valid ? ce::row_loss<A>(o, lse, s[tc], s_sum) : nan);
+        const A s_target = capped ? logit_of<true, A>(s[tc], cap) : static_cast<A>(s[tc]);
+        loss[r] = ignored ? A(0) : (valid ? ce::row_loss<A>(o, lse, s_target, s_sum) : nan);
       }
     }
-    if (grad == nullptr) continue;
+    if (!grad) continue;
     if (!slab) __syncthreads();  // thread 0 has read s[tc] before it may be overwritten
-    G* d = grad + r * grad_stride;
-    const ce::RowGrad<A> g = ce::row_grad<A>(o, lse, scale ? scale[r] : A(1));
-    const A inv_cap = capped ? A(1) / cap : A(0);
-#pragma unroll kLoads
-    for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
-      A v;
-      if (ignored) {
-        v = A(0);
-      } else if (!valid) {
-        v = nan;
+    if (ignored || !valid) {
+      row_fill<T, kVec>(s, packs, static_cast<T>(ignored ? A(0) : nan));
+    } else {
+      const ce::RowGrad<A> g = ce::row_grad<A>(o, lse, scale ? scale[r] : A(1));
+      if (capped) {
+        row_gradient<true, T, A, kVec>(s, packs, cap, lse, g, tc);
       } else {
-        const A sj = slab && capped ? ce::capped<Math>(s[j], cap) : s[j];
-        v = g.p_scale * Math::exp(sj - lse) - g.off - (j == tc ? g.on : A(0));
-        if (capped) v *= ce::cap_slope(sj, inv_cap);
+        row_gradient<false, T, A, kVec>(s, packs, cap, lse, g, tc);
       }
-      d[j] = static_cast<G>(v);
     }
   }
 }
 
-constexpr int kRowThreads = 256;
-
 struct CudaCrossEntropy {
-  // float32 logits (cuBLAS's float32 output from bfloat16 / float16 operands).
-  static constexpr bool kLogitsInInputDtype = false;
+  // At 512 rows or more a chunk's products are compute-bound on an H100
+  // (262 FLOP a byte of bfloat16 weight at 256 rows is its ridge point), and
+  // reading and writing a half-precision weight's gradient once per chunk
+  // costs less than a fourth multiply; below, the slabs are faster.
+  static constexpr int64_t kHalfWeightSumFromRows = 512;
 
   static void matmul(at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                      const std::optional<at::Tensor>& bias) {
 #if defined(FUSEDLLM_SIMT)
     // Emulated: CPU tensors, the operands widened as the GPU's float32
     // accumulation does, the result rounded once.
-    const at::ScalarType acc = a.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    at::Tensor product = at::mm(a.to(acc), b.to(acc));
-    if (bias.has_value()) product.add_(bias->to(acc));
+    at::Tensor product = at::mm(widened(a), widened(b));
+    if (bias.has_value()) product.add_(widened(*bias));
     out.copy_(product);
 #else
-    if (a.scalar_type() != out.scalar_type()) {
-      at::mm_out(out, a, b, out.scalar_type());
-      if (bias.has_value()) out.add_(*bias);
-    } else if (bias.has_value()) {
+    if (bias.has_value()) {
       at::addmm_out(out, *bias, a, b);
     } else {
       at::mm_out(out, a, b);
     }
+#endif
+  }
+
+  static void matmul_add(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+#if defined(FUSEDLLM_SIMT)
+    out.copy_(at::addmm(widened(out), widened(a), widened(b)));
+#else
+    out.addmm_(a, b);
 #endif
   }
 
@@ -144,28 +231,36 @@ struct CudaCrossEntropy {
     const int64_t rows = r.logits.size(0), vocab = r.logits.size(1);
     const int blocks = static_cast<int>(std::clamp<int64_t>(
         rows, 1, static_cast<int64_t>(device_properties().multiProcessorCount) * 8));
-    const auto run = [&](auto logits_tag, auto grad_tag) {
-      using A = decltype(logits_tag);
-      using G = decltype(grad_tag);
-      launch("cross_entropy_rows_kernel", cross_entropy_rows_kernel<A, G>, blocks, kRowThreads, 0,
-             stream, r.logits.mutable_data_ptr<A>(), r.logits.stride(0),
-             r.target.const_data_ptr<int64_t>(), r.loss.mutable_data_ptr<A>(),
-             r.lse.mutable_data_ptr<A>(), r.scale.defined() ? r.scale.const_data_ptr<A>() : nullptr,
-             r.grad ? r.grad_logits.mutable_data_ptr<G>() : nullptr,
-             r.grad ? r.grad_logits.stride(0) : int64_t{0}, rows, vocab, r.options,
-             r.ignore_index, r.slab, r.column0);
+    const auto run = [&](auto tag, auto acc_tag) {
+      using T = decltype(tag);
+      using A = decltype(acc_tag);
+      const auto launch_with = [&](auto kernel) {
+        launch("cross_entropy_rows_kernel", kernel, blocks, kRowThreads, 0, stream,
+               r.logits.mutable_data_ptr<T>(), r.logits.stride(0),
+               r.target.const_data_ptr<int64_t>(), r.loss.mutable_data_ptr<A>(),
+               r.lse.mutable_data_ptr<A>(),
+               r.scale.defined() ? r.scale.const_data_ptr<A>() : nullptr, r.grad, rows, vocab,
+               r.options, r.ignore_index, r.slab, r.column0);
+      };
+      constexpr int kWide = 16 / sizeof(T);
+      if (pack_width<T>(vocab, {{r.logits.const_data_ptr(), r.logits.stride(0)}}) == kWide) {
+        launch_with(cross_entropy_rows_kernel<T, A, kWide>);
+      } else {
+        launch_with(cross_entropy_rows_kernel<T, A, 1>);
+      }
     };
-    // The gradient has the input's dtype: the logits' own (in place) or a half type.
-    const at::ScalarType grad_dtype = r.grad ? r.grad_logits.scalar_type() : r.logits.scalar_type();
-    if (r.logits.scalar_type() == at::kDouble) {
-      run(double{}, double{});
-    } else if (grad_dtype == at::kBFloat16) {
-      run(float{}, at::BFloat16{});
-    } else if (grad_dtype == at::kHalf) {
-      run(float{}, at::Half{});
-    } else {
-      run(float{}, float{});
+    switch (r.logits.scalar_type()) {
+      case at::kDouble: run(double{}, double{}); break;
+      case at::kBFloat16: run(at::BFloat16{}, float{}); break;
+      case at::kHalf: run(at::Half{}, float{}); break;
+      default: run(float{}, float{}); break;
     }
+  }
+
+ private:
+  // An operand as the GPU's multiply accumulates it: float32 (float64 for float64).
+  static at::Tensor widened(const at::Tensor& t) {
+    return t.to(t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   }
 };
 

@@ -1,12 +1,12 @@
 // The fused linear cross-entropy ops, shared by the CPU and CUDA
 // implementations: argument checks and the pass over token chunks. Each chunk's
-// logits [rows, V] are one matrix multiply; the device's row kernel turns them
-// into lse, losses and, when asked, the logits' gradient (float32 math, float64
-// for float64); two more multiplies give the chunk's hidden gradient and add
-// its share of the weight gradient (summed in float32 over the chunks), or, for
-// a half-precision weight over several chunks, a second pass by vocabulary
-// slabs makes the weight gradient. Only a chunk (or a slab) of the [tokens, V]
-// logits exists at a time.
+// logits [rows, V] are one matrix multiply into the input dtype; the device's
+// row kernel turns them into lse, losses and, when asked, the logits' gradient
+// in place (float32 math, float64 for float64); two more multiplies give the
+// chunk's hidden gradient and add its share of the weight gradient, or, for a
+// half-precision weight over chunks too small for that to pay, a second pass
+// by vocabulary slabs makes the weight gradient. Only a chunk (or a slab) of
+// the [tokens, V] logits exists at a time.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -36,10 +36,8 @@ inline Reduction parse_reduction(std::string_view reduction, const char* op) {
 }
 
 // One chunk's row pass, for the device's row kernel. `logits` [rows, V]
-// (row-contiguous; the accumulation or the input dtype) holds z on entry; with
-// `grad`, the row kernel writes the gradient of sum(scale * loss) with respect
-// to z into `grad_logits` ([rows, V], row-contiguous, the input dtype; it may
-// be `logits` itself).
+// (row-contiguous, the input dtype) holds z on entry; with `grad`, the row
+// kernel writes over it the gradient of sum(scale * loss) with respect to z.
 // With `slab`, `logits` holds the columns column0 .. column0 + logits.size(1) - 1
 // of the rows: their lse is read (not computed), no loss is written, and only
 // the gradient is (`grad` is set).
@@ -50,7 +48,6 @@ struct CrossEntropyRows {
   at::Tensor loss, lse;       // accumulation dtype [rows]
   at::Tensor scale;           // accumulation dtype [rows], or undefined: 1 for every row
   bool grad = false;
-  at::Tensor grad_logits;
   bool slab = false;
   int64_t column0 = 0;
 };
@@ -124,25 +121,47 @@ inline CrossEntropyArgs check_cross_entropy(const char* op, const at::Tensor& hi
   return a;
 }
 
-// Chunk rows and slab columns are multiples of 128: a [4096, 1333] bfloat16
-// slab sent cuBLAS to pre-Hopper kernels, 3x slower on an H200, and 524-row
-// float32 chunks were 13% slower than 512-row ones.
+// Chunk rows and slab columns of 128 or more are multiples of 128: a
+// [4096, 1333] bfloat16 slab sent cuBLAS to pre-Hopper kernels, 3x slower on an
+// H200, and 524-row float32 chunks were 13% slower than 512-row ones.
 constexpr int64_t kChunkStep = 128;
 
-// Tokens per chunk: as many as fit in `budget` bytes of logits, and at least
-// 256 rows. FUSEDLLM_CE_CHUNK_ROWS sets it (the tests use it to cross chunk
-// boundaries at small sizes).
+// n rounded down to a multiple of kChunkStep where it has one, else kept.
+inline int64_t chunk_step_floor(int64_t n) { return n >= kChunkStep ? n / kChunkStep * kChunkStep : n; }
+
+// Bytes of logits a chunk (or a slab) may hold: about as many values as the
+// hidden states hold, in rows = tokens / ceil(vocab / hidden) rounded up to a
+// power of two, so that the op's memory is the gradients' and one buffer of
+// about the hidden states' size; at least 4 MiB, so that small inputs take
+// one chunk. A float32 / float64
+// weight's gradient is summed in place over the chunks, each reading and
+// writing it whole: there the budget is at least a quarter of the weight's
+// bytes (2048 tokens x 2048 -> 128256: 261-row chunks took 4-14% longer than
+// 1024-row ones).
+inline int64_t logits_budget(int64_t tokens, int64_t vocab, int64_t hidden, int64_t logit_bytes,
+                             bool full_weight_sum) {
+  const int64_t per_feature = (vocab + hidden - 1) / std::max<int64_t>(hidden, 1);
+  const int64_t rows_wanted = (tokens + per_feature - 1) / per_feature;
+  int64_t rows = 1;
+  while (rows < rows_wanted) rows *= 2;
+  int64_t budget = std::max<int64_t>(rows * vocab * logit_bytes, int64_t{4} << 20);
+  if (full_weight_sum) budget = std::max(budget, vocab * hidden * logit_bytes / 4);
+  return budget;
+}
+
+// Tokens per chunk: as many as fit in `budget` bytes of logits.
+// FUSEDLLM_CE_CHUNK_ROWS sets it (the tests use it to cross chunk boundaries
+// at small sizes).
 inline int64_t chunk_rows(int64_t tokens, int64_t vocab, int64_t logit_bytes, int64_t budget) {
-  int64_t rows = std::max<int64_t>(256, budget / (vocab * logit_bytes) / kChunkStep * kChunkStep);
+  int64_t rows = chunk_step_floor(budget / (vocab * logit_bytes));
   if (const char* forced = std::getenv("FUSEDLLM_CE_CHUNK_ROWS")) rows = std::atoll(forced);
   return std::clamp<int64_t>(rows, 1, std::max<int64_t>(tokens, 1));
 }
 
 // Vocabulary columns per slab of the weight gradient's pass: as many as fit in
-// `budget` bytes of [tokens, columns] logits, and at least 256.
-// FUSEDLLM_CE_SLAB_COLUMNS sets it (tests).
+// `budget` bytes of [tokens, columns] logits. FUSEDLLM_CE_SLAB_COLUMNS sets it (tests).
 inline int64_t slab_columns(int64_t tokens, int64_t vocab, int64_t logit_bytes, int64_t budget) {
-  int64_t columns = std::max<int64_t>(256, budget / (tokens * logit_bytes) / kChunkStep * kChunkStep);
+  int64_t columns = chunk_step_floor(budget / (tokens * logit_bytes));
   if (const char* forced = std::getenv("FUSEDLLM_CE_SLAB_COLUMNS")) columns = std::atoll(forced);
   return std::clamp<int64_t>(columns, 1, vocab);
 }
@@ -158,12 +177,15 @@ inline at::Tensor reduce_losses(const at::Tensor& per_token, const at::Tensor& t
 }
 
 // Impl provides:
-//   kLogitsInInputDtype: whether the logits chunk has the input dtype (else
-//     the accumulation dtype);
 //   matmul(out, a, b, bias): out = a @ b (+ bias, a row broadcast over out's
 //     rows), a and b 2-D in the input dtype with one unit stride each, out
-//     row-contiguous in the input dtype or (the logits) in the logits' dtype;
-//     float32 accumulation (float64 for float64), one rounding to out's dtype;
+//     row-contiguous in it; float32 accumulation (float64 for float64), one
+//     rounding to out's dtype;
+//   matmul_add(out, a, b): out += a @ b, likewise summed and rounded once;
+//   kHalfWeightSumFromRows: chunk rows from which a half-precision weight's
+//     gradient is summed over the chunks in its own dtype (one rounding per
+//     chunk) rather than made by vocabulary slabs (a fourth multiply, one
+//     rounding);
 //   rows(const CrossEntropyRows&): the row kernel.
 template <typename Impl>
 struct CrossEntropyOps {
@@ -197,35 +219,24 @@ struct CrossEntropyOps {
     at::Tensor loss = at::empty({tokens}, acc_opts);
     at::Tensor grad_hidden = want_hidden ? at::empty_like(hidden_in, at::MemoryFormat::Contiguous)
                                          : hidden_in.new_empty({0});
-    // The logits chunk: in the accumulation dtype, or (Impl::kLogitsInInputDtype)
-    // in the input dtype as an eager linear layer rounds them.
-    const at::ScalarType logits_dtype = Impl::kLogitsInInputDtype ? dtype : acc;
-    const int64_t logit_bytes = c10::elementSize(logits_dtype);
-    constexpr int64_t kMiB = int64_t{1} << 20;
-    // 64 MiB of logits at a time; with a float32 weight's gradient, which every
-    // chunk reads and writes whole, up to a quarter of its bytes (2048 tokens x
-    // 2048 -> 128256: 261-row chunks took 4-14% longer than 1024-row ones).
-    const int64_t weight_bytes = vocab * hidden_size * c10::elementSize(dtype);
-    int64_t chunk = chunk_rows(tokens, vocab, logit_bytes,
-                               std::max(64 * kMiB, want_weight && dtype == acc ? weight_bytes / 4 : 0));
-    // A half-precision weight's gradient from one chunk is one multiply into
-    // its dtype (float32 accumulation, one rounding, as eager's). Over several
-    // chunks, a float32 sum over them would be twice the weight's size (most of
-    // the op's memory at a few thousand tokens), so it is made by vocabulary
-    // slabs instead: after the chunks (logits, lse, loss, hidden gradient), each
-    // slab's logits for all tokens are made again from the known lse, and its
-    // rows of the weight gradient are one multiply over all tokens. That is a
-    // fourth multiply of the logits' size; the chunk and slab buffers then stay
-    // within a quarter of the weight's bytes (at least 16 MiB, at most 64).
-    const bool by_slabs = want_weight && dtype != acc && chunk < tokens;
-    int64_t slab = 0;
-    if (by_slabs) {
-      const int64_t budget = std::clamp(weight_bytes / 4, 16 * kMiB, 64 * kMiB);
-      // Bytes per logit: with the gradient in a buffer of its own, both.
-      const int64_t bytes = logit_bytes + (logits_dtype != dtype ? c10::elementSize(dtype) : 0);
-      chunk = chunk_rows(tokens, vocab, bytes, budget);
-      slab = slab_columns(tokens, vocab, bytes, budget);
-    }
+    // The logits have the input dtype, each rounded once as an eager linear
+    // layer rounds it, and the row kernel writes their gradient over them.
+    const int64_t logit_bytes = c10::elementSize(dtype);
+    const bool half = dtype != acc;
+    const int64_t budget =
+        logits_budget(tokens, vocab, hidden_size, logit_bytes, want_weight && !half);
+    const int64_t chunk = chunk_rows(tokens, vocab, logit_bytes, budget);
+    // A half-precision weight's gradient over several chunks: a float32 sum of
+    // it would be twice the weight's size (most of the op's memory). Summed in
+    // its own dtype, each chunk reads and writes it whole; where chunks are
+    // small that traffic costs more than a fourth multiply, and the gradient
+    // is made by vocabulary slabs instead: after the chunks (logits, lse,
+    // loss, hidden gradient), each slab's logits for all tokens are made again
+    // from the known lse, and its rows of the weight gradient are one multiply
+    // over all tokens (one rounding).
+    const bool by_slabs =
+        want_weight && half && chunk < tokens && chunk < Impl::kHalfWeightSumFromRows;
+    const int64_t slab = by_slabs ? slab_columns(tokens, vocab, logit_bytes, budget) : 0;
     at::Tensor grad_weight = want_weight ? at::empty_like(weight_in, at::MemoryFormat::Contiguous)
                                          : hidden_in.new_empty({0});
     at::Tensor grad_bias = hidden_in.new_empty({0});
@@ -243,22 +254,18 @@ struct CrossEntropyOps {
         grad_scale.has_value() ? converted(*grad_scale, acc).contiguous() : at::Tensor();
     at::Tensor lse = at::empty({tokens}, acc_opts);
 
-    // One buffer for the chunks' logits, then the slabs'; the gradient goes in
-    // place when the logits have the input dtype, else into a buffer of its own.
-    const int64_t buffer_size = std::max(chunk * vocab, tokens * slab);
-    const at::Tensor logits_buffer = at::empty({buffer_size}, hidden.options().dtype(logits_dtype));
-    const at::Tensor grad_buffer =
-        grad && logits_dtype != dtype ? at::empty({buffer_size}, hidden.options()) : logits_buffer;
-    // [rows, columns] row-contiguous views of the buffers' first elements.
-    const auto rows_of = [](const at::Tensor& buffer, int64_t rows, int64_t columns) {
-      return buffer.narrow(0, 0, rows * columns).view({rows, columns});
+    // One buffer for the chunks' logits, then the slabs'; the gradients go in place.
+    const at::Tensor buffer = at::empty({std::max(chunk * vocab, tokens * slab)}, hidden.options());
+    // [rows, columns] row-contiguous views of the buffer's first elements.
+    const auto rows_of = [](const at::Tensor& storage, int64_t rows, int64_t columns) {
+      return storage.narrow(0, 0, rows * columns).view({rows, columns});
     };
     const auto logits_of = [&](at::Tensor& z, const at::Tensor& h, int64_t v0, int64_t columns) {
       std::optional<at::Tensor> b;
       if (bias.has_value()) b = bias->narrow(0, v0, columns);
       Impl::matmul(z, h, weight.narrow(0, v0, columns).t(), b);
     };
-    const auto row_pass = [&](const at::Tensor& z, const at::Tensor& dz, int64_t r0, int64_t n) {
+    const auto row_pass = [&](const at::Tensor& z, int64_t r0, int64_t n) {
       CrossEntropyRows rows;
       rows.options = args.options;
       rows.ignore_index = args.ignore_index;
@@ -268,7 +275,6 @@ struct CrossEntropyOps {
       rows.lse = lse.narrow(0, r0, n);
       if (scale.defined()) rows.scale = scale.narrow(0, r0, n);
       rows.grad = grad;
-      rows.grad_logits = dz;
       return rows;
     };
     at::Tensor grad_bias_acc = want_bias ? at::zeros({vocab}, acc_opts) : at::Tensor();
@@ -276,37 +282,34 @@ struct CrossEntropyOps {
     for (int64_t r0 = 0; r0 < tokens; r0 += chunk) {
       const int64_t n = std::min(chunk, tokens - r0);
       const at::Tensor h = hidden.narrow(0, r0, n);
-      at::Tensor z = rows_of(logits_buffer, n, vocab);
+      at::Tensor z = rows_of(buffer, n, vocab);
       logits_of(z, h, 0, vocab);
-      const at::Tensor dz = grad ? rows_of(grad_buffer, n, vocab) : at::Tensor();
-      Impl::rows(row_pass(z, dz, r0, n));
+      Impl::rows(row_pass(z, r0, n));
       if (!grad) continue;
 
       if (want_hidden) {
         at::Tensor dh = grad_hidden.narrow(0, r0, n);
-        Impl::matmul(dh, dz, weight, std::nullopt);
+        Impl::matmul(dh, z, weight, std::nullopt);
       }
-      // Over the chunks, a float32 weight's gradient is summed in place.
       if (want_weight && !by_slabs) {
         if (r0 == 0) {
-          Impl::matmul(grad_weight, dz.t(), h, std::nullopt);
+          Impl::matmul(grad_weight, z.t(), h, std::nullopt);
         } else {
-          grad_weight.addmm_(dz.t(), h);
+          Impl::matmul_add(grad_weight, z.t(), h);
         }
       }
-      if (want_bias) grad_bias_acc.add_(at::sum(dz, 0, false, acc));
+      if (want_bias) grad_bias_acc.add_(at::sum(z, 0, false, acc));
     }
     for (int64_t v0 = 0; by_slabs && v0 < vocab; v0 += slab) {
       const int64_t columns = std::min(slab, vocab - v0);
-      at::Tensor z = rows_of(logits_buffer, tokens, columns);
+      at::Tensor z = rows_of(buffer, tokens, columns);
       logits_of(z, hidden, v0, columns);
-      const at::Tensor dz = rows_of(grad_buffer, tokens, columns);
-      CrossEntropyRows rows = row_pass(z, dz, 0, tokens);
+      CrossEntropyRows rows = row_pass(z, 0, tokens);
       rows.slab = true;
       rows.column0 = v0;
       Impl::rows(rows);
       at::Tensor dw = grad_weight.narrow(0, v0, columns);
-      Impl::matmul(dw, dz.t(), hidden, std::nullopt);
+      Impl::matmul(dw, z.t(), hidden, std::nullopt);
     }
     if (want_bias) grad_bias = converted(grad_bias_acc, dtype);
     return {loss, grad_hidden, grad_weight, grad_bias};

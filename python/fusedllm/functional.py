@@ -500,17 +500,18 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     ``[vocab, hidden_size]`` (an LM head's), ``bias`` ``[vocab]`` or None,
     ``target`` int64 class indices of hidden's leading shape; tokens whose
     target is ``ignore_index`` add nothing. The logits are formed a chunk of
-    tokens at a time (64 MiB of them, or with a float32 weight's gradient up
-    to a quarter of its size; at least 256 tokens), never the whole
-    ``[tokens, vocab]`` matrix once there are more tokens than a chunk;
-    softmax and loss in float32 (float64 for float64 inputs). On the CPU each
-    logit is rounded once to the inputs' dtype, as an eager linear layer
-    rounds it; on CUDA it stays float32. With ``reduction`` "mean" or "sum"
-    the gradients are formed in the same pass; with "none" backward
-    recomputes them chunk by chunk. A bfloat16 / float16 weight's gradient
-    over several chunks is made a vocabulary slab at a time (each slab's
-    logits made again, a fourth multiply), with no float32 buffer of the
-    weight's size; every multiply sums in float32 and rounds once.
+    tokens at a time (about as many as the hidden states hold, at least 4 MiB;
+    with a float32 weight's gradient at least a quarter of its size), never
+    the whole ``[tokens, vocab]`` matrix once there are more tokens than a
+    chunk; each logit is rounded once to the inputs' dtype, as an eager linear
+    layer rounds it, and softmax and loss are float32 (float64 for float64
+    inputs). With ``reduction`` "mean" or "sum" the gradients are formed in
+    the same pass; with "none" backward recomputes them chunk by chunk. A
+    bfloat16 / float16 weight's gradient over several chunks takes no float32
+    buffer of the weight's size: on CUDA, with chunks of 512 tokens or more,
+    it is summed over them in its own dtype (rounded once a chunk); otherwise
+    it is made a vocabulary slab at a time (each slab's logits made again, a
+    fourth multiply, one rounding). Every multiply sums in float32.
 
     ``reduction``: "mean" (over the tokens not ignored; NaN when all are, as
     ``cross_entropy``), "sum", or "none" (per-token losses of target's shape, 0

@@ -311,16 +311,38 @@ rms_norm_backward_rows_kernel(const T* __restrict__ grad_out, int64_t grad_out_s
   }
 }
 
-// dw[j] = sum over blocks of partial[b, j], added in block order (deterministic).
+// dw[j] = sum over b of partial[b, j]. A block per 32 columns (each lane one:
+// a warp reads 32 consecutive values of a row), its kSumWarps warps taking
+// every kSumWarps-th row, four loads in flight each; then the warps' sums added
+// in warp order: deterministic. (One thread per column, adding all rows in
+// turn, put 1024 columns on 4 SMs, each thread waiting on thousands of loads.)
+constexpr int kSumWarps = 32;
+
 template <typename T>
-__global__ void sum_partials_kernel(const at::opmath_type<T>* __restrict__ partial, int64_t blocks,
-                                    int64_t n, T* __restrict__ grad_weight) {
+__global__ void __launch_bounds__(kSumWarps * kWarpSize)
+    sum_partials_kernel(const at::opmath_type<T>* __restrict__ partial, int64_t blocks, int64_t n,
+                        T* __restrict__ grad_weight) {
   using acc_t = at::opmath_type<T>;
-  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
-       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    acc_t s = 0;
-    for (int64_t b = 0; b < blocks; ++b) s += partial[b * n + j];
-    grad_weight[j] = static_cast<T>(s);
+  __shared__ acc_t warp_sums[kSumWarps][kWarpSize];
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int64_t j = blockIdx.x * static_cast<int64_t>(kWarpSize) + lane;
+  acc_t s[4] = {0, 0, 0, 0};
+  if (j < n) {
+    int64_t b = warp;
+    for (; b + 3 * kSumWarps < blocks; b += 4 * kSumWarps) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) s[u] += partial[(b + u * kSumWarps) * n + j];
+    }
+    for (; b < blocks; b += kSumWarps) s[0] += partial[b * n + j];
+  }
+  warp_sums[warp][lane] = (s[0] + s[1]) + (s[2] + s[3]);
+  __syncthreads();
+  if (warp == 0 && j < n) {
+    acc_t total = 0;
+#pragma unroll 8
+    for (int w = 0; w < kSumWarps; ++w) total += warp_sums[w][lane];
+    grad_weight[j] = static_cast<T>(total);
   }
 }
 
@@ -498,11 +520,10 @@ struct CudaRmsNorm {
         });
       }
       if (partial_ptr != nullptr) {
-        const int threads_sum = 256;
-        const int blocks_sum =
-            static_cast<int>(std::min<int64_t>((n + threads_sum - 1) / threads_sum, 65535));
-        launch("sum_partials_kernel", sum_partials_kernel<scalar_t>, blocks_sum, threads_sum, 0,
-               stream, partial_ptr, blocks, n, p.grad_weight.mutable_data_ptr<scalar_t>());
+        const int blocks_sum = static_cast<int>((n + kWarpSize - 1) / kWarpSize);
+        launch("sum_partials_kernel", sum_partials_kernel<scalar_t>, blocks_sum,
+               kSumWarps * kWarpSize, 0, stream, partial_ptr, blocks, n,
+               p.grad_weight.mutable_data_ptr<scalar_t>());
       }
     });
   }

@@ -1,14 +1,17 @@
-"""The CUDA SIMT forward (csrc/cuda/attention.cu) in decoding's shapes.
+"""The CUDA SIMT forward kernels in decoding's shapes: the decoding kernel
+(csrc/cuda/attention_decode.cu) for bfloat16, the general one
+(csrc/cuda/attention.cu) for float32 and float64.
 
-Over slices of the keys: when its (row tile, kv head, sequence) blocks would
+Over slices of the keys: when their (row tile, kv head, sequence) blocks would
 leave most multiprocessors idle, as in decoding over a long cache, each block
 takes one slice of the keys and a merge kernel makes the slices' outputs and
 log-sum-exps one. The emulator has 4 multiprocessors, a GPU its own count;
 both slice these shapes. Values, lse and gradients against the float64
 reference, with every option.
 
-Its K/V tile loads: 16 bytes at a time where the pointer, strides and head
-dim allow, else an element at a time; both give the same result."""
+The general kernel's K/V tile loads: 16 bytes at a time where the pointer,
+strides and head dim allow, else an element at a time; both give the same
+result."""
 
 import pytest
 import torch
@@ -24,7 +27,7 @@ from test_attention_tensor_core import check_ran, launches, op_lse
 
 pytestmark = pytest.mark.parametrize("device", [d for d in DEVICES if not isinstance(d, str)], indirect=True)
 
-FORWARD, MERGE = "attention_forward_kernel", "attention_merge_kernel"
+FORWARD, DECODE, MERGE = "attention_forward_kernel", "attention_decode_kernel", "attention_merge_kernel"
 
 # (batch, q heads, kv heads, q len, k len, head dim): one or two kv-head
 # blocks, so fewer than the emulator's 4 multiprocessors.
@@ -41,7 +44,7 @@ def test_key_slices_match_reference(device, shape, option, dtype):
     causal = option in ("causal", "all")
     with launches() as counts:
         out = fusedllm.attention(q, k, v, causal=causal, **options)
-    check_ran(counts, FORWARD, MERGE)
+    check_ran(counts, DECODE if dtype == torch.bfloat16 else FORWARD, MERGE)
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, _differentiable(q, k, v, options), grad_out)
     check_against_reference(q, k, v, out, grad_out, grads, dtype, causal=causal, **options)
@@ -77,9 +80,10 @@ def test_kv_loads_one_element_at_a_time_equal_wide_loads(device, kind, layout, m
     """Contiguous K/V from torch's allocator are read 16 bytes at a time; the
     same values one element past an aligned address, or in rows whose stride
     is not a multiple of 16 bytes, one element at a time. The arithmetic after
-    the loads is the same, so the outputs are equal, bit for bit."""
+    the loads is the same, so the outputs are equal, bit for bit. (20 query
+    rows a kv head: the general kernel, which the unaligned rows take too.)"""
     monkeypatch.setenv("FUSEDLLM_CUDA_ATTENTION", "simt")
-    b, hq, hkv, sq, sk, d = 2, 8, 2, 1, 300, 128
+    b, hq, hkv, sq, sk, d = 2, 8, 2, 5, 300, 128
     dtype = {"float64": torch.float64, "float32": torch.float32}.get(kind, torch.bfloat16)
     q = torch.randn(b, hq, sq, d, device=device, dtype=dtype)
     k = torch.randn(b, hkv, sk, d, device=device, dtype=dtype)
@@ -98,9 +102,10 @@ def test_kv_loads_one_element_at_a_time_equal_wide_loads(device, kind, layout, m
         moved.copy_(t)
         return moved
 
-    with torch.no_grad():
+    with torch.no_grad(), launches() as counts:
         wide = fusedllm.attention(q, k, v, causal=True, **kwargs)
         narrow = fusedllm.attention(q, unaligned(k), unaligned(v), causal=True, **kwargs)
+    check_ran(counts, FORWARD, absent=(DECODE,))
     assert torch.equal(wide, narrow)
     if kind in ("int8", "float8"):
         k, v = dequantize_kv(k, kwargs["k_scale"]), dequantize_kv(v, kwargs["v_scale"])

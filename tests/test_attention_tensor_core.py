@@ -29,6 +29,7 @@ assert_close = functools.partial(checks.assert_close, upcast=True)
 
 FORWARD = "attention_mma_forward_kernel"
 SIMT_FORWARD = "attention_forward_kernel"
+DECODE = "attention_decode_kernel"  # SIMT: up to 16 rows a kv head, bfloat16 / float16
 DELTA, SIMT_DELTA = "attention_mma_delta_kernel", "attention_delta_kernel"
 DQ, SIMT_DQ = "attention_mma_dq_kernel", "attention_dq_kernel"
 DKDV, SIMT_DKDV = "attention_mma_dkdv_kernel", "attention_dkdv_kernel"
@@ -109,14 +110,14 @@ def run_and_check(q, k, v, dtype, check_lse=True, **options):
 # --- dispatch -----------------------------------------------------------------------------
 
 # (dtype, q_heads, kv_heads, q_len): the tensor cores serve 16-bit types once a kv
-# head's query rows (q_len x group) fill a warp's 16-row tile; decoding with
-# few heads per kv head and float32 stay on the SIMT kernel.
+# head's query rows (q_len x group) fill a warp's 16-row tile; fewer rows take
+# the SIMT decoding kernel, float32 the general SIMT kernel.
 DISPATCH_CASES = [
     (torch.bfloat16, 2, 2, 16, FORWARD),
     (torch.float16, 4, 1, 4, FORWARD),
     (torch.bfloat16, 16, 1, 1, FORWARD),
-    (torch.bfloat16, 8, 1, 1, SIMT_FORWARD),
-    (torch.float16, 2, 2, 15, SIMT_FORWARD),
+    (torch.bfloat16, 8, 1, 1, DECODE),
+    (torch.float16, 2, 2, 15, DECODE),
     (torch.float32, 4, 4, 64, SIMT_FORWARD),
 ]
 
@@ -130,10 +131,14 @@ def test_dispatch_picks_the_kernel(device, dtype, hq, hkv, sq, expected):
         out.backward(torch.randn_like(out))
     if counts is None:
         pytest.skip("only the emulator counts launches")
-    # The backward follows the forward's choice.
+    # The backward follows the forward's choice (the SIMT backward after either SIMT forward).
     tensor_cores = (FORWARD, DELTA, DQ, DKDV)
-    simt = (SIMT_FORWARD, SIMT_DELTA, SIMT_DQ, SIMT_DKDV)
-    ran, other = (tensor_cores, simt) if expected == FORWARD else (simt, tensor_cores)
+    simt_backward = (SIMT_DELTA, SIMT_DQ, SIMT_DKDV)
+    simt_forwards = {SIMT_FORWARD, DECODE}
+    if expected == FORWARD:
+        ran, other = tensor_cores, (*simt_forwards, *simt_backward)
+    else:
+        ran, other = (expected, *simt_backward), (*tensor_cores, *(simt_forwards - {expected}))
     check_ran(counts, *ran, absent=other)
     ref, _ = ref_attention(q.double(), k.double(), v.double())
     assert_close(out, ref, FORWARD_TOL[dtype], "out")
@@ -141,14 +146,15 @@ def test_dispatch_picks_the_kernel(device, dtype, hq, hkv, sq, expected):
 
 def test_simt_kernel_on_request(device, monkeypatch):
     """FUSEDLLM_CUDA_ATTENTION=simt keeps a call the tensor cores would take on
-    the SIMT kernel; another value is refused by name."""
+    a SIMT kernel (at these 16 rows a kv head, the decoding one); another value
+    is refused by name."""
     q, k, v = make_qkv(1, 2, 2, 16, 20, 32, torch.bfloat16, device)
     monkeypatch.setenv("FUSEDLLM_CUDA_ATTENTION", "simt")
     with launches() as counts:
         out = fusedllm.attention(q, k, v)
     if counts is None:
         pytest.skip("only the emulator counts launches")
-    check_ran(counts, SIMT_FORWARD, absent=(FORWARD,))
+    check_ran(counts, DECODE, absent=(FORWARD,))
     ref, _ = ref_attention(q.double(), k.double(), v.double())
     assert_close(out, ref, FORWARD_TOL[torch.bfloat16], "out")
     monkeypatch.setenv("FUSEDLLM_CUDA_ATTENTION", "tensor-cores")
@@ -160,7 +166,7 @@ def test_build_lists_the_attention_kernels(device):
     fusedllm.attention(*make_qkv(1, 2, 2, 3, 3, 8, torch.float32, device))  # an op for the simt fixture
     simt = _emulator()
     names = simt._simt.attention_kernels() if simt is not None else fusedllm.build_info()["cuda_attention_kernels"]
-    for kernel in (FORWARD, SIMT_FORWARD, DELTA, SIMT_DELTA, DQ, SIMT_DQ, DKDV, SIMT_DKDV):
+    for kernel in (FORWARD, SIMT_FORWARD, DECODE, DELTA, SIMT_DELTA, DQ, SIMT_DQ, DKDV, SIMT_DKDV):
         assert any(name.startswith(kernel + " ") for name in names), (kernel, names)
 
 

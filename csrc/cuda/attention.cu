@@ -1,6 +1,7 @@
-// The attention ops on CUDA and the SIMT forward kernel (one block per tile of
-// (position, head) rows of a kv head and sequence, and per slice of the keys
-// when those blocks alone would leave most of the GPU idle, as in decoding).
+// The attention ops on CUDA and the general SIMT forward kernel (one block per
+// tile of (position, head) rows of a kv head and sequence, and per slice of the
+// keys when those blocks alone would leave most of the GPU idle). Decoding's
+// shapes have a kernel of their own, attention_decode.cu.
 // The SIMT backward kernels are in attention_dq.cu and attention_dkdv.cu, what
 // they share in attention.cuh; the tensor-core kernels in attention_mma*.cu,
 // chosen per call by choose_attention_kernel (attention_mma.cuh).
@@ -8,30 +9,6 @@
 
 namespace fusedllm::cuda {
 namespace {
-
-// K or V of the forward kernel: rows of T, or int8 / float8 e4m3 rows with a
-// float32 scale per (batch, kv head, position) (a quantized cache); dense, or
-// in pages (their batch index is the page).
-struct KvSource {
-  const void* data;
-  Strides st;
-  const float* scale;  // null: rows of T
-  Strides scale_st;
-  attn::Pages pages;
-  kvq::Code code;
-  bool wide;  // read 16 bytes at a time: pointer, strides and head_dim allow it
-};
-
-template <typename T>
-KvSource kv_source(const at::Tensor& t, const at::Tensor& scale, const AttentionForwardPlan& p) {
-  const Strides st = strides_of(t);
-  const std::initializer_list<std::pair<const void*, int64_t>> rows = {
-      {t.const_data_ptr(), st.b}, {t.const_data_ptr(), st.h}, {t.const_data_ptr(), st.s}};
-  const int64_t d = p.shape.head_dim;
-  if (!scale.defined()) return {t.const_data_ptr(), st, nullptr, {}, p.pages, p.code, pack_width<T>(d, rows) > 1};
-  return {t.const_data_ptr(), st, scale.const_data_ptr<float>(), strides_of(scale), p.pages, p.code,
-          pack_width<uint8_t>(d, rows) > 1};
-}
 
 // stage_kv for K and V (o = 0, 1) with kPack stored elements of type S per
 // load, each made acc_t by value(element, its row's scale). A thread's loads
@@ -116,35 +93,6 @@ __device__ __forceinline__ void stage_kv(acc_t* k_s, acc_t* v_s, const KvSource&
   } else {
     stage_kv_packs<uint8_t, 1, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value);
   }
-}
-
-// The keys of a call in `count` slices of `keys` keys, each slice a block of
-// its own. With more than one, the forward blocks write each slice's
-// normalized output and lse to out [count, rows, d] and lse [count, rows], and
-// attention_merge_kernel makes them one.
-template <typename acc_t>
-struct KeySlices {
-  int64_t count = 1;
-  int64_t keys = std::numeric_limits<int64_t>::max() / 4;
-  int64_t rows = 0;
-  acc_t* out = nullptr;
-  acc_t* lse = nullptr;
-};
-
-// Slices for `blocks` (row tile, kv head, sequence) blocks over up to sk keys,
-// when the blocks alone fill fewer than one per multiprocessor (decoding: a
-// block per kv head and sequence): about kBlocksPerSm blocks per
-// multiprocessor, several at a time on each, each slice at least
-// kMinSliceTiles key tiles. On an H200, batch 1 over 32k keys: 34 ms unsliced,
-// 0.74 ms in 128 slices.
-constexpr int64_t kMaxSlices = 256;
-
-int64_t key_slice_count(int64_t blocks, int64_t sk, int64_t keys_per_tile) {
-  constexpr int64_t kBlocksPerSm = 8, kMinSliceTiles = 4;
-  const int64_t sms = device_properties().multiProcessorCount;
-  if (blocks >= sms) return 1;
-  const int64_t most = std::min(sk / (kMinSliceTiles * keys_per_tile), kMaxSlices);
-  return std::clamp<int64_t>((kBlocksPerSm * sms + blocks - 1) / blocks, 1, std::max<int64_t>(most, 1));
 }
 
 template <typename T, int kDL>
@@ -289,64 +237,6 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
   }
 }
 
-// The key slices' outputs made one: each row's lse is the log-sum-exp of its
-// slices' lse, its output their sum weighted by exp(slice lse - lse), then
-// the sink folds in as in the forward kernel. A warp per row and 32 columns:
-// its lanes over the slices for the lse and the weights, then one column
-// each, the slices' loads several in flight (a warp per row walking slices and
-// columns in turn took longer than the forward kernel).
-constexpr int kMergeWarps = 4;
-
-template <typename T>
-__global__ void __launch_bounds__(kMergeWarps * kWarpSize)
-attention_merge_kernel(T* __restrict__ out, at::opmath_type<T>* __restrict__ lse, attn::QueryRows rows,
-                       attn::Seqs seqs, int d, ScoreExtras extras,
-                       KeySlices<at::opmath_type<T>> slices) {
-  using acc_t = at::opmath_type<T>;
-  using std::exp;
-  using std::log;
-  constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
-  const int64_t g = blockIdx.y, b = blockIdx.z;
-  const int column_tiles = (d + kWarpSize - 1) / kWarpSize;
-  __shared__ acc_t weights[kMergeWarps][kMaxSlices];
-  const int warp = threadIdx.x / kWarpSize;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kMergeWarps + warp;
-  const int64_t row = item / column_tiles;
-  if (row >= seqs.q_len(b) * rows.group) return;
-  const int lane = threadIdx.x % kWarpSize;
-  const int tile = static_cast<int>(item % column_tiles), c = tile * kWarpSize + lane;
-  const int64_t out_row = rows.row_of_group_row(b, g, row);
-  const int64_t count = slices.count, stride = slices.rows;
-  const acc_t* part_lse = slices.lse + out_row;
-  // A NaN in any slice (a NaN or infinite query, a NaN scale) makes the row NaN, as unsliced.
-  acc_t top = -kInf;
-  int nan = 0;
-  for (int64_t i = lane; i < count; i += kWarpSize) {
-    const acc_t x = part_lse[i * stride];
-    nan |= x != x;
-    top = x > top ? x : top;
-  }
-  top = warp_reduce_max(nan) != 0 ? std::numeric_limits<acc_t>::quiet_NaN() : warp_reduce_max(top);
-  acc_t sum = 0;
-  for (int64_t i = lane; top != -kInf && i < count; i += kWarpSize) sum += exp(part_lse[i * stride] - top);
-  sum = warp_reduce_sum(sum);
-  const acc_t total = top != -kInf ? top + log(sum) : -kInf;
-  acc_t lse_r = total, factor = 1;
-  if (extras.mods.sinks != nullptr) {
-    factor = attn::fold_sink(lse_r, extras.mods.sink<acc_t>(rows.group_head(g, row)));
-  }
-  for (int64_t i = lane; i < count; i += kWarpSize) weights[warp][i] = attn::merge_weight(part_lse[i * stride], total);
-  __syncwarp();
-  if (c < d) {
-    const acc_t* part = slices.out + out_row * d + c;
-    acc_t acc = 0;
-#pragma unroll 8
-    for (int64_t i = 0; i < count; ++i) acc += weights[warp][i] * part[i * stride * d];
-    out[out_row * d + c] = static_cast<T>(acc * factor);
-  }
-  if (lane == 0 && tile == 0) lse[out_row] = lse_r;
-}
-
 void check_grid(const AttentionShape& s) {
   TORCH_CHECK(s.batch <= 65535 && s.kv_heads <= 65535,
               "fusedllm.attention (CUDA): batch and kv_heads must be at most 65535, got ", s.batch,
@@ -364,19 +254,9 @@ void launch_attention_forward(const AttentionForwardPlan& p, Stream stream) {
       auto kernel = attention_forward_kernel<scalar_t, kDL>;
       allow_shared_memory(kernel, C::fwd_smem());
       const int64_t tiles = (rows.group_rows() + C::kFwdRows - 1) / C::kFwdRows;
-      KeySlices<acc_t> slices;
-      const int64_t count = key_slice_count(tiles * s.kv_heads * s.batch, s.sk, C::kKeys);
       at::Tensor part_out, part_lse;
-      if (count > 1) {
-        // Slices of whole key tiles; the last may be short.
-        slices.keys = (s.sk + count * C::kKeys - 1) / (count * C::kKeys) * C::kKeys;
-        slices.count = (s.sk + slices.keys - 1) / slices.keys;
-        slices.rows = rows.count(s.batch);
-        part_out = at::empty({slices.count, slices.rows, s.head_dim}, p.q.options().dtype(p.lse.scalar_type()));
-        part_lse = at::empty({slices.count, slices.rows}, p.lse.options());
-        slices.out = part_out.mutable_data_ptr<acc_t>();
-        slices.lse = part_lse.mutable_data_ptr<acc_t>();
-      }
+      const KeySlices<acc_t> slices =
+          key_slices<acc_t>(p, tiles * s.kv_heads * s.batch, C::kKeys, part_out, part_lse);
       const dim3 grid(static_cast<unsigned>(tiles * slices.count), static_cast<unsigned>(s.kv_heads),
                       static_cast<unsigned>(s.batch));
       launch("attention_forward_kernel", kernel, grid, C::kFwdWarps * kWarpSize, C::fwd_smem(),
@@ -384,14 +264,7 @@ void launch_attention_forward(const AttentionForwardPlan& p, Stream stream) {
           kv_source<scalar_t>(p.v, p.v_scale, p), p.out.mutable_data_ptr<scalar_t>(),
           p.lse.mutable_data_ptr<acc_t>(), rows, p.seqs, static_cast<int>(s.head_dim),
           static_cast<acc_t>(p.scale), p.mask, extras_of(p), slices);
-      if (slices.count > 1) {
-        const int64_t warps = rows.group_rows() * ((s.head_dim + kWarpSize - 1) / kWarpSize);
-        const dim3 merge_grid(static_cast<unsigned>((warps + kMergeWarps - 1) / kMergeWarps),
-                              static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
-        launch("attention_merge_kernel", attention_merge_kernel<scalar_t>, merge_grid, kMergeWarps * kWarpSize,
-               0, stream, p.out.mutable_data_ptr<scalar_t>(), p.lse.mutable_data_ptr<acc_t>(), rows, p.seqs,
-               static_cast<int>(s.head_dim), extras_of(p), slices);
-      }
+      if (slices.count > 1) merge_key_slices<scalar_t>(p, slices, stream);
     });
   });
 }
@@ -400,11 +273,12 @@ struct CudaAttention {
   static void forward(const AttentionForwardPlan& p) {
     const DeviceGuard guard(p.q.device());
     check_grid(p.shape);
-    // int8 / float8 or paged K/V (a cache, mostly decoding) run on the SIMT kernel.
+    // int8 / float8 or paged K/V (a cache, mostly decoding) run on SIMT kernels:
+    // the decoding kernel where it serves the call, else the general one.
     if (!p.k_scale.defined() && !p.pages.paged() &&
         choose_attention_kernel(p, p.q.scalar_type()) == AttentionKernel::kTensorCore) {
       launch_attention_mma_forward(p, current_stream());
-    } else {
+    } else if (!launch_attention_decode(p, current_stream())) {
       launch_attention_forward(p, current_stream());
     }
   }
@@ -444,7 +318,9 @@ struct CudaAttention {
 }  // namespace
 
 std::vector<std::string> attention_kernels() {
-  return {"attention_forward_kernel (SIMT)", "attention_delta_kernel (SIMT)", "attention_dq_kernel (SIMT)",
+  return {"attention_forward_kernel (SIMT)",
+          "attention_decode_kernel (SIMT: bfloat16/float16 queries, up to 16 rows a kv head, head dims up to 128)",
+          "attention_delta_kernel (SIMT)", "attention_dq_kernel (SIMT)",
           "attention_dkdv_kernel (SIMT)",
           "attention_mma_forward_kernel (tensor cores: bfloat16/float16, sm_80+)",
           "attention_mma_delta_kernel (tensor cores: bfloat16/float16, sm_80+)",

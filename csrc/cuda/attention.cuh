@@ -47,6 +47,9 @@ namespace fusedllm::cuda {
 void launch_attention_delta(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 void launch_attention_dq(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 void launch_attention_dkdv(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
+// The decoding kernel (attention_decode.cu) on `stream`, when it serves the
+// plan (few query rows per kv head; see there); false, launching nothing, when not.
+bool launch_attention_decode(const AttentionForwardPlan& p, Stream stream);
 
 namespace {
 
@@ -288,6 +291,155 @@ ScoreExtras extras_of(const AttentionParams& p) {
   e.rows = rows_of(p);
   e.sk = p.shape.sk;
   return e;
+}
+
+
+// K or V of the forward kernel: rows of T, or int8 / float8 e4m3 rows with a
+// float32 scale per (batch, kv head, position) (a quantized cache); dense, or
+// in pages (their batch index is the page).
+struct KvSource {
+  const void* data;
+  Strides st;
+  const float* scale;  // null: rows of T
+  Strides scale_st;
+  attn::Pages pages;
+  kvq::Code code;
+  bool wide;  // read 16 bytes at a time: pointer, strides and head_dim allow it
+};
+
+template <typename T>
+KvSource kv_source(const at::Tensor& t, const at::Tensor& scale, const AttentionForwardPlan& p) {
+  const Strides st = strides_of(t);
+  const std::initializer_list<std::pair<const void*, int64_t>> rows = {
+      {t.const_data_ptr(), st.b}, {t.const_data_ptr(), st.h}, {t.const_data_ptr(), st.s}};
+  const int64_t d = p.shape.head_dim;
+  if (!scale.defined()) return {t.const_data_ptr(), st, nullptr, {}, p.pages, p.code, pack_width<T>(d, rows) > 1};
+  return {t.const_data_ptr(), st, scale.const_data_ptr<float>(), strides_of(scale), p.pages, p.code,
+          pack_width<uint8_t>(d, rows) > 1};
+}
+
+// The keys of a call in `count` slices of `keys` keys, each slice a block of
+// its own. With more than one, the forward blocks write each slice's
+// normalized output and lse to out [count, rows, d] and lse [count, rows], and
+// attention_merge_kernel makes them one.
+template <typename acc_t>
+struct KeySlices {
+  int64_t count = 1;
+  int64_t keys = std::numeric_limits<int64_t>::max() / 4;
+  int64_t rows = 0;
+  acc_t* out = nullptr;
+  acc_t* lse = nullptr;
+};
+
+// Slices for `blocks` (row tile, kv head, sequence) blocks over up to sk keys,
+// when the blocks alone fill fewer than one per multiprocessor (decoding: a
+// block per kv head and sequence): about kBlocksPerSm blocks per
+// multiprocessor, several at a time on each, each slice at least
+// kMinSliceTiles key tiles. On an H200, batch 1 over 32k keys: 34 ms unsliced,
+// 0.74 ms in 128 slices.
+constexpr int64_t kMaxSlices = 256;
+
+inline int64_t key_slice_count(int64_t blocks, int64_t sk, int64_t keys_per_tile) {
+  constexpr int64_t kBlocksPerSm = 8, kMinSliceTiles = 4;
+  const int64_t sms = device_properties().multiProcessorCount;
+  if (blocks >= sms) return 1;
+  const int64_t most = std::min(sk / (kMinSliceTiles * keys_per_tile), kMaxSlices);
+  return std::clamp<int64_t>((kBlocksPerSm * sms + blocks - 1) / blocks, 1, std::max<int64_t>(most, 1));
+}
+
+// The key slices' outputs made one: each row's lse is the log-sum-exp of its
+// slices' lse, its output their sum weighted by exp(slice lse - lse), then
+// the sink folds in as in the forward kernel. A warp per row and 32 columns:
+// its lanes over the slices for the lse and the weights, then one column
+// each, the slices' loads several in flight (a warp per row walking slices and
+// columns in turn took longer than the forward kernel).
+constexpr int kMergeWarps = 4;
+
+template <typename T>
+__global__ void __launch_bounds__(kMergeWarps * kWarpSize)
+attention_merge_kernel(T* __restrict__ out, at::opmath_type<T>* __restrict__ lse, attn::QueryRows rows,
+                       attn::Seqs seqs, int d, ScoreExtras extras,
+                       KeySlices<at::opmath_type<T>> slices) {
+  using acc_t = at::opmath_type<T>;
+  using std::exp;
+  using std::log;
+  constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
+  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int column_tiles = (d + kWarpSize - 1) / kWarpSize;
+  __shared__ acc_t weights[kMergeWarps][kMaxSlices];
+  const int warp = threadIdx.x / kWarpSize;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kMergeWarps + warp;
+  const int64_t row = item / column_tiles;
+  if (row >= seqs.q_len(b) * rows.group) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int tile = static_cast<int>(item % column_tiles), c = tile * kWarpSize + lane;
+  const int64_t out_row = rows.row_of_group_row(b, g, row);
+  const int64_t count = slices.count, stride = slices.rows;
+  const acc_t* part_lse = slices.lse + out_row;
+  // A NaN in any slice (a NaN or infinite query, a NaN scale) makes the row NaN, as unsliced.
+  acc_t top = -kInf;
+  int nan = 0;
+  for (int64_t i = lane; i < count; i += kWarpSize) {
+    const acc_t x = part_lse[i * stride];
+    nan |= x != x;
+    top = x > top ? x : top;
+  }
+  top = warp_reduce_max(nan) != 0 ? std::numeric_limits<acc_t>::quiet_NaN() : warp_reduce_max(top);
+  acc_t sum = 0;
+  for (int64_t i = lane; top != -kInf && i < count; i += kWarpSize) sum += exp(part_lse[i * stride] - top);
+  sum = warp_reduce_sum(sum);
+  const acc_t total = top != -kInf ? top + log(sum) : -kInf;
+  acc_t lse_r = total, factor = 1;
+  if (extras.mods.sinks != nullptr) {
+    factor = attn::fold_sink(lse_r, extras.mods.sink<acc_t>(rows.group_head(g, row)));
+  }
+  for (int64_t i = lane; i < count; i += kWarpSize) weights[warp][i] = attn::merge_weight(part_lse[i * stride], total);
+  __syncwarp();
+  if (c < d) {
+    const acc_t* part = slices.out + out_row * d + c;
+    acc_t acc = 0;
+#pragma unroll 8
+    for (int64_t i = 0; i < count; ++i) acc += weights[warp][i] * part[i * stride * d];
+    out[out_row * d + c] = static_cast<T>(acc * factor);
+  }
+  if (lane == 0 && tile == 0) lse[out_row] = lse_r;
+}
+
+
+// Key slices for `blocks` (row tile, kv head, sequence) blocks of kernels
+// that take `keys_per_tile` keys at a time: whole tiles a slice, the last
+// maybe short; with more than one slice, part_out and part_lse hold the
+// slices' partial results.
+template <typename acc_t>
+KeySlices<acc_t> key_slices(const AttentionForwardPlan& p, int64_t blocks, int64_t keys_per_tile,
+                            at::Tensor& part_out, at::Tensor& part_lse) {
+  const AttentionShape& s = p.shape;
+  KeySlices<acc_t> slices;
+  const int64_t count = key_slice_count(blocks, s.sk, keys_per_tile);
+  if (count > 1) {
+    slices.keys = (s.sk + count * keys_per_tile - 1) / (count * keys_per_tile) * keys_per_tile;
+    slices.count = (s.sk + slices.keys - 1) / slices.keys;
+    slices.rows = p.rows.count(s.batch);
+    part_out = at::empty({slices.count, slices.rows, s.head_dim}, p.q.options().dtype(p.lse.scalar_type()));
+    part_lse = at::empty({slices.count, slices.rows}, p.lse.options());
+    slices.out = part_out.mutable_data_ptr<acc_t>();
+    slices.lse = part_lse.mutable_data_ptr<acc_t>();
+  }
+  return slices;
+}
+
+// The slices' partial results into the plan's out and lse.
+template <typename T>
+void merge_key_slices(const AttentionForwardPlan& p, const KeySlices<at::opmath_type<T>>& slices,
+                      Stream stream) {
+  const AttentionShape& s = p.shape;
+  const attn::QueryRows rows = rows_of(p);
+  const int64_t warps = rows.group_rows() * ((s.head_dim + kWarpSize - 1) / kWarpSize);
+  const dim3 grid(static_cast<unsigned>((warps + kMergeWarps - 1) / kMergeWarps),
+                  static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+  launch("attention_merge_kernel", attention_merge_kernel<T>, grid, kMergeWarps * kWarpSize, 0, stream,
+         p.out.mutable_data_ptr<T>(), p.lse.mutable_data_ptr<at::opmath_type<T>>(), rows, p.seqs,
+         static_cast<int>(s.head_dim), extras_of(p), slices);
 }
 
 }  // namespace

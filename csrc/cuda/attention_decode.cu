@@ -1,0 +1,408 @@
+// The decoding kernel: the few query rows of a kv head (one new token of each
+// of its query heads, or a short draft: at most kDecodeMaxRows) over a long
+// bfloat16 / float16 cache, or one of int8 / float8 codes with a float32 scale
+// per row, dense or paged, head dims up to 128.
+//
+// A block serves up to 8 query rows of one (kv head, sequence) pair (a tile
+// of them; the tiles of one slice are neighbours in the grid, so the second
+// reads the cache from L2) over one slice of the keys (key_slices; merged
+// after by attention_merge_kernel). Its
+// warps take the slice's 32-key tiles in turn and never wait for one another
+// until the end, where their softmax states are merged in shared memory. In a
+// tile, lane j reads key j's whole row with 16-byte loads, all in flight
+// together, and scores it against every query row (held scaled in shared
+// memory, read as broadcasts); for P·V each lane owns head_dim / 32
+// consecutive columns and reads them from each key's V row, the V rows of the
+// next keys in flight while the current ones are summed. Codes are converted
+// in registers, their K scale applied to the score and their V scale folded
+// into the probability. Only the query rows are staged in shared memory; the
+// cache is read once, straight into registers.
+#include "attention.cuh"
+
+namespace fusedllm::cuda {
+namespace {
+
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeThreads = kDecodeWarps * kWarpSize;
+constexpr int64_t kDecodeMaxRows = 16;
+constexpr int kDecodeTileRows = 8;
+
+// What the cache holds: the query's dtype, or int8 / float8 e4m3 codes.
+enum class Stored { kPlain, kInt8, kFloat8 };
+
+template <typename T, Stored kS, int kD, int kRows>
+struct Decode {
+  using S = std::conditional_t<kS == Stored::kPlain, T, uint8_t>;
+  static constexpr int kPerLoad = 16 / sizeof(S);     // elements of a 16-byte load
+  static constexpr int kKLoads = kD / kPerLoad;       // a K row's 16-byte loads
+  static constexpr int kCols = kD / kWarpSize;        // V columns a lane owns
+  static constexpr int kVBytes = kCols * sizeof(S);   // of a V row, per lane: 2, 4 or 8
+  static constexpr int kVWords = (kVBytes + 3) / 4;
+  // V rows read ahead of their use: 64 bytes of each lane's columns.
+  static constexpr int kAhead = 16 / kVWords;
+  static_assert(kRows % 4 == 0, "probabilities are read four rows at a time");
+
+  // Shared memory: the scaled query rows [kRows, kD] and each warp's tile of
+  // probabilities [kDecodeWarps, 32 keys, kRows]; at the end, reused for the
+  // warps' accumulators [kDecodeWarps, kRows, kD] and (max, sum) pairs.
+  static constexpr size_t smem() {
+    const size_t loop = sizeof(float) * (kRows * kD + kDecodeWarps * kWarpSize * kRows);
+    const size_t merge = sizeof(float) * kDecodeWarps * kRows * (kD + 2);
+    return loop > merge ? loop : merge;
+  }
+};
+
+// Element e of stored elements held as 32-bit words, as float: the value, or
+// the code's value before its row's scale.
+template <typename T, Stored kS>
+__device__ __forceinline__ float stored_value(const uint32_t* words, int e) {
+  if constexpr (kS == Stored::kPlain) {
+    const uint32_t w = words[e / 2];
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      return kvq::float_of_bits(e % 2 ? w & 0xffff0000u : w << 16);
+    } else {
+      return static_cast<float>(T(static_cast<uint16_t>(e % 2 ? w >> 16 : w & 0xffffu), T::from_bits()));
+    }
+  } else {
+    const uint8_t code = static_cast<uint8_t>(words[e / 4] >> (8 * (e % 4)));
+    if constexpr (kS == Stored::kInt8) {
+      return static_cast<float>(static_cast<int8_t>(code));
+    } else {
+      return kvq::float8_value(code);
+    }
+  }
+}
+
+// kBytes (2, 4 or 8) bytes at p as 32-bit words (the last one's high half 0 for 2).
+template <int kBytes>
+__device__ __forceinline__ void load_words(const void* p, uint32_t (&w)[(kBytes + 3) / 4]) {
+  if constexpr (kBytes == 8) {
+    const Pack<uint32_t, 2> x = load_pack<uint32_t, 2>(static_cast<const uint32_t*>(p));
+    w[0] = x.v[0];
+    w[1] = x.v[1];
+  } else if constexpr (kBytes == 4) {
+    w[0] = *static_cast<const uint32_t*>(p);
+  } else {
+    w[0] = *static_cast<const uint16_t*>(p);
+  }
+}
+
+// A lane's key in the cache: its page and row there (dense: the sequence and
+// the key's position in it).
+struct KeyPlace {
+  int64_t page, row;
+};
+
+__device__ __forceinline__ KeyPlace key_place(const attn::Pages& pages, int64_t b, int64_t start,
+                                              int64_t key) {
+  if (!pages.paged()) return {b, start + key};
+  // 32-bit division where it fits: a 64-bit one is a long subroutine.
+  int64_t page, row;
+  if (key <= std::numeric_limits<int32_t>::max() && pages.page_size <= std::numeric_limits<int32_t>::max()) {
+    const uint32_t k32 = static_cast<uint32_t>(key), size = static_cast<uint32_t>(pages.page_size);
+    page = k32 / size;
+    row = k32 - static_cast<uint32_t>(page) * size;
+  } else {
+    page = key / pages.page_size;
+    row = key - page * pages.page_size;
+  }
+  return {pages.table[b * pages.table_stride + page], row};
+}
+
+// v's 64-bit value at lane `src`.
+__device__ __forceinline__ int64_t broadcast64(int64_t v, int src) {
+  const uint32_t lo = warp_broadcast(static_cast<uint32_t>(v), src);
+  const uint32_t hi = warp_broadcast(static_cast<uint32_t>(static_cast<uint64_t>(v) >> 32), src);
+  return static_cast<int64_t>(static_cast<uint64_t>(hi) << 32 | lo);
+}
+
+// Three blocks a SM where the registers allow it without spilling.
+template <typename T, Stored kS, int kD, int kRows>
+__global__ void __launch_bounds__(kDecodeThreads, kD <= 64 && kRows <= 4 ? 3 : 2)
+attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSource v, T* __restrict__ out,
+                        float* __restrict__ lse, attn::QueryRows rows, attn::Seqs seqs, int d,
+                        float scale, Mask mask_all, ScoreExtras extras, KeySlices<float> slices) {
+  using C = Decode<T, kS, kD, kRows>;
+  using S = typename C::S;
+  using Ops = attn::ScalarOps<float>;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  constexpr bool kCodes = kS != Stored::kPlain;
+  float* q_s = dynamic_shared<float>();
+  float* p_s = q_s + kRows * kD;
+  __shared__ int64_t row_lo[kRows], row_hi[kRows], row_head[kRows], row_pos[kRows];
+
+  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int64_t tiles = (rows.group_rows() + kRows - 1) / kRows;
+  const int64_t slice = blockIdx.x / tiles, row0 = blockIdx.x % tiles * kRows;
+  const int64_t sq = seqs.q_len(b);
+  const int64_t rows_total = sq * rows.group;
+  if (row0 >= rows_total) return;
+  const int rows_here = static_cast<int>(std::min<int64_t>(kRows, rows_total - row0));
+  const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
+  const int64_t slice_lo = slice * slices.keys, slice_hi = slice_lo + slices.keys;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+
+  stage_rows<T, float, kD, kD>(q_s, kRows, q + b * qs.b + seqs.q_start(b) * qs.s, qs, rows, g, row0,
+                               rows_total, d, scale);
+  for (int i = threadIdx.x; i < kDecodeWarps * kWarpSize * kRows; i += blockDim.x) p_s[i] = 0;
+  if (threadIdx.x < kRows) {
+    const int r = threadIdx.x;
+    const int64_t pos = r < rows_here ? rows.group_pos(row0 + r) : 0;
+    row_pos[r] = pos;
+    row_head[r] = rows.group_head(g, row0 + r);
+    row_lo[r] = r < rows_here ? std::max(attn::key_begin(mask, pos), slice_lo) : 0;
+    row_hi[r] = r < rows_here ? std::min(attn::key_end(mask, pos), slice_hi) : 0;
+  }
+  __syncthreads();
+  // The block's keys: every row's, in one range; tiles inside every row's
+  // range skip the per-row test.
+  int64_t key_lo = std::numeric_limits<int64_t>::max(), key_hi = std::numeric_limits<int64_t>::min();
+  int64_t inner_lo = key_hi, inner_hi = key_lo;
+  for (int r = 0; r < rows_here; ++r) {
+    key_lo = std::min(key_lo, row_lo[r]);
+    key_hi = std::max(key_hi, row_hi[r]);
+    inner_lo = std::max(inner_lo, row_lo[r]);
+    inner_hi = std::min(inner_hi, row_hi[r]);
+  }
+  const bool extras_on = extras.mods.any_score_mod() || extras.mask.present();
+  const S* k_base = static_cast<const S*>(k.data) + g * k.st.h;
+  const S* v_base = static_cast<const S*>(v.data) + g * v.st.h;
+  const float* k_scale_base = kCodes ? k.scale + g * k.scale_st.h : nullptr;
+  const float* v_scale_base = kCodes ? v.scale + g * v.scale_st.h : nullptr;
+  const int64_t k_start = seqs.k_start(b);
+  const int col0 = lane * C::kCols;
+  const bool my_cols = col0 < d;
+
+  // This warp's softmax state per row: running max (the warp's), its lanes'
+  // sums of exp(s - max), and the output accumulator of its columns.
+  float m[kRows], l[kRows], o[kRows][C::kCols];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    m[r] = -kInf;
+    l[r] = 0;
+#pragma unroll
+    for (int c = 0; c < C::kCols; ++c) o[r][c] = 0;
+  }
+  float* p_warp = p_s + warp * kWarpSize * kRows;
+
+  for (int64_t j0 = key_lo + warp * kWarpSize; j0 < key_hi; j0 += kDecodeWarps * kWarpSize) {
+    const int64_t key = j0 + lane;
+    const bool present = key < key_hi;
+    const KeyPlace place = present ? key_place(k.pages, b, k_start, key) : KeyPlace{0, 0};
+    const int64_t v_off = place.page * v.st.b + place.row * v.st.s;
+
+    // Key `key`'s row, every 16-byte load issued before any is used.
+    uint32_t kw[C::kKLoads][4];
+    const S* k_row = k_base + place.page * k.st.b + place.row * k.st.s;
+#pragma unroll
+    for (int i = 0; i < C::kKLoads; ++i) {
+      Pack<uint32_t, 4> x{{0, 0, 0, 0}};
+      if (present && i * C::kPerLoad < d) x = load_pack<uint32_t, 4>(reinterpret_cast<const uint32_t*>(k_row + i * C::kPerLoad));
+#pragma unroll
+      for (int w = 0; w < 4; ++w) kw[i][w] = x.v[w];
+    }
+    float k_scale = 1, v_scale = 1;
+    if constexpr (kCodes) {
+      if (present) {
+        k_scale = k_scale_base[place.page * k.scale_st.b + place.row * k.scale_st.s];
+        v_scale = v_scale_base[place.page * v.scale_st.b + place.row * v.scale_st.s];
+      }
+    }
+    // The V columns of keys [a0, a0 + kAhead) of the tile.
+    const auto load_v = [&](int a0, uint32_t (&vw)[C::kAhead][C::kVWords]) {
+#pragma unroll
+      for (int a = 0; a < C::kAhead; ++a) {
+        const int64_t off = broadcast64(v_off, a0 + a);
+#pragma unroll
+        for (int w = 0; w < C::kVWords; ++w) vw[a][w] = 0;
+        if (my_cols && j0 + a0 + a < key_hi) load_words<C::kVBytes>(v_base + off + col0, vw[a]);
+      }
+    };
+    uint32_t v_now[C::kAhead][C::kVWords];
+    load_v(0, v_now);
+
+    // Scores: q_r . k over head-dim chunks, two partial sums a row.
+    float dot[kRows][2];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) dot[r][0] = dot[r][1] = 0;
+#pragma unroll
+    for (int i = 0; i < C::kKLoads; ++i) {
+      if (i * C::kPerLoad >= d) break;
+      float kv[C::kPerLoad];
+#pragma unroll
+      for (int e = 0; e < C::kPerLoad; ++e) kv[e] = stored_value<T, kS>(kw[i], e);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+        for (int e = 0; e < C::kPerLoad; e += 4) {
+          const Pack<float, 4> qv = load_pack<float, 4>(q_s + r * kD + i * C::kPerLoad + e);
+          dot[r][i % 2] += qv.v[0] * kv[e] + qv.v[1] * kv[e + 1] + qv.v[2] * kv[e + 2] + qv.v[3] * kv[e + 3];
+        }
+      }
+    }
+    const bool inner = j0 >= inner_lo && j0 + kWarpSize <= inner_hi;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (r >= rows_here) break;
+      float s = (dot[r][0] + dot[r][1]) * k_scale;
+      const bool visible = present && (inner || (key >= row_lo[r] && key < row_hi[r]));
+      if (visible && extras_on) {
+        const int64_t h = row_head[r], pos = row_pos[r];
+        s = extras.masked(extras.modified<float>(s, b, h, pos + mask.offset, key, nullptr), b, h, pos, key);
+      }
+      if (!visible) s = -kInf;
+      float shift;
+      const float alpha = attn::online_softmax_step(m[r], warp_reduce_max(s), shift, Ops{});
+      const float p = visible ? Ops::exp(s - shift) : 0.f;
+      l[r] = l[r] * alpha + p;
+#pragma unroll
+      for (int c = 0; c < C::kCols; ++c) o[r][c] *= alpha;
+      p_warp[lane * kRows + r] = p * v_scale;
+    }
+    __syncwarp();
+
+    // P·V: key by key, the probabilities of four rows in one shared read;
+    // the next kAhead V rows load while these are summed.
+#pragma unroll
+    for (int a0 = 0; a0 < kWarpSize; a0 += C::kAhead) {
+      uint32_t v_next[C::kAhead][C::kVWords];
+      if (a0 + C::kAhead < kWarpSize) load_v(a0 + C::kAhead, v_next);
+#pragma unroll
+      for (int a = 0; a < C::kAhead; ++a) {
+        float vv[C::kCols];
+#pragma unroll
+        for (int c = 0; c < C::kCols; ++c) vv[c] = stored_value<T, kS>(v_now[a], c);
+#pragma unroll
+        for (int r4 = 0; r4 < kRows; r4 += 4) {
+          const Pack<float, 4> p4 = load_pack<float, 4>(p_warp + (a0 + a) * kRows + r4);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int c = 0; c < C::kCols; ++c) o[r4 + i][c] += p4.v[i] * vv[c];
+          }
+        }
+      }
+      if (a0 + C::kAhead < kWarpSize) {
+#pragma unroll
+        for (int a = 0; a < C::kAhead; ++a) {
+#pragma unroll
+          for (int w = 0; w < C::kVWords; ++w) v_now[a][w] = v_next[a][w];
+        }
+      }
+    }
+    __syncwarp();  // the probabilities are read before the next tile writes them
+  }
+
+  // The warps' states into one per row: weights exp(max_w - max), sums and
+  // outputs added in warp order.
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) l[r] = warp_reduce_sum(l[r]);
+  __syncthreads();
+  float* o_s = q_s;                                      // [warps][kRows][kD]
+  float* ml_s = o_s + kDecodeWarps * kRows * kD;         // [warps][kRows][2]
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int c = 0; c < C::kCols; ++c) o_s[(warp * kRows + r) * kD + col0 + c] = o[r][c];
+    if (lane == 0) {
+      ml_s[(warp * kRows + r) * 2] = m[r];
+      ml_s[(warp * kRows + r) * 2 + 1] = l[r];
+    }
+  }
+  __syncthreads();
+  for (int r = warp; r < rows_here; r += kDecodeWarps) {
+    float top = -kInf;
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) top = std::max(top, ml_s[(w * kRows + r) * 2]);
+    const float shift = Ops::finite_or_zero(top);
+    float sum = 0, acc[C::kCols] = {};
+#pragma unroll
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      const float weight = Ops::exp(ml_s[(w * kRows + r) * 2] - shift);
+      sum += weight * ml_s[(w * kRows + r) * 2 + 1];
+#pragma unroll
+      for (int c = 0; c < C::kCols; ++c) acc[c] += weight * o_s[(w * kRows + r) * kD + col0 + c];
+    }
+    const int64_t out_row = rows.row_of_group_row(b, g, row0 + r);
+    float lse_r = attn::row_lse(top, sum);
+    float factor = attn::row_norm(top, sum, lse_r);
+    if (slices.count > 1) {  // this slice's normalized output and lse; the sink joins in the merge
+      float* part = slices.out + (slice * slices.rows + out_row) * d;
+#pragma unroll
+      for (int c = 0; c < C::kCols; ++c) {
+        if (col0 + c < d) part[col0 + c] = acc[c] * factor;
+      }
+      if (lane == 0) slices.lse[slice * slices.rows + out_row] = lse_r;
+      continue;
+    }
+    if (extras.mods.sinks != nullptr) factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(row_head[r]));
+#pragma unroll
+    for (int c = 0; c < C::kCols; ++c) {
+      if (col0 + c < d) out[out_row * d + col0 + c] = static_cast<T>(acc[c] * factor);
+    }
+    if (lane == 0) lse[out_row] = lse_r;
+  }
+}
+
+// Calls f(Stored constant) for the plan's cache.
+template <typename F>
+void with_stored(const AttentionForwardPlan& p, F&& f) {
+  if (!p.k_scale.defined()) {
+    f(std::integral_constant<Stored, Stored::kPlain>{});
+  } else if (p.code == kvq::Code::kInt8) {
+    f(std::integral_constant<Stored, Stored::kInt8>{});
+  } else {
+    f(std::integral_constant<Stored, Stored::kFloat8>{});
+  }
+}
+
+}  // namespace
+
+bool launch_attention_decode(const AttentionForwardPlan& p, Stream stream) {
+  const AttentionShape& s = p.shape;
+  const at::ScalarType dtype = p.q.scalar_type();
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return false;
+  if (p.dropout.enabled || p.rows.group_rows() > kDecodeMaxRows || s.head_dim > 128) return false;
+  bool served = false;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(dtype, "fusedllm_attention_decode", [&] {
+    with_stored(p, [&](auto stored) {
+      constexpr Stored kS = decltype(stored)::value;
+      const KvSource k = kv_source<scalar_t>(p.k, p.k_scale, p), v = kv_source<scalar_t>(p.v, p.v_scale, p);
+      if (!k.wide || !v.wide) return;  // rows not in 16-byte pieces: the general kernel
+      const auto run = [&](auto D, auto R) {
+        constexpr int kD = decltype(D)::value, kRows = decltype(R)::value;
+        using C = Decode<scalar_t, kS, kD, kRows>;
+        auto kernel = attention_decode_kernel<scalar_t, kS, kD, kRows>;
+        allow_shared_memory(kernel, C::smem());
+        at::Tensor part_out, part_lse;
+        // Slices of at least 4 warp tiles (one a warp): short caches fill the GPU too.
+        const KeySlices<float> slices = key_slices<float>(
+            p, (p.rows.group_rows() + kRows - 1) / kRows * s.kv_heads * s.batch, kWarpSize, part_out, part_lse);
+        const int64_t tiles = (p.rows.group_rows() + kRows - 1) / kRows;
+        const dim3 grid(static_cast<unsigned>(slices.count * tiles), static_cast<unsigned>(s.kv_heads),
+                        static_cast<unsigned>(s.batch));
+        launch("attention_decode_kernel", kernel, grid, kDecodeThreads, C::smem(), stream,
+               p.q.const_data_ptr<scalar_t>(), strides_of(p.q), k, v, p.out.mutable_data_ptr<scalar_t>(),
+               p.lse.mutable_data_ptr<float>(), rows_of(p), p.seqs, static_cast<int>(s.head_dim),
+               static_cast<float>(p.scale), p.mask, extras_of(p), slices);
+        if (slices.count > 1) merge_key_slices<scalar_t>(p, slices, stream);
+        served = true;
+      };
+      const auto by_rows = [&](auto D) {
+        if (p.rows.group_rows() <= 4) {
+          run(D, std::integral_constant<int, 4>{});
+        } else {
+          run(D, std::integral_constant<int, kDecodeTileRows>{});
+        }
+      };
+      if (s.head_dim <= 64) {
+        by_rows(std::integral_constant<int, 64>{});
+      } else {
+        by_rows(std::integral_constant<int, 128>{});
+      }
+    });
+  });
+  return served;
+}
+
+}  // namespace fusedllm::cuda

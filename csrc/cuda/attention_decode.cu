@@ -38,8 +38,9 @@ struct Decode {
   static constexpr int kCols = kD / kWarpSize;        // V columns a lane owns
   static constexpr int kVBytes = kCols * sizeof(S);   // of a V row, per lane: 2, 4 or 8
   static constexpr int kVWords = (kVBytes + 3) / 4;
-  // V rows read ahead of their use: 64 bytes of each lane's columns.
-  static constexpr int kAhead = 16 / kVWords;
+  // V rows read ahead of their use: 128 bytes of each lane's columns (64
+  // where 8 rows' accumulators take the registers).
+  static constexpr int kAhead = (kRows <= 4 ? 32 : 16) / kVWords;
   static_assert(kRows % 4 == 0, "probabilities are read four rows at a time");
 
   // Shared memory: the scaled query rows [kRows, kD] and each warp's tile of

@@ -53,8 +53,14 @@ struct Decode {
   }
 };
 
+// What stored_value's float8 codes are short of their value: 2^8 (folded into
+// the row scales, where it is exact).
+constexpr float kFloat8Unit = 256.f;
+
 // Element e of stored elements held as 32-bit words, as float: the value, or
-// the code's value before its row's scale.
+// the code's value before its row's scale (a float8 code's over kFloat8Unit:
+// its bits placed in a float16's, whose conversion is exact for normal and
+// subnormal codes alike, without a branch).
 template <typename T, Stored kS>
 __device__ __forceinline__ float stored_value(const uint32_t* words, int e) {
   if constexpr (kS == Stored::kPlain) {
@@ -69,7 +75,9 @@ __device__ __forceinline__ float stored_value(const uint32_t* words, int e) {
     if constexpr (kS == Stored::kInt8) {
       return static_cast<float>(static_cast<int8_t>(code));
     } else {
-      return kvq::float8_value(code);
+      const uint16_t bits = static_cast<uint16_t>((code & 0x7Fu) << 7 | (code & 0x80u) << 8);
+      const float x = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+      return (code & 0x7Fu) == 0x7Fu ? std::numeric_limits<float>::quiet_NaN() : x;
     }
   }
 }
@@ -205,8 +213,9 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
     float k_scale = 1, v_scale = 1;
     if constexpr (kCodes) {
       if (present) {
-        k_scale = k_scale_base[place.page * k.scale_st.b + place.row * k.scale_st.s];
-        v_scale = v_scale_base[place.page * v.scale_st.b + place.row * v.scale_st.s];
+        constexpr float kUnit = kS == Stored::kFloat8 ? kFloat8Unit : 1.f;
+        k_scale = k_scale_base[place.page * k.scale_st.b + place.row * k.scale_st.s] * kUnit;
+        v_scale = v_scale_base[place.page * v.scale_st.b + place.row * v.scale_st.s] * kUnit;
       }
     }
     // The V columns of keys [a0, a0 + kAhead) of the tile.

@@ -71,10 +71,11 @@ FUSEDLLM_HOST_DEVICE float float_of_bits(uint32_t bits) {
 // modes change nothing); a decoding kernel converts 16 codes per load.
 FUSEDLLM_HOST_DEVICE float float8_value(uint8_t code) {
   const uint32_t magnitude = code & 0x7Fu;
-  if (magnitude == 0x7Fu) return NAN;
   const float a = magnitude < 8u ? static_cast<float>(magnitude) * 0x1p-9f
                                  : float_of_bits(magnitude << 20) * 0x1p120f;
-  return (code & 0x80u) ? -a : a;
+  // Selects, not an early return: on a GPU the return was a branch per code.
+  const float signed_a = (code & 0x80u) ? -a : a;
+  return magnitude == 0x7Fu ? NAN : signed_a;
 }
 
 }  // namespace fusedllm::kvq

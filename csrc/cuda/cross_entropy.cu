@@ -174,8 +174,12 @@ __global__ void __launch_bounds__(kRowThreads, kRowBlocksPerSm) cross_entropy_ro
       lse = row_max + Math::log(sum_exp);
       if (threadIdx.x == 0) {
         lse_io[r] = lse;
-        const A s_target = capped ? logit_of<true, A>(s[tc], cap) : static_cast<A>(s[tc]);
-        loss[r] = ignored ? A(0) : (valid ? ce::row_loss<A>(o, lse, s_target, s_sum) : nan);
+        if (ignored || !valid) {
+          loss[r] = ignored ? A(0) : nan;
+        } else {  // s[tc] only for a target in the row
+          const A s_target = capped ? logit_of<true, A>(s[tc], cap) : static_cast<A>(s[tc]);
+          loss[r] = ce::row_loss<A>(o, lse, s_target, s_sum);
+        }
       }
     }
     if (!grad) continue;

@@ -331,6 +331,22 @@ def test_kv_lens_matches_reference(device, dtype):
         assert_close(out[b:b + 1], want, FORWARD_TOL[dtype])
 
 
+def test_kv_lens_past_the_cache_give_nan_rows(device):
+    """The kernels read kv_lens where they lie (no copy to the host): a length
+    past the cache's rows, or negative, gives its sequence NaN rows and leaves
+    the others as they are."""
+    q = torch.randn(3, 8, 24, 64, device=device).bfloat16()
+    k = torch.randn(3, 2, 80, 64, device=device).bfloat16()
+    v = torch.randn_like(k)
+    kv_lens = torch.tensor([81, 40, -1], dtype=torch.int32, device=device)
+    with launches() as counts, torch.no_grad():
+        out = fusedllm.attention(q, k, v, causal=True, kv_lens=kv_lens)
+    check_ran(counts, FORWARD, absent=(SIMT_FORWARD,))
+    assert torch.isnan(out[0]).all() and torch.isnan(out[2]).all()
+    want, _ = ref_attention(q[1:2].double(), k[1:2, :, :40].double(), v[1:2, :, :40].double(), causal=True)
+    assert_close(out[1:2], want, FORWARD_TOL[torch.bfloat16])
+
+
 # --- shared memory ------------------------------------------------------------------------
 
 

@@ -194,27 +194,35 @@ def test_kv_lens_over_dense_rows(device, dtype):
     checks.assert_close(got, per_sequence(q, rows, causal=True), tolerance(dtype))
 
 
-def _paged_args(device):
-    k, v, table, kv_lens, _ = paged_pool([5, 9], 4, 2, 16, torch.float32, device)
-    q = torch.randn(2, 4, 1, 16, device=device)
+def _paged_args(device, dtype=torch.float32):
+    k, v, table, kv_lens, _ = paged_pool([5, 9], 4, 2, 16, dtype, device)
+    q = torch.randn(2, 4, 1, 16, device=device).to(dtype)
     return q, k.nan_to_num(0.0), v.nan_to_num(0.0), table, kv_lens
 
 
+# Refused on every device.
 PAGED_ERRORS = [
     (lambda q, k, v, t, n: (q, k, v, t, None), "block_table needs kv_lens"),
     (lambda q, k, v, t, n: (q, k, v, t, n.long()), "kv_lens must be int32"),
     (lambda q, k, v, t, n: (q, k, v, t.long(), n), "block_table must be int32"),
     (lambda q, k, v, t, n: (q, k, v, t, n[:1]), r"kv_lens must be \[batch\] with batch = 2"),
     (lambda q, k, v, t, n: (q, k, v, t[:, :, None], n), r"block_table must be \[batch, max_pages\]"),
-    (lambda q, k, v, t, n: (q, k, v, t, n + 8), r"kv_lens\[0\] = 13 is not in \[0, 12\]"),
-    (lambda q, k, v, t, n: (q, k, v, t, n - 6), r"kv_lens\[0\] = -1 is not in"),
-    (lambda q, k, v, t, n: (q, k, v, t.index_fill(1, torch.tensor([1], device=t.device), 99), n),
-     r"block_table\[0, 1\] = 99 is not a page of k / v"),
-    (lambda q, k, v, t, n: (q, k, v, t.index_fill(1, torch.tensor([0], device=t.device), -1), n),
-     r"block_table\[0, 0\] = -1 is not a page"),
     (lambda q, k, v, t, n: (q, k[:, :, :0], v[:, :, :0], t, n), "page_size >= 1"),
+]
+
+# Entries whose values are wrong: the CPU refuses them before its kernels run;
+# CUDA kernels (on a GPU or emulated) test each entry they read, without a
+# copy to the host, and give the sequences concerned NaN rows. (make, message,
+# the sequences with a bad entry)
+PAGED_VALUE_ERRORS = [
+    (lambda q, k, v, t, n: (q, k, v, t, n + 8), r"kv_lens\[0\] = 13 is not in \[0, 12\]", [0, 1]),
+    (lambda q, k, v, t, n: (q, k, v, t, n - 6), r"kv_lens\[0\] = -1 is not in", [0]),
+    (lambda q, k, v, t, n: (q, k, v, t.index_fill(1, torch.tensor([1], device=t.device), 99), n),
+     r"block_table\[0, 1\] = 99 is not a page of k / v", [0, 1]),
+    (lambda q, k, v, t, n: (q, k, v, t.index_fill(1, torch.tensor([2], device=t.device), -1), n),
+     r"block_table\[1, 2\] = -1 is not a page", [1]),
     (lambda q, k, v, t, n: (q, k[:2], v[:2], None, n),
-     r"kv_lens\[0\] = 5 is not in \[0, 4\] \(k's kv_len\)"),
+     r"kv_lens\[0\] = 5 is not in \[0, 4\] \(k's kv_len\)", [0, 1]),
 ]
 
 
@@ -224,6 +232,21 @@ def test_paged_attention_errors(device, index):
     q, k, v, table, kv_lens = make(*_paged_args(device))
     with pytest.raises(ValueError, match=message), torch.no_grad():
         fusedllm.attention(q, k, v, kv_lens=kv_lens, block_table=table)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("index", range(len(PAGED_VALUE_ERRORS)))
+def test_paged_attention_bad_entries(device, index, dtype, request):
+    make, message, bad = PAGED_VALUE_ERRORS[index]
+    q, k, v, table, kv_lens = make(*_paged_args(device, dtype))
+    if request.node.callspec.params["device"] == "cpu":
+        with pytest.raises(ValueError, match=message), torch.no_grad():
+            fusedllm.attention(q, k, v, kv_lens=kv_lens, block_table=table)
+        return
+    with torch.no_grad():
+        out = fusedllm.attention(q, k, v, kv_lens=kv_lens, block_table=table)
+    for b in range(2):
+        assert torch.isnan(out[b]).all() if b in bad else torch.isfinite(out[b]).all(), (b, out[b])
 
 
 def test_paged_attention_unread_entries_are_not_checked(device):

@@ -55,6 +55,9 @@ void fill_call_args(const Plan& p, AttentionCallArgs& a) {
 }
 
 struct CpuAttention {
+  // kv_lens and block_table are host memory: checked before the kernels run.
+  static constexpr bool kLengthsOnDevice = false;
+
   static void forward(const AttentionForwardPlan& p) {
     AttentionForwardArgs a{};
     fill_call_args(p, a);

@@ -118,6 +118,11 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
   // This block's keys: all, or its slice [slice_lo, slice_hi).
   const int64_t slice_lo = slice * slices.keys, slice_hi = slice_lo + slices.keys;
   if (row0 >= rows_total) return;  // past this (packed) sequence's end: the whole block
+  const int64_t tile_rows = std::min<int64_t>(C::kFwdRows, rows_total - row0);
+  if (!seqs.k_len_ok(b)) {
+    nan_rows(out, lse, slices, slice, rows, b, g, row0, tile_rows, d);
+    return;
+  }
   const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int d_vec = (d + C::kVec - 1) / C::kVec * C::kVec;
@@ -146,6 +151,11 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
   const int64_t last_row = (row0 + C::kFwdRows < rows_total ? row0 + C::kFwdRows : rows_total) - 1;
   const int64_t key_lo = std::max(attn::key_begin(mask, rows.group_pos(row0)), slice_lo);
   const int64_t key_hi = std::min(attn::key_end(mask, rows.group_pos(last_row)), slice_hi);
+  __shared__ int unreadable;
+  if (!pages_readable(k.pages, b, key_lo, key_hi, &unreadable)) {
+    nan_rows(out, lse, slices, slice, rows, b, g, row0, tile_rows, d);
+    return;
+  }
 
   for (int64_t j0 = key_lo; j0 < key_hi; j0 += C::kKeys) {
     __syncthreads();  // the previous tile (and, first time, nothing) is no longer read
@@ -270,6 +280,10 @@ void launch_attention_forward(const AttentionForwardPlan& p, Stream stream) {
 }
 
 struct CudaAttention {
+  // kv_lens and block_table entries are tested by the kernels as they read
+  // them: a sequence whose length or pages cannot be read gets NaN rows.
+  static constexpr bool kLengthsOnDevice = true;
+
   static void forward(const AttentionForwardPlan& p) {
     const DeviceGuard guard(p.q.device());
     check_grid(p.shape);

@@ -147,6 +147,10 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
   const int64_t rows_total = sq * rows.group;
   if (row0 >= rows_total) return;
   const int rows_here = static_cast<int>(std::min<int64_t>(kRows, rows_total - row0));
+  if (!seqs.k_len_ok(b)) {
+    nan_rows(out, lse, slices, slice, rows, b, g, row0, rows_here, d);
+    return;
+  }
   const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
   const int64_t slice_lo = slice * slices.keys, slice_hi = slice_lo + slices.keys;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
@@ -172,6 +176,11 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
     key_hi = std::max(key_hi, row_hi[r]);
     inner_lo = std::max(inner_lo, row_lo[r]);
     inner_hi = std::min(inner_hi, row_hi[r]);
+  }
+  __shared__ int unreadable;
+  if (!pages_readable(k.pages, b, key_lo, key_hi, &unreadable)) {
+    nan_rows(out, lse, slices, slice, rows, b, g, row0, rows_here, d);
+    return;
   }
   const bool extras_on = extras.mods.any_score_mod() || extras.mask.present();
   const S* k_base = static_cast<const S*>(k.data) + g * k.st.h;

@@ -38,6 +38,10 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
   const int64_t rows_total = sq * rows.group;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows;
   if (row0 >= rows_total) return;  // past this (packed) sequence's end: the whole block
+  if (!seqs.k_len_ok(b)) {
+    nan_rows(out, lse, KeySlices<float>{}, 0, rows, b, g, row0, std::min<int64_t>(kRows, rows_total - row0), d);
+    return;
+  }
   const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int group = lane / 4, quad = lane % 4;

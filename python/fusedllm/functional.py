@@ -330,8 +330,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     page_size]``) and key ``j`` of sequence ``b`` is row ``j % page_size`` of
     page ``block_table[b, j // page_size]``: the kernels read the rows through
     the table, no gathered copy is made. Entries past a sequence's last page
-    are not read. Both are read on the host to check them (one copy from a
-    GPU). For inference only (no gradient, no ``mask``, no dropout);
+    are not read. On the CPU both are checked first (a ``ValueError`` names
+    a length past the table or a page outside the pool); on a GPU the kernels
+    test each entry as they read it, without a copy to the host, and a
+    sequence whose length or pages cannot be read gets NaN rows. For
+    inference only (no gradient, no ``mask``, no dropout);
     :class:`fusedllm.nn.PagedKVCache` keeps such a pool.
     """
     scale, window, right, softcap, mask, dropout_p, seed = _attention_args(

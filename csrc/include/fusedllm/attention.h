@@ -26,6 +26,14 @@ struct Seqs {
   const int32_t* cu_k = nullptr;
   const int32_t* k_lens = nullptr;
   int64_t sq = 0, sk = 0;
+  int64_t k_capacity = 0;  // with k_lens: the most keys a sequence's rows hold
+
+  // Whether sequence b's k_lens entry is a length its rows hold (true without
+  // k_lens). Kernels that read the lengths where they lie (not checked on the
+  // host) test it before using the length.
+  FUSEDLLM_HOST_DEVICE bool k_len_ok(int64_t b) const {
+    return k_lens == nullptr || (k_lens[b] >= 0 && k_lens[b] <= k_capacity);
+  }
 
   FUSEDLLM_HOST_DEVICE bool packed() const { return cu_q != nullptr; }
   FUSEDLLM_HOST_DEVICE int64_t q_start(int64_t b) const { return cu_q ? cu_q[b] : 0; }
@@ -44,6 +52,7 @@ struct Seqs {
 struct Pages {
   const int32_t* table = nullptr;
   int64_t table_stride = 0, page_size = 1;
+  int64_t num_pages = 0;  // pages of the operands: table entries in [0, num_pages)
 
   FUSEDLLM_HOST_DEVICE bool paged() const { return table != nullptr; }
   FUSEDLLM_HOST_DEVICE int64_t row_offset(int64_t b, int64_t j, int64_t page_stride,

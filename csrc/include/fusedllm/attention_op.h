@@ -42,6 +42,9 @@ struct AttentionArgs {
   c10::optional<at::Tensor> k_scale, v_scale;
   // A KV cache of sequences of different lengths, dense or paged (forward only).
   c10::optional<at::Tensor> kv_lens, block_table;
+  // Whether the kernels test kv_lens and block_table entries as they read them
+  // (check_kv_lens), not the host.
+  bool lengths_on_device = false;
 };
 
 inline bool given(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
@@ -130,10 +133,12 @@ inline int64_t check_cu_seqlens(const char* op, const char* name, const at::Tens
 // rows. With block_table (int32 [batch, max_pages]) k and v are pages
 // [num_pages, kv_heads, page_size, head_dim] and sequence b's key j is row
 // j % page_size of page block_table[b, j / page_size]; entries past a
-// sequence's last page are not read. Returns the longest length. Both tensors
-// are read on the host (one copy from a GPU).
+// sequence's last page are not read. Returns the longest length, read on the
+// host; or, with values_on_device (the CUDA kernels, which test each entry as
+// they read it: a copy to the host would wait for the GPU and keep CUDA graphs
+// from capturing the call), the most keys a sequence can have.
 inline int64_t check_kv_lens(const char* op, const at::Tensor& q, const at::Tensor& k,
-                             const AttentionArgs& a, int64_t batch) {
+                             const AttentionArgs& a, int64_t batch, bool values_on_device) {
   const bool paged = given(a.block_table);
   TORCH_CHECK_VALUE(given(a.kv_lens), op, ": block_table needs kv_lens (int32 [batch], the number of "
                     "keys of each sequence)");
@@ -161,8 +166,9 @@ inline int64_t check_kv_lens(const char* op, const at::Tensor& q, const at::Tens
                       "page_size, head_dim] with page_size >= 1, got shape ", k.sizes());
     pages = a.block_table->size(1);
     capacity = pages * page_size;
-    table = a.block_table->to(at::kCPU).contiguous();
   }
+  if (values_on_device) return capacity;
+  if (paged) table = a.block_table->to(at::kCPU).contiguous();
   const at::Tensor lens = a.kv_lens->to(at::kCPU).contiguous();
   const int32_t* len = lens.data_ptr<int32_t>();
   int64_t longest = 0;
@@ -224,7 +230,7 @@ inline AttentionShape check_attention_args(const char* op, const at::Tensor& q, 
     TORCH_CHECK_VALUE(a.max_seqlen_q == 0 && a.max_seqlen_k == 0, op,
                       ": max_seqlen_q / max_seqlen_k are for packed sequences (cu_seqlens) only");
   }
-  if (given(a.kv_lens) || given(a.block_table)) s.sk = check_kv_lens(op, q, k, a, s.batch);
+  if (given(a.kv_lens) || given(a.block_table)) s.sk = check_kv_lens(op, q, k, a, s.batch, a.lengths_on_device);
   TORCH_CHECK_VALUE(s.kv_heads > 0 ? s.q_heads % s.kv_heads == 0 : s.q_heads == 0, op,
                     ": the number of query heads (", s.q_heads,
                     ") must be a multiple of the number of key/value heads (", s.kv_heads, ")");
@@ -448,10 +454,11 @@ inline AttentionForwardPlan plan_attention_forward(const at::Tensor& q, const at
   if (given(a.kv_lens)) {
     p.kv_lens = a.kv_lens->contiguous();
     p.seqs.k_lens = p.kv_lens.const_data_ptr<int32_t>();
+    p.seqs.k_capacity = s.sk;  // with lengths_on_device; else the longest length, not exceeded
   }
   if (given(a.block_table)) {
     p.block_table = a.block_table->contiguous();
-    p.pages = attn::Pages{p.block_table.const_data_ptr<int32_t>(), p.block_table.size(1), k.size(2)};
+    p.pages = attn::Pages{p.block_table.const_data_ptr<int32_t>(), p.block_table.size(1), k.size(2), k.size(0)};
   }
   p.out = new_rows(q, s, s.q_heads, false);
   p.lse = at::empty(lse_shape(s), q.options().dtype(lse_dtype(q)));
@@ -573,7 +580,9 @@ inline AttentionArgs attention_args(const c10::optional<at::Tensor>& mask, doubl
 // The two operators for one device. `Impl` provides
 //   static void forward(const AttentionForwardPlan&);
 //   static void backward(const AttentionBackwardPlan&);
-// which run the kernels on plans with work.
+// which run the kernels on plans with work, and
+//   static constexpr bool kLengthsOnDevice: whether its kernels test kv_lens
+//   and block_table entries as they read them (AttentionArgs).
 template <typename Impl>
 struct AttentionOps {
   static std::tuple<at::Tensor, at::Tensor> attention(
@@ -585,10 +594,11 @@ struct AttentionOps {
       int64_t max_seqlen_q, int64_t max_seqlen_k, const c10::optional<at::Tensor>& k_scale,
       const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& kv_lens,
       const c10::optional<at::Tensor>& block_table) {
-    auto p = plan_attention_forward(
-        q, k, v, attention_args(mask, scale, causal, window, dropout_p, seed, window_right, softcap,
-                                sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                max_seqlen_k, k_scale, v_scale, kv_lens, block_table));
+    AttentionArgs args = attention_args(mask, scale, causal, window, dropout_p, seed, window_right, softcap,
+                                        sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, k_scale, v_scale, kv_lens, block_table);
+    args.lengths_on_device = Impl::kLengthsOnDevice;
+    auto p = plan_attention_forward(q, k, v, args);
     if (p.has_work) Impl::forward(p);
     return {p.out, p.lse};
   }

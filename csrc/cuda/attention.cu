@@ -12,11 +12,13 @@ namespace {
 
 // stage_kv for K and V (o = 0, 1) with kPack stored elements of type S per
 // load, each made acc_t by value(element, its row's scale). A thread's loads
-// of both are in flight together before it stores any.
+// of both are in flight together before it stores any. A key whose page is
+// not a page of the operands is read as zeros and raises *unreadable.
 template <typename S, int kPack, typename acc_t, int kD, int kLd, int kKeys, int kThreads, typename Value>
 __device__ __forceinline__ void stage_kv_packs(acc_t* const (&dst)[2], const KvSource (&src)[2],
                                                const S* const (&data)[2], const float* const (&scale)[2],
-                                               int64_t b, int64_t j0, int64_t end, int d, Value value) {
+                                               int64_t b, int64_t j0, int64_t end, int d, Value value,
+                                               int* unreadable) {
   constexpr int kPerRow = kD / kPack, kPieces = kKeys * kPerRow;
   constexpr int kPerThread = (kPieces + kThreads - 1) / kThreads;
   constexpr int kBatch = kPerThread < kLoadsInFlight ? kPerThread : kLoadsInFlight;
@@ -31,7 +33,10 @@ __device__ __forceinline__ void stage_kv_packs(acc_t* const (&dst)[2], const KvS
         const int64_t key = j0 + idx / kPerRow;
         const attn::Pages& pages = src[o].pages;
         row_scale[o][i] = 0;
-        if (idx < kPieces && key < end && c < d) {
+        const bool wanted = idx < kPieces && key < end && c < d;
+        const bool readable = wanted && pages.readable(b, key);
+        if (wanted && !readable) *unreadable = 1;
+        if (readable) {
           x[o][i] = load_pack<S, kPack>(data[o] + pages.row_offset(b, key, src[o].st.b, src[o].st.s) + c);
           if (scale[o] != nullptr) {
             row_scale[o][i] = scale[o][pages.row_offset(b, key, src[o].scale_st.b, src[o].scale_st.s)];
@@ -61,7 +66,8 @@ __device__ __forceinline__ void stage_kv_packs(acc_t* const (&dst)[2], const KvS
 // (where a 16-byte load holds only columns < d or only columns >= d: wide).
 template <typename T, typename acc_t, int kD, int kLd, int kKeys, int kThreads>
 __device__ __forceinline__ void stage_kv(acc_t* k_s, acc_t* v_s, const KvSource& k, const KvSource& v,
-                                         int64_t b, int64_t g, int64_t start, int64_t j0, int64_t end, int d) {
+                                         int64_t b, int64_t g, int64_t start, int64_t j0, int64_t end, int d,
+                                         int* unreadable) {
   acc_t* const dst[2] = {k_s, v_s};
   const KvSource src[2] = {k, v};
   const auto first = [&](const KvSource& x, Strides st) {
@@ -74,9 +80,11 @@ __device__ __forceinline__ void stage_kv(acc_t* k_s, acc_t* v_s, const KvSource&
     const float* const scale[2] = {nullptr, nullptr};
     const auto value = [](T x, float) { return static_cast<acc_t>(x); };
     if (wide) {
-      stage_kv_packs<T, 16 / sizeof(T), acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value);
+      stage_kv_packs<T, 16 / sizeof(T), acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value,
+                                                                          unreadable);
     } else {
-      stage_kv_packs<T, 1, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value);
+      stage_kv_packs<T, 1, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value,
+                                                                          unreadable);
     }
     return;
   }
@@ -89,9 +97,11 @@ __device__ __forceinline__ void stage_kv(acc_t* k_s, acc_t* v_s, const KvSource&
     return static_cast<acc_t>(c * row_scale);
   };
   if (wide) {
-    stage_kv_packs<uint8_t, 16, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value);
+    stage_kv_packs<uint8_t, 16, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value,
+                                                                          unreadable);
   } else {
-    stage_kv_packs<uint8_t, 1, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value);
+    stage_kv_packs<uint8_t, 1, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value,
+                                                                          unreadable);
   }
 }
 
@@ -118,12 +128,11 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
   // This block's keys: all, or its slice [slice_lo, slice_hi).
   const int64_t slice_lo = slice * slices.keys, slice_hi = slice_lo + slices.keys;
   if (row0 >= rows_total) return;  // past this (packed) sequence's end: the whole block
-  const int64_t tile_rows = std::min<int64_t>(C::kFwdRows, rows_total - row0);
-  if (!seqs.k_len_ok(b)) {
-    nan_rows(out, lse, slices, slice, rows, b, g, row0, tile_rows, d);
-    return;
-  }
-  const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
+  // A length or page that cannot be read: no keys, NaN rows (make_nan_if).
+  const bool length_ok = seqs.k_len_ok(b);
+  __shared__ int unreadable;
+  if (threadIdx.x == 0) unreadable = !length_ok;
+  const Mask mask = mask_all.of_lengths(sq, length_ok ? seqs.k_len(b) : 0);
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int d_vec = (d + C::kVec - 1) / C::kVec * C::kVec;
   const int64_t k_start = seqs.k_start(b);
@@ -151,16 +160,11 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
   const int64_t last_row = (row0 + C::kFwdRows < rows_total ? row0 + C::kFwdRows : rows_total) - 1;
   const int64_t key_lo = std::max(attn::key_begin(mask, rows.group_pos(row0)), slice_lo);
   const int64_t key_hi = std::min(attn::key_end(mask, rows.group_pos(last_row)), slice_hi);
-  __shared__ int unreadable;
-  if (!pages_readable(k.pages, b, key_lo, key_hi, &unreadable)) {
-    nan_rows(out, lse, slices, slice, rows, b, g, row0, tile_rows, d);
-    return;
-  }
 
   for (int64_t j0 = key_lo; j0 < key_hi; j0 += C::kKeys) {
     __syncthreads();  // the previous tile (and, first time, nothing) is no longer read
     stage_kv<T, acc_t, C::kD, C::kLd, C::kKeys, C::kFwdWarps * kWarpSize>(k_s, v_s, k, v, b, g, k_start, j0,
-                                                                          key_hi, d);
+                                                                          key_hi, d, &unreadable);
     __syncthreads();
 
     if (busy == 0) continue;
@@ -217,6 +221,8 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
     }
   }
 
+  __syncthreads();  // unreadable, as every thread's staging left it
+  const bool nan_rows = unreadable != 0;
 #pragma unroll
   for (int r = 0; r < RW; ++r) {
     const int64_t row = row0 + r * C::kFwdWarps + warp;
@@ -224,6 +230,7 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
     const int64_t out_row = rows.row_of_group_row(b, g, row);
     acc_t lse_r = attn::row_lse(m[r], l[r]);
     acc_t factor = attn::row_norm(m[r], l[r], lse_r);
+    make_nan_if(nan_rows, factor, lse_r);
     if (slices.count > 1) {  // this slice's normalized output and lse; the sink joins in the merge
       acc_t* part = slices.out + (slice * slices.rows + out_row) * d;
 #pragma unroll

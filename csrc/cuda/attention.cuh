@@ -331,42 +331,13 @@ struct KeySlices {
   acc_t* lse = nullptr;
 };
 
-// Group rows [row0, row0 + n) of kv head g of sequence b set to NaN, out and
-// lse (or, over key slices, the slice's partial results, which the merge
-// makes NaN): a sequence whose kv_lens entry or pages cannot be read.
-template <typename T, typename acc_t>
-__device__ __forceinline__ void nan_rows(T* out, acc_t* lse, const KeySlices<acc_t>& slices, int64_t slice,
-                                         const attn::QueryRows& rows, int64_t b, int64_t g, int64_t row0,
-                                         int64_t n, int d) {
-  const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
-  for (int64_t i = threadIdx.x; i < n * d; i += blockDim.x) {
-    const int64_t out_row = rows.row_of_group_row(b, g, row0 + i / d);
-    const int c = static_cast<int>(i % d);
-    if (slices.count > 1) {
-      slices.out[(slice * slices.rows + out_row) * d + c] = nan;
-      if (c == 0) slices.lse[slice * slices.rows + out_row] = nan;
-    } else {
-      out[out_row * d + c] = static_cast<T>(nan);
-      if (c == 0) lse[out_row] = nan;
-    }
-  }
-}
-
-// Whether every page holding keys [key_lo, key_hi) of sequence b is a page of
-// the operands (dense rows: true). Every thread of the block calls it;
-// `flag` is a shared int.
-__device__ __forceinline__ bool pages_readable(const attn::Pages& pages, int64_t b, int64_t key_lo,
-                                               int64_t key_hi, int* flag) {
-  if (!pages.paged() || key_lo >= key_hi) return true;
-  if (threadIdx.x == 0) *flag = 0;
-  __syncthreads();
-  for (int64_t page = key_lo / pages.page_size + threadIdx.x; page <= (key_hi - 1) / pages.page_size;
-       page += blockDim.x) {
-    const int32_t entry = pages.table[b * pages.table_stride + page];
-    if (entry < 0 || entry >= pages.num_pages) *flag = 1;
-  }
-  __syncthreads();
-  return *flag == 0;
+// A sequence whose kv_lens entry or block-table pages cannot be read (the
+// CUDA kernels test them as they read them, not the host): it is given no
+// keys, `unreadable` (a shared flag, set by any thread) is raised, and its
+// rows' outputs and lse are made NaN by this factor at the end.
+template <typename acc_t>
+__device__ __forceinline__ void make_nan_if(bool unreadable, acc_t& factor, acc_t& lse) {
+  if (unreadable) factor = lse = std::numeric_limits<acc_t>::quiet_NaN();
 }
 
 // Slices for `blocks` (row tile, kv head, sequence) blocks over up to sk keys,

@@ -147,17 +147,16 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
   const int64_t rows_total = sq * rows.group;
   if (row0 >= rows_total) return;
   const int rows_here = static_cast<int>(std::min<int64_t>(kRows, rows_total - row0));
-  if (!seqs.k_len_ok(b)) {
-    nan_rows(out, lse, slices, slice, rows, b, g, row0, rows_here, d);
-    return;
-  }
-  const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
+  const bool length_ok = seqs.k_len_ok(b);  // else no keys, NaN rows (make_nan_if)
+  const Mask mask = mask_all.of_lengths(sq, length_ok ? seqs.k_len(b) : 0);
   const int64_t slice_lo = slice * slices.keys, slice_hi = slice_lo + slices.keys;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
 
   stage_rows<T, float, kD, kD>(q_s, kRows, q + b * qs.b + seqs.q_start(b) * qs.s, qs, rows, g, row0,
                                rows_total, d, scale);
   for (int i = threadIdx.x; i < kDecodeWarps * kWarpSize * kRows; i += blockDim.x) p_s[i] = 0;
+  __shared__ int unreadable;  // a length or page that cannot be read: NaN rows (make_nan_if)
+  if (threadIdx.x == 0) unreadable = !length_ok;
   if (threadIdx.x < kRows) {
     const int r = threadIdx.x;
     const int64_t pos = r < rows_here ? rows.group_pos(row0 + r) : 0;
@@ -176,11 +175,6 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
     key_hi = std::max(key_hi, row_hi[r]);
     inner_lo = std::max(inner_lo, row_lo[r]);
     inner_hi = std::min(inner_hi, row_hi[r]);
-  }
-  __shared__ int unreadable;
-  if (!pages_readable(k.pages, b, key_lo, key_hi, &unreadable)) {
-    nan_rows(out, lse, slices, slice, rows, b, g, row0, rows_here, d);
-    return;
   }
   const bool extras_on = extras.mods.any_score_mod() || extras.mask.present();
   const S* k_base = static_cast<const S*>(k.data) + g * k.st.h;
@@ -205,9 +199,18 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
 
   for (int64_t j0 = key_lo + warp * kWarpSize; j0 < key_hi; j0 += kDecodeWarps * kWarpSize) {
     const int64_t key = j0 + lane;
-    const bool present = key < key_hi;
-    const KeyPlace place = present ? key_place(k.pages, b, k_start, key) : KeyPlace{0, 0};
-    const int64_t v_off = place.page * v.st.b + place.row * v.st.s;
+    // This lane's key: in the block's range, and on a page of the operands.
+    bool present = key < key_hi;
+    KeyPlace place{0, 0};
+    if (present) {
+      place = key_place(k.pages, b, k_start, key);
+      if (k.pages.paged() && (place.page < 0 || place.page >= k.pages.num_pages)) {
+        unreadable = 1;
+        present = false;
+        place = {0, 0};
+      }
+    }
+    const int64_t v_off = present ? place.page * v.st.b + place.row * v.st.s : -1;  // -1: not read
 
     // Key `key`'s row, every 16-byte load issued before any is used.
     uint32_t kw[C::kKLoads][4];
@@ -234,7 +237,7 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
         const int64_t off = broadcast64(v_off, a0 + a);
 #pragma unroll
         for (int w = 0; w < C::kVWords; ++w) vw[a][w] = 0;
-        if (my_cols && j0 + a0 + a < key_hi) load_words<C::kVBytes>(v_base + off + col0, vw[a]);
+        if (my_cols && off >= 0) load_words<C::kVBytes>(v_base + off + col0, vw[a]);
       }
     };
     uint32_t v_now[C::kAhead][C::kVWords];
@@ -317,6 +320,7 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
 #pragma unroll
   for (int r = 0; r < kRows; ++r) l[r] = warp_reduce_sum(l[r]);
   __syncthreads();
+  const bool nan_rows = unreadable != 0;
   float* o_s = q_s;                                      // [warps][kRows][kD]
   float* ml_s = o_s + kDecodeWarps * kRows * kD;         // [warps][kRows][2]
 #pragma unroll
@@ -345,6 +349,7 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
     const int64_t out_row = rows.row_of_group_row(b, g, row0 + r);
     float lse_r = attn::row_lse(top, sum);
     float factor = attn::row_norm(top, sum, lse_r);
+    make_nan_if(nan_rows, factor, lse_r);
     if (slices.count > 1) {  // this slice's normalized output and lse; the sink joins in the merge
       float* part = slices.out + (slice * slices.rows + out_row) * d;
 #pragma unroll

@@ -38,11 +38,8 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
   const int64_t rows_total = sq * rows.group;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows;
   if (row0 >= rows_total) return;  // past this (packed) sequence's end: the whole block
-  if (!seqs.k_len_ok(b)) {
-    nan_rows(out, lse, KeySlices<float>{}, 0, rows, b, g, row0, std::min<int64_t>(kRows, rows_total - row0), d);
-    return;
-  }
-  const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
+  const bool length_ok = seqs.k_len_ok(b);  // else no keys, NaN rows (make_nan_if)
+  const Mask mask = mask_all.of_lengths(sq, length_ok ? seqs.k_len(b) : 0);
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int group = lane / 4, quad = lane % 4;
   const T* q_b = q + b * qs.b + seqs.q_start(b) * qs.s;
@@ -191,6 +188,7 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
     const int64_t out_row = rows.row_of_group_row(b, g, x.row);
     float lse_r = attn::row_lse(m[r], sum);
     float factor = attn::row_norm(m[r], sum, lse_r);
+    make_nan_if(!length_ok, factor, lse_r);
     // A sink joins the finished row's denominator: it scales the output and the lse includes it.
     if (extras.mods.sinks != nullptr) factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(x.head));
     T* o_row = out + out_row * d;

@@ -55,6 +55,13 @@ struct Pages {
   int64_t num_pages = 0;  // pages of the operands: table entries in [0, num_pages)
 
   FUSEDLLM_HOST_DEVICE bool paged() const { return table != nullptr; }
+  // Whether key j of sequence b lies on a page of the operands (dense rows:
+  // always). Kernels that read the table where it lies test each key with it.
+  FUSEDLLM_HOST_DEVICE bool readable(int64_t b, int64_t j) const {
+    if (table == nullptr) return true;
+    const int32_t page = table[b * table_stride + j / page_size];
+    return page >= 0 && page < num_pages;
+  }
   FUSEDLLM_HOST_DEVICE int64_t row_offset(int64_t b, int64_t j, int64_t page_stride,
                                           int64_t row_stride) const {
     if (table == nullptr) return j * row_stride;

@@ -16,7 +16,8 @@ from conftest import DEVICES
 from reference import attention as ref_attention
 from reference import dequantize_kv
 from test_attention import make_qkv
-from test_attention_options import _differentiable, check_against_reference, make_options
+from test_attention_key_slices import check_option_case
+from test_attention_options import make_options
 from test_attention_tensor_core import check_ran, launches, op_lse
 from test_kv_paged import paged_pool
 
@@ -36,19 +37,7 @@ SHAPES = [(2, 8, 2, 1, 300, 128), (1, 8, 1, 1, 700, 64), (1, 8, 2, 4, 500, 128),
 @pytest.mark.parametrize("option", ["none", "causal", "sinks", "all"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_decode_matches_reference(device, shape, option, dtype):
-    b, hq = shape[:2]
-    q, k, v = make_qkv(*shape, dtype, device, requires_grad=True)
-    options = {} if option in ("none", "causal") else make_options(option, b, hq, device)
-    causal = option in ("causal", "all")
-    with launches() as counts:
-        out = fusedllm.attention(q, k, v, causal=causal, **options)
-    check_ran(counts, DECODE, absent=(GENERAL,))
-    grad_out = torch.randn_like(out)
-    grads = torch.autograd.grad(out, _differentiable(q, k, v, options), grad_out)
-    check_against_reference(q, k, v, out, grad_out, grads, dtype, causal=causal, **options)
-    _, ref_lse = ref_attention(q.double(), k.double(), v.double(), causal=causal, **options)
-    lse = op_lse(q, k, v, causal=causal, **options)
-    assert_close(lse, ref_lse.detach(), FORWARD_TOL[torch.float32], "lse", upcast=True)
+    check_option_case(device, shape, option, dtype, [DECODE], absent=[GENERAL])
 
 
 @pytest.mark.parametrize("option", ["mask", "window", "softcap", "alibi"])

@@ -38,13 +38,20 @@ SHAPES = [(1, 8, 2, 1, 700, 64), (1, 4, 2, 3, 1000, 32), (1, 4, 1, 1, 4099, 128)
 @pytest.mark.parametrize("option", ["none", "causal", "sinks", "all"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_key_slices_match_reference(device, shape, option, dtype):
+    check_option_case(device, shape, option, dtype, [DECODE if dtype == torch.bfloat16 else FORWARD, MERGE])
+
+
+def check_option_case(device, shape, option, dtype, ran, absent=()):
+    """attention over make_qkv(*shape) with an option case ("none", "causal",
+    "sinks", "all"): the kernels `ran` ran and `absent` did not; out,
+    gradients and lse against the float64 reference."""
     b, hq = shape[:2]
     q, k, v = make_qkv(*shape, dtype, device, requires_grad=True)
     options = {} if option in ("none", "causal") else make_options(option, b, hq, device)
     causal = option in ("causal", "all")
     with launches() as counts:
         out = fusedllm.attention(q, k, v, causal=causal, **options)
-    check_ran(counts, DECODE if dtype == torch.bfloat16 else FORWARD, MERGE)
+    check_ran(counts, *ran, absent=absent)
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, _differentiable(q, k, v, options), grad_out)
     check_against_reference(q, k, v, out, grad_out, grads, dtype, causal=causal, **options)

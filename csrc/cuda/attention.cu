@@ -80,11 +80,11 @@ __device__ __forceinline__ void stage_kv(acc_t* k_s, acc_t* v_s, const KvSource&
     const float* const scale[2] = {nullptr, nullptr};
     const auto value = [](T x, float) { return static_cast<acc_t>(x); };
     if (wide) {
-      stage_kv_packs<T, 16 / sizeof(T), acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value,
-                                                                          unreadable);
+      stage_kv_packs<T, 16 / sizeof(T), acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d,
+        value, unreadable);
     } else {
-      stage_kv_packs<T, 1, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value,
-                                                                          unreadable);
+      stage_kv_packs<T, 1, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d,
+        value, unreadable);
     }
     return;
   }
@@ -97,11 +97,11 @@ __device__ __forceinline__ void stage_kv(acc_t* k_s, acc_t* v_s, const KvSource&
     return static_cast<acc_t>(c * row_scale);
   };
   if (wide) {
-    stage_kv_packs<uint8_t, 16, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value,
-                                                                          unreadable);
+    stage_kv_packs<uint8_t, 16, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d,
+        value, unreadable);
   } else {
-    stage_kv_packs<uint8_t, 1, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d, value,
-                                                                          unreadable);
+    stage_kv_packs<uint8_t, 1, acc_t, kD, kLd, kKeys, kThreads>(dst, src, data, scale, b, j0, end, d,
+        value, unreadable);
   }
 }
 

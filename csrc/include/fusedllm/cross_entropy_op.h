@@ -133,11 +133,10 @@ inline int64_t chunk_step_floor(int64_t n) { return n >= kChunkStep ? n / kChunk
 // hidden states hold, in rows = tokens / ceil(vocab / hidden) rounded up to a
 // power of two, so that the op's memory is the gradients' and one buffer of
 // about the hidden states' size; at least 4 MiB, so that small inputs take
-// one chunk. A float32 / float64
-// weight's gradient is summed in place over the chunks, each reading and
-// writing it whole: there the budget is at least a quarter of the weight's
-// bytes (2048 tokens x 2048 -> 128256: 261-row chunks took 4-14% longer than
-// 1024-row ones).
+// one chunk. A float32 / float64 weight's gradient is summed in place over
+// the chunks, each reading and writing it whole: there the budget is at least
+// a quarter of the weight's bytes (2048 tokens x 2048 -> 128256: 261-row
+// chunks took 4-14% longer than 1024-row ones).
 inline int64_t logits_budget(int64_t tokens, int64_t vocab, int64_t hidden, int64_t logit_bytes,
                              bool full_weight_sum) {
   const int64_t per_feature = (vocab + hidden - 1) / std::max<int64_t>(hidden, 1);

@@ -183,7 +183,20 @@ __device__ __forceinline__ void stage_tc_tile(T* s, const T* g, int64_t stride, 
                                               int cols_valid, bool chunks) {
   constexpr int kPerChunk = 16 / static_cast<int>(sizeof(T));
   constexpr int kChunksPerRow = kCols / kPerChunk;
-  for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kTcThreads) {
+  constexpr int kChunks = kRows * kChunksPerRow;
+  if (chunks && rows_valid == kRows && cols_valid == kCols && kChunks % kTcThreads == 0) {
+    // A whole tile (all but a group's edges): each thread's chunks unrolled,
+    // no per-chunk tests (the general loop cost ~12 integer instructions a
+    // chunk, most of a K-step's issue).
+#pragma unroll
+    for (int i = 0; i < kChunks / kTcThreads; ++i) {
+      const int c = threadIdx.x + i * kTcThreads;
+      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kPerChunk;
+      mma::cp_async_16(s + r * kStride + col, g + r * stride + col);
+    }
+    return;
+  }
+  for (int c = threadIdx.x; c < kChunks; c += kTcThreads) {
     const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kPerChunk;
     T* dst = s + r * kStride + col;
     if (chunks && r < rows_valid && col + kPerChunk <= cols_valid) {

@@ -805,74 +805,69 @@ def test_non_tensor_input_is_a_type_error():
         fusedllm.attention(_t(1, 2, 3, 8), [1.0], _t(1, 2, 3, 8))
 
 
+def _op_forward(q=None, k=None, v=None, mask=None, causal=False, window=-1, dropout_p=0.0, seed=None):
+    """torch.ops.fusedllm.attention with scale 1 (q, k, v: [1, 2, 3, 8] where not given)."""
+    q, k, v = (_t(1, 2, 3, 8) if x is None else x for x in (q, k, v))
+    return ops.attention(q, k, v, mask, 1.0, causal, window, dropout_p, seed)
+
+
+def _op_backward(grad_out, lse):
+    """torch.ops.fusedllm.attention_backward of [1, 2, 3, 8] q, k, v and out."""
+    x = _t(1, 2, 3, 8)
+    return ops.attention_backward(grad_out, x, x, x, x, lse, None, 1.0, False, -1, 0.0, None)
+
+
 OP_BAD_CALLS = [
     pytest.param(ValueError, r"mask of shape \[2, 1, 3, 3\] does not broadcast",
-                 lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(2, 1, 3, 3), 1.0, False,
-                                       -1, 0.0, None),
+                 lambda: _op_forward(mask=_t(2, 1, 3, 3)),
                  id="mask_shape"),
     pytest.param(ValueError, r"mask must be a bool keep-mask .* got torch\.int32",
-                 lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8),
-                                       torch.ones(3, 3, dtype=torch.int32), 1.0, False, -1, 0.0, None),
+                 lambda: _op_forward(mask=torch.ones(3, 3, dtype=torch.int32)),
                  id="mask_dtype"),
     pytest.param(ValueError, r"dropout_p > 0 needs seed",
-                 lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), None, 1.0, False, -1, 0.5,
-                                       None),
+                 lambda: _op_forward(dropout_p=0.5),
                  id="dropout_without_seed"),
     pytest.param(ValueError, r"dropout_p must be in \[0, 1\), got 1\.5",
-                 lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), None, 1.0, False, -1, 1.5,
-                                       torch.tensor([1])),
+                 lambda: _op_forward(dropout_p=1.5, seed=torch.tensor([1])),
                  id="dropout_p_range"),
     pytest.param(ValueError, r"query heads \(6\) must be a multiple of the number of key/value heads \(4\)",
-                 lambda: ops.attention(_t(1, 6, 5, 8), _t(1, 4, 5, 8), _t(1, 4, 5, 8), None, 1.0, False, -1, 0.0,
-                                       None),
+                 lambda: _op_forward(q=_t(1, 6, 5, 8), k=_t(1, 4, 5, 8), v=_t(1, 4, 5, 8)),
                  id="heads_not_a_multiple"),
     pytest.param(ValueError, r"q and k/v must have the same head_dim, got 8 and 16",
-                 lambda: ops.attention(_t(1, 4, 5, 8), _t(1, 2, 5, 16), _t(1, 2, 5, 16), None, 1.0, False, -1, 0.0,
-                                       None),
+                 lambda: _op_forward(q=_t(1, 4, 5, 8), k=_t(1, 2, 5, 16), v=_t(1, 2, 5, 16)),
                  id="head_dim_mismatch"),
     pytest.param(ValueError, r"k and v must have the same shape, got \[1, 2, 5, 8\] and \[1, 2, 6, 8\]",
-                 lambda: ops.attention(_t(1, 4, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 6, 8), None, 1.0, False, -1, 0.0,
-                                       None),
+                 lambda: _op_forward(q=_t(1, 4, 5, 8), k=_t(1, 2, 5, 8), v=_t(1, 2, 6, 8)),
                  id="k_v_shape_mismatch"),
     pytest.param(ValueError, r"q and k/v must have the same batch size, got 2 and 1",
-                 lambda: ops.attention(_t(2, 4, 5, 8), _t(1, 2, 5, 8), _t(1, 2, 5, 8), None, 1.0, False, -1, 0.0,
-                                       None),
+                 lambda: _op_forward(q=_t(2, 4, 5, 8), k=_t(1, 2, 5, 8), v=_t(1, 2, 5, 8)),
                  id="batch_mismatch"),
     pytest.param(ValueError, r"head_dim must be between 1 and 256, got 300",
-                 lambda: ops.attention(_t(1, 2, 3, 300), _t(1, 2, 3, 300), _t(1, 2, 3, 300), None, 1.0, False, -1,
-                                       0.0, None),
+                 lambda: _op_forward(q=_t(1, 2, 3, 300), k=_t(1, 2, 3, 300), v=_t(1, 2, 3, 300)),
                  id="head_dim_too_large"),
     pytest.param(ValueError, r"k has dtype torch\.float64 but q has dtype torch\.float32",
-                 lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8).double(), _t(1, 2, 3, 8), None, 1.0, False,
-                                       -1, 0.0, None),
+                 lambda: _op_forward(k=_t(1, 2, 3, 8).double()),
                  id="k_dtype_mismatch"),
     pytest.param(ValueError, r"window must be -1 \(no window\) or a number of keys >= 1, got 0",
-                 lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), None, 1.0, True, 0, 0.0,
-                                       None),
+                 lambda: _op_forward(causal=True, window=0),
                  id="window_zero"),
     pytest.param(ValueError, r"query heads \(2\) must be a multiple of the number of key/value heads \(0\)",
-                 lambda: ops.attention(_t(1, 2, 3, 8), _t(1, 0, 3, 8), _t(1, 0, 3, 8), None, 1.0, True, -1, 0.0,
-                                       None),
+                 lambda: _op_forward(k=_t(1, 0, 3, 8), v=_t(1, 0, 3, 8), causal=True),
                  id="zero_kv_heads"),
     pytest.param(ValueError, r"q must be 4-D \[batch, q_heads, q_len, head_dim\], got shape \[2, 3, 8\]",
-                 lambda: ops.attention(_t(2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), None, 1.0, True, -1, 0.0,
-                                       None),
+                 lambda: _op_forward(q=_t(2, 3, 8), causal=True),
                  id="q_not_4d"),
     pytest.param(ValueError, r"attention_backward: lse must be the torch\.float32 \[1, 2, 3\] tensor .* "
                              r"got torch\.float32 \[1, 2, 4\]",
-                 lambda: ops.attention_backward(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8),
-                                                _t(1, 2, 3, 8), _t(1, 2, 4), None, 1.0, False, -1, 0.0, None),
+                 lambda: _op_backward(_t(1, 2, 3, 8), _t(1, 2, 4)),
                  id="backward_lse_shape"),
     pytest.param(ValueError, r"attention_backward: grad_out must have the shape of q \[1, 2, 3, 8\], "
                              r"got \[1, 2, 4, 8\]",
-                 lambda: ops.attention_backward(_t(1, 2, 4, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8),
-                                                _t(1, 2, 3, 8), _t(1, 2, 3), None, 1.0, False, -1, 0.0, None),
+                 lambda: _op_backward(_t(1, 2, 4, 8), _t(1, 2, 3)),
                  id="backward_grad_out_shape"),
     pytest.param(ValueError, r"attention_backward: lse must be the torch\.float32 \[1, 2, 3\] tensor .* "
                              r"got torch\.float64 \[1, 2, 3\]",
-                 lambda: ops.attention_backward(_t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8), _t(1, 2, 3, 8),
-                                                _t(1, 2, 3, 8), _t(1, 2, 3).double(), None, 1.0, False, -1, 0.0,
-                                                None),
+                 lambda: _op_backward(_t(1, 2, 3, 8), _t(1, 2, 3).double()),
                  id="backward_lse_dtype"),
 ]
 

@@ -431,26 +431,28 @@ def test_in_place_refuses_autograd():
         fusedllm.apply_rope(q.requires_grad_(), k, cos, sin, inplace=True)
 
 
+def _op_rope(k_dim=8, table_width=4, positions=None, offset=0, rotary_dim=-1):
+    """torch.ops.fusedllm.rope on q [1, 1, 4, 8], k [1, 1, 4, k_dim] and cos / sin
+    tables of 8 positions."""
+    return ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, k_dim), torch.randn(8, table_width),
+                    torch.randn(8, table_width), positions, offset, False, rotary_dim, False)
+
+
 @pytest.mark.parametrize("error,message,call", [
     pytest.param(ValueError, r"position 99 is outside the cos/sin table of 8 positions",
-                 lambda: ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(8, 4),
-                                  torch.randn(8, 4), torch.tensor([0, 1, 2, 99]), 0, False, -1, False),
+                 lambda: _op_rope(positions=torch.tensor([0, 1, 2, 99])),
                  id="position_outside_table"),
     pytest.param(ValueError, r"cos and sin must have last dim 4 \(rotary_dim / 2\), got 3",
-                 lambda: ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(8, 3),
-                                  torch.randn(8, 3), None, 0, False, -1, False),
+                 lambda: _op_rope(table_width=3),
                  id="table_width"),
     pytest.param(ValueError, r"positions 6\.\.9 are past the cos/sin table of 8 positions",
-                 lambda: ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(8, 4),
-                                  torch.randn(8, 4), None, 6, False, -1, False),
+                 lambda: _op_rope(offset=6),
                  id="offset_past_table"),
     pytest.param(ValueError, r"q and k must have the same head dim, got 8 and 6",
-                 lambda: ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 6), torch.randn(8, 4),
-                                  torch.randn(8, 4), None, 0, False, -1, False),
+                 lambda: _op_rope(k_dim=6),
                  id="head_dim_mismatch"),
     pytest.param(ValueError, r"rotary_dim must be a positive even number at most the head dim 8, got 5",
-                 lambda: ops.rope(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(8, 4),
-                                  torch.randn(8, 4), None, 0, False, 5, False),
+                 lambda: _op_rope(rotary_dim=5),
                  id="odd_rotary_dim"),
 ])
 def test_operator_rejects_bad_input_without_crashing(error, message, call):

@@ -194,13 +194,16 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="build jobs and test processes")
     parser.add_argument("--tests", default="cuda", metavar="MARKERS",
                         help="pytest marker expression (default: every cuda test; 'cuda and not slow' "
-                             "leaves out torch.compile and long runs)")
+                             "leaves out torch.compile and long runs), or 'none'")
     parser.add_argument("--bench", default=",".join(BENCHMARKS),
                         help=f"comma-separated benchmarks, each optionally with its own options after a "
                              f"colon ('model:--dtype bfloat16'), or 'none' (default: {','.join(BENCHMARKS)})")
     parser.add_argument("--bench-args", default="", metavar="ARGS",
                         help="options for every benchmark script, e.g. '--quick' (small sizes) or '--no-compile'")
     parser.add_argument("--bench-timeout", type=int, default=300, help="seconds per benchmark script")
+    parser.add_argument("--site", default=None, metavar="DIR",
+                        help="test and benchmark the fusedllm installed in DIR (an earlier run's DIR/build/site) "
+                             "instead of building")
     parser.add_argument("--time-limit", type=int, default=None, metavar="SECONDS",
                         help="stop the tests and skip benchmarks so that the whole run ends within this, "
                              "summary included")
@@ -217,20 +220,28 @@ def main(argv=None) -> int:
 
     deadline = time.monotonic() + (args.time_limit or 10**9)
     parts = []  # (part, status, seconds, detail)
-    rc, seconds, site = build(out, info["arch"], args.jobs, info["nvcc path"])
-    parts.append(("build", "ok" if rc == 0 else f"failed ({rc})", seconds, f"sm_{info['arch'].replace('.', '')}"))
-    if rc != 0:
-        print(_tail(os.path.join(out, "build.log")), file=sys.stderr)
+    if args.site:
+        site = os.path.abspath(args.site)
+        rc = 0 if os.path.isdir(os.path.join(site, "fusedllm")) else 2
+        parts.append(("build", "given" if rc == 0 else "failed (no fusedllm in --site)", 0.0, site))
     else:
-        rc, seconds = run_tests(out, site, args.jobs, args.tests, "no xdist" not in info,
-                                timeout=max(30, int(deadline - time.monotonic() - 30)) if args.time_limit else None)
-        counts, failed = test_counts(out)
-        detail = ", ".join(f"{counts[k]} {k}" for k in ("passed", "failures", "errors", "skipped") if counts.get(k)) \
-            if counts else "no report (see tests.log)"
-        status = "ok" if rc == 0 else "timed out" if rc == 124 else f"failed ({rc})"
-        parts.append((f"tests ({args.tests})", status, seconds, detail))
+        rc, seconds, site = build(out, info["arch"], args.jobs, info["nvcc path"])
+        parts.append(("build", "ok" if rc == 0 else f"failed ({rc})", seconds, f"sm_{info['arch'].replace('.', '')}"))
+    if rc != 0:
+        if not args.site:
+            print(_tail(os.path.join(out, "build.log")), file=sys.stderr)
+    else:
+        if args.tests != "none":
+            rc, seconds = run_tests(out, site, args.jobs, args.tests, "no xdist" not in info,
+                                    timeout=max(30, int(deadline - time.monotonic() - 30)) if args.time_limit else None)
+            counts, failed = test_counts(out)
+            detail = ", ".join(f"{counts[k]} {k}" for k in ("passed", "failures", "errors", "skipped") if counts.get(k)) \
+                if counts else "no report (see tests.log)"
+            status = "ok" if rc == 0 else "timed out" if rc == 124 else f"failed ({rc})"
+            parts.append((f"tests ({args.tests})", status, seconds, detail))
         names = [] if args.bench == "none" else [n.strip() for n in args.bench.split(",") if n.strip()]
-        for name, rc, seconds, log in run_benchmarks(out, site, names, args.bench_args.split(), args.bench_timeout):
+        for name, rc, seconds, log in run_benchmarks(out, site, names, args.bench_args.split(),
+                                                       args.bench_timeout, deadline):
             status = rc if isinstance(rc, str) else "ok" if rc == 0 else "timed out" if rc == 124 else f"failed ({rc})"
             parts.append((f"bench {name}", status, seconds, log))
 
@@ -248,7 +259,7 @@ def main(argv=None) -> int:
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text)
     print(text)
-    return 0 if all(s == "ok" for _, s, _, _ in parts) else 1
+    return 0 if all(s in ("ok", "given") for _, s, _, _ in parts) else 1
 
 
 if __name__ == "__main__":

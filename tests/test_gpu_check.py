@@ -1,0 +1,81 @@
+"""benchmarks/gpu_check.py's own flow (build, tests, benchmarks, summary) without a GPU: its
+parts are replaced by stand-ins that write what the real ones write."""
+
+import json
+import os
+
+import pytest
+
+from benchmarks import gpu_check
+
+REPORT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="3" failures="1"
+errors="0" skipped="1"><testcase classname="tests.test_a" name="test_ok"/><testcase classname="tests.test_a"
+name="test_bad"><failure message="x"/></testcase><testcase classname="tests.test_a" name="test_skip">
+<skipped/></testcase></testsuite></testsuites>"""
+
+
+@pytest.fixture
+def stand_ins(monkeypatch, tmp_path):
+    calls = {"build": 0, "tests": [], "bench": []}
+    info = {"python": "python3", "GPU": "a stand-in", "arch": "9.0", "nvcc path": "nvcc", "date": "2000-01-01"}
+    monkeypatch.setattr(gpu_check, "prerequisites", lambda: (dict(info), []))
+
+    def build(out, arch, jobs, nvcc):
+        calls["build"] += 1
+        site = os.path.join(out, "build", "site")
+        os.makedirs(os.path.join(site, "fusedllm"))
+        return 0, 1.0, site
+
+    def run_tests(out, site, jobs, marker, has_xdist, timeout=None):
+        calls["tests"].append((site, marker))
+        with open(os.path.join(out, "tests.xml"), "w") as f:
+            f.write(REPORT)
+        return 1, 2.0
+
+    def run(cmd, log_path, env=None, timeout=None, cwd=None):
+        calls["bench"].append(cmd)
+        bench = cmd[cmd.index("--out") + 1]
+        name = os.path.basename(cmd[1])[len("bench_"):-len(".py")]
+        with open(os.path.join(bench, f"{name}.json"), "w") as f:
+            json.dump({"meta": {"benchmark": name}, "rows": [{"case": "c1", "fused_ms": 0.5, "vs_liger": 1.25}]}, f)
+        return 0, 3.0
+
+    monkeypatch.setattr(gpu_check, "build", build)
+    monkeypatch.setattr(gpu_check, "run_tests", run_tests)
+    monkeypatch.setattr(gpu_check, "_run", run)
+    return calls, tmp_path
+
+
+def test_the_whole_flow_writes_a_summary_of_every_part(stand_ins, capsys):
+    calls, tmp = stand_ins
+    rc = gpu_check.main(["--out", str(tmp / "out"), "--bench", "rms_norm,model:--dtype bfloat16"])
+    assert rc == 1  # one test failed
+    assert calls["build"] == 1 and calls["tests"][0][1] == "cuda"
+    assert [os.path.basename(c[1]) for c in calls["bench"]] == ["bench_rms_norm.py", "bench_model.py"]
+    assert calls["bench"][1][-2:] == ["--dtype", "bfloat16"]
+    summary = (tmp / "out" / "summary.md").read_text()
+    assert capsys.readouterr().out.strip() == summary.strip()  # printed last
+    assert "| build | ok | 1 | sm_90 |" in summary
+    assert "| tests (cuda) | failed (1) | 2 | 1 passed, 1 failures, 1 skipped |" in summary
+    assert "| bench rms_norm | ok | 3 |" in summary and "| total | | 9 | |" in summary
+    assert "- tests.test_a::test_bad" in summary
+    assert "| c1 | 0.500 | 1.25 |" in summary
+
+
+def test_a_given_build_is_not_rebuilt_and_none_skips_a_part(stand_ins):
+    calls, tmp = stand_ins
+    site = tmp / "site"
+    (site / "fusedllm").mkdir(parents=True)
+    rc = gpu_check.main(["--out", str(tmp / "out"), "--site", str(site), "--tests", "none", "--bench", "rope"])
+    assert rc == 0 and calls["build"] == 0 and calls["tests"] == []
+    assert len(calls["bench"]) == 1
+    assert "| build | given | 0 |" in (tmp / "out" / "summary.md").read_text()
+    assert gpu_check.main(["--out", str(tmp / "out2"), "--site", str(tmp / "nothing"), "--bench", "none"]) == 1
+    assert "no fusedllm in --site" in (tmp / "out2" / "summary.md").read_text()
+
+
+def test_no_benchmark_starts_past_the_time_limit(stand_ins):
+    calls, tmp = stand_ins
+    gpu_check.main(["--out", str(tmp / "out"), "--bench", "rms_norm,rope", "--time-limit", "10"])
+    assert calls["bench"] == []  # under 20 s left: each is skipped, the summary still written
+    assert "| bench rope | skipped | 0 | no time left (--time-limit) |" in (tmp / "out" / "summary.md").read_text()

@@ -1,11 +1,15 @@
-"""The CUDA decoding kernel (csrc/cuda/attention_decode.cu): bfloat16 / float16
-queries, at most 16 query rows a kv head (tiles of 4 or 8), head dims up to
-128, over a cache of their dtype or of int8 / float8 codes, dense or paged,
-with per-sequence lengths and every option of the decoding path. Values, lse
-and (through the SIMT backward) gradients against the float64 reference, and
-which kernel served each call: the calls it does not serve (float32, wider
-heads, more rows, dropout, rows not in 16-byte pieces) go to the general
-SIMT kernel."""
+"""The CUDA decoding kernels (csrc/cuda/attention_decode.cu): bfloat16 / float16
+queries, at most 16 query rows a kv head, head dims up to 128, over a cache
+of their dtype (the tensor-core kernel on sm_80+, the SIMT one with
+FUSEDLLM_CUDA_ATTENTION=simt: both run here) or of int8 / float8 codes (the
+SIMT one), dense or paged, with per-sequence lengths and every option of the
+decoding path. Values, lse and (through the SIMT backward) gradients against
+the float64 reference, and which kernel served each call: the calls they do
+not serve (float32, wider heads, more rows, dropout, rows not in 16-byte
+pieces) go to the general SIMT kernel."""
+
+import contextlib
+import os
 
 import pytest
 import torch
@@ -24,7 +28,31 @@ from test_kv_paged import paged_pool
 pytestmark = pytest.mark.parametrize("device", [d for d in DEVICES if not isinstance(d, str)], indirect=True)
 
 DECODE, GENERAL, MERGE = "attention_decode_kernel", "attention_forward_kernel", "attention_merge_kernel"
+DECODE_MMA = "attention_decode_mma_kernel"
 HALF = [torch.bfloat16, torch.float16]
+
+
+@contextlib.contextmanager
+def kernel_choice(which):
+    """FUSEDLLM_CUDA_ATTENTION for "tensor_cores" (auto) or "simt" inside the block
+    (the emulated suite keeps it at "simt" elsewhere); yields the decoding
+    kernel a cache of the query's dtype then takes."""
+    saved = os.environ.get("FUSEDLLM_CUDA_ATTENTION")
+    os.environ["FUSEDLLM_CUDA_ATTENTION"] = "auto" if which == "tensor_cores" else "simt"
+    try:
+        yield DECODE_MMA if which == "tensor_cores" else DECODE
+    finally:
+        if saved is None:
+            os.environ.pop("FUSEDLLM_CUDA_ATTENTION", None)
+        else:
+            os.environ["FUSEDLLM_CUDA_ATTENTION"] = saved
+
+
+@pytest.fixture(params=["tensor_cores", "simt"])
+def plain_kernel(request, device):
+    with kernel_choice(request.param) as kernel:
+        yield kernel
+
 
 # (batch, q heads, kv heads, q len, k len, head dim): 4 rows a kv head; 8;
 # 16 (two tiles of 8); 1 row at head dim 80; 10 rows at head dim 32 (tiles of
@@ -36,12 +64,13 @@ SHAPES = [(2, 8, 2, 1, 300, 128), (1, 8, 1, 1, 700, 64), (1, 8, 2, 4, 500, 128),
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("option", ["none", "causal", "sinks", "all"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_decode_matches_reference(device, shape, option, dtype):
-    check_option_case(device, shape, option, dtype, [DECODE], absent=[GENERAL])
+def test_decode_matches_reference(device, plain_kernel, shape, option, dtype):
+    check_option_case(device, shape, option, dtype, [plain_kernel],
+                      absent=[GENERAL, DECODE_MMA if plain_kernel == DECODE else DECODE])
 
 
 @pytest.mark.parametrize("option", ["mask", "window", "softcap", "alibi"])
-def test_decode_options(device, option):
+def test_decode_options(device, plain_kernel, option):
     """A bool mask (one key hidden from each row, a row's keys all hidden in
     one sequence), a window, soft-capping and ALiBi, over key slices."""
     b, hq, hkv, sq, sk, d = 2, 8, 2, 2, 600, 64
@@ -51,7 +80,7 @@ def test_decode_options(device, option):
                "alibi": lambda: make_options("alibi_per_batch", b, hq, device)}[option]()
     with launches() as counts:
         out = fusedllm.attention(q, k, v, **options)
-    check_ran(counts, DECODE, absent=(GENERAL,))
+    check_ran(counts, plain_kernel, absent=(GENERAL,))
     want, ref_lse = ref_attention(q.double(), k.double(), v.double(), **options)
     assert_close(out, want, FORWARD_TOL[torch.bfloat16], "out", upcast=True)
     assert_close(op_lse(q, k, v, **options), ref_lse, FORWARD_TOL[torch.float32], "lse", upcast=True)
@@ -79,9 +108,10 @@ def test_decode_over_quantized_cache(device, shape, dtype, code):
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-@pytest.mark.parametrize("code", [None, torch.int8, torch.float8_e4m3fn], ids=["plain", "int8", "float8"])
+@pytest.mark.parametrize("code,kernel", [(None, "tensor_cores"), (None, "simt"), (torch.int8, "simt"),
+                                         (torch.float8_e4m3fn, "simt")], ids=["plain", "plain_simt", "int8", "float8"])
 @pytest.mark.parametrize("q_len", [1, 3])
-def test_decode_over_pages(device, dtype, code, q_len):
+def test_decode_over_pages(device, dtype, code, kernel, q_len):
     """Pages of 16 rows in shuffled order, two sequences sharing a first page,
     rows no sequence reads holding NaN; sequence b reads kv_lens[b] keys."""
     lens, page_size, hq, hkv, d = [37, 100, 16], 16, 8, 2, 64
@@ -90,9 +120,9 @@ def test_decode_over_pages(device, dtype, code, q_len):
     if code is not None:
         (k, kwargs["k_scale"]), (v, kwargs["v_scale"]) = (fusedllm.quantize_kv(t, dtype=code) for t in (k, v))
     q = torch.randn(len(lens), hq, q_len, d, device=device).to(dtype)
-    with launches() as counts:
+    with kernel_choice(kernel) as plain_kernel, launches() as counts:
         got = fusedllm.attention(q, k, v, causal=True, kv_lens=kv_lens, block_table=table, **kwargs)
-    check_ran(counts, DECODE, absent=(GENERAL,))
+    check_ran(counts, plain_kernel if code is None else DECODE, absent=(GENERAL,))
     for b, (kb, vb) in enumerate(rows):
         if code is not None:  # the rows as the codes hold them
             pages = table[b, : -(-lens[b] // page_size)].long()

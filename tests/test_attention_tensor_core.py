@@ -30,6 +30,7 @@ assert_close = functools.partial(checks.assert_close, upcast=True)
 FORWARD = "attention_mma_forward_kernel"
 SIMT_FORWARD = "attention_forward_kernel"
 DECODE = "attention_decode_kernel"  # SIMT: up to 16 rows a kv head, bfloat16 / float16
+DECODE_MMA = "attention_decode_mma_kernel"  # its tensor-core form, for a cache of the query's dtype
 DELTA, SIMT_DELTA = "attention_mma_delta_kernel", "attention_delta_kernel"
 DQ, SIMT_DQ = "attention_mma_dq_kernel", "attention_dq_kernel"
 DKDV, SIMT_DKDV = "attention_mma_dkdv_kernel", "attention_dkdv_kernel"
@@ -91,14 +92,17 @@ def run_and_check(q, k, v, dtype, check_lse=True, **options):
     """attention forward and backward against the float64 reference (the lse
     too, through the op); returns the emulator's counts, checked to show the
     tensor-core kernels ran and the SIMT ones did not (dK/dV: SIMT past head
-    dim 128)."""
+    dim 128; the forward of up to 16 rows a kv head: the decoding kernel's)."""
     with launches() as counts:
         out = fusedllm.attention(q, k, v, **options)
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, _differentiable(q, k, v, options), grad_out)
         lse = op_lse(q, k, v, **options) if check_lse else None
     ran, absent = backward_kernels(q.shape[-1])
-    check_ran(counts, FORWARD, *ran, absent=(SIMT_FORWARD, *absent))
+    # Up to 16 rows a kv head the forward is the decoding kernel's (on the tensor cores too).
+    rows = q.shape[-2] * q.shape[-3] // k.shape[-3]
+    forward = DECODE_MMA if rows <= 16 and q.shape[-1] <= 128 and not options.get("dropout_p") else FORWARD
+    check_ran(counts, forward, *ran, absent=(SIMT_FORWARD, DECODE, *({FORWARD, DECODE_MMA} - {forward}), *absent))
     check_against_reference(q, k, v, out, grad_out, grads, dtype, **options)
     if check_lse:
         _, ref_lse, _ = reference_results(q, k, v, grad_out, **options)
@@ -109,15 +113,16 @@ def run_and_check(q, k, v, dtype, check_lse=True, **options):
 
 # --- dispatch -----------------------------------------------------------------------------
 
-# (dtype, q_heads, kv_heads, q_len): the tensor cores serve 16-bit types once a kv
-# head's query rows (q_len x group) fill a warp's 16-row tile; fewer rows take
-# the SIMT decoding kernel, float32 the general SIMT kernel.
+# (dtype, q_heads, kv_heads, q_len, forward kernel): the tensor-core forward
+# serves 16-bit types once a kv head's query rows (q_len x group) pass 16; up
+# to 16 take the decoding kernel (on the tensor cores too), float32 the general
+# SIMT kernel. The backward is the tensor cores' from 16 rows on.
 DISPATCH_CASES = [
-    (torch.bfloat16, 2, 2, 16, FORWARD),
-    (torch.float16, 4, 1, 4, FORWARD),
-    (torch.bfloat16, 16, 1, 1, FORWARD),
-    (torch.bfloat16, 8, 1, 1, DECODE),
-    (torch.float16, 2, 2, 15, DECODE),
+    (torch.bfloat16, 2, 2, 17, FORWARD),
+    (torch.float16, 4, 1, 8, FORWARD),
+    (torch.bfloat16, 16, 1, 1, DECODE_MMA),
+    (torch.bfloat16, 8, 1, 1, DECODE_MMA),
+    (torch.float16, 2, 2, 15, DECODE_MMA),
     (torch.float32, 4, 4, 64, SIMT_FORWARD),
 ]
 
@@ -131,15 +136,12 @@ def test_dispatch_picks_the_kernel(device, dtype, hq, hkv, sq, expected):
         out.backward(torch.randn_like(out))
     if counts is None:
         pytest.skip("only the emulator counts launches")
-    # The backward follows the forward's choice (the SIMT backward after either SIMT forward).
-    tensor_cores = (FORWARD, DELTA, DQ, DKDV)
+    tensor_core_backward = (DELTA, DQ, DKDV)
     simt_backward = (SIMT_DELTA, SIMT_DQ, SIMT_DKDV)
-    simt_forwards = {SIMT_FORWARD, DECODE}
-    if expected == FORWARD:
-        ran, other = tensor_cores, (*simt_forwards, *simt_backward)
-    else:
-        ran, other = (expected, *simt_backward), (*tensor_cores, *(simt_forwards - {expected}))
-    check_ran(counts, *ran, absent=other)
+    forwards = {FORWARD, SIMT_FORWARD, DECODE, DECODE_MMA}
+    backward = tensor_core_backward if dtype != torch.float32 and sq * hq // hkv >= 16 else simt_backward
+    other_backward = simt_backward if backward == tensor_core_backward else tensor_core_backward
+    check_ran(counts, expected, *backward, absent=(*(forwards - {expected}), *other_backward))
     ref, _ = ref_attention(q.double(), k.double(), v.double())
     assert_close(out, ref, FORWARD_TOL[dtype], "out")
 
@@ -154,7 +156,7 @@ def test_simt_kernel_on_request(device, monkeypatch):
         out = fusedllm.attention(q, k, v)
     if counts is None:
         pytest.skip("only the emulator counts launches")
-    check_ran(counts, DECODE, absent=(FORWARD,))
+    check_ran(counts, DECODE, absent=(FORWARD, DECODE_MMA))
     ref, _ = ref_attention(q.double(), k.double(), v.double())
     assert_close(out, ref, FORWARD_TOL[torch.bfloat16], "out")
     monkeypatch.setenv("FUSEDLLM_CUDA_ATTENTION", "tensor-cores")
@@ -166,7 +168,7 @@ def test_build_lists_the_attention_kernels(device):
     fusedllm.attention(*make_qkv(1, 2, 2, 3, 3, 8, torch.float32, device))  # an op for the simt fixture
     simt = _emulator()
     names = simt._simt.attention_kernels() if simt is not None else fusedllm.build_info()["cuda_attention_kernels"]
-    for kernel in (FORWARD, SIMT_FORWARD, DECODE, DELTA, SIMT_DELTA, DQ, SIMT_DQ, DKDV, SIMT_DKDV):
+    for kernel in (FORWARD, SIMT_FORWARD, DECODE, DECODE_MMA, DELTA, SIMT_DELTA, DQ, SIMT_DQ, DKDV, SIMT_DKDV):
         assert any(name.startswith(kernel + " ") for name in names), (kernel, names)
 
 

@@ -294,12 +294,14 @@ struct CudaAttention {
   static void forward(const AttentionForwardPlan& p) {
     const DeviceGuard guard(p.q.device());
     check_grid(p.shape);
-    // int8 / float8 or paged K/V (a cache, mostly decoding) run on SIMT kernels:
-    // the decoding kernel where it serves the call, else the general one.
+    // At most 16 rows a kv head (decoding, a short draft): the decoding kernels
+    // where they serve the call. int8 / float8 or paged K/V (a cache) take
+    // them or the general SIMT kernel, never the tensor-core forward.
+    if (launch_attention_decode(p, current_stream())) return;
     if (!p.k_scale.defined() && !p.pages.paged() &&
         choose_attention_kernel(p, p.q.scalar_type()) == AttentionKernel::kTensorCore) {
       launch_attention_mma_forward(p, current_stream());
-    } else if (!launch_attention_decode(p, current_stream())) {
+    } else {
       launch_attention_forward(p, current_stream());
     }
   }
@@ -341,6 +343,8 @@ struct CudaAttention {
 std::vector<std::string> attention_kernels() {
   return {"attention_forward_kernel (SIMT)",
           "attention_decode_kernel (SIMT: bfloat16/float16 queries, up to 16 rows a kv head, head dims up to 128)",
+          "attention_decode_mma_kernel (tensor cores: a bfloat16/float16 cache, up to 16 rows a kv head, head dims "
+          "up to 128, sm_80+)",
           "attention_delta_kernel (SIMT)", "attention_dq_kernel (SIMT)",
           "attention_dkdv_kernel (SIMT)",
           "attention_mma_forward_kernel (tensor cores: bfloat16/float16, sm_80+)",

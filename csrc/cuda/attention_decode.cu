@@ -17,7 +17,14 @@
 // in registers, their K scale applied to the score and their V scale folded
 // into the probability. Only the query rows are staged in shared memory; the
 // cache is read once, straight into registers.
-#include "attention.cuh"
+//
+// On sm_80+ a cache of the query's dtype takes attention_decode_mma_kernel
+// instead (below): the scores and P·V on the tensor cores, the query rows
+// padded to one 16-row m-tile. The kernel above spends about 50 instructions
+// a key and lane on them (a 16-byte K load feeds 32 multiply-adds, each q
+// value a shared-memory read), so on an H200 it read the cache at a third of
+// the copy rate, bound by issue, not by memory; codes keep it.
+#include "attention_mma.cuh"
 
 namespace fusedllm::cuda {
 namespace {
@@ -368,6 +375,251 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
   }
 }
 
+// The decoding kernel on the tensor cores: a block serves every query row of
+// one (kv head, sequence) pair (at most 16, zero rows past them) over one key
+// slice. Its 4 warps stage 64-key K/V tiles together (cp.async into double
+// buffers, each key's row from its page where the cache is paged), and each
+// warp computes on 16 keys of every tile: S = Q K^T and O += P V on mma.sync
+// with its own online softmax on the accumulator fragments (as the forward
+// kernel's); at the end the warps' states merge in shared memory.
+constexpr int kDecodeMmaKeys = 64;                                // a block's tile
+constexpr int kDecodeMmaWarpKeys = kDecodeMmaKeys / tc::kWarps;  // a warp's: one A fragment of P
+constexpr int kDecodeMmaRows = 16;                               // one m-tile
+
+template <int kD>
+constexpr size_t decode_mma_smem(size_t elem) {
+  const size_t loop = elem * tc::Tile<kD>::kStride * (kDecodeMmaRows + 4 * kDecodeMmaKeys);
+  const size_t merge = sizeof(float) * tc::kWarps * kDecodeMmaRows * (kD + 2);
+  return loop > merge ? loop : merge;
+}
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(tc::kThreads, 3)
+attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSource v, T* __restrict__ out,
+                            float* __restrict__ lse, attn::QueryRows rows, attn::Seqs seqs, int d, float scale,
+                            Mask mask_all, ScoreExtras extras, KeySlices<float> slices, bool q_chunks,
+                            bool kv_chunks) {
+#if FUSEDLLM_BELOW_SM80
+  __trap();  // launch_attention_decode never launches it below sm_80
+#else
+  constexpr int kStride = tc::Tile<kD>::kStride, kN = tc::Tile<kD>::kNTiles;
+  constexpr int kKeys = kDecodeMmaKeys, kWarpKeys = kDecodeMmaWarpKeys, kRows = kDecodeMmaRows;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  T* q_s = dynamic_shared<T>();        // [kRows][kStride]
+  T* k_s = q_s + kRows * kStride;      // [2][kKeys][kStride]
+  T* v_s = k_s + 2 * kKeys * kStride;  // [2][kKeys][kStride]
+  __shared__ int64_t row_lo[kRows], row_hi[kRows];
+  __shared__ int unreadable;  // a length or page that cannot be read: NaN rows (make_nan_if)
+
+  const int64_t g = blockIdx.y, b = blockIdx.z, slice = blockIdx.x;
+  const int64_t sq = seqs.q_len(b);
+  const int64_t rows_total = sq * rows.group;  // at most kRows (launch_attention_decode)
+  if (rows_total <= 0) return;
+  const bool length_ok = seqs.k_len_ok(b);
+  const Mask mask = mask_all.of_lengths(sq, length_ok ? seqs.k_len(b) : 0);
+  const int64_t slice_lo = slice * slices.keys, slice_hi = slice_lo + slices.keys;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int group = lane / 4, quad = lane % 4;
+
+  tc::stage_group_rows<T, kD, kRows>(q_s, q + b * qs.b + seqs.q_start(b) * qs.s, qs, rows, g, 0, rows_total, d,
+                                     q_chunks);
+  if (threadIdx.x == 0) unreadable = !length_ok;
+  if (threadIdx.x < kRows) {
+    const int r = threadIdx.x;
+    const bool valid = r < rows_total;
+    const int64_t pos = valid ? rows.group_pos(r) : 0;
+    row_lo[r] = valid ? std::max(attn::key_begin(mask, pos), slice_lo) : 0;
+    row_hi[r] = valid ? std::min(attn::key_end(mask, pos), slice_hi) : 0;
+  }
+  __syncthreads();
+  // The block's keys: every row's, in one range. This lane's rows are `group`
+  // and group + 8 (r = 0, 1); the tiles inside both of their ranges skip the
+  // per-score test (rows past rows_total are zero padding: any keys do).
+  int64_t key_lo = std::numeric_limits<int64_t>::max(), key_hi = std::numeric_limits<int64_t>::min();
+  for (int r = 0; r < rows_total; ++r) {
+    key_lo = std::min(key_lo, row_lo[r]);
+    key_hi = std::max(key_hi, row_hi[r]);
+  }
+  int64_t all_lo = 0, all_hi = std::numeric_limits<int64_t>::max();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (group + 8 * r < rows_total) {
+      all_lo = std::max(all_lo, row_lo[group + 8 * r]);
+      all_hi = std::min(all_hi, row_hi[group + 8 * r]);
+    }
+  }
+  const int64_t n_tiles = key_hi > key_lo ? (key_hi - key_lo + kKeys - 1) / kKeys : 0;
+  const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
+  const int64_t k_start = seqs.k_start(b);
+
+  // Key `key`'s row of K or V (nullptr past the block's keys or off the operands' pages).
+  const auto key_row = [&](const KvSource& src, int64_t key) -> const T* {
+    if (key >= key_hi) return nullptr;
+    const KeyPlace place = key_place(src.pages, b, k_start, key);
+    if (src.pages.paged() && (place.page < 0 || place.page >= src.pages.num_pages)) {
+      unreadable = 1;
+      return nullptr;
+    }
+    return static_cast<const T*>(src.data) + place.page * src.st.b + g * src.st.h + place.row * src.st.s;
+  };
+  const auto stage_kv = [&](int64_t tile) {
+    const int buffer = static_cast<int>(tile % 2);
+    const int64_t j0 = key_lo + tile * kKeys;
+    tc::stage_tile<T, kD, kKeys>(k_s + buffer * kKeys * kStride, [&](int r) { return key_row(k, j0 + r); }, d,
+                                 kv_chunks);
+    tc::stage_tile<T, kD, kKeys>(v_s + buffer * kKeys * kStride, [&](int r) { return key_row(v, j0 + r); }, d,
+                                 kv_chunks);
+  };
+  tc::pipeline_start(n_tiles, stage_kv);
+
+  mma::FragC o[kN];
+  float m[2] = {-kInf, -kInf}, l[2] = {0.f, 0.f};  // this lane's rows: running max, its sum
+  for (int64_t tile = 0; tile < n_tiles; ++tile) {
+    tc::pipeline_next(tile, n_tiles, stage_kv);
+    const int64_t at = (tile % 2) * kKeys + warp * kWarpKeys;  // this warp's rows of the buffers
+    const int64_t j0 = key_lo + tile * kKeys + warp * kWarpKeys;
+    mma::FragC s[kWarpKeys / 8];
+    tc::mma_rows_rows<T, kD, kWarpKeys, kStride>(s, q_s, k_s + at * kStride);
+
+    // Scores, -inf where a key is not visible; element e of an n-tile belongs to row r = e / 2.
+    float tile_max[2] = {-kInf, -kInf};
+    if (plain && j0 >= all_lo && j0 + kWarpKeys <= all_hi) {
+#pragma unroll
+      for (int n = 0; n < kWarpKeys / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[n].r[e] *= scale;
+          tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n].r[e]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = group + 8 * r;
+        const int64_t lo = row_lo[row], hi = row_hi[row];
+        const int64_t head = plain ? 0 : rows.group_head(g, row), pos = plain ? 0 : rows.group_pos(row);
+#pragma unroll
+        for (int n = 0; n < kWarpKeys / 8; ++n) {
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            const int64_t key = j0 + n * 8 + 2 * quad + (e % 2);
+            const float z = tc::score(s[n].r[e], key >= lo && key < hi, plain, scale, extras, mask, b, head, pos,
+                                      key, nullptr);
+            s[n].r[e] = z;
+            tile_max[r] = fmaxf(tile_max[r], z);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float shift;
+      const float alpha =
+          attn::online_softmax_step(m[r], quad_reduce_max(tile_max[r]), shift, attn::ScalarOps<float>{});
+      l[r] *= alpha;
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+        o[n].r[2 * r] *= alpha;
+        o[n].r[2 * r + 1] *= alpha;
+      }
+#pragma unroll
+      for (int n = 0; n < kWarpKeys / 8; ++n) {
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          const float p = tc::exp_of_difference(s[n].r[e], shift);
+          l[r] += p;
+          s[n].r[e] = p;
+        }
+      }
+    }
+    mma::FragA pa[kWarpKeys / 16];
+    tc::to_a_frags<T, kWarpKeys>(pa, s);
+    tc::mma_frags_rows<T, kWarpKeys, kD, kStride>(o, pa, v_s + at * kStride);
+    __syncthreads();  // every warp is done with this buffer before it is staged again
+  }
+
+  // The warps' states into one per row: weights exp(max_w - max), sums and
+  // outputs added in warp order.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) l[r] = quad_reduce_sum(l[r]);
+  __syncthreads();  // the tiles' buffers are free (every copy has landed): reused
+  float* o_s = reinterpret_cast<float*>(q_s);         // [warps][kRows][kD]
+  float* ml_s = o_s + tc::kWarps * kRows * kD;        // [warps][kRows][2]
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = group + 8 * r;
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      o_s[(warp * kRows + row) * kD + n * 8 + 2 * quad] = o[n].r[2 * r];
+      o_s[(warp * kRows + row) * kD + n * 8 + 2 * quad + 1] = o[n].r[2 * r + 1];
+    }
+    if (quad == 0) {
+      ml_s[(warp * kRows + row) * 2] = m[r];
+      ml_s[(warp * kRows + row) * 2 + 1] = l[r];
+    }
+  }
+  __syncthreads();
+  const bool nan_rows = unreadable != 0;
+  for (int row = warp; row < rows_total; row += tc::kWarps) {
+    float top = -kInf;
+#pragma unroll
+    for (int w = 0; w < tc::kWarps; ++w) top = std::max(top, ml_s[(w * kRows + row) * 2]);
+    const float shift = attn::ScalarOps<float>::finite_or_zero(top);
+    float weight[tc::kWarps], sum = 0;
+#pragma unroll
+    for (int w = 0; w < tc::kWarps; ++w) {
+      weight[w] = tc::exp_of_difference(ml_s[(w * kRows + row) * 2], shift);
+      sum += weight[w] * ml_s[(w * kRows + row) * 2 + 1];
+    }
+    const int64_t out_row = rows.row_of_group_row(b, g, row);
+    float lse_r = attn::row_lse(top, sum);
+    float factor = attn::row_norm(top, sum, lse_r);
+    make_nan_if(nan_rows, factor, lse_r);
+    const bool sliced = slices.count > 1;  // this slice's normalized output and lse; the sink joins in the merge
+    if (!sliced && extras.mods.sinks != nullptr) {
+      factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(rows.group_head(g, row)));
+    }
+    for (int c = lane; c < d; c += kWarpSize) {
+      float acc = 0;
+#pragma unroll
+      for (int w = 0; w < tc::kWarps; ++w) acc += weight[w] * o_s[(w * kRows + row) * kD + c];
+      if (sliced) {
+        slices.out[(slice * slices.rows + out_row) * d + c] = acc * factor;
+      } else {
+        out[out_row * d + c] = static_cast<T>(acc * factor);
+      }
+    }
+    if (lane == 0) (sliced ? slices.lse[slice * slices.rows + out_row] : lse[out_row]) = lse_r;
+  }
+#endif
+}
+
+// Whether a call launch_attention_decode serves runs on the tensor cores: a
+// cache of the query's dtype on sm_80+ (the emulated device is one), unless
+// FUSEDLLM_CUDA_ATTENTION=simt.
+bool decode_on_tensor_cores(const AttentionForwardPlan& p) {
+  return !p.k_scale.defined() && !simt_attention_requested() && device_properties().major >= 8;
+}
+
+template <typename T, int kD>
+void launch_decode_mma(const AttentionForwardPlan& p, const KvSource& k, const KvSource& v, Stream stream) {
+  const AttentionShape& s = p.shape;
+  auto kernel = attention_decode_mma_kernel<T, kD>;
+  const size_t smem = decode_mma_smem<kD>(sizeof(T));
+  allow_shared_memory(kernel, smem);
+  at::Tensor part_out, part_lse;
+  const KeySlices<float> slices = key_slices<float>(p, s.kv_heads * s.batch, kDecodeMmaKeys, part_out, part_lse);
+  const dim3 grid(static_cast<unsigned>(slices.count), static_cast<unsigned>(s.kv_heads),
+                  static_cast<unsigned>(s.batch));
+  const bool q_chunks = tc::chunks_aligned(p.q.const_data_ptr(), strides_of(p.q));
+  const bool kv_chunks = tc::chunks_aligned(k.data, k.st) && tc::chunks_aligned(v.data, v.st);
+  launch("attention_decode_mma_kernel", kernel, grid, tc::kThreads, smem, stream, p.q.const_data_ptr<T>(),
+         strides_of(p.q), k, v, p.out.mutable_data_ptr<T>(), p.lse.mutable_data_ptr<float>(), rows_of(p), p.seqs,
+         static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras_of(p), slices, q_chunks,
+         kv_chunks);
+  if (slices.count > 1) merge_key_slices<T>(p, slices, stream);
+}
+
 // Calls f(Stored constant) for the plan's cache.
 template <typename F>
 void with_stored(const AttentionForwardPlan& p, F&& f) {
@@ -393,6 +645,17 @@ bool launch_attention_decode(const AttentionForwardPlan& p, Stream stream) {
       constexpr Stored kS = decltype(stored)::value;
       const KvSource k = kv_source<scalar_t>(p.k, p.k_scale, p), v = kv_source<scalar_t>(p.v, p.v_scale, p);
       if (!k.wide || !v.wide) return;  // rows not in 16-byte pieces: the general kernel
+      if constexpr (kS == Stored::kPlain) {
+        if (decode_on_tensor_cores(p)) {
+          if (s.head_dim <= 64) {
+            launch_decode_mma<scalar_t, 64>(p, k, v, stream);
+          } else {
+            launch_decode_mma<scalar_t, 128>(p, k, v, stream);
+          }
+          served = true;
+          return;
+        }
+      }
       const auto run = [&](auto D, auto R) {
         constexpr int kD = decltype(D)::value, kRows = decltype(R)::value;
         using C = Decode<scalar_t, kS, kD, kRows>;

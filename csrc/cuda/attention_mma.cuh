@@ -33,8 +33,9 @@ namespace tc {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kRows = kWarps * 16;  // query rows of a forward block: 16 per warp
-// Fewer query rows than one warp's m-tile (decoding) leave the tensor cores
-// mostly idle: the SIMT kernel serves them.
+// Fewer query rows than one warp's m-tile (decoding) would leave this
+// forward's tensor cores mostly idle: the decoding kernels (attention_decode.cu)
+// serve up to 16 rows a kv head, and the SIMT kernels the backward below 16.
 constexpr int64_t kMinRows = 16;
 
 template <int kD_>
@@ -338,7 +339,8 @@ inline bool simt_attention_requested() {
 // Which kernel serves a call: the tensor-core kernels for bfloat16 / float16
 // on sm_80+ (the emulated device is one) when the query rows of a kv head fill
 // a warp's m-tile and the tiles fit in shared memory; the SIMT kernels
-// otherwise (float32 / float64, decoding, older GPUs).
+// otherwise (float32 / float64, decoding, older GPUs). A forward of at most 16
+// rows a kv head tries the decoding kernels first (CudaAttention::forward).
 inline AttentionKernel choose_attention_kernel(const AttentionParams& p, at::ScalarType dtype) {
   if (simt_attention_requested()) return AttentionKernel::kSimt;
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return AttentionKernel::kSimt;

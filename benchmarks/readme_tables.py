@@ -46,7 +46,7 @@ SUMMARY = {
         ("RoPE", "rope_cuda", "4x32/8x2048x128 bfloat16 fwd+bwd",
          [("× HF", "HF `apply_rotary_pos_emb`"), ("× compile", "`torch.compile`"),
           ("× Liger (HF layout)", "Liger-Kernel")]),
-        ("attention", "attention_cuda", "S=8192 bfloat16 fwd+bwd",
+        ("attention", "attention_cuda", "S=4096 bfloat16 fwd+bwd",
          [("× SDPA", "SDPA"), ("× compile", "`torch.compile`")]),
         ("linear cross-entropy", "cross_entropy_cuda", "4096x2048->32000 bfloat16 fwd+bwd",
          [("× eager", "eager"), ("× Liger", "Liger-Kernel"), ("peak / eager", "eager's peak memory")]),

@@ -69,6 +69,14 @@ def test_decode_matches_reference(device, plain_kernel, shape, option, dtype):
                       absent=[GENERAL, DECODE_MMA if plain_kernel == DECODE else DECODE])
 
 
+@pytest.mark.parametrize("option", ["none", "all"])
+def test_decode_over_key_slices(device, plain_kernel, option):
+    """One kv head and sequence over 1100 keys: on the emulator's 4
+    multiprocessors, slices of whole key tiles (the last one short), merged."""
+    check_option_case(device, (1, 4, 1, 1, 1100, 128), option, torch.bfloat16, [plain_kernel, MERGE],
+                      absent=[GENERAL])
+
+
 @pytest.mark.parametrize("option", ["mask", "window", "softcap", "alibi"])
 def test_decode_options(device, plain_kernel, option):
     """A bool mask (one key hidden from each row, a row's keys all hidden in

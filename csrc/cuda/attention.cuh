@@ -348,12 +348,15 @@ __device__ __forceinline__ void make_nan_if(bool unreadable, acc_t& factor, acc_
 // 0.74 ms in 128 slices.
 constexpr int64_t kMaxSlices = 256;
 
-inline int64_t key_slice_count(int64_t blocks, int64_t sk, int64_t keys_per_tile) {
+// With `resident` > 0 (the blocks a multiprocessor holds at once), as many
+// slices as fill them once, rounded down: one wave, no partial second.
+inline int64_t key_slice_count(int64_t blocks, int64_t sk, int64_t keys_per_tile, int64_t resident = 0) {
   constexpr int64_t kBlocksPerSm = 8, kMinSliceTiles = 4;
   const int64_t sms = device_properties().multiProcessorCount;
   if (blocks >= sms) return 1;
   const int64_t most = std::min(sk / (kMinSliceTiles * keys_per_tile), kMaxSlices);
-  return std::clamp<int64_t>((kBlocksPerSm * sms + blocks - 1) / blocks, 1, std::max<int64_t>(most, 1));
+  const int64_t want = resident > 0 ? resident * sms / blocks : (kBlocksPerSm * sms + blocks - 1) / blocks;
+  return std::clamp<int64_t>(want, 1, std::max<int64_t>(most, 1));
 }
 
 // The key slices' outputs made one: each row's lse is the log-sum-exp of its
@@ -421,10 +424,10 @@ attention_merge_kernel(T* __restrict__ out, at::opmath_type<T>* __restrict__ lse
 // slices' partial results.
 template <typename acc_t>
 KeySlices<acc_t> key_slices(const AttentionForwardPlan& p, int64_t blocks, int64_t keys_per_tile,
-                            at::Tensor& part_out, at::Tensor& part_lse) {
+                            at::Tensor& part_out, at::Tensor& part_lse, int64_t resident = 0) {
   const AttentionShape& s = p.shape;
   KeySlices<acc_t> slices;
-  const int64_t count = key_slice_count(blocks, s.sk, keys_per_tile);
+  const int64_t count = key_slice_count(blocks, s.sk, keys_per_tile, resident);
   if (count > 1) {
     slices.keys = (s.sk + count * keys_per_tile - 1) / (count * keys_per_tile) * keys_per_tile;
     slices.count = (s.sk + slices.keys - 1) / slices.keys;

@@ -385,6 +385,10 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
 constexpr int kDecodeMmaKeys = 64;                                // a block's tile
 constexpr int kDecodeMmaWarpKeys = kDecodeMmaKeys / tc::kWarps;  // a warp's: one A fragment of P
 constexpr int kDecodeMmaRows = 16;                               // one m-tile
+// Blocks a multiprocessor holds (registers and shared memory at head dim 128,
+// sm_90): a call whose blocks fall short of one for each takes as many key
+// slices as fill them once, whole slices a block (the last wave no fuller).
+constexpr int kDecodeMmaBlocksPerSm = 3;
 
 template <int kD>
 constexpr size_t decode_mma_smem(size_t elem) {
@@ -465,10 +469,16 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
   const auto stage_kv = [&](int64_t tile) {
     const int buffer = static_cast<int>(tile % 2);
     const int64_t j0 = key_lo + tile * kKeys;
-    tc::stage_tile<T, kD, kKeys>(k_s + buffer * kKeys * kStride, [&](int r) { return key_row(k, j0 + r); }, d,
-                                 kv_chunks);
-    tc::stage_tile<T, kD, kKeys>(v_s + buffer * kKeys * kStride, [&](int r) { return key_row(v, j0 + r); }, d,
-                                 kv_chunks);
+    T* k_to = k_s + buffer * kKeys * kStride;
+    T* v_to = v_s + buffer * kKeys * kStride;
+    if (k.pages.paged()) {
+      tc::stage_tile<T, kD, kKeys>(k_to, [&](int r) { return key_row(k, j0 + r); }, d, kv_chunks);
+      tc::stage_tile<T, kD, kKeys>(v_to, [&](int r) { return key_row(v, j0 + r); }, d, kv_chunks);
+    } else {
+      const int n = static_cast<int>(std::min<int64_t>(kKeys, key_hi - j0));
+      tc::stage_strided_rows<T, kD, kKeys>(k_to, key_row(k, j0), k.st.s, n, d, kv_chunks);
+      tc::stage_strided_rows<T, kD, kKeys>(v_to, key_row(v, j0), v.st.s, n, d, kv_chunks);
+    }
   };
   tc::pipeline_start(n_tiles, stage_kv);
 
@@ -608,7 +618,8 @@ void launch_decode_mma(const AttentionForwardPlan& p, const KvSource& k, const K
   const size_t smem = decode_mma_smem<kD>(sizeof(T));
   allow_shared_memory(kernel, smem);
   at::Tensor part_out, part_lse;
-  const KeySlices<float> slices = key_slices<float>(p, s.kv_heads * s.batch, kDecodeMmaKeys, part_out, part_lse);
+  const KeySlices<float> slices =
+      key_slices<float>(p, s.kv_heads * s.batch, kDecodeMmaKeys, part_out, part_lse, kDecodeMmaBlocksPerSm);
   const dim3 grid(static_cast<unsigned>(slices.count), static_cast<unsigned>(s.kv_heads),
                   static_cast<unsigned>(s.batch));
   const bool q_chunks = tc::chunks_aligned(p.q.const_data_ptr(), strides_of(p.q));

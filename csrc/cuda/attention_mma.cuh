@@ -175,7 +175,8 @@ __device__ __forceinline__ void stage_tile(T* dst, RowFn&& src_row, int d, bool 
 // Where every chunk is whole and each thread's chunks keep one column (head
 // dims 64 and 128), its source pointer steps by a constant stride instead of
 // being worked out again for each chunk (64-bit products and tests that took
-// most of the decoding kernel's instructions).
+// most of the decoding kernel's instructions), one copy at a time: unrolled,
+// the copies' addresses all live at once spilled the decoding kernel (sm_90).
 template <typename T, int kD, int kTileRows>
 __device__ __forceinline__ void stage_strided_rows(T* dst, const T* src, int64_t stride, int n, int d,
                                                    bool chunks) {
@@ -190,7 +191,7 @@ __device__ __forceinline__ void stage_strided_rows(T* dst, const T* src, int64_t
       const int col = 8 * (4 * (u / kWarpSize % kSlabsPerOctet) + u % kWarpSize / 8);
       const T* from = src + row * stride + col;
       const int64_t step = kRowStep * stride;
-#pragma unroll
+#pragma unroll 1
       for (int i = 0; i < kUnits / kThreads; ++i) {
         const int r = row + i * kRowStep;
         mma::cp_async_16_or_zero(dst + r * kStride + col, r < n ? from : dst, r < n);
@@ -209,8 +210,12 @@ template <typename T, int kD, int kTileRows>
 __device__ __forceinline__ void stage_key_rows(T* k_dst, T* v_dst, const T* k, int64_t k_stride, const T* v,
                                                int64_t v_stride, int64_t j0, int64_t end, int d, bool chunks) {
   const int n = end - j0 < kTileRows ? static_cast<int>(end - j0) : kTileRows;  // rows present
-  stage_strided_rows<T, kD, kTileRows>(k_dst, k + j0 * k_stride, k_stride, n, d, chunks);
-  stage_strided_rows<T, kD, kTileRows>(v_dst, v + j0 * v_stride, v_stride, n, d, chunks);
+  const T* k0 = k + j0 * k_stride;
+  const T* v0 = v + j0 * v_stride;
+  stage_tile<T, kD, kTileRows>(k_dst, [&](int r) -> const T* { return r < n ? k0 + r * k_stride : nullptr; }, d,
+                               chunks);
+  stage_tile<T, kD, kTileRows>(v_dst, [&](int r) -> const T* { return r < n ? v0 + r * v_stride : nullptr; }, d,
+                               chunks);
 }
 
 // Stages rows [r0, r0 + kTileRows) (position, head) of kv head g's group from

@@ -1,9 +1,8 @@
 """The CUDA decoding kernels (csrc/cuda/attention_decode.cu): bfloat16 / float16
 queries, at most 16 query rows a kv head, head dims up to 128, over a cache
-of their dtype (the tensor-core kernel on sm_80+, the SIMT one with
-FUSEDLLM_CUDA_ATTENTION=simt: both run here) or of int8 / float8 codes (the
-SIMT one), dense or paged, with per-sequence lengths and every option of the
-decoding path. Values, lse and (through the SIMT backward) gradients against
+of their dtype or of int8 / float8 codes (the tensor-core kernel on sm_80+,
+the SIMT one with FUSEDLLM_CUDA_ATTENTION=simt: both run here), dense or
+paged, with per-sequence lengths and every option of the decoding path. Values, lse and (through the SIMT backward) gradients against
 the float64 reference, and which kernel served each call: the calls they do
 not serve (float32, wider heads, more rows, dropout, rows not in 16-byte
 pieces) go to the general SIMT kernel."""
@@ -36,7 +35,7 @@ HALF = [torch.bfloat16, torch.float16]
 def kernel_choice(which):
     """FUSEDLLM_CUDA_ATTENTION for "tensor_cores" (auto) or "simt" inside the block
     (the emulated suite keeps it at "simt" elsewhere); yields the decoding
-    kernel a cache of the query's dtype then takes."""
+    kernel a call then takes."""
     saved = os.environ.get("FUSEDLLM_CUDA_ATTENTION")
     os.environ["FUSEDLLM_CUDA_ATTENTION"] = "auto" if which == "tensor_cores" else "simt"
     try:
@@ -49,7 +48,7 @@ def kernel_choice(which):
 
 
 @pytest.fixture(params=["tensor_cores", "simt"])
-def plain_kernel(request, device):
+def decode_kernel(request, device):
     with kernel_choice(request.param) as kernel:
         yield kernel
 
@@ -64,21 +63,21 @@ SHAPES = [(2, 8, 2, 1, 300, 128), (1, 8, 1, 1, 700, 64), (1, 8, 2, 4, 500, 128),
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("option", ["none", "causal", "sinks", "all"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_decode_matches_reference(device, plain_kernel, shape, option, dtype):
-    check_option_case(device, shape, option, dtype, [plain_kernel],
-                      absent=[GENERAL, DECODE_MMA if plain_kernel == DECODE else DECODE])
+def test_decode_matches_reference(device, decode_kernel, shape, option, dtype):
+    check_option_case(device, shape, option, dtype, [decode_kernel],
+                      absent=[GENERAL, DECODE_MMA if decode_kernel == DECODE else DECODE])
 
 
 @pytest.mark.parametrize("option", ["none", "all"])
-def test_decode_over_key_slices(device, plain_kernel, option):
+def test_decode_over_key_slices(device, decode_kernel, option):
     """One kv head and sequence over 1100 keys: on the emulator's 4
     multiprocessors, slices of whole key tiles (the last one short), merged."""
-    check_option_case(device, (1, 4, 1, 1, 1100, 128), option, torch.bfloat16, [plain_kernel, MERGE],
+    check_option_case(device, (1, 4, 1, 1, 1100, 128), option, torch.bfloat16, [decode_kernel, MERGE],
                       absent=[GENERAL])
 
 
 @pytest.mark.parametrize("option", ["mask", "window", "softcap", "alibi"])
-def test_decode_options(device, plain_kernel, option):
+def test_decode_options(device, decode_kernel, option):
     """A bool mask (one key hidden from each row, a row's keys all hidden in
     one sequence), a window, soft-capping and ALiBi, over key slices."""
     b, hq, hkv, sq, sk, d = 2, 8, 2, 2, 600, 64
@@ -88,7 +87,7 @@ def test_decode_options(device, plain_kernel, option):
                "alibi": lambda: make_options("alibi_per_batch", b, hq, device)}[option]()
     with launches() as counts:
         out = fusedllm.attention(q, k, v, **options)
-    check_ran(counts, plain_kernel, absent=(GENERAL,))
+    check_ran(counts, decode_kernel, absent=(GENERAL,))
     want, ref_lse = ref_attention(q.double(), k.double(), v.double(), **options)
     assert_close(out, want, FORWARD_TOL[torch.bfloat16], "out", upcast=True)
     assert_close(op_lse(q, k, v, **options), ref_lse, FORWARD_TOL[torch.float32], "lse", upcast=True)
@@ -104,22 +103,21 @@ def _mask(b, hq, sq, sk, device):
 @pytest.mark.parametrize("code", [torch.int8, torch.float8_e4m3fn], ids=["int8", "float8"])
 @pytest.mark.parametrize("shape", [(2, 8, 2, 1, 333, 128), (1, 16, 2, 1, 1000, 64), (1, 8, 2, 3, 200, 32)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_decode_over_quantized_cache(device, shape, dtype, code):
+def test_decode_over_quantized_cache(device, decode_kernel, shape, dtype, code):
     q, k, v = make_qkv(*shape, dtype, device)
     (k8, k_scale), (v8, v_scale) = (fusedllm.quantize_kv(t, dtype=code) for t in (k, v))
     with launches() as counts:
         out = fusedllm.attention(q, k8, v8, causal=True, k_scale=k_scale, v_scale=v_scale)
-    check_ran(counts, DECODE, absent=(GENERAL,))
+    check_ran(counts, decode_kernel, absent=(GENERAL, DECODE_MMA if decode_kernel == DECODE else DECODE))
     kd, vd = dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale)
     want, _ = ref_attention(q.double(), kd.double(), vd.double(), causal=True)
     assert_close(out, want, FORWARD_TOL[dtype], "out", upcast=True)
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-@pytest.mark.parametrize("code,kernel", [(None, "tensor_cores"), (None, "simt"), (torch.int8, "simt"),
-                                         (torch.float8_e4m3fn, "simt")], ids=["plain", "plain_simt", "int8", "float8"])
+@pytest.mark.parametrize("code", [None, torch.int8, torch.float8_e4m3fn], ids=["plain", "int8", "float8"])
 @pytest.mark.parametrize("q_len", [1, 3])
-def test_decode_over_pages(device, dtype, code, kernel, q_len):
+def test_decode_over_pages(device, decode_kernel, dtype, code, q_len):
     """Pages of 16 rows in shuffled order, two sequences sharing a first page,
     rows no sequence reads holding NaN; sequence b reads kv_lens[b] keys."""
     lens, page_size, hq, hkv, d = [37, 100, 16], 16, 8, 2, 64
@@ -128,9 +126,9 @@ def test_decode_over_pages(device, dtype, code, kernel, q_len):
     if code is not None:
         (k, kwargs["k_scale"]), (v, kwargs["v_scale"]) = (fusedllm.quantize_kv(t, dtype=code) for t in (k, v))
     q = torch.randn(len(lens), hq, q_len, d, device=device).to(dtype)
-    with kernel_choice(kernel) as plain_kernel, launches() as counts:
+    with launches() as counts:
         got = fusedllm.attention(q, k, v, causal=True, kv_lens=kv_lens, block_table=table, **kwargs)
-    check_ran(counts, plain_kernel if code is None else DECODE, absent=(GENERAL,))
+    check_ran(counts, decode_kernel, absent=(GENERAL,))
     for b, (kb, vb) in enumerate(rows):
         if code is not None:  # the rows as the codes hold them
             pages = table[b, : -(-lens[b] // page_size)].long()

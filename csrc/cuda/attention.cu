@@ -343,8 +343,8 @@ struct CudaAttention {
 std::vector<std::string> attention_kernels() {
   return {"attention_forward_kernel (SIMT)",
           "attention_decode_kernel (SIMT: bfloat16/float16 queries, up to 16 rows a kv head, head dims up to 128)",
-          "attention_decode_mma_kernel (tensor cores: a bfloat16/float16 cache, up to 16 rows a kv head, head dims "
-          "up to 128, sm_80+)",
+          "attention_decode_mma_kernel (tensor cores: a bfloat16/float16, int8 or float8 cache, up to 16 rows a kv "
+          "head, head dims up to 128, sm_80+)",
           "attention_delta_kernel (SIMT)", "attention_dq_kernel (SIMT)",
           "attention_dkdv_kernel (SIMT)",
           "attention_mma_forward_kernel (tensor cores: bfloat16/float16, sm_80+)",

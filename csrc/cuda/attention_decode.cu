@@ -381,7 +381,10 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
 // buffers, each key's row from its page where the cache is paged), and each
 // warp computes on 16 keys of every tile: S = Q K^T and O += P V on mma.sync
 // with its own online softmax on the accumulator fragments (as the forward
-// kernel's); at the end the warps' states merge in shared memory.
+// kernel's); at the end the warps' states merge in shared memory. int8 /
+// float8 codes land in byte tiles and each warp converts its 16 keys' rows to
+// 16 bits in shared memory before its products; their scales multiply the
+// scores (K) and the probabilities (V).
 constexpr int kDecodeMmaKeys = 64;                                // a block's tile
 constexpr int kDecodeMmaWarpKeys = kDecodeMmaKeys / tc::kWarps;  // a warp's: one A fragment of P
 constexpr int kDecodeMmaRows = 16;                               // one m-tile
@@ -390,14 +393,24 @@ constexpr int kDecodeMmaRows = 16;                               // one m-tile
 // slices as fill them once, whole slices a block (the last wave no fuller).
 constexpr int kDecodeMmaBlocksPerSm = 3;
 
-template <int kD>
+// Shared memory: the query rows [kDecodeMmaRows][kStride] of T, then a cache
+// of T's K and V tiles [2][kDecodeMmaKeys][kStride] each; or codes' K and V
+// rows as each warp converted them [kWarps][kDecodeMmaWarpKeys][kStride] each,
+// the K and V codes [2][kDecodeMmaKeys][kD] bytes each and their scales
+// [2][kDecodeMmaKeys] floats each. At the end the warps' accumulators and
+// (max, sum) pairs reuse it.
+template <Stored kS, int kD>
 constexpr size_t decode_mma_smem(size_t elem) {
-  const size_t loop = elem * tc::Tile<kD>::kStride * (kDecodeMmaRows + 4 * kDecodeMmaKeys);
+  constexpr size_t kStride = tc::Tile<kD>::kStride, kKeys = kDecodeMmaKeys;
+  const size_t tiles = kS == Stored::kPlain ? elem * kStride * 4 * kKeys
+                                            : elem * kStride * 2 * tc::kWarps * kDecodeMmaWarpKeys +
+                                                  2 * 2 * kKeys * kD + sizeof(float) * 2 * 2 * kKeys;
+  const size_t loop = elem * kStride * kDecodeMmaRows + tiles;
   const size_t merge = sizeof(float) * tc::kWarps * kDecodeMmaRows * (kD + 2);
   return loop > merge ? loop : merge;
 }
 
-template <typename T, int kD>
+template <typename T, Stored kS, int kD>
 __global__ void __launch_bounds__(tc::kThreads, 3)
 attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSource v, T* __restrict__ out,
                             float* __restrict__ lse, attn::QueryRows rows, attn::Seqs seqs, int d, float scale,
@@ -409,9 +422,16 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
   constexpr int kStride = tc::Tile<kD>::kStride, kN = tc::Tile<kD>::kNTiles;
   constexpr int kKeys = kDecodeMmaKeys, kWarpKeys = kDecodeMmaWarpKeys, kRows = kDecodeMmaRows;
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  T* q_s = dynamic_shared<T>();        // [kRows][kStride]
-  T* k_s = q_s + kRows * kStride;      // [2][kKeys][kStride]
-  T* v_s = k_s + 2 * kKeys * kStride;  // [2][kKeys][kStride]
+  constexpr bool kCodes = kS != Stored::kPlain;
+  using S = std::conditional_t<kCodes, uint8_t, T>;  // what the cache holds
+  constexpr int kTileRows = kCodes ? tc::kWarps * kWarpKeys : 2 * kKeys;
+  T* q_s = dynamic_shared<T>();                // [kRows][kStride]
+  T* k_s = q_s + kRows * kStride;              // [kTileRows][kStride]
+  T* v_s = k_s + kTileRows * kStride;          // [kTileRows][kStride]
+  uint8_t* kc_s = reinterpret_cast<uint8_t*>(v_s + kTileRows * kStride);  // codes: [2][kKeys][kD]
+  uint8_t* vc_s = kc_s + 2 * kKeys * kD;
+  float* ks_s = reinterpret_cast<float*>(vc_s + 2 * kKeys * kD);  // codes: [2][kKeys] scales
+  float* vs_s = ks_s + 2 * kKeys;
   __shared__ int64_t row_lo[kRows], row_hi[kRows];
   __shared__ int unreadable;  // a length or page that cannot be read: NaN rows (make_nan_if)
 
@@ -456,40 +476,115 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
   const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
   const int64_t k_start = seqs.k_start(b);
 
-  // Key `key`'s row of K or V (nullptr past the block's keys or off the operands' pages).
-  const auto key_row = [&](const KvSource& src, int64_t key) -> const T* {
-    if (key >= key_hi) return nullptr;
+  // Where key `key` lies in the cache (page -1 past the block's keys or off the operands' pages).
+  const auto place_of = [&](const KvSource& src, int64_t key) -> KeyPlace {
+    if (key >= key_hi) return {-1, 0};
     const KeyPlace place = key_place(src.pages, b, k_start, key);
     if (src.pages.paged() && (place.page < 0 || place.page >= src.pages.num_pages)) {
       unreadable = 1;
-      return nullptr;
+      return {-1, 0};
     }
-    return static_cast<const T*>(src.data) + place.page * src.st.b + g * src.st.h + place.row * src.st.s;
+    return place;
   };
+  // Key `key`'s row of K or V (nullptr where place_of gives no page).
+  const auto key_row = [&](const KvSource& src, int64_t key) -> const S* {
+    const KeyPlace place = place_of(src, key);
+    if (place.page < 0) return nullptr;
+    return static_cast<const S*>(src.data) + place.page * src.st.b + g * src.st.h + place.row * src.st.s;
+  };
+  float scale_next = 0;  // codes: this thread's scale of the tile being staged (K: threads < kKeys, else V)
   const auto stage_kv = [&](int64_t tile) {
     const int buffer = static_cast<int>(tile % 2);
     const int64_t j0 = key_lo + tile * kKeys;
-    T* k_to = k_s + buffer * kKeys * kStride;
-    T* v_to = v_s + buffer * kKeys * kStride;
-    if (k.pages.paged()) {
-      tc::stage_tile<T, kD, kKeys>(k_to, [&](int r) { return key_row(k, j0 + r); }, d, kv_chunks);
-      tc::stage_tile<T, kD, kKeys>(v_to, [&](int r) { return key_row(v, j0 + r); }, d, kv_chunks);
+    if constexpr (kCodes) {
+      // Whole 16-byte chunks (`wide` rows: launch_attention_decode).
+      constexpr int kChunks = kD / 16, kRowStep = tc::kThreads / kChunks;
+      const int row = threadIdx.x / kChunks, col = threadIdx.x % kChunks * 16;
+#pragma unroll 1
+      for (int i = 0; i < kKeys / kRowStep; ++i) {
+        const int r = row + i * kRowStep;
+        const uint8_t* kr = col < d ? key_row(k, j0 + r) : nullptr;
+        const uint8_t* vr = col < d ? key_row(v, j0 + r) : nullptr;
+        uint8_t* k_to = kc_s + (buffer * kKeys + r) * kD + col;
+        uint8_t* v_to = vc_s + (buffer * kKeys + r) * kD + col;
+        mma::cp_async_16_or_zero(k_to, kr != nullptr ? kr + col : k_to, kr != nullptr);
+        mma::cp_async_16_or_zero(v_to, vr != nullptr ? vr + col : v_to, vr != nullptr);
+      }
+      // The scales go through a register: stored once this iteration's products are done.
+      constexpr float kUnit = kS == Stored::kFloat8 ? kFloat8Unit : 1.f;
+      const KvSource& src = threadIdx.x < kKeys ? k : v;
+      const KeyPlace place = place_of(src, j0 + threadIdx.x % kKeys);
+      scale_next = place.page < 0 ? 0.f
+                                  : src.scale[place.page * src.scale_st.b + g * src.scale_st.h +
+                                              place.row * src.scale_st.s] * kUnit;
     } else {
-      const int n = static_cast<int>(std::min<int64_t>(kKeys, key_hi - j0));
-      tc::stage_strided_rows<T, kD, kKeys>(k_to, key_row(k, j0), k.st.s, n, d, kv_chunks);
-      tc::stage_strided_rows<T, kD, kKeys>(v_to, key_row(v, j0), v.st.s, n, d, kv_chunks);
+      T* k_to = k_s + buffer * kKeys * kStride;
+      T* v_to = v_s + buffer * kKeys * kStride;
+      if (k.pages.paged()) {
+        tc::stage_tile<T, kD, kKeys>(k_to, [&](int r) { return key_row(k, j0 + r); }, d, kv_chunks);
+        tc::stage_tile<T, kD, kKeys>(v_to, [&](int r) { return key_row(v, j0 + r); }, d, kv_chunks);
+      } else {
+        const int n = static_cast<int>(std::min<int64_t>(kKeys, key_hi - j0));
+        tc::stage_strided_rows<T, kD, kKeys>(k_to, key_row(k, j0), k.st.s, n, d, kv_chunks);
+        tc::stage_strided_rows<T, kD, kKeys>(v_to, key_row(v, j0), v.st.s, n, d, kv_chunks);
+      }
     }
   };
+  const auto store_scales = [&](int64_t tile) {  // codes: the staged tile's scales, for every warp
+    (threadIdx.x < kKeys ? ks_s : vs_s)[tile % 2 * kKeys + threadIdx.x % kKeys] = scale_next;
+  };
   tc::pipeline_start(n_tiles, stage_kv);
+  if constexpr (kCodes) {
+    if (n_tiles > 0) store_scales(0);
+  }
 
   mma::FragC o[kN];
   float m[2] = {-kInf, -kInf}, l[2] = {0.f, 0.f};  // this lane's rows: running max, its sum
   for (int64_t tile = 0; tile < n_tiles; ++tile) {
     tc::pipeline_next(tile, n_tiles, stage_kv);
-    const int64_t at = (tile % 2) * kKeys + warp * kWarpKeys;  // this warp's rows of the buffers
+    const int at = static_cast<int>(tile % 2) * kKeys + warp * kWarpKeys;  // this warp's keys in the tile buffers
     const int64_t j0 = key_lo + tile * kKeys + warp * kWarpKeys;
+    // This warp's 16 rows of K and V as T: in the tile buffers, or its codes converted.
+    const T* k_rows = k_s + (kCodes ? warp * kWarpKeys : at) * kStride;
+    const T* v_rows = v_s + (kCodes ? warp * kWarpKeys : at) * kStride;
+    float k_scale[kWarpKeys / 8][2], v_scale[kWarpKeys / 8][2];  // codes: of this lane's keys
+    if constexpr (kCodes) {
+      constexpr int kChunks = kD / 16;
+#pragma unroll
+      for (int u = lane; u < 2 * kWarpKeys * kChunks; u += kWarpSize) {
+        const bool is_v = u >= kWarpKeys * kChunks;
+        const int r = u % (kWarpKeys * kChunks) / kChunks, c = u % kChunks * 16;
+        const Pack<uint32_t, 4> w =
+            load_pack<uint32_t, 4>(reinterpret_cast<const uint32_t*>((is_v ? vc_s : kc_s) + (at + r) * kD + c));
+        Pack<uint32_t, 4> lo, hi;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          lo.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e)), T(stored_value<T, kS>(w.v, 2 * e + 1)));
+          hi.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e + 8)), T(stored_value<T, kS>(w.v, 2 * e + 9)));
+        }
+        T* to = (is_v ? v_s : k_s) + (warp * kWarpKeys + r) * kStride + c;
+        store_pack<uint32_t, 4>(reinterpret_cast<uint32_t*>(to), lo);
+        store_pack<uint32_t, 4>(reinterpret_cast<uint32_t*>(to + 8), hi);
+      }
+#pragma unroll
+      for (int n = 0; n < kWarpKeys / 8; ++n) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          k_scale[n][c] = ks_s[at + n * 8 + 2 * quad + c];
+          v_scale[n][c] = vs_s[at + n * 8 + 2 * quad + c];
+        }
+      }
+      __syncwarp();
+    }
     mma::FragC s[kWarpKeys / 8];
-    tc::mma_rows_rows<T, kD, kWarpKeys, kStride>(s, q_s, k_s + at * kStride);
+    tc::mma_rows_rows<T, kD, kWarpKeys, kStride>(s, q_s, k_rows);
+    if constexpr (kCodes) {
+#pragma unroll
+      for (int n = 0; n < kWarpKeys / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n].r[e] *= k_scale[n][e % 2];
+      }
+    }
 
     // Scores, -inf where a key is not visible; element e of an n-tile belongs to row r = e / 2.
     float tile_max[2] = {-kInf, -kInf};
@@ -538,13 +633,16 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
         for (int e = 2 * r; e < 2 * r + 2; ++e) {
           const float p = tc::exp_of_difference(s[n].r[e], shift);
           l[r] += p;
-          s[n].r[e] = p;
+          s[n].r[e] = kCodes ? p * v_scale[n][e % 2] : p;
         }
       }
     }
     mma::FragA pa[kWarpKeys / 16];
     tc::to_a_frags<T, kWarpKeys>(pa, s);
-    tc::mma_frags_rows<T, kWarpKeys, kD, kStride>(o, pa, v_s + at * kStride);
+    tc::mma_frags_rows<T, kWarpKeys, kD, kStride>(o, pa, v_rows);
+    if constexpr (kCodes) {
+      if (tile + 1 < n_tiles) store_scales(tile + 1);  // its buffer was last read in the previous iteration
+    }
     __syncthreads();  // every warp is done with this buffer before it is staged again
   }
 
@@ -604,18 +702,15 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
 #endif
 }
 
-// Whether a call launch_attention_decode serves runs on the tensor cores: a
-// cache of the query's dtype on sm_80+ (the emulated device is one), unless
-// FUSEDLLM_CUDA_ATTENTION=simt.
-bool decode_on_tensor_cores(const AttentionForwardPlan& p) {
-  return !p.k_scale.defined() && !simt_attention_requested() && device_properties().major >= 8;
-}
+// Whether a call launch_attention_decode serves runs on the tensor cores: on
+// sm_80+ (the emulated device is one), unless FUSEDLLM_CUDA_ATTENTION=simt.
+bool decode_on_tensor_cores() { return !simt_attention_requested() && device_properties().major >= 8; }
 
-template <typename T, int kD>
+template <typename T, Stored kS, int kD>
 void launch_decode_mma(const AttentionForwardPlan& p, const KvSource& k, const KvSource& v, Stream stream) {
   const AttentionShape& s = p.shape;
-  auto kernel = attention_decode_mma_kernel<T, kD>;
-  const size_t smem = decode_mma_smem<kD>(sizeof(T));
+  auto kernel = attention_decode_mma_kernel<T, kS, kD>;
+  const size_t smem = decode_mma_smem<kS, kD>(sizeof(T));
   allow_shared_memory(kernel, smem);
   at::Tensor part_out, part_lse;
   const KeySlices<float> slices =
@@ -656,16 +751,15 @@ bool launch_attention_decode(const AttentionForwardPlan& p, Stream stream) {
       constexpr Stored kS = decltype(stored)::value;
       const KvSource k = kv_source<scalar_t>(p.k, p.k_scale, p), v = kv_source<scalar_t>(p.v, p.v_scale, p);
       if (!k.wide || !v.wide) return;  // rows not in 16-byte pieces: the general kernel
-      if constexpr (kS == Stored::kPlain) {
-        if (decode_on_tensor_cores(p)) {
-          if (s.head_dim <= 64) {
-            launch_decode_mma<scalar_t, 64>(p, k, v, stream);
-          } else {
-            launch_decode_mma<scalar_t, 128>(p, k, v, stream);
-          }
-          served = true;
-          return;
+      // `wide` rows of codes are whole 16-byte chunks, as the tensor-core kernel stages them.
+      if (decode_on_tensor_cores()) {
+        if (s.head_dim <= 64) {
+          launch_decode_mma<scalar_t, kS, 64>(p, k, v, stream);
+        } else {
+          launch_decode_mma<scalar_t, kS, 128>(p, k, v, stream);
         }
+        served = true;
+        return;
       }
       const auto run = [&](auto D, auto R) {
         constexpr int kD = decltype(D)::value, kRows = decltype(R)::value;

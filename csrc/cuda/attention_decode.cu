@@ -18,12 +18,12 @@
 // into the probability. Only the query rows are staged in shared memory; the
 // cache is read once, straight into registers.
 //
-// On sm_80+ a cache of the query's dtype takes attention_decode_mma_kernel
-// instead (below): the scores and P·V on the tensor cores, the query rows
-// padded to one 16-row m-tile. The kernel above spends about 50 instructions
-// a key and lane on them (a 16-byte K load feeds 32 multiply-adds, each q
-// value a shared-memory read), so on an H200 it read the cache at a third of
-// the copy rate, bound by issue, not by memory; codes keep it.
+// On sm_80+ the calls it serves take attention_decode_mma_kernel instead
+// (below): the scores and P·V on the tensor cores, the query rows padded to
+// one 16-row m-tile. The kernel above spends about 50 instructions a key and
+// lane on them (a 16-byte K load feeds 32 multiply-adds, each q value a
+// shared-memory read), so on an H200 it read the cache at a third of the copy
+// rate, not bound by memory; it serves sm_75 and FUSEDLLM_CUDA_ATTENTION=simt.
 #include "attention_mma.cuh"
 
 namespace fusedllm::cuda {
@@ -81,7 +81,7 @@ __device__ __forceinline__ float stored_value(const uint32_t* words, int e) {
     const uint8_t code = static_cast<uint8_t>(words[e / 4] >> (8 * (e % 4)));
     if constexpr (kS == Stored::kInt8) {
       // 2^23 + code + 128 as a float's bits, less 2^23 + 128: exact, and cheaper
-      // than an integer conversion (a quarter-rate instruction).
+      // than an integer conversion (on sm_90 an eighth of a float addition's rate).
       return kvq::float_of_bits(0x4B000000u | (code ^ 0x80u)) - 8388736.f;
     } else {
       const uint16_t bits = static_cast<uint16_t>((code & 0x7Fu) << 7 | (code & 0x80u) << 8);
@@ -399,8 +399,7 @@ constexpr int kDecodeMmaBlocksPerSm = 3;
 // of T's K and V tiles [2][kDecodeMmaKeys][kStride] each; or codes' K and V
 // rows as each warp converted them [kWarps][kDecodeMmaWarpKeys][kStride] each,
 // the K and V codes [2][kDecodeMmaKeys][kD] bytes each and their scales
-// [2][kDecodeMmaKeys] floats each. At the end the warps' accumulators and
-// (max, sum) pairs reuse it.
+// [2][kDecodeMmaKeys] floats each. At the end the warps' accumulators reuse it.
 template <Stored kS, int kD>
 constexpr size_t decode_mma_smem(size_t elem) {
   constexpr size_t kStride = tc::Tile<kD>::kStride, kKeys = kDecodeMmaKeys;
@@ -408,7 +407,7 @@ constexpr size_t decode_mma_smem(size_t elem) {
                                             : elem * kStride * 2 * tc::kWarps * kDecodeMmaWarpKeys +
                                                   2 * 2 * kKeys * kD + sizeof(float) * 2 * 2 * kKeys;
   const size_t loop = elem * kStride * kDecodeMmaRows + tiles;
-  const size_t merge = sizeof(float) * tc::kWarps * kDecodeMmaRows * (kD + 2);
+  const size_t merge = sizeof(float) * tc::kWarps * kDecodeMmaRows * kD;
   return loop > merge ? loop : merge;
 }
 
@@ -494,7 +493,18 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
     if (place.page < 0) return nullptr;
     return static_cast<const S*>(src.data) + place.page * src.st.b + g * src.st.h + place.row * src.st.s;
   };
-  float scale_next = 0;  // codes: this thread's scale of the tile being staged (K: threads < kKeys, else V)
+  // Codes: this thread's scale of a tile's keys (K: threads < kKeys, else V),
+  // loaded as the tile is staged and stored once this iteration's products are done.
+  const auto scale_of = [&](int64_t tile) -> float {
+    constexpr float kUnit = kS == Stored::kFloat8 ? kFloat8Unit : 1.f;
+    // (Fields chosen one by one: a reference to k or v would copy both to local memory.)
+    const bool is_v = threadIdx.x >= kKeys;
+    const int64_t key = key_lo + tile * kKeys + threadIdx.x % kKeys;
+    const KeyPlace place = is_v ? place_of(v, key) : place_of(k, key);
+    const float* scales = is_v ? v.scale : k.scale;
+    const Strides st = is_v ? v.scale_st : k.scale_st;
+    return place.page < 0 ? 0.f : scales[place.page * st.b + g * st.h + place.row * st.s] * kUnit;
+  };
   const auto stage_kv = [&](int64_t tile) {
     const int buffer = static_cast<int>(tile % 2);
     const int64_t j0 = key_lo + tile * kKeys;
@@ -512,15 +522,6 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
         mma::cp_async_16_or_zero(k_to, kr != nullptr ? kr + col : k_to, kr != nullptr);
         mma::cp_async_16_or_zero(v_to, vr != nullptr ? vr + col : v_to, vr != nullptr);
       }
-      // The scales go through a register: stored once this iteration's products are done.
-      constexpr float kUnit = kS == Stored::kFloat8 ? kFloat8Unit : 1.f;
-      // (Fields chosen one by one: a reference to k or v would copy both to local memory.)
-      const bool is_v = threadIdx.x >= kKeys;
-      const int64_t key = j0 + threadIdx.x % kKeys;
-      const KeyPlace place = is_v ? place_of(v, key) : place_of(k, key);
-      const float* scales = is_v ? v.scale : k.scale;
-      const Strides st = is_v ? v.scale_st : k.scale_st;
-      scale_next = place.page < 0 ? 0.f : scales[place.page * st.b + g * st.h + place.row * st.s] * kUnit;
     } else {
       T* k_to = k_s + buffer * kKeys * kStride;
       T* v_to = v_s + buffer * kKeys * kStride;
@@ -534,17 +535,16 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
       }
     }
   };
-  const auto store_scales = [&](int64_t tile) {  // codes: the staged tile's scales, for every warp
-    (threadIdx.x < kKeys ? ks_s : vs_s)[tile % 2 * kKeys + threadIdx.x % kKeys] = scale_next;
-  };
+  float* my_scales = (threadIdx.x < kKeys ? ks_s : vs_s) + threadIdx.x % kKeys;  // codes: buffer 0's entry
   tc::pipeline_start(n_tiles, stage_kv);
   if constexpr (kCodes) {
-    if (n_tiles > 0) store_scales(0);
+    if (n_tiles > 0) *my_scales = scale_of(0);
   }
 
   mma::FragC o[kN];
   float m[2] = {-kInf, -kInf}, l[2] = {0.f, 0.f};  // this lane's rows: running max, its sum
   for (int64_t tile = 0; tile < n_tiles; ++tile) {
+    const float scale_next = kCodes && tile + 1 < n_tiles ? scale_of(tile + 1) : 0.f;
     tc::pipeline_next(tile, n_tiles, stage_kv);
     const int at = static_cast<int>(tile % 2) * kKeys + warp * kWarpKeys;  // this warp's keys in the tile buffers
     const int64_t j0 = key_lo + tile * kKeys + warp * kWarpKeys;
@@ -644,19 +644,25 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
     mma::FragA pa[kWarpKeys / 16];
     tc::to_a_frags<T, kWarpKeys>(pa, s);
     tc::mma_frags_rows<T, kWarpKeys, kD, kStride>(o, pa, v_rows);
-    if constexpr (kCodes) {
-      if (tile + 1 < n_tiles) store_scales(tile + 1);  // its buffer was last read in the previous iteration
+    if constexpr (kCodes) {  // the next tile's buffer was last read in the previous iteration
+      if (tile + 1 < n_tiles) my_scales[(tile + 1) % 2 * kKeys] = scale_next;
     }
     __syncthreads();  // every warp is done with this buffer before it is staged again
   }
 
   // The warps' states into one per row: weights exp(max_w - max), sums and
   // outputs added in warp order.
+  __shared__ float ml_s[tc::kWarps * kRows * 2];  // [warps][kRows] (max, sum)
 #pragma unroll
-  for (int r = 0; r < 2; ++r) l[r] = quad_reduce_sum(l[r]);
+  for (int r = 0; r < 2; ++r) {
+    const float sum = quad_reduce_sum(l[r]);
+    if (quad == 0) {
+      ml_s[(warp * kRows + group + 8 * r) * 2] = m[r];
+      ml_s[(warp * kRows + group + 8 * r) * 2 + 1] = sum;
+    }
+  }
   __syncthreads();  // the tiles' buffers are free (every copy has landed): reused
-  float* o_s = reinterpret_cast<float*>(q_s);         // [warps][kRows][kD]
-  float* ml_s = o_s + tc::kWarps * kRows * kD;        // [warps][kRows][2]
+  float* o_s = reinterpret_cast<float*>(q_s);  // [warps][kRows][kD]
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = group + 8 * r;
@@ -664,10 +670,6 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
     for (int n = 0; n < kN; ++n) {
       o_s[(warp * kRows + row) * kD + n * 8 + 2 * quad] = o[n].r[2 * r];
       o_s[(warp * kRows + row) * kD + n * 8 + 2 * quad + 1] = o[n].r[2 * r + 1];
-    }
-    if (quad == 0) {
-      ml_s[(warp * kRows + row) * 2] = m[r];
-      ml_s[(warp * kRows + row) * 2 + 1] = l[r];
     }
   }
   __syncthreads();

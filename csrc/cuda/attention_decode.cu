@@ -394,6 +394,14 @@ constexpr int kDecodeMmaRows = 16;                               // one m-tile
 // sm_90): a call whose blocks fall short of one for each takes as many key
 // slices as fill them once, whole slices a block (the last wave no fuller).
 constexpr int kDecodeMmaBlocksPerSm = 3;
+// The blocks its registers are held to: that many on sm_90; 2 below, where an
+// A100's 164 KB of shared memory holds no more at head dim 128 (with 3, sm_80
+// spilled).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr int kDecodeMmaMinBlocks = 2;
+#else
+constexpr int kDecodeMmaMinBlocks = kDecodeMmaBlocksPerSm;
+#endif
 
 // Shared memory: the query rows [kDecodeMmaRows][kStride] of T, then a cache
 // of T's K and V tiles [2][kDecodeMmaKeys][kStride] each; or codes' K and V
@@ -412,7 +420,7 @@ constexpr size_t decode_mma_smem(size_t elem) {
 }
 
 template <typename T, Stored kS, int kD>
-__global__ void __launch_bounds__(tc::kThreads, 3)
+__global__ void __launch_bounds__(tc::kThreads, kDecodeMmaMinBlocks)
 attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSource v, T* __restrict__ out,
                             float* __restrict__ lse, attn::QueryRows rows, attn::Seqs seqs, int d, float scale,
                             Mask mask_all, ScoreExtras extras, KeySlices<float> slices, bool q_chunks,

@@ -1,6 +1,6 @@
 """The bfloat16 tile products of the CPU attention kernel, on the kernel's own
 tile shapes, one thread: fusedllm's vdpbf16ps micro-kernel (`gemm_pairs` in
-csrc/cpu/attention_gemm.h) against torch's `at::native::cpublas::brgemm`
+csrc/cpu/attention_pairs.h) against torch's `at::native::cpublas::brgemm`
 (oneDNN's micro-kernels, which PyTorch's CPU flash attention calls where it
 packs its operands) and against `at::mm_out` on the same tiles.
 
@@ -34,7 +34,7 @@ SOURCE = r"""
 #include <string>
 #include <vector>
 
-#include "attention_gemm.h"
+#include "attention_pairs.h"
 
 namespace flash = fusedllm::cpu::AVX512_BF16::flash;
 

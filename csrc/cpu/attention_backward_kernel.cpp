@@ -9,6 +9,9 @@
 #include <vector>
 
 #include "attention_gemm.h"
+#include "attention_lanes.h"
+#include "attention_pair_words.h"
+#include "attention_pairs.h"
 #include "attention_kernel.h"
 #include "attention_tile.h"
 
@@ -151,7 +154,7 @@ struct BackwardKernel {
     const int64_t group = t.group;
     const bool capped = a.mods.softcap > 0;
     // bfloat16 on vdpbf16ps where the variant has it: every product's
-    // operands as pair words (attention_gemm.h), in the other path's buffers.
+    // operands as pair words (attention_pair_words.h), in the other path's buffers.
     constexpr bool kPairs = kPairProducts<T>;
 #if defined(__AVX512BF16__)
     const int64_t dp = (d + 1) / 2;

@@ -10,6 +10,9 @@
 #include <vector>
 
 #include "attention_gemm.h"
+#include "attention_lanes.h"
+#include "attention_pair_words.h"
+#include "attention_pairs.h"
 #include "attention_kernel.h"
 #include "attention_tile.h"
 
@@ -150,21 +153,6 @@ void softmax_tile(acc_t* s, int64_t ld, int64_t nk, acc_t* row_max, acc_t* row_s
 }
 
 #if defined(__AVX512BF16__)
-// exp on 8 lanes: 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by
-// its Taylor polynomial of degree 6 (relative error below 1e-7); 0 below
-// -87.3 (where float32 would go subnormal), NaN for NaN. x <= 88.
-inline __m256 exp_8(__m256 x) {
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-  return _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ));
-}
-
 // softmax_tile for the first 8 columns only (a decoding tile's rows): 256-bit
 // vectors, twice the throughput of 512-bit ones on CPUs that split the latter.
 inline void softmax_tile_8(float* s, int64_t ld, int64_t nk, float* row_max, float* row_sum, float* alpha) {
@@ -175,19 +163,19 @@ inline void softmax_tile_8(float* s, int64_t ld, int64_t nk, float* row_max, flo
   const __m256 new_max = _mm256_max_ps(running, tile_max);
   // a row with no visible key so far keeps shift 0, so exp(-inf - shift) = 0
   const __m256 shift = _mm256_blendv_ps(new_max, _mm256_setzero_ps(), _mm256_cmp_ps(new_max, neg_inf, _CMP_EQ_OQ));
-  const __m256 a = exp_8(_mm256_sub_ps(running, shift));
+  const __m256 a = exp_fast(_mm256_sub_ps(running, shift));
   __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 2 <= nk; j += 2) {
-    const __m256 p0 = exp_8(_mm256_sub_ps(_mm256_loadu_ps(s + j * ld), shift));
-    const __m256 p1 = exp_8(_mm256_sub_ps(_mm256_loadu_ps(s + (j + 1) * ld), shift));
+    const __m256 p0 = exp_fast(_mm256_sub_ps(_mm256_loadu_ps(s + j * ld), shift));
+    const __m256 p1 = exp_fast(_mm256_sub_ps(_mm256_loadu_ps(s + (j + 1) * ld), shift));
     _mm256_storeu_ps(s + j * ld, p0);
     _mm256_storeu_ps(s + (j + 1) * ld, p1);
     sum0 = _mm256_add_ps(sum0, p0);
     sum1 = _mm256_add_ps(sum1, p1);
   }
   if (j < nk) {
-    const __m256 p0 = exp_8(_mm256_sub_ps(_mm256_loadu_ps(s + j * ld), shift));
+    const __m256 p0 = exp_fast(_mm256_sub_ps(_mm256_loadu_ps(s + j * ld), shift));
     _mm256_storeu_ps(s + j * ld, p0);
     sum0 = _mm256_add_ps(sum0, p0);
   }
@@ -224,12 +212,12 @@ inline void softmax_rows(float* s, int64_t ld, int64_t rows, int64_t nk, const f
     const float new_max = std::max(row_max[i], _mm512_reduce_max_ps(m));
     // a row with no visible key so far keeps shift 0, so exp(-inf - shift) = 0
     const float shift = new_max == -INFINITY ? 0.0f : new_max;
-    const float a = _mm256_cvtss_f32(exp_8(_mm256_set1_ps(row_max[i] - shift)));
+    const float a = _mm256_cvtss_f32(exp_fast(_mm256_set1_ps(row_max[i] - shift)));
     const __m256 sh = _mm256_set1_ps(shift);
     __m256 sum = _mm256_setzero_ps(), top = _mm256_setzero_ps();  // P diag(vs) >= 0: its max from 0
     __mmask8 nan = 0;
     for (int64_t j = 0; j < n16; j += 8) {
-      const __m256 p = exp_8(_mm256_sub_ps(_mm256_loadu_ps(r + j), sh));
+      const __m256 p = exp_fast(_mm256_sub_ps(_mm256_loadu_ps(r + j), sh));
       sum = _mm256_add_ps(sum, p);
       const __m256 y = vs != nullptr ? _mm256_mul_ps(p, _mm256_loadu_ps(vs + j)) : p;
       if constexpr (kP == Pairs::kInt16) {
@@ -281,7 +269,7 @@ struct ForwardKernel {
     const acc_t scale = static_cast<acc_t>(a.scale);
     // bfloat16 on vdpbf16ps where the variant has it: Q^T as pair words (the
     // scale applied to the products), K as pair words along its rows, P and V
-    // packed per tile (attention_gemm.h). int8 / float8 K/V: their codes as
+    // packed per tile (attention_pair_words.h). int8 / float8 K/V: their codes as
     // bfloat16 (exact), the key scales applied to the scores and the value
     // scales to the probabilities; float32 tiles dequantize as they load.
     // Decoding over int8 K (V): the codes as int16 on vpdpwssd instead, against

@@ -2,7 +2,8 @@
 // kernels. Plain pointers and strides, no tensors.
 //
 // The kernels: attention_forward_kernel.cpp and attention_backward_kernel.cpp
-// on the micro-GEMM of attention_gemm.h and the tile helpers of
+// on the micro-GEMMs of attention_gemm.h (float) and attention_pairs.h, the
+// decoding scores of attention_lanes.h and the tile helpers of
 // attention_tile.h (masks and the transpose in attention_tile_kernel.cpp).
 //
 // Layout of the work. A task owns one (batch, kv head) pair and a tile of
@@ -14,7 +15,7 @@
 // register-blocked micro-kernel over float32 (float64) tiles; bfloat16 and
 // float16 operands are converted to float32 tiles once per tile, except
 // bfloat16 in the AVX512_BF16 variant, whose products run on vdpbf16ps over
-// operands packed as bfloat16 pairs (attention_gemm.h).
+// operands packed as bfloat16 pairs (attention_pairs.h, attention_pair_words.h).
 //
 // Backward: a task owns the dK/dV rows of one (batch, kv head) pair (or of a
 // strided subset of its key tiles when there are few pairs) and walks every

@@ -11,7 +11,7 @@
 #include <algorithm>
 #include <type_traits>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -20,19 +20,66 @@ inline namespace CPU_CAPABILITY {
 
 using at::vec::Vectorized;
 
+// exp of float vectors as 2^t, t = x log2(e) = n + f (n = round(t), |f| <=
+// 1/2), 2^f by its Taylor polynomial of degree 6 (relative error 1.2e-7) and
+// 2^n applied to its exponent: relative error about 1.2e-7 + |x| 9e-8 from t's
+// rounding (below 1e-6 for x > -9, where the probabilities of a softmax that
+// matter lie), exp(0) = 1 exactly, inf above 88.72, NaN for NaN, 0 below -87
+// (AVX2) or a subnormal down to -103 (AVX-512, where vscalefps applies 2^n).
+// ATen's exp_u20 (about 1e-6 everywhere) takes 19 instructions with three
+// conversions where this takes 12: a 96 x 96 tile's softmax ran 1.13x (AVX-512)
+// and 1.7x (AVX2) as fast on a Zen 4. The DEFAULT variant keeps exp_u20.
+#if defined(CPU_CAPABILITY_AVX512)
+inline __m512 exp_fast(__m512 x) {
+  // min / max return their second operand when either is NaN: NaN passes
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  t = _mm512_min_ps(_mm512_set1_ps(129.0f), _mm512_max_ps(_mm512_set1_ps(-151.0f), t));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  for (const float c : {1.3333558146428443e-3f, 9.6181291076284772e-3f, 5.5504108664821580e-2f,
+                        0.24022650695910071f, 0.69314718055994531f, 1.0f}) {
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  }
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+inline __m256 exp_fast(__m256 x) {
+  __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  t = _mm256_min_ps(_mm256_set1_ps(128.0f), _mm256_max_ps(_mm256_set1_ps(-126.0f), t));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+  for (const float c : {1.3333558146428443e-3f, 9.6181291076284772e-3f, 5.5504108664821580e-2f,
+                        0.24022650695910071f, 0.69314718055994531f, 1.0f}) {
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  }
+  // 2 p 2^(n - 1), 2^(n - 1) from its exponent bits: finite up to exp(88.72)
+  // (n = 128), 0 for n = -126
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
+  return _mm256_mul_ps(_mm256_add_ps(p, p), _mm256_castsi256_ps(bits));
+}
+#endif
+
+template <typename AV>
+inline AV vec_exp(const AV& x) {
+  if constexpr (std::is_same_v<typename AV::value_type, float>) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    return AV(exp_fast(x));
+#else
+    return x.exp_u20();
+#endif
+  } else {
+    return x.exp();
+  }
+}
+
 // exp and tanh on vectors: the `Math` of fusedllm/activations.h for the
-// activations and the soft-capped logits. For float, exp_u20 (about 1e-6
-// relative error, well inside float32 tolerance) avoids a call per vector;
-// double keeps the 1-ulp exp.
+// activations and the soft-capped logits.
 template <typename AV>
 struct VecMath {
-  static AV exp(const AV& x) {
-    if constexpr (std::is_same_v<typename AV::value_type, float>) {
-      return x.exp_u20();
-    } else {
-      return x.exp();
-    }
-  }
+  static AV exp(const AV& x) { return vec_exp(x); }
   static AV tanh(const AV& x) { return x.tanh(); }
 };
 

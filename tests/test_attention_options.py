@@ -4,6 +4,7 @@ equivalence of packed calls, the operator contract (opcheck, gradcheck,
 torch.compile), determinism and errors."""
 
 import functools
+import re
 
 import pytest
 import torch
@@ -1068,67 +1069,117 @@ def _varlen(q=None, k=None, cu_q=None, cu_k=None, **options):
     return lambda: fusedllm.attention_varlen(q, k, k.clone(), cu_q, cu_k, **options)
 
 
-# (argument the message names, call)
+# (argument the message names, call, the message after the op's name)
 BAD_CALLS = [
-    ("softcap", _dense(softcap=0.0)),
-    ("softcap", _dense(softcap=-1.0)),
-    ("softcap", _dense(softcap=float("nan"))),
-    ("softcap", _dense(softcap="2")),
-    ("sinks", _dense(sinks=_t(5))),
-    ("sinks", _dense(sinks=_t(1, 4))),
-    ("sinks", _dense(sinks=_t(4, device="meta"))),
-    ("sinks", _dense(sinks=torch.ones(4, dtype=torch.int64))),
-    ("alibi_slopes", _dense(alibi_slopes=_t(3))),
-    ("alibi_slopes", _dense(alibi_slopes=_t(3, 4))),
-    ("alibi_slopes", _dense(alibi_slopes=_t(2, 4, 1))),
-    ("alibi_slopes", _dense(alibi_slopes=_t(4, dtype=torch.bfloat16))),
-    ("alibi_slopes", _dense(alibi_slopes=_t(4, dtype=torch.float16))),
-    ("alibi_slopes", _dense(alibi_slopes=torch.ones(4, dtype=torch.int32))),
-    ("alibi_slopes", _dense(alibi_slopes=_t(4, device="meta"))),
-    ("window", _dense(window=(3,))),
-    ("window", _dense(window=(1, 2, 3))),
-    ("window", _dense(window=(-2, 0))),
-    ("window", _dense(window=(0, -5))),
-    ("window", _dense(window=(1.5, 2))),
-    ("window", _dense(window=(True, 2))),
-    ("window", _dense(window=-1)),
-    ("window", _dense(window="3")),
-    ("cu_seqlens_q", _varlen(cu_q=_cu(0, 2, 5, 9, dtype=torch.int64))),
-    ("cu_seqlens_k", _varlen(cu_k=_cu(0, 4, 7, 9, dtype=torch.int64))),
-    ("cu_seqlens_q", _varlen(cu_q=_cu(1, 2, 5, 9))),
-    ("cu_seqlens_k", _varlen(cu_k=_cu(2, 4, 7, 9))),
-    ("cu_seqlens_q", _varlen(cu_q=_cu(0, 5, 2, 9))),
-    ("cu_seqlens_k", _varlen(cu_k=_cu(0, 4, 3, 9))),
-    ("cu_seqlens_q", _varlen(cu_q=_cu(0, 2, 5, 8))),
-    ("cu_seqlens_k", _varlen(cu_k=_cu(0, 4, 7, 10))),
-    ("cu_seqlens_q", _varlen(cu_q=_cu(0, 2, 5, 9, device="meta"))),
-    ("cu_seqlens_k", _varlen(cu_k=_cu(0, 4, 7, 9, device="meta"))),
-    ("cu_seqlens_q", _varlen(cu_q=_cu(0, 2, 5, 9).view(1, 4))),
-    ("cu_seqlens", _varlen(cu_q=_cu(0, 5, 9))),  # two sequences of queries, three of keys
-    ("max_seqlen_q", _varlen(max_seqlen_q=3)),
-    ("max_seqlen_k", _varlen(max_seqlen_k=3)),
-    ("max_seqlen_q", _varlen(max_seqlen_q=-1)),
-    (r"\bq\b", _varlen(q=_t(1, 9, 4, 8))),
-    (r"\bk\b", _varlen(k=_t(1, 9, 2, 8))),
-    ("alibi_slopes", _varlen(alibi_slopes=_t(2, 4))),  # [num_seqs, Hq] with two rows for three sequences
-    ("sinks", _varlen(sinks=_t(2))),
-    ("softcap", _varlen(softcap=0.0)),
-    ("window", _varlen(window=(1, -3))),
-    ("dropout_p", _varlen(dropout_p=1.0)),
+    ("softcap", _dense(softcap=0.0),
+     "softcap must be None or a positive number, got 0.0"),
+    ("softcap", _dense(softcap=-1.0),
+     "softcap must be None or a positive number, got -1.0"),
+    ("softcap", _dense(softcap=float("nan")),
+     "softcap must be None or a positive number, got nan"),
+    ("softcap", _dense(softcap="2"),
+     "softcap must be None or a positive number, got '2'"),
+    ("sinks", _dense(sinks=_t(5)),
+     "sinks must be 1-D [q_heads] = [4], got shape [5]"),
+    ("sinks", _dense(sinks=_t(1, 4)),
+     "sinks must be 1-D [q_heads] = [4], got shape [1, 4]"),
+    ("sinks", _dense(sinks=_t(4, device="meta")),
+     "sinks is on meta but q is on cpu"),
+    ("sinks", _dense(sinks=torch.ones(4, dtype=torch.int64)),
+     "sinks must be float32, float64, bfloat16 or float16, got torch.int64"),
+    ("alibi_slopes", _dense(alibi_slopes=_t(3)),
+     "alibi_slopes must be [q_heads] = [4] or [batch, q_heads] = [2, 4], got shape [3]"),
+    ("alibi_slopes", _dense(alibi_slopes=_t(3, 4)),
+     "alibi_slopes must be [q_heads] = [4] or [batch, q_heads] = [2, 4], got shape [3, 4]"),
+    ("alibi_slopes", _dense(alibi_slopes=_t(2, 4, 1)),
+     "alibi_slopes must be [q_heads] = [4] or [batch, q_heads] = [2, 4], got shape [2, 4, 1]"),
+    ("alibi_slopes", _dense(alibi_slopes=_t(4, dtype=torch.bfloat16)),
+     "alibi_slopes must be float32 or float64, got torch.bfloat16"),
+    ("alibi_slopes", _dense(alibi_slopes=_t(4, dtype=torch.float16)),
+     "alibi_slopes must be float32 or float64, got torch.float16"),
+    ("alibi_slopes", _dense(alibi_slopes=torch.ones(4, dtype=torch.int32)),
+     "alibi_slopes must be float32 or float64, got torch.int32"),
+    ("alibi_slopes", _dense(alibi_slopes=_t(4, device="meta")),
+     "alibi_slopes is on meta but q is on cpu"),
+    ("window", _dense(window=(3,)),
+     "window as a tuple must be (left, right), each -1 (unbounded) or an int >= 0, got (3,)"),
+    ("window", _dense(window=(1, 2, 3)),
+     "window as a tuple must be (left, right), each -1 (unbounded) or an int >= 0, got (1, 2, 3)"),
+    ("window", _dense(window=(-2, 0)),
+     "window as a tuple must be (left, right), each -1 (unbounded) or an int >= 0, got (-2, 0)"),
+    ("window", _dense(window=(0, -5)),
+     "window as a tuple must be (left, right), each -1 (unbounded) or an int >= 0, got (0, -5)"),
+    ("window", _dense(window=(1.5, 2)),
+     "window as a tuple must be (left, right), each -1 (unbounded) or an int >= 0, got (1.5, 2)"),
+    ("window", _dense(window=(True, 2)),
+     "window as a tuple must be (left, right), each -1 (unbounded) or an int >= 0, got (True, 2)"),
+    ("window", _dense(window=-1),
+     "window must be None, an int >= 1 (the number of keys a query sees, itself included) or a (left, right) "
+     "tuple, got -1"),
+    ("window", _dense(window="3"),
+     "window must be None, an int >= 1 (the number of keys a query sees, itself included) or a (left, right) "
+     "tuple, got '3'"),
+    ("cu_seqlens_q", _varlen(cu_q=_cu(0, 2, 5, 9, dtype=torch.int64)),
+     "cu_seqlens_q must be int32, got torch.int64"),
+    ("cu_seqlens_k", _varlen(cu_k=_cu(0, 4, 7, 9, dtype=torch.int64)),
+     "cu_seqlens_k must be int32, got torch.int64"),
+    ("cu_seqlens_q", _varlen(cu_q=_cu(1, 2, 5, 9)),
+     "cu_seqlens_q must start at 0, got 1"),
+    ("cu_seqlens_k", _varlen(cu_k=_cu(2, 4, 7, 9)),
+     "cu_seqlens_k must start at 0, got 2"),
+    ("cu_seqlens_q", _varlen(cu_q=_cu(0, 5, 2, 9)),
+     "cu_seqlens_q must be non-decreasing, got 5 then 2 at index 2"),
+    ("cu_seqlens_k", _varlen(cu_k=_cu(0, 4, 3, 9)),
+     "cu_seqlens_k must be non-decreasing, got 4 then 3 at index 2"),
+    ("cu_seqlens_q", _varlen(cu_q=_cu(0, 2, 5, 8)),
+     "cu_seqlens_q must end at total_q = 9, got 8"),
+    ("cu_seqlens_k", _varlen(cu_k=_cu(0, 4, 7, 10)),
+     "cu_seqlens_k must end at total_k = 9, got 10"),
+    ("cu_seqlens_q", _varlen(cu_q=_cu(0, 2, 5, 9, device="meta")),
+     "cu_seqlens_q is on meta but q is on cpu"),
+    ("cu_seqlens_k", _varlen(cu_k=_cu(0, 4, 7, 9, device="meta")),
+     "cu_seqlens_k is on meta but q is on cpu"),
+    ("cu_seqlens_q", _varlen(cu_q=_cu(0, 2, 5, 9).view(1, 4)),
+     "cu_seqlens_q must be 1-D [num_seqs + 1], got shape [1, 4]"),
+    ("cu_seqlens", _varlen(cu_q=_cu(0, 5, 9)),  # two sequences of queries, three of keys
+     "cu_seqlens_q and cu_seqlens_k must have the same length (num_seqs + 1), got 3 and 4"),
+    ("max_seqlen_q", _varlen(max_seqlen_q=3),
+     "max_seqlen_q is 3 but cu_seqlens_q has a sequence of length 4"),
+    ("max_seqlen_k", _varlen(max_seqlen_k=3),
+     "max_seqlen_k is 3 but cu_seqlens_k has a sequence of length 4"),
+    ("max_seqlen_q", _varlen(max_seqlen_q=-1),
+     "max_seqlen_q must be None or an int >= 1, got -1"),
+    (r"\bq\b", _varlen(q=_t(1, 9, 4, 8)),
+     "with cu_seqlens, q must be 3-D [total_q, q_heads, head_dim], got shape [1, 9, 4, 8]"),
+    (r"\bk\b", _varlen(k=_t(1, 9, 2, 8)),
+     "with cu_seqlens, k must be 3-D [total_k, kv_heads, head_dim], got shape [1, 9, 2, 8]"),
+    ("alibi_slopes", _varlen(alibi_slopes=_t(2, 4)),  # [num_seqs, Hq] with two rows for three sequences
+     "alibi_slopes must be [q_heads] = [4] or [num_seqs, q_heads] = [3, 4], got shape [2, 4]"),
+    ("sinks", _varlen(sinks=_t(2)),
+     "sinks must be 1-D [q_heads] = [4], got shape [2]"),
+    ("softcap", _varlen(softcap=0.0),
+     "softcap must be None or a positive number, got 0.0"),
+    ("window", _varlen(window=(1, -3)),
+     "window as a tuple must be (left, right), each -1 (unbounded) or an int >= 0, got (1, -3)"),
+    ("dropout_p", _varlen(dropout_p=1.0),
+     "dropout_p must be in [0, 1), got 1.0"),
 ]
 
 
-@pytest.mark.parametrize("argument,call", BAD_CALLS, ids=[f"{i}-{a}" for i, (a, _) in enumerate(BAD_CALLS)])
-def test_bad_input_is_a_value_error_naming_the_argument(argument, call):
-    with pytest.raises(ValueError, match=argument):
+@pytest.mark.parametrize("argument,call,message", BAD_CALLS,
+                         ids=[f"{i}-{a}" for i, (a, _, _) in enumerate(BAD_CALLS)])
+def test_bad_input_is_a_value_error_naming_the_argument(argument, call, message):
+    with pytest.raises(ValueError, match=r"^fusedllm\.attention(_varlen)?: " + re.escape(message) + "$"):
         call()
+    assert re.search(argument, message)
 
 
 def test_attention_rejects_varlen_shapes_and_varlen_rejects_dense_ones():
     """3-D packed tensors belong to attention_varlen, 4-D ones to attention."""
     with pytest.raises(ValueError, match="q must be 4-D"):
         fusedllm.attention(_t(9, 4, 8), _t(9, 2, 8), _t(9, 2, 8))
-    with pytest.raises(ValueError, match=r"\bq\b"):
+    with pytest.raises(ValueError, match=r"with cu_seqlens, q must be 3-D \[total_q, q_heads, head_dim\], "
+                                         r"got shape \[2, 4, 5, 8\]$"):
         fusedllm.attention_varlen(_t(2, 4, 5, 8), _t(2, 2, 5, 8), _t(2, 2, 5, 8), _cu(0, 5, 10), _cu(0, 5, 10))
 
 

@@ -368,7 +368,8 @@ def test_bad_forward_arguments():
         block(torch.randn(5, 32))
     with pytest.raises(ValueError, match="x is torch.float64"):
         block(torch.randn(1, 5, 32, dtype=torch.float64))
-    with pytest.raises(ValueError, match="mask"):
+    with pytest.raises(ValueError, match=r"mask of shape \[3, 3, 7, 7\] does not broadcast to \[batch, q_heads, q_len, "
+                                         r"kv_len\] = \[1, 4, 5, 5\]$"):
         block(torch.randn(1, 5, 32), mask=torch.ones(3, 3, 7, 7, dtype=torch.bool))
     with pytest.raises(ValueError, match="cache"):
         block(torch.randn(1, 5, 32), cache=[])

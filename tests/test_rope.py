@@ -460,6 +460,17 @@ def test_operator_rejects_bad_input_without_crashing(error, message, call):
         call()
 
 
+def test_in_place_refuses_a_bad_position_before_writing_a_row():
+    """rope_ reads every position before it rotates a row: a refusal leaves q
+    and k as they were, and names rope_."""
+    q, k = torch.randn(2, 2, 5, 8), torch.randn(2, 1, 5, 8)
+    q0, k0 = q.clone(), k.clone()
+    positions = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 3, 8]])
+    with pytest.raises(ValueError, match=r"^fusedllm\.rope_: position 8 is outside the cos/sin table of 8 positions$"):
+        ops.rope_(q, k, torch.randn(8, 4), torch.randn(8, 4), positions, 0, False, -1, False)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+
+
 def test_second_derivatives_go_through_rope(device):
     # RoPE's backward is RoPE itself, so second derivatives go through it:
     # |R q|^2 = |q|^2 has gradient 2 q and second derivative 2.

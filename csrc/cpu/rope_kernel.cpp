@@ -107,8 +107,7 @@ void rope_typed(const RopeArgs& a) {
       const int64_t h = (idx / a.seq) % t.heads;
       const int64_t b = idx / (a.seq * t.heads);
       const int64_t pos = a.positions != nullptr ? a.positions[b * a.positions_b + s] : a.offset + s;
-      TORCH_CHECK_VALUE(pos >= 0 && pos < a.table_rows, "fusedllm.rope: position ", pos,
-                        " is outside the cos/sin table of ", a.table_rows, " positions");
+      TORCH_INTERNAL_ASSERT_DEBUG_ONLY(pos >= 0 && pos < a.table_rows);  // plan_rope checked
       const int64_t table = b * a.table_b + pos * a.table_row;
       rotate_row<T, kInterleaved>(
           static_cast<const T*>(t.in) + b * t.in_b + h * t.in_h + s * t.in_s,

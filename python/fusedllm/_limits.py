@@ -12,6 +12,7 @@ CASTINGS = ("llama", "gemma")
 ACTIVATIONS = ("silu", "gelu_tanh")
 REDUCTIONS = ("mean", "sum", "none")
 MAX_HEAD_DIM = 256  # the attention kernels' largest head dim
+KV_CODES = (torch.int8, torch.float8_e4m3fn)  # what a quantized KV cache stores (kv_code)
 
 
 def check_rotary_dim(op: str, rotary_dim, head_dim: int) -> int:

@@ -11,7 +11,7 @@ from numbers import Integral, Real
 
 import torch
 
-from . import _autocast, _plain
+from . import _autocast, _checks, _plain
 from ._devices import ops_for
 from ._limits import REDUCTIONS, check_rotary_dim
 
@@ -439,8 +439,8 @@ def attention_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     op = "fusedllm.attention_with_weights"
     scale, window, right, softcap, mask, dropout_p, seed = _attention_args(
         op, q, k, v, causal, scale, window, mask, dropout_p, softcap, sinks, alibi_slopes)
-    _plain.check_attention(op, q, k, v, mask, scale, window, dropout_p, max_head_dim=None,
-                           window_right=right, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+    _checks.check_attention(op, q, k, v, mask, scale, window, dropout_p, max_head_dim=None,
+                            window_right=right, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     out, _lse, probs = _plain.attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed,
                                                    window_right=right, softcap=softcap, sinks=sinks,
                                                    alibi_slopes=alibi_slopes)

@@ -305,6 +305,14 @@ def _is_transformers(module) -> bool:
     return type(module).__module__.startswith("transformers")
 
 
+def _public_name(cls) -> str:
+    """Where a user finds cls: fusedllm.nn.X for the modules that package
+    exports (each defined in one of its submodules), else its own module."""
+    if getattr(fnn, cls.__name__, None) is cls:
+        return f"fusedllm.nn.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _compute_dtype(model):
     """The dtype a Hugging Face model computes in (its input embeddings'), or None."""
     get = getattr(model, "get_input_embeddings", None)
@@ -465,7 +473,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
             report.left.append(Left(path, name, reason))
             return None
         new.train(module.training)
-        entry = Replaced(path, name, f"{type(new).__module__}.{type(new).__qualname__}")
+        entry = Replaced(path, name, _public_name(type(new)))
         if flag == "moe":
             entry.note = hf_moe.block_note(module)
         if flag == "parallel":

@@ -110,6 +110,16 @@ inline RopePlan plan_rope(const char* op, const at::Tensor& q, const at::Tensor&
     TORCH_CHECK_VALUE(offset == 0, op, ": pass either position_ids or offset, not both");
     at::Tensor pos2 = (pos.dim() == 1 ? pos.unsqueeze(0) : pos).to(at::kLong);
     if (pos2.stride(1) != 1) pos2 = pos2.contiguous();
+    if (pos2.device().is_cpu()) {
+      // Every position, before any row is written (rope_ works in place) and
+      // whether or not a row reads it; a CUDA kernel asserts on the device.
+      const at::Tensor flat = pos2.contiguous();
+      const int64_t* v = flat.const_data_ptr<int64_t>();
+      for (int64_t i = 0; i < flat.numel(); ++i) {
+        TORCH_CHECK_VALUE(v[i] >= 0 && v[i] < table_rows, op, ": position ", v[i],
+                          " is outside the cos/sin table of ", table_rows, " positions");
+      }
+    }
     p.positions = pos2.expand({p.batch, p.seq});
   } else {
     TORCH_CHECK_VALUE(offset + p.seq <= table_rows, op, ": positions ", offset, "..",

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import functional as FF
-from ..nn import _PACKED_MIN_TOKENS
+from ..nn.mlp import _PACKED_MIN_TOKENS
 
 _CLASSES: dict = {}
 

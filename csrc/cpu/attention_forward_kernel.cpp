@@ -248,293 +248,118 @@ inline void softmax_rows(float* s, int64_t ld, int64_t rows, int64_t nk, const f
 }
 #endif
 
+// One task of the forward: the output rows (normalized) and log-sum-exp of the
+// tile of positions [p0, p0 + npos) of kv head g in batch b, over its key
+// tiles split, split + splits, ... A prefill tile (more than kNarrowRows rows)
+// computes its scores transposed (keys x rows) on the micro-GEMMs; a decoding
+// tile (a step's few heads of one kv head) scores with the keys along the
+// lanes, reading K (and V) where they lie (decode_scores, decode_values).
+//
+// bfloat16 on vdpbf16ps where the variant has it: Q^T as pair words (the
+// scale applied to the products), K as pair words along its rows, P and V
+// packed per tile (attention_pair_words.h). int8 / float8 K/V: their codes as
+// bfloat16 (exact), the key scales applied to the scores and the value scales
+// to the probabilities; float32 tiles dequantize as they load. Decoding over
+// int8 K (V): the codes as int16 on vpdpwssd instead, against Q (P) rounded to
+// int16 with one scale per row (per row and tile): the codes widen in one
+// instruction where bfloat16 takes five, and the rounding (2^-16 of the row's
+// largest value) is finer than bfloat16's. Decoding tiles read K and V as
+// they lie, widened in registers: the scores summed across lanes
+// (scores_along_keys), V's rows interleaved into pair words inside the
+// product (RowsB); packing them cost more (stores, reloads, K's 16 x 16
+// transposes) than the products themselves.
 template <typename T>
-struct ForwardKernel {
+struct ForwardTask {
   using acc_t = typename VecIO<T>::acc_t;
-
-  // Output rows (normalized) and log-sum-exp of one task: the tile of
-  // positions [p0, p0 + npos) of kv head g in batch b, over its key tiles
-  // split, split + splits, ...
-  static void task(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w,
-                   int64_t b, int64_t g, int64_t p0, int64_t npos, int64_t split, int64_t splits,
-                   acc_t* o_out, int64_t o_ld, acc_t* lse_out) {
-    const int64_t q_start = a.seqs.q_start(b), k_start = a.seqs.k_start(b);
-    const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride + q_start * a.q.seq_stride;
-    const KvRows<T> k(a.k, a.k_scale, a.pages, b, g, k_start), v(a.v, a.v_scale, a.pages, b, g, k_start);
-    const Mask mask = a.mask.of_lengths(a.seqs.q_len(b), a.seqs.k_len(b));
-    const int64_t d = t.d, d_pad = t.d_pad, group = t.group;
-    const int64_t rows = npos * group;
-    const int64_t ld = round_up(rows, Vectorized<acc_t>::size());
-
-    const acc_t scale = static_cast<acc_t>(a.scale);
-    // bfloat16 on vdpbf16ps where the variant has it: Q^T as pair words (the
-    // scale applied to the products), K as pair words along its rows, P and V
-    // packed per tile (attention_pair_words.h). int8 / float8 K/V: their codes as
-    // bfloat16 (exact), the key scales applied to the scores and the value
-    // scales to the probabilities; float32 tiles dequantize as they load.
-    // Decoding over int8 K (V): the codes as int16 on vpdpwssd instead, against
-    // Q (P) rounded to int16 with one scale per row (per row and tile): the
-    // codes widen in one instruction where bfloat16 takes five, and the
-    // rounding (2^-16 of the row's largest value) is finer than bfloat16's.
-    // Decoding tiles read K and V as they lie, widened in registers: the
-    // scores summed across lanes (scores_along_keys), V's rows interleaved
-    // into pair words inside the product (RowsB); packing them cost more
-    // (stores, reloads, K's 16 x 16 transposes) than the products themselves.
-    constexpr bool kPairs = kPairProducts<T>;
-#if defined(__AVX512BF16__)
-    const int64_t dp = (d + 1) / 2;
-    uint32_t* const qp = reinterpret_cast<uint32_t*>(w.qt);
-    uint32_t* const kp32 = reinterpret_cast<uint32_t*>(w.kbuf);
-    uint32_t* const vp32 = reinterpret_cast<uint32_t*>(w.vbuf);
-    const auto q_row = [&](int64_t i) { return t.row_in(q, a.q.head_stride, a.q.seq_stride, g, p0, i); };
-#endif
-    const bool narrow = kPairs && rows <= kNarrowRows;  // then ld is 16
+  static constexpr bool kPairs = kPairProducts<T>;
+  // float32 products of a decoding tile (float32, or 16-bit without
+  // vdpbf16ps): the scores along the keys too (FloatKeyLanes), against the
+  // scaled Q rows in kbuf (K is read where it lies), then transposed into
+  // the tile the rest of the float32 path reads. Q's rows in the lanes
+  // (rows x keys as keys x rows) used 4 or 8 of 16 (8) lanes.
 #if defined(__AVX2__)
-    // float32 products of a decoding tile (float32, or 16-bit without
-    // vdpbf16ps): the scores along the keys too (FloatKeyLanes), against the
-    // scaled Q rows in kbuf (K is read where it lies), then transposed into
-    // the tile the rest of the float32 path reads. Q's rows in the lanes
-    // (rows x keys as keys x rows) used 4 or 8 of 16 (8) lanes.
-    constexpr bool kFloatLanes = !kPairs && std::is_same_v<acc_t, float>;
-    const bool narrow_float = kFloatLanes && rows <= kNarrowRows;
-    acc_t* const q_rows = w.kbuf;
-    const int64_t sr_ld = round_up(t.block_k, 16);  // of the rows x keys scores in w.sr (narrow tiles)
-    // S's rows past `rows` stay zero
-    if (narrow || narrow_float) std::fill(w.sr + rows * sr_ld, w.sr + ld * sr_ld, acc_t(0));
+  static constexpr bool kFloatLanes = !kPairs && std::is_same_v<acc_t, float>;
+#else
+  static constexpr bool kFloatLanes = false;
 #endif
-#if defined(__AVX512BF16__)
-    const bool int_k = narrow && k.quantized() && !k.float8, int_v = narrow && v.quantized() && !v.float8;
-    const bool plain_scores = !a.mods.any_score_mod() && !a.tensor_mask.present() && !a.dropout.enabled;
-#endif
-    if constexpr (kPairs) {
-#if defined(__AVX512BF16__)
-      if (narrow) {  // Q as pair words along its rows
-        for (int64_t i = 0; i < rows; ++i) {
-          if (int_k) {
-            w.q_scale[i] = pack_row_int16(q_row(i), d, qp + i * dp);
-          } else {
-            pack_rows_along(q_row(i), 0, 1, d, qp + i * dp, dp);
-          }
-        }
-      } else {
-        pack_rows_transposed(q_row, rows, ld, d, qp);
-      }
-#endif
-    } else {
-#if defined(__AVX2__)
-      if (narrow_float) {  // rows of Q * scale
-        gather_rows(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, scale, q_rows);
-      } else
-#endif
-      {  // (Q * scale)^T, staged row-major in the output buffer first.
-        gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, scale, w.o, w.qt);
-      }
+
+  // The next key tile's rows, asked for in kPrefetchParts pieces spread over
+  // this tile's work (all at once, the requests fill the core's miss queue
+  // and the prefetches wait on memory; measured).
+  struct NextTile {
+    const KvRows<T>& k;
+    const KvRows<T>& v;
+    int64_t start, count, d;  // count 0: no next tile
+    void part(int i) const {
+      if (count == 0) return;
+      const int64_t from = count * i / kPrefetchParts, to = count * (i + 1) / kPrefetchParts;
+      k.prefetch(start + from, to - from, d);
+      v.prefetch(start + from, to - from, d);
     }
+  };
+
+  const AttentionForwardArgs& a;
+  const Tiling<acc_t>& t;
+  const ForwardScratch<acc_t> w;
+  const int64_t b, g, p0, npos;
+  const T* q;
+  const KvRows<T> k, v;
+  const Mask mask;
+  const int64_t d, d_pad, group, rows, ld;
+  const acc_t scale;
+  const bool decoding;  // at most kNarrowRows rows, on the pair or float lanes
+  const int64_t sr_ld;  // of the rows x keys scores of a decoding tile in w.sr
+  bool int_k = false, int_v = false;  // decoding over int8 codes on int16 pairs
+
+  ForwardTask(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w, int64_t b,
+              int64_t g, int64_t p0, int64_t npos)
+      : a(a), t(t), w(w), b(b), g(g), p0(p0), npos(npos),
+        q(static_cast<const T*>(a.q.data) + b * a.q.batch_stride + a.seqs.q_start(b) * a.q.seq_stride),
+        k(a.k, a.k_scale, a.pages, b, g, a.seqs.k_start(b)),
+        v(a.v, a.v_scale, a.pages, b, g, a.seqs.k_start(b)),
+        mask(a.mask.of_lengths(a.seqs.q_len(b), a.seqs.k_len(b))),
+        d(t.d), d_pad(t.d_pad), group(t.group), rows(npos * t.group),
+        ld(round_up(rows, Vectorized<acc_t>::size())), scale(static_cast<acc_t>(a.scale)),
+        decoding((kPairs || kFloatLanes) && rows <= kNarrowRows), sr_ld(round_up(t.block_k, 16)) {
 #if defined(__AVX512BF16__)
-    // Narrow tiles: O = diag(alpha) O + P V, V's rows read as they lie (P's
-    // pair words row-major in pp, or column-major out of the transposed tile).
-    // Keys [0, half) first, then between(), then keys [half, nk) (half even).
-    const auto values_product = [&](auto layout, const uint32_t* pp, int64_t lda, int64_t j0, int64_t nk,
-                                    int64_t half, const auto& between) {
-      constexpr ALayout kA = decltype(layout)::value;
-      v.with_rows(j0, nk, [&](const auto& row) {
-        for (const auto [from, to] : {std::pair<int64_t, int64_t>{0, half}, {half, nk}}) {
-          const auto part = [&](int64_t j) { return row(from + j); };
-          using Part = std::decay_t<decltype(part)>;
-          const uint32_t* a = kA == ALayout::kRowMajor ? pp + from / 2 : pp + from / 2 * lda;
-          const float* alpha = from == 0 ? w.alpha : nullptr;  // O rescaled once
-          if constexpr (kInt8Rows<decltype(row(0))>) {  // int_v: P in int16, one scale per row
-            gemm_pairs<kA, true, Pairs::kInt16>(rows, d_pad, (to - from + 1) / 2, a, lda,
-                                                RowsB<Pairs::kInt16, Part>(part, to - from, d), w.o, d_pad, alpha, 1.0f,
-                                                w.p_scale);
-          } else {
-            gemm_pairs<kA, true>(rows, d_pad, (to - from + 1) / 2, a, lda, RowsB<Pairs::kBf16, Part>(part, to - from, d),
-                                 w.o, d_pad, alpha);
-          }
-          if (from == 0) between();
-        }
-      });
-    };
+    if constexpr (kPairs) {
+      int_k = decoding && k.quantized() && !k.float8;
+      int_v = decoding && v.quantized() && !v.float8;
+    }
 #endif
+  }
+
+  void run(int64_t split, int64_t splits) {
+    stage_queries();
     std::fill(w.o, w.o + ld * d_pad, acc_t(0));
     std::fill(w.row_max, w.row_max + ld, kNegInf<acc_t>);
     std::fill(w.row_sum, w.row_sum + ld, acc_t(0));
-
+    // S's rows past `rows` stay zero
+    if (decoding) std::fill(w.sr + rows * sr_ld, w.sr + ld * sr_ld, acc_t(0));
     const KeyTiles tiles(mask, p0, p0 + npos, t.block_k, false);
     for (int64_t i = split; i < tiles.count; i += splits) {
-      const int64_t j0 = tiles.start(i);
-      const int64_t nk = tiles.stop(i) - j0;
-      const int64_t half = std::min(nk, round_up(ceil_div(nk, 2), 16));  // narrow tiles' products in two parts
-      // The next tile's rows, asked for in kPrefetchParts pieces spread over
-      // this tile's work (all at once, the requests fill the core's miss
-      // queue and the prefetches wait on memory; measured).
-      const auto prefetch_part = [&](int part) {
-        if (i + splits >= tiles.count) return;
-        const int64_t next = tiles.start(i + splits), n = tiles.stop(i + splits) - next;
-        const int64_t from = n * part / kPrefetchParts, to = n * (part + 1) / kPrefetchParts;
-        k.prefetch(next + from, to - from, d);
-        v.prefetch(next + from, to - from, d);
-      };
-      prefetch_part(0);
-      int64_t k_ld, v_ld;
-      // S^T = K (Q * scale)^T: keys x rows (narrow: S, rows x keys).
-      if constexpr (kPairs) {
-#if defined(__AVX512BF16__)
-        if (narrow) {
-          // S = Q K^T (rows x keys), K read as it lies; in two halves with a
-          // prefetch between
-          k.with_rows(j0, nk, [&](const auto& row) {
-            for (const auto [from, to] : {std::pair<int64_t, int64_t>{0, half}, {half, nk}}) {
-              const auto key = [&](int64_t j) { return row(from + j); };
-              if constexpr (kInt8Rows<decltype(row(0))>) {  // int_k
-                scores_along_keys<KeyLanes<Pairs::kInt16>>(key, to - from, d, qp, dp, rows, w.sr + from, sr_ld, scale, w.q_scale);
-              } else {
-                scores_along_keys<KeyLanes<Pairs::kBf16>>(key, to - from, d, qp, dp, rows, w.sr + from, sr_ld, scale, nullptr);
-              }
-              if (from == 0) prefetch_part(1);
-            }
-          });
-        } else {
-          k.with_rows(j0, nk, [&](const auto& row) {
-            k.runs(j0, nk, [&](int64_t i, int64_t n) { pack_rows_along(row(i), k.seq_stride, n, d, kp32 + i * dp, dp); });
-          });
-          prefetch_part(1);
-          gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp32, dp, qp, ld, w.s, ld, nullptr, scale);
-        }
-        if (narrow && plain_scores && tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
-          // nothing between the scores and the softmax: the tile stays rows x keys
-          float* const ks = k.quantized() ? w.s : nullptr;
-          float* const vs = v.quantized() ? w.s + sr_ld : nullptr;
-          if (ks != nullptr) k.gather_scales(j0, nk, sr_ld, ks);
-          if (vs != nullptr) v.gather_scales(j0, nk, sr_ld, vs);
-          prefetch_part(2);
-          if (int_v) {
-            softmax_rows<Pairs::kInt16>(w.sr, sr_ld, rows, nk, ks, vs, w.row_max, w.row_sum, w.alpha, w.p_scale);
-          } else {
-            softmax_rows<Pairs::kBf16>(w.sr, sr_ld, rows, nk, ks, vs, w.row_max, w.row_sum, w.alpha, nullptr);
-          }
-          prefetch_part(3);
-          values_product(std::integral_constant<ALayout, ALayout::kRowMajor>{},
-                         reinterpret_cast<const uint32_t*>(w.sr), sr_ld, j0, nk, half, [&] { prefetch_part(4); });
-          continue;
-        }
-        if (narrow) transpose_16_rows(w.sr, sr_ld, nk, w.s);
-        if (k.quantized()) k.scale_rows(w.s, ld, j0, nk);
-#endif
+      const int64_t j0 = tiles.start(i), nk = tiles.stop(i) - j0;
+      const bool last = i + splits >= tiles.count;
+      const NextTile next{k, v, last ? 0 : tiles.start(i + splits),
+                          last ? 0 : tiles.stop(i + splits) - tiles.start(i + splits), d};
+      next.part(0);
+      if (decoding) {
+        if (decode_scores(j0, nk, next)) continue;  // the whole tile done on the rows x keys scores
       } else {
-        bool scored = false;
-#if defined(__AVX2__)
-        if constexpr (kFloatLanes) {
-          if (narrow_float) {
-            k.with_rows(j0, nk, [&](const auto& row) {
-              for (const auto [from, to] : {std::pair<int64_t, int64_t>{0, half}, {half, nk}}) {
-                const auto key = [&](int64_t j) { return row(from + j); };
-                scores_along_keys<FloatKeyLanes>(key, to - from, d, q_rows, d_pad, rows, w.sr + from, sr_ld, 1.0f,
-                                                 nullptr);
-                if (from == 0) prefetch_part(1);
-              }
-            });
-#if defined(__AVX512F__)
-            transpose_16_rows(w.sr, sr_ld, nk, w.s);
-#else
-            transpose(w.sr, sr_ld, ld, round_up(nk, ld), w.s, ld);
-#endif
-            if (k.quantized()) k.scale_rows(w.s, ld, j0, nk);  // the codes' products times their scales
-            scored = true;
-          }
-        }
-#endif
-        if (!scored) {
-          const acc_t* kp = k.in_place(j0, nk, d, d_pad, k_ld);
-          if (kp == nullptr) kp = k.tile(j0, nk, d, d_pad, w.kbuf, k_ld);
-          prefetch_part(1);
-          gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
-        }
+        prefill_scores(j0, nk, next);
       }
-      prefetch_part(2);
-      const TileRows tile{b, g, group, p0, npos, j0, nk};
-      if (a.mods.any_score_mod()) {
-        apply_score_mods<acc_t>(w.s, ld, tile, a.mods, mask.offset, nullptr, w.cols);
-      }
-      if (!tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
-        mask_tile(w.s, ld, nk, j0, p0, npos, group, mask);
-      }
-      apply_tensor_mask(w.s, ld, tile, a.tensor_mask);
-      // The row sums (and so the lse) are those of the probabilities before dropout.
-      if constexpr (kPairs) {
-#if defined(__AVX512BF16__)
-        if (narrow) {
-          softmax_tile_8(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
-        } else {
-          softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
-        }
-#endif
+      next.part(2);
+      probabilities(j0, nk);
+      next.part(3);
+      if (decoding) {
+        decode_values(j0, nk, next);
       } else {
-        softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
-      }
-      prefetch_part(3);
-      if (a.dropout.enabled) {
-        // P = P z in place, z = 1 / (1 - p) where kept, else 0.
-        const acc_t kept = static_cast<acc_t>(a.dropout.scale);
-        for_each_dropout_draw(tile, t.query_rows, t.sk, a.dropout, [&](int64_t j, int64_t col, bool keep) {
-          acc_t& p = w.s[j * ld + col];
-          p = keep ? p * kept : acc_t(0);
-        });
-      }
-      // O = diag(alpha) O + P V, P read column-major out of the transposed tile.
-      if constexpr (kPairs) {
-#if defined(__AVX512BF16__)
-        if (v.quantized()) v.scale_rows(w.s, ld, j0, nk);  // P diag(v_scale) V8 = P V
-        if (narrow) {
-          uint32_t* const words = reinterpret_cast<uint32_t*>(w.s);
-          values_product(std::integral_constant<ALayout, ALayout::kColMajor>{},
-                         int_v ? pack_tile_pairs_int16(w.s, ld, nk, words, w.p_scale) : pack_tile_pairs(w.s, ld, nk, words),
-                         ld, j0, nk, half, [&] { prefetch_part(4); });
-        } else {
-          v.with_rows(j0, nk, [&](const auto& row) { pack_rows_across(row, nk, d, vp32, d_pad); });
-          prefetch_part(4);
-          const uint32_t* pp = pack_tile_pairs(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s));
-          gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, pp, ld, vp32, d_pad, w.o, d_pad,
-                                               w.alpha);
-        }
-#endif
-      } else {
-        bool valued = false;
-#if defined(__AVX512F__)
-        if constexpr (std::is_same_v<T, float>) {
-          // V's rows as they lie, run by run, at head dims of one or two
-          // column panels of the micro-kernel. Measured on a Zen 4 against the
-          // tile copy: 1.1-1.15x as fast at head dims 32 and 64 (up to 8k
-          // keys, batch 4); at 128, faster on cached tiles but up to 1.2x
-          // slower in some runs over 8k keys at batch 4 (each row is read in
-          // four column panels).
-          if (narrow_float && !v.quantized() && d == d_pad && d <= 64) {
-            prefetch_part(4);
-            v.with_rows(j0, nk, [&](const auto& row) {
-              if constexpr (std::is_same_v<decltype(row(0)), const T*>) {
-                v.runs(j0, nk, [&](int64_t i, int64_t n) {
-                  gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, n, w.s + i * ld, ld, row(i), v.seq_stride,
-                                                        w.o, d_pad, i == 0 ? w.alpha : nullptr);
-                });
-              }
-            });
-            valued = true;
-          }
-        }
-#endif
-        if (!valued) {
-          // A decoding tile streams V from memory once, and its copy then
-          // serves the micro-kernel's column panels from L1 (V read in place
-          // there was up to 1.2x slower at head dim 128, above)
-          const acc_t* vp = rows > kNarrowRows ? v.in_place(j0, nk, d, d_pad, v_ld) : nullptr;
-          if (vp == nullptr) vp = v.tile(j0, nk, d, d_pad, w.vbuf, v_ld);
-          prefetch_part(4);
-          gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.s, ld, vp, v_ld, w.o, d_pad,
-                                                w.alpha);
-        }
+        prefill_values(j0, nk, next);
       }
     }
+  }
 
+  void finish(acc_t* o_out, int64_t o_ld, acc_t* lse_out) const {
     for (int64_t i = 0; i < rows; ++i) {
       const acc_t lse = attn::row_lse(w.row_max[i], w.row_sum[i]);
       const acc_t norm = attn::row_norm(w.row_max[i], w.row_sum[i], lse);
@@ -543,6 +368,250 @@ struct ForwardKernel {
       for (int64_t c = 0; c < d; ++c) dst[c] = src[c] * norm;
       lse_out[i] = lse;
     }
+  }
+
+ private:
+  // Keys [0, half) and [half, nk) of a decoding tile are worked in two parts
+  // with a prefetch between (half even).
+  static int64_t half_of(int64_t nk) { return std::min(nk, round_up(ceil_div(nk, 2), 16)); }
+#if defined(__AVX512BF16__)
+  const T* q_row(int64_t i) const { return t.row_in(q, a.q.head_stride, a.q.seq_stride, g, p0, i); }
+  uint32_t* q_words() const { return reinterpret_cast<uint32_t*>(w.qt); }
+#endif
+
+  void stage_queries() {
+    if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+      const int64_t dp = (d + 1) / 2;
+      if (decoding) {  // Q as pair words along its rows
+        for (int64_t i = 0; i < rows; ++i) {
+          if (int_k) {
+            w.q_scale[i] = pack_row_int16(q_row(i), d, q_words() + i * dp);
+          } else {
+            pack_rows_along(q_row(i), 0, 1, d, q_words() + i * dp, dp);
+          }
+        }
+      } else {
+        pack_rows_transposed([&](int64_t i) { return q_row(i); }, rows, ld, d, q_words());
+      }
+#endif
+    } else if (decoding) {  // rows of Q * scale, in kbuf
+      gather_rows(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, scale, w.kbuf);
+    } else {  // (Q * scale)^T, staged row-major in the output buffer first
+      gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, scale, w.o, w.qt);
+    }
+  }
+
+  // S^T = K (Q * scale)^T, keys x rows.
+  void prefill_scores(int64_t j0, int64_t nk, const NextTile& next) {
+    if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+      const int64_t dp = (d + 1) / 2;
+      uint32_t* const kp = reinterpret_cast<uint32_t*>(w.kbuf);
+      k.with_rows(j0, nk, [&](const auto& row) {
+        k.runs(j0, nk, [&](int64_t i, int64_t n) { pack_rows_along(row(i), k.seq_stride, n, d, kp + i * dp, dp); });
+      });
+      next.part(1);
+      gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp, dp, q_words(), ld, w.s, ld, nullptr, scale);
+      if (k.quantized()) k.scale_rows(w.s, ld, j0, nk);
+#endif
+    } else {
+      int64_t k_ld;
+      const acc_t* kp = k.in_place(j0, nk, d, d_pad, k_ld);
+      if (kp == nullptr) kp = k.tile(j0, nk, d, d_pad, w.kbuf, k_ld);
+      next.part(1);
+      gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
+    }
+  }
+
+  // The scores of a decoding tile, K read where it lies: S = Q K^T (rows x
+  // keys) in w.sr, transposed into w.s as the prefill path leaves them. With
+  // nothing between the scores and the softmax, the pair path runs the whole
+  // tile on the rows x keys scores instead and returns true.
+  bool decode_scores(int64_t j0, int64_t nk, const NextTile& next) {
+    if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+      const int64_t dp = (d + 1) / 2, half = half_of(nk);
+      k.with_rows(j0, nk, [&](const auto& row) {
+        for (const auto [from, to] : {std::pair<int64_t, int64_t>{0, half}, {half, nk}}) {
+          const auto key = [&](int64_t j) { return row(from + j); };
+          if constexpr (kInt8Rows<decltype(row(0))>) {  // int_k
+            scores_along_keys<KeyLanes<Pairs::kInt16>>(key, to - from, d, q_words(), dp, rows, w.sr + from, sr_ld,
+                                                       scale, w.q_scale);
+          } else {
+            scores_along_keys<KeyLanes<Pairs::kBf16>>(key, to - from, d, q_words(), dp, rows, w.sr + from, sr_ld,
+                                                      scale, nullptr);
+          }
+          if (from == 0) next.part(1);
+        }
+      });
+      const bool plain_scores = !a.mods.any_score_mod() && !a.tensor_mask.present() && !a.dropout.enabled;
+      if (plain_scores && tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
+        float* const ks = k.quantized() ? w.s : nullptr;
+        float* const vs = v.quantized() ? w.s + sr_ld : nullptr;
+        if (ks != nullptr) k.gather_scales(j0, nk, sr_ld, ks);
+        if (vs != nullptr) v.gather_scales(j0, nk, sr_ld, vs);
+        next.part(2);
+        if (int_v) {
+          softmax_rows<Pairs::kInt16>(w.sr, sr_ld, rows, nk, ks, vs, w.row_max, w.row_sum, w.alpha, w.p_scale);
+        } else {
+          softmax_rows<Pairs::kBf16>(w.sr, sr_ld, rows, nk, ks, vs, w.row_max, w.row_sum, w.alpha, nullptr);
+        }
+        next.part(3);
+        values_on_pairs<ALayout::kRowMajor>(reinterpret_cast<const uint32_t*>(w.sr), sr_ld, j0, nk, next);
+        return true;
+      }
+      transpose_16_rows(w.sr, sr_ld, nk, w.s);
+      if (k.quantized()) k.scale_rows(w.s, ld, j0, nk);
+#endif
+    } else if constexpr (kFloatLanes) {
+#if defined(__AVX2__)
+      const int64_t half = half_of(nk);
+      k.with_rows(j0, nk, [&](const auto& row) {
+        for (const auto [from, to] : {std::pair<int64_t, int64_t>{0, half}, {half, nk}}) {
+          const auto key = [&](int64_t j) { return row(from + j); };
+          scores_along_keys<FloatKeyLanes>(key, to - from, d, w.kbuf, d_pad, rows, w.sr + from, sr_ld, 1.0f,
+                                           nullptr);
+          if (from == 0) next.part(1);
+        }
+      });
+#if defined(__AVX512F__)
+      transpose_16_rows(w.sr, sr_ld, nk, w.s);
+#else
+      transpose(w.sr, sr_ld, ld, round_up(nk, ld), w.s, ld);
+#endif
+      if (k.quantized()) k.scale_rows(w.s, ld, j0, nk);  // the codes' products times their scales
+#endif
+    }
+    return false;
+  }
+
+  // Score mods, masks, the online softmax step and dropout on the transposed
+  // tile: w.s becomes P, w.alpha the rescale of the output rows.
+  void probabilities(int64_t j0, int64_t nk) {
+    const TileRows tile{b, g, group, p0, npos, j0, nk};
+    if (a.mods.any_score_mod()) apply_score_mods<acc_t>(w.s, ld, tile, a.mods, mask.offset, nullptr, w.cols);
+    if (!tile_fully_visible(mask, p0, p0 + npos, j0, nk)) mask_tile(w.s, ld, nk, j0, p0, npos, group, mask);
+    apply_tensor_mask(w.s, ld, tile, a.tensor_mask);
+    // The row sums (and so the lse) are those of the probabilities before dropout.
+    bool eight = false;  // a decoding tile's rows on 8 lanes
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs) {
+      if (decoding) softmax_tile_8(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
+      eight = decoding;
+    }
+#endif
+    if (!eight) softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
+    if (a.dropout.enabled) {
+      // P = P z in place, z = 1 / (1 - p) where kept, else 0.
+      const acc_t kept = static_cast<acc_t>(a.dropout.scale);
+      for_each_dropout_draw(tile, t.query_rows, t.sk, a.dropout, [&](int64_t j, int64_t col, bool keep) {
+        acc_t& p = w.s[j * ld + col];
+        p = keep ? p * kept : acc_t(0);
+      });
+    }
+  }
+
+  // O = diag(alpha) O + P V, P read column-major out of the transposed tile.
+  void prefill_values(int64_t j0, int64_t nk, const NextTile& next) {
+    if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+      if (v.quantized()) v.scale_rows(w.s, ld, j0, nk);  // P diag(v_scale) V8 = P V
+      uint32_t* const vp = reinterpret_cast<uint32_t*>(w.vbuf);
+      v.with_rows(j0, nk, [&](const auto& row) { pack_rows_across(row, nk, d, vp, d_pad); });
+      next.part(4);
+      const uint32_t* pp = pack_tile_pairs(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s));
+      gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, pp, ld, vp, d_pad, w.o, d_pad, w.alpha);
+#endif
+    } else {
+      int64_t v_ld;
+      const acc_t* vp = v.in_place(j0, nk, d, d_pad, v_ld);
+      if (vp == nullptr) vp = v.tile(j0, nk, d, d_pad, w.vbuf, v_ld);
+      next.part(4);
+      gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.s, ld, vp, v_ld, w.o, d_pad, w.alpha);
+    }
+  }
+
+  void decode_values(int64_t j0, int64_t nk, const NextTile& next) {
+    if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+      if (v.quantized()) v.scale_rows(w.s, ld, j0, nk);  // P diag(v_scale) V8 = P V
+      uint32_t* const words = reinterpret_cast<uint32_t*>(w.s);
+      values_on_pairs<ALayout::kColMajor>(
+          int_v ? pack_tile_pairs_int16(w.s, ld, nk, words, w.p_scale) : pack_tile_pairs(w.s, ld, nk, words), ld,
+          j0, nk, next);
+#endif
+    } else {
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, float>) {
+        // V's rows as they lie, run by run, at head dims of one or two
+        // column panels of the micro-kernel. Measured on a Zen 4 against the
+        // tile copy: 1.1-1.15x as fast at head dims 32 and 64 (up to 8k
+        // keys, batch 4); at 128, faster on cached tiles but up to 1.2x
+        // slower in some runs over 8k keys at batch 4 (each row is read in
+        // four column panels).
+        if (!v.quantized() && d == d_pad && d <= 64) {
+          next.part(4);
+          v.with_rows(j0, nk, [&](const auto& row) {
+            if constexpr (std::is_same_v<decltype(row(0)), const T*>) {
+              v.runs(j0, nk, [&](int64_t i, int64_t n) {
+                gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, n, w.s + i * ld, ld, row(i), v.seq_stride, w.o,
+                                                      d_pad, i == 0 ? w.alpha : nullptr);
+              });
+            }
+          });
+          return;
+        }
+      }
+#endif
+      // V streamed from memory once, its copy then serving the micro-kernel's
+      // column panels from L1 (V read in place there was up to 1.2x slower
+      // at head dim 128, above)
+      int64_t v_ld;
+      const acc_t* vp = v.tile(j0, nk, d, d_pad, w.vbuf, v_ld);
+      next.part(4);
+      gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.s, ld, vp, v_ld, w.o, d_pad, w.alpha);
+    }
+  }
+
+#if defined(__AVX512BF16__)
+  // O = diag(alpha) O + P V on a decoding tile, V's rows read as they lie
+  // (P's pair words row-major in pp, or column-major out of the transposed
+  // tile): keys [0, half), a prefetch, then keys [half, nk).
+  template <ALayout kA>
+  void values_on_pairs(const uint32_t* pp, int64_t lda, int64_t j0, int64_t nk, const NextTile& next) {
+    const int64_t half = half_of(nk);
+    v.with_rows(j0, nk, [&](const auto& row) {
+      for (const auto [from, to] : {std::pair<int64_t, int64_t>{0, half}, {half, nk}}) {
+        const auto part = [&](int64_t j) { return row(from + j); };
+        using Part = std::decay_t<decltype(part)>;
+        const uint32_t* pa = kA == ALayout::kRowMajor ? pp + from / 2 : pp + from / 2 * lda;
+        const float* alpha = from == 0 ? w.alpha : nullptr;  // O rescaled once
+        if constexpr (kInt8Rows<decltype(row(0))>) {  // int_v: P in int16, one scale per row
+          gemm_pairs<kA, true, Pairs::kInt16>(rows, d_pad, (to - from + 1) / 2, pa, lda,
+                                              RowsB<Pairs::kInt16, Part>(part, to - from, d), w.o, d_pad, alpha,
+                                              1.0f, w.p_scale);
+        } else {
+          gemm_pairs<kA, true>(rows, d_pad, (to - from + 1) / 2, pa, lda, RowsB<Pairs::kBf16, Part>(part, to - from, d),
+                               w.o, d_pad, alpha);
+        }
+        if (from == 0) next.part(4);
+      }
+    });
+  }
+#endif
+};
+
+template <typename T>
+struct ForwardKernel {
+  using acc_t = typename VecIO<T>::acc_t;
+
+  static void task(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w,
+                   int64_t b, int64_t g, int64_t p0, int64_t npos, int64_t split, int64_t splits,
+                   acc_t* o_out, int64_t o_ld, acc_t* lse_out) {
+    ForwardTask<T> task(a, t, w, b, g, p0, npos);
+    task.run(split, splits);
+    task.finish(o_out, o_ld, lse_out);
   }
 
   static AttentionWorkspace workspace(const AttentionForwardArgs& a) {

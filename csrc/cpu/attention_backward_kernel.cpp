@@ -125,217 +125,74 @@ void probs_and_score_grads(acc_t* s, acc_t* dp, const acc_t* z, int64_t ld, int6
   }
 }
 
+// One backward task: kv head g of batch b, key tiles chunk, chunk + chunks,
+// ...; accumulates dK (already scaled) and dV rows into dk/dv (leading dim
+// d_pad) and writes dQ of every query tile (scaled into grad_q when chunks ==
+// 1, else unscaled into this chunk's partial rows). bfloat16 on vdpbf16ps
+// where the variant has it: every product's operands as pair words
+// (attention_pair_words.h), in the other path's buffers.
 template <typename T>
-struct BackwardKernel {
+struct BackwardTask {
   using acc_t = typename VecIO<T>::acc_t;
-
-  // One task: kv head g of batch b, key tiles chunk, chunk + chunks, ...;
-  // accumulates dK (already scaled) and dV rows into dk/dv (leading dim d_pad)
-  // and writes dQ of every query tile (scaled into grad_q when chunks == 1,
-  // else unscaled into this chunk's partial rows).
-  static void task(const AttentionBackwardArgs& a, const Tiling<acc_t>& t, BackwardScratch<acc_t> w,
-                   int64_t b, int64_t g, int64_t chunk, int64_t chunks, acc_t* dk, acc_t* dv,
-                   acc_t* dq_partial) {
-    const int64_t kss = a.k.seq_stride, vss = a.v.seq_stride;
-    const int64_t q_start = a.seqs.q_start(b), k_start = a.seqs.k_start(b);
-    const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride + q_start * a.q.seq_stride;
-    const T* go = static_cast<const T*>(a.grad_out.data) + b * a.grad_out.batch_stride +
-                  q_start * a.grad_out.seq_stride;
-    const T* out = static_cast<const T*>(a.out.data) + b * a.out.batch_stride + q_start * a.out.seq_stride;
-    const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + g * a.k.head_stride +
-                 k_start * kss;
-    const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + g * a.v.head_stride +
-                 k_start * vss;
-    const acc_t* lse = static_cast<const acc_t*>(a.lse);
-    const int64_t sq = a.seqs.q_len(b);
-    const Mask mask = a.mask.of_lengths(sq, a.seqs.k_len(b));
-    const acc_t scale = static_cast<acc_t>(a.scale);
-    const int64_t d = t.d, d_pad = t.d_pad;
-    const int64_t group = t.group;
-    const bool capped = a.mods.softcap > 0;
-    // bfloat16 on vdpbf16ps where the variant has it: every product's
-    // operands as pair words (attention_pair_words.h), in the other path's buffers.
-    constexpr bool kPairs = kPairProducts<T>;
-#if defined(__AVX512BF16__)
-    const int64_t dp = (d + 1) / 2;
-    uint32_t* const qp = reinterpret_cast<uint32_t*>(w.qt);
-    uint32_t* const dop = reinterpret_cast<uint32_t*>(w.dot);
-    uint32_t* const q_across = reinterpret_cast<uint32_t*>(w.qs);
-    uint32_t* const do_across = reinterpret_cast<uint32_t*>(w.dor);
-    uint32_t* const k_pairs = reinterpret_cast<uint32_t*>(w.kbuf);
-    uint32_t* const k_across = k_pairs + t.block_k * d_pad / 2;
-    uint32_t* const v_pairs = reinterpret_cast<uint32_t*>(w.vbuf);
-    uint32_t* const o_pairs = reinterpret_cast<uint32_t*>(w.ot);
-    uint32_t* const q_along = reinterpret_cast<uint32_t*>(w.q_along);
-#endif
+  static constexpr bool kPairs = kPairProducts<T>;
 #if defined(__AVX2__)
-    constexpr bool kFloatLanes = !kPairs && std::is_same_v<acc_t, float>;
+  static constexpr bool kFloatLanes = !kPairs && std::is_same_v<acc_t, float>;
+#else
+  static constexpr bool kFloatLanes = false;
 #endif
-    const int64_t sr_ld = round_up(t.block_k, 16);  // of the rows x keys scores in w.sr (narrow tiles)
-    const auto key_row = [&](int64_t j) { return k + j * kss; };
 
-    for (int64_t qt = 0; qt * t.block_q < sq; ++qt) {
-      const int64_t p0 = qt * t.block_q;
-      const int64_t npos = std::min(t.block_q, sq - p0);
-      const int64_t rows = npos * group;
-      const int64_t ld = round_up(rows, Vectorized<acc_t>::size());
-      // Tiles the forward scored with the keys along the lanes are scored so
-      // here too: the same sums, so the recomputed probabilities are the
-      // forward's (a query seeing one key gets exactly 1).
-      bool narrow = false;
-#if defined(__AVX512BF16__)
-      if constexpr (kPairs) narrow = rows <= kNarrowRows;
-#endif
-#if defined(__AVX2__)
-      if constexpr (kFloatLanes) narrow = rows <= kNarrowRows;
-#endif
-      if (narrow) std::fill(w.sr + rows * sr_ld, w.sr + ld * sr_ld, acc_t(0));  // rows past `rows` transpose to 0
+  // A tile of query positions [p0, p0 + npos) and its rows (positions x the
+  // group's heads). Tiles the forward scored with the keys along the lanes
+  // (narrow) are scored so here too: the same sums, so the recomputed
+  // probabilities are the forward's (a query seeing one key gets exactly 1).
+  struct QueryTile {
+    int64_t p0, npos, rows, ld;
+    bool narrow;
+  };
+
+  const AttentionBackwardArgs& a;
+  const Tiling<acc_t>& t;
+  const BackwardScratch<acc_t> w;
+  const int64_t b, g, kss, vss;
+  const T *q, *go, *out, *k, *v;
+  const int64_t sq;
+  const Mask mask;
+  const acc_t scale;
+  const int64_t d, d_pad, group, sr_ld;
+
+  BackwardTask(const AttentionBackwardArgs& a, const Tiling<acc_t>& t, BackwardScratch<acc_t> w, int64_t b,
+               int64_t g)
+      : a(a), t(t), w(w), b(b), g(g), kss(a.k.seq_stride), vss(a.v.seq_stride),
+        q(static_cast<const T*>(a.q.data) + b * a.q.batch_stride + a.seqs.q_start(b) * a.q.seq_stride),
+        go(static_cast<const T*>(a.grad_out.data) + b * a.grad_out.batch_stride +
+           a.seqs.q_start(b) * a.grad_out.seq_stride),
+        out(static_cast<const T*>(a.out.data) + b * a.out.batch_stride + a.seqs.q_start(b) * a.out.seq_stride),
+        k(static_cast<const T*>(a.k.data) + b * a.k.batch_stride + g * a.k.head_stride + a.seqs.k_start(b) * kss),
+        v(static_cast<const T*>(a.v.data) + b * a.v.batch_stride + g * a.v.head_stride + a.seqs.k_start(b) * vss),
+        sq(a.seqs.q_len(b)), mask(a.mask.of_lengths(sq, a.seqs.k_len(b))), scale(static_cast<acc_t>(a.scale)),
+        d(t.d), d_pad(t.d_pad), group(t.group), sr_ld(round_up(t.block_k, 16)) {}
+
+  void run(int64_t chunk, int64_t chunks, acc_t* dk, acc_t* dv, acc_t* dq_partial) {
+    for (int64_t p0 = 0; p0 < sq; p0 += t.block_q) {
+      const int64_t npos = std::min(t.block_q, sq - p0), rows = npos * group;
+      const QueryTile qt{p0, npos, rows, round_up(rows, Vectorized<acc_t>::size()),
+                         (kPairs || kFloatLanes) && rows <= kNarrowRows};
+      if (qt.narrow) std::fill(w.sr + rows * sr_ld, w.sr + qt.ld * sr_ld, acc_t(0));  // rows past `rows` transpose to 0
       // With several chunks each owns the global key tiles chunk, chunk + chunks, ...
       const KeyTiles tiles(mask, p0, p0 + npos, t.block_k, chunks > 1);
       int64_t i0 = 0;
       if (chunks > 1) i0 = ((chunk - tiles.first % chunks) % chunks + chunks) % chunks;
       const bool any = i0 < tiles.count;
       if (!any && chunks > 1) continue;  // the partial rows stay zero
-
       std::fill(w.dq, w.dq + rows * d_pad, acc_t(0));
-      if (any) {
-        if constexpr (kPairs) {
-#if defined(__AVX512BF16__)
-          // Q and dO as pair words twice: along head_dim, transposed (the
-          // right operands of S^T and dP^T), and across rows (of dK and dV).
-          const auto q_row = [&](int64_t i) { return t.row_in(q, a.q.head_stride, a.q.seq_stride, g, p0, i); };
-          const auto go_row = [&](int64_t i) {
-            return t.row_in(go, a.grad_out.head_stride, a.grad_out.seq_stride, g, p0, i);
-          };
-          pack_rows_transposed(q_row, rows, ld, d, qp);
-          pack_rows_transposed(go_row, rows, ld, d, dop);
-          pack_rows_across(q_row, rows, d, q_across, d_pad);
-          pack_rows_across(go_row, rows, d, do_across, d_pad);
-          const int64_t packed = (rows + 1) / 2 * d_pad;
-          std::fill(q_across + packed, q_across + ld / 2 * d_pad, 0u);
-          std::fill(do_across + packed, do_across + ld / 2 * d_pad, 0u);
-          if (narrow) {
-            for (int64_t i = 0; i < rows; ++i) pack_rows_along(q_row(i), 0, 1, d, q_along + i * dp, dp);
-          }
-          // delta = rowsum(dO * O), summed as dP sums dO . v (below)
-          pack_rows_transposed(
-              [&](int64_t i) { return t.row_in(out, a.out.head_stride, a.out.seq_stride, g, p0, i); }, rows, ld, d,
-              o_pairs);
-          column_dots_pairs(dp, o_pairs, dop, ld, w.delta);
-#endif
-        } else {
-          gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, scale, w.qs, w.qt);
-          gather_both(go, a.grad_out.head_stride, a.grad_out.seq_stride, t, g, p0, rows, ld, acc_t(1),
-                      w.dor, w.dot);
-          // delta = rowsum(dO * O), summed as dP sums dO . v (below): a row
-          // whose output is one key's value row (that key alone visible) gets
-          // dP - delta = 0 exactly, so dQ and dK exactly 0.
-          gather_both(out, a.out.head_stride, a.out.seq_stride, t, g, p0, rows, ld, acc_t(1), w.orows, w.ot);
-          column_dots(d, w.ot, w.dot, ld, w.delta);
-        }
-        for (int64_t i = 0; i < ld; ++i) {
-          w.shift[i] = i < rows ? attn::ScalarOps<acc_t>::finite_or_zero(lse[t.row_of(b, g, p0, i)]) : acc_t(0);
-        }
-      }
-
+      if (any) stage_rows(qt);
       for (int64_t i = i0; i < tiles.count; i += chunks) {
-        const int64_t j0 = tiles.start(i);
-        const int64_t nk = tiles.stop(i) - j0;
-        int64_t k_ld = 0, v_ld = 0;
-        const acc_t* kp = nullptr;
-        // S^T = K (Q * scale)^T and dP^T = V dO^T: keys x rows.
-        if constexpr (kPairs) {
-#if defined(__AVX512BF16__)
-          pack_rows_along(k + j0 * kss, kss, nk, d, k_pairs, dp);
-          pack_rows_along(v + j0 * vss, vss, nk, d, v_pairs, dp);
-          pack_rows_across([&](int64_t j) { return k + (j0 + j) * kss; }, nk, d, k_across, d_pad);
-          if (narrow) {
-            scores_along_keys<KeyLanes<Pairs::kBf16>>([&](int64_t j) { return key_row(j0 + j); }, nk, d, q_along, dp,
-                                                      rows, w.sr, sr_ld, scale, nullptr);
-            transpose_16_rows(w.sr, sr_ld, nk, w.s);
-          } else {
-            gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, k_pairs, dp, qp, ld, w.s, ld, nullptr, scale);
-          }
-          gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, v_pairs, dp, dop, ld, w.dp, ld);
-#endif
-        } else {
-          kp = rows_in_place<T, acc_t>(k + j0 * kss, kss, d, d_pad);
-          const acc_t* vp = rows_in_place<T, acc_t>(v + j0 * vss, vss, d, d_pad);
-          k_ld = v_ld = d;
-          if (kp == nullptr) kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, w.kbuf, k_ld);
-          if (vp == nullptr) vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
-          bool scored = false;
-#if defined(__AVX2__)
-          if constexpr (kFloatLanes) {
-            if (narrow) {  // Q * scale rows in qs
-              scores_along_keys<FloatKeyLanes>([&](int64_t j) { return key_row(j0 + j); }, nk, d, w.qs, d_pad, rows,
-                                               w.sr, sr_ld, 1.0f, nullptr);
-#if defined(__AVX512F__)
-              transpose_16_rows(w.sr, sr_ld, nk, w.s);
-#else
-              transpose(w.sr, sr_ld, ld, round_up(nk, ld), w.s, ld);
-#endif
-              scored = true;
-            }
-          }
-#endif
-          if (!scored) gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
-          gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, vp, v_ld, w.dot, ld, w.dp, ld);
-        }
-        const TileRows tile{b, g, group, p0, npos, j0, nk};
-        if (a.mods.any_score_mod()) {
-          apply_score_mods<acc_t>(w.s, ld, tile, a.mods, mask.offset, capped ? w.cap_slope : nullptr,
-                                  w.cols);
-        }
-        if (!tile_fully_visible(mask, p0, p0 + npos, j0, nk)) {
-          mask_tile(w.s, ld, nk, j0, p0, npos, group, mask);
-        }
-        apply_tensor_mask(w.s, ld, tile, a.tensor_mask);
-        if (a.dropout.enabled) {
-          // z = 1 / (1 - p) where kept, else 0; padding columns past the tile's rows 0.
-          const acc_t kept = static_cast<acc_t>(a.dropout.scale);
-          for_each_dropout_draw(tile, t.query_rows, t.sk, a.dropout, [&](int64_t j, int64_t col, bool keep) {
-            w.z[j * ld + col] = keep ? kept : acc_t(0);
-          });
-          for (int64_t j = 0; j < nk; ++j) std::fill(w.z + j * ld + tile.cols(), w.z + (j + 1) * ld, acc_t(0));
-          probs_and_score_grads<true>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
-        } else {
-          probs_and_score_grads<false>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
-        }
-        if (capped) {
-          // Through the cap: dz = ds * (1 - (s / cap)^2).
-          using V = Vectorized<acc_t>;
-          for (int64_t e = 0; e < nk * ld; e += V::size()) {
-            (V::loadu(w.dp + e) * V::loadu(w.cap_slope + e)).store(w.dp + e);
-          }
-        }
-        // dV += P^T dO, dK += dS^T (Q * scale): the sum over the group's rows
-        // is the inner dimension of these products.
-        acc_t* dv_rows = dv + j0 * d_pad;
-        acc_t* dk_rows = dk + j0 * d_pad;
-        if constexpr (kPairs) {
-#if defined(__AVX512BF16__)
-          // dS as column pairs (dQ's left operand) into z, then P and dS as
-          // row pairs in place; the rows' pairs run to ceil(rows / 2), the
-          // right operands' rows past `rows` being zero.
-          const uint32_t* ds_cols = pack_tile_pairs(w.dp, ld, nk, reinterpret_cast<uint32_t*>(w.z));
-          const uint32_t* p_rows = pack_tile_rows_in_place(w.s, ld, nk);
-          const uint32_t* ds_rows = pack_tile_rows_in_place(w.dp, ld, nk);
-          const int64_t rp = (rows + 1) / 2;
-          gemm_pairs<ALayout::kRowMajor, true>(nk, d_pad, rp, p_rows, ld / 2, do_across, d_pad, dv_rows, d_pad);
-          gemm_pairs<ALayout::kRowMajor, true>(nk, d_pad, rp, ds_rows, ld / 2, q_across, d_pad, dk_rows, d_pad,
-                                               nullptr, scale);
-          gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, ds_cols, ld, k_across, d_pad, w.dq,
-                                               d_pad);
-#endif
-        } else {
-          gemm<acc_t, ALayout::kRowMajor, true>(nk, d_pad, rows, w.s, ld, w.dor, d_pad, dv_rows, d_pad);
-          gemm<acc_t, ALayout::kRowMajor, true>(nk, d_pad, rows, w.dp, ld, w.qs, d_pad, dk_rows, d_pad);
-          // dQ (unscaled) += dS K, dS read column-major out of the transposed tile.
-          gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.dp, ld, kp, k_ld, w.dq, d_pad);
-        }
+        const int64_t j0 = tiles.start(i), nk = tiles.stop(i) - j0;
+        int64_t k_ld = 0;
+        const acc_t* kp = scores(qt, j0, nk, k_ld);
+        score_grads(qt, j0, nk);
+        accumulate(qt, j0, nk, kp, k_ld, dk, dv);
       }
-
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t row = t.row_of(b, g, p0, i);
         if (chunks == 1) {
@@ -345,6 +202,177 @@ struct BackwardKernel {
         }
       }
     }
+  }
+
+ private:
+  const T* key_row(int64_t j) const { return k + j * kss; }
+#if defined(__AVX512BF16__)
+  int64_t dp() const { return (d + 1) / 2; }
+  uint32_t* words(acc_t* buffer) const { return reinterpret_cast<uint32_t*>(buffer); }
+  uint32_t* k_across() const { return words(w.kbuf) + t.block_k * d_pad / 2; }
+#endif
+
+  // Q (times scale), dO and O of the query tile staged for the products,
+  // delta = rowsum(dO * O) summed as dP sums dO . v (a row whose output is
+  // one key's value row, that key alone visible, gets dP - delta = 0
+  // exactly, so dQ and dK exactly 0), and each row's lse as the shift.
+  void stage_rows(const QueryTile& qt) {
+    const int64_t p0 = qt.p0, rows = qt.rows, ld = qt.ld;
+    if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+      // Q and dO as pair words twice: along head_dim, transposed (the
+      // right operands of S^T and dP^T), and across rows (of dK and dV).
+      const auto q_row = [&](int64_t i) { return t.row_in(q, a.q.head_stride, a.q.seq_stride, g, p0, i); };
+      const auto go_row = [&](int64_t i) {
+        return t.row_in(go, a.grad_out.head_stride, a.grad_out.seq_stride, g, p0, i);
+      };
+      uint32_t* const q_across = words(w.qs);
+      uint32_t* const do_across = words(w.dor);
+      pack_rows_transposed(q_row, rows, ld, d, words(w.qt));
+      pack_rows_transposed(go_row, rows, ld, d, words(w.dot));
+      pack_rows_across(q_row, rows, d, q_across, d_pad);
+      pack_rows_across(go_row, rows, d, do_across, d_pad);
+      const int64_t packed = (rows + 1) / 2 * d_pad;
+      std::fill(q_across + packed, q_across + ld / 2 * d_pad, 0u);
+      std::fill(do_across + packed, do_across + ld / 2 * d_pad, 0u);
+      if (qt.narrow) {
+        for (int64_t i = 0; i < rows; ++i) pack_rows_along(q_row(i), 0, 1, d, words(w.q_along) + i * dp(), dp());
+      }
+      pack_rows_transposed(
+          [&](int64_t i) { return t.row_in(out, a.out.head_stride, a.out.seq_stride, g, p0, i); }, rows, ld, d,
+          words(w.ot));
+      column_dots_pairs(dp(), words(w.ot), words(w.dot), ld, w.delta);
+#endif
+    } else {
+      gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, scale, w.qs, w.qt);
+      gather_both(go, a.grad_out.head_stride, a.grad_out.seq_stride, t, g, p0, rows, ld, acc_t(1), w.dor, w.dot);
+      gather_both(out, a.out.head_stride, a.out.seq_stride, t, g, p0, rows, ld, acc_t(1), w.orows, w.ot);
+      column_dots(d, w.ot, w.dot, ld, w.delta);
+    }
+    const acc_t* lse = static_cast<const acc_t*>(a.lse);
+    for (int64_t i = 0; i < ld; ++i) {
+      w.shift[i] = i < rows ? attn::ScalarOps<acc_t>::finite_or_zero(lse[t.row_of(b, g, p0, i)]) : acc_t(0);
+    }
+  }
+
+  // S^T = K (Q * scale)^T and dP^T = V dO^T: keys x rows. Returns K's tile as
+  // dQ's right operand on the float path (k_ld its leading dimension).
+  const acc_t* scores(const QueryTile& qt, int64_t j0, int64_t nk, int64_t& k_ld) {
+    const int64_t rows = qt.rows, ld = qt.ld;
+    if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+      uint32_t* const k_pairs = words(w.kbuf);
+      uint32_t* const v_pairs = words(w.vbuf);
+      pack_rows_along(k + j0 * kss, kss, nk, d, k_pairs, dp());
+      pack_rows_along(v + j0 * vss, vss, nk, d, v_pairs, dp());
+      pack_rows_across([&](int64_t j) { return key_row(j0 + j); }, nk, d, k_across(), d_pad);
+      if (qt.narrow) {
+        scores_along_keys<KeyLanes<Pairs::kBf16>>([&](int64_t j) { return key_row(j0 + j); }, nk, d,
+                                                  words(w.q_along), dp(), rows, w.sr, sr_ld, scale, nullptr);
+        transpose_16_rows(w.sr, sr_ld, nk, w.s);
+      } else {
+        gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp(), k_pairs, dp(), words(w.qt), ld, w.s, ld, nullptr, scale);
+      }
+      gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp(), v_pairs, dp(), words(w.dot), ld, w.dp, ld);
+#endif
+      return nullptr;
+    } else {
+      const acc_t* kp = rows_in_place<T, acc_t>(k + j0 * kss, kss, d, d_pad);
+      const acc_t* vp = rows_in_place<T, acc_t>(v + j0 * vss, vss, d, d_pad);
+      int64_t v_ld = d;
+      k_ld = d;
+      if (kp == nullptr) kp = kv_tile(k + j0 * kss, kss, nk, d, d_pad, w.kbuf, k_ld);
+      if (vp == nullptr) vp = kv_tile(v + j0 * vss, vss, nk, d, d_pad, w.vbuf, v_ld);
+      bool scored = false;
+#if defined(__AVX2__)
+      if constexpr (kFloatLanes) {
+        if (qt.narrow) {  // Q * scale rows in qs
+          scores_along_keys<FloatKeyLanes>([&](int64_t j) { return key_row(j0 + j); }, nk, d, w.qs, d_pad, rows, w.sr,
+                                           sr_ld, 1.0f, nullptr);
+#if defined(__AVX512F__)
+          transpose_16_rows(w.sr, sr_ld, nk, w.s);
+#else
+          transpose(w.sr, sr_ld, ld, round_up(nk, ld), w.s, ld);
+#endif
+          scored = true;
+        }
+      }
+#endif
+      if (!scored) gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
+      gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, vp, v_ld, w.dot, ld, w.dp, ld);
+      return kp;
+    }
+  }
+
+  // The forward's probabilities recomputed into w.s and dS into w.dp: score
+  // mods, masks, dropout, then through the soft-cap.
+  void score_grads(const QueryTile& qt, int64_t j0, int64_t nk) {
+    const int64_t ld = qt.ld;
+    const bool capped = a.mods.softcap > 0;
+    const TileRows tile{b, g, group, qt.p0, qt.npos, j0, nk};
+    if (a.mods.any_score_mod()) {
+      apply_score_mods<acc_t>(w.s, ld, tile, a.mods, mask.offset, capped ? w.cap_slope : nullptr, w.cols);
+    }
+    if (!tile_fully_visible(mask, qt.p0, qt.p0 + qt.npos, j0, nk)) {
+      mask_tile(w.s, ld, nk, j0, qt.p0, qt.npos, group, mask);
+    }
+    apply_tensor_mask(w.s, ld, tile, a.tensor_mask);
+    if (a.dropout.enabled) {
+      // z = 1 / (1 - p) where kept, else 0; padding columns past the tile's rows 0.
+      const acc_t kept = static_cast<acc_t>(a.dropout.scale);
+      for_each_dropout_draw(tile, t.query_rows, t.sk, a.dropout, [&](int64_t j, int64_t col, bool keep) {
+        w.z[j * ld + col] = keep ? kept : acc_t(0);
+      });
+      for (int64_t j = 0; j < nk; ++j) std::fill(w.z + j * ld + tile.cols(), w.z + (j + 1) * ld, acc_t(0));
+      probs_and_score_grads<true>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
+    } else {
+      probs_and_score_grads<false>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
+    }
+    if (capped) {
+      // Through the cap: dz = ds * (1 - (s / cap)^2).
+      using V = Vectorized<acc_t>;
+      for (int64_t e = 0; e < nk * ld; e += V::size()) (V::loadu(w.dp + e) * V::loadu(w.cap_slope + e)).store(w.dp + e);
+    }
+  }
+
+  // dV += P^T dO, dK += dS^T (Q * scale): the sum over the group's rows is
+  // the inner dimension of these products; dQ (unscaled) += dS K.
+  void accumulate(const QueryTile& qt, int64_t j0, int64_t nk, const acc_t* kp, int64_t k_ld, acc_t* dk,
+                  acc_t* dv) {
+    const int64_t rows = qt.rows, ld = qt.ld;
+    acc_t* dv_rows = dv + j0 * d_pad;
+    acc_t* dk_rows = dk + j0 * d_pad;
+    if constexpr (kPairs) {
+#if defined(__AVX512BF16__)
+      // dS as column pairs (dQ's left operand) into z, then P and dS as row
+      // pairs in place; the rows' pairs run to ceil(rows / 2), the right
+      // operands' rows past `rows` being zero.
+      const uint32_t* ds_cols = pack_tile_pairs(w.dp, ld, nk, words(w.z));
+      const uint32_t* p_rows = pack_tile_rows_in_place(w.s, ld, nk);
+      const uint32_t* ds_rows = pack_tile_rows_in_place(w.dp, ld, nk);
+      const int64_t rp = (rows + 1) / 2;
+      gemm_pairs<ALayout::kRowMajor, true>(nk, d_pad, rp, p_rows, ld / 2, words(w.dor), d_pad, dv_rows, d_pad);
+      gemm_pairs<ALayout::kRowMajor, true>(nk, d_pad, rp, ds_rows, ld / 2, words(w.qs), d_pad, dk_rows, d_pad,
+                                           nullptr, scale);
+      gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, ds_cols, ld, k_across(), d_pad, w.dq, d_pad);
+#endif
+    } else {
+      gemm<acc_t, ALayout::kRowMajor, true>(nk, d_pad, rows, w.s, ld, w.dor, d_pad, dv_rows, d_pad);
+      gemm<acc_t, ALayout::kRowMajor, true>(nk, d_pad, rows, w.dp, ld, w.qs, d_pad, dk_rows, d_pad);
+      // dS read column-major out of the transposed tile.
+      gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.dp, ld, kp, k_ld, w.dq, d_pad);
+    }
+  }
+};
+
+template <typename T>
+struct BackwardKernel {
+  using acc_t = typename VecIO<T>::acc_t;
+
+  static void task(const AttentionBackwardArgs& a, const Tiling<acc_t>& t, BackwardScratch<acc_t> w,
+                   int64_t b, int64_t g, int64_t chunk, int64_t chunks, acc_t* dk, acc_t* dv,
+                   acc_t* dq_partial) {
+    BackwardTask<T>(a, t, w, b, g).run(chunk, chunks, dk, dv, dq_partial);
   }
 
   static AttentionWorkspace workspace(const AttentionBackwardArgs& a) {

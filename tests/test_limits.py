@@ -117,3 +117,11 @@ def test_position_ids_in_the_table(positions):
     assert_agree(lambda impl, p: lambda: impl.rope(_t(1, 2, 3, 8), _t(1, 1, 3, 8), _t(4, 4), _t(4, 4),
                                                    torch.tensor(p), 0, False, -1, False),
                  positions, max(positions) < 4 and min(positions) >= 0)
+
+
+def test_gpt_oss_defaults_are_the_schemas():
+    """moe_experts' default alpha and limit: written once in C++ (into the op
+    schemas) and once in Python (fusedllm._limits), the same values."""
+    for name in ("moe_experts", "moe_experts_backward"):
+        defaults = {a.name: a.default_value for a in getattr(ops, name).default._schema.arguments}
+        assert (defaults["alpha"], defaults["limit"]) == (_limits.GPT_OSS_ALPHA, _limits.GPT_OSS_LIMIT), name

@@ -19,6 +19,7 @@ RopeTensorArgs tensor_args(const RopeOperand& o) {
 }
 
 struct CpuRope {
+  static void check(const RopePlan& p) { check_positions(p); }
   static void run(const RopePlan& p) {
     RopeArgs a{};
     a.dtype = p.q.in.scalar_type();

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from ._limits import (ACTIVATIONS, CASTINGS, FLOAT_DTYPES, KV_CODES, MAX_HEAD_DIM, MOE_ACTIVATIONS,
-                      MOE_SCORINGS, REDUCTIONS, check_rotary_dim)
+from ._limits import (ACTIVATIONS, CASTINGS, FLOAT_DTYPES, GPT_OSS_ALPHA, GPT_OSS_LIMIT, KV_CODES, MAX_HEAD_DIM,
+                      MOE_ACTIVATIONS, MOE_SCORINGS, REDUCTIONS, check_rotary_dim)
 
 # --- argument checks: the words of csrc/include/fusedllm/*_op.h, numbers printed as C++ does
 
@@ -408,7 +408,7 @@ def check_moe_route(op, router_logits, top_k, scoring, normalize, correction_bia
 
 
 def check_moe_experts(op, hidden, indices, weights, gate_up_proj, down_proj, activation,
-                      gate_up_bias=None, down_bias=None, transposed=False, alpha=1.702, limit=7.0):
+                      gate_up_bias=None, down_bias=None, transposed=False, alpha=GPT_OSS_ALPHA, limit=GPT_OSS_LIMIT):
     _check_float(op, "hidden", hidden)
     if hidden.dim() != 2:
         _fail(op, f"hidden must be [tokens, hidden_size], got shape {list(hidden.shape)}")

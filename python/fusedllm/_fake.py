@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._extension import has_extension
+from ._limits import GPT_OSS_ALPHA, GPT_OSS_LIMIT
 
 
 def rstd_dtype(x: torch.Tensor) -> torch.dtype:
@@ -126,7 +127,7 @@ def _register_moe(ns: str) -> None:
     @torch.library.register_fake(f"{ns}::moe_experts")
     def _moe_experts_fake(hidden, indices, weights, gate_up_proj, down_proj, activation,
                           save_for_backward, gate_up_bias=None, down_bias=None, transposed=False,
-                          interleaved=False, alpha=1.702, limit=7.0):
+                          interleaved=False, alpha=GPT_OSS_ALPHA, limit=GPT_OSS_LIMIT):
         pairs = indices.shape[0] * indices.shape[1]
         two_inter = gate_up_proj.shape[2] if transposed else gate_up_proj.shape[1]
         return (
@@ -142,7 +143,7 @@ def _register_moe(ns: str) -> None:
     def _moe_experts_backward_fake(grad_out, hidden, indices, weights, gate_up_proj, down_proj, order,
                                    position, offsets, gate_up, expert_out, activation, output_mask,
                                    gate_up_bias=None, down_bias=None, transposed=False,
-                                   interleaved=False, alpha=1.702, limit=7.0,
+                                   interleaved=False, alpha=GPT_OSS_ALPHA, limit=GPT_OSS_LIMIT,
                                    bias_mask=(False, False)):
         biases = (gate_up_bias, down_bias)
         shapes = (hidden.shape, weights.shape, gate_up_proj.shape, down_proj.shape,

@@ -28,3 +28,7 @@ def check_rotary_dim(op: str, rotary_dim, head_dim: int) -> int:
 
 MOE_SCORINGS = ("softmax", "sigmoid")
 MOE_ACTIVATIONS = ("silu", "gelu_tanh", "gpt_oss")  # the experts' (moe_experts)
+# gpt-oss's clamped SwiGLU: moe_experts' default alpha and limit (the schemas' are
+# FUSEDLLM_GPT_OSS_ALPHA / _LIMIT of csrc/include/fusedllm/macros.h)
+GPT_OSS_ALPHA = 1.702
+GPT_OSS_LIMIT = 7.0

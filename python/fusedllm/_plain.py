@@ -14,7 +14,7 @@ import torch
 from ._autocast import plain as _autocast_rule
 from ._checks import (_accumulation, _check_activation, _check_float, _check_rms_norm, _check_rope, _check_same,
                       _fail, check_attention_call, check_cross_entropy, check_moe_experts, check_moe_route)
-from ._limits import KV_CODES
+from ._limits import GPT_OSS_ALPHA, GPT_OSS_LIMIT, KV_CODES
 from ._philox import dropout_keep
 
 # --- the ops --------------------------------------------------------------------------
@@ -382,8 +382,8 @@ def _expert_gated(gate_up, activation, interleaved, alpha, limit):
 
 @_autocast_rule('moe_experts')
 def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation, save_for_backward,
-                gate_up_bias=None, down_bias=None, transposed=False, interleaved=False, alpha=1.702,
-                limit=7.0):
+                gate_up_bias=None, down_bias=None, transposed=False, interleaved=False, alpha=GPT_OSS_ALPHA,
+                limit=GPT_OSS_LIMIT):
     """The experts op, one expert at a time: a reference, not a fast path.
     Returns (out, order, position, offsets, gate_up, expert_out) as the op does."""
     check_moe_experts("fusedllm.moe_experts", hidden, indices, weights, gate_up_proj, down_proj,

@@ -19,6 +19,7 @@ import sys
 import torch
 
 from ._extension import has_extension
+from ._limits import GPT_OSS_ALPHA, GPT_OSS_LIMIT
 
 _registered = False
 
@@ -339,8 +340,8 @@ def _moe_route_backward(grad_weights, router_logits, indices, scoring, normalize
 
 
 def _moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation, save_for_backward,
-                 gate_up_bias=None, down_bias=None, transposed=False, interleaved=False, alpha=1.702,
-                 limit=7.0):
+                 gate_up_bias=None, down_bias=None, transposed=False, interleaved=False, alpha=GPT_OSS_ALPHA,
+                 limit=GPT_OSS_LIMIT):
     # Sharded over tokens with every expert on every rank. What is saved for
     # backward (the pairs in expert order, each expert's row offsets) is each
     # rank's own: the offsets of all ranks add up to those of the whole batch.
@@ -354,7 +355,7 @@ def _moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation, 
 
 def _moe_experts_backward(grad_out, hidden, indices, weights, gate_up_proj, down_proj, order, position,
                           offsets, gate_up, expert_out, activation, output_mask, gate_up_bias=None,
-                          down_bias=None, transposed=False, interleaved=False, alpha=1.702, limit=7.0,
+                          down_bias=None, transposed=False, interleaved=False, alpha=GPT_OSS_ALPHA, limit=GPT_OSS_LIMIT,
                           bias_mask=(False, False)):
     rules = []
     for p, summed in ((Replicate(), Replicate()), (Shard(0), Partial())):

@@ -13,7 +13,7 @@ import torch
 
 from . import _autocast, _checks, _plain
 from ._devices import ops_for
-from ._limits import REDUCTIONS, check_rotary_dim
+from ._limits import GPT_OSS_ALPHA, GPT_OSS_LIMIT, REDUCTIONS, check_rotary_dim
 
 # Each call takes its implementation from ops_for(first tensor): the compiled
 # operators on CPU (and CUDA when built with its kernels), the plain path
@@ -592,7 +592,7 @@ def moe_experts(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tens
                 gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                 activation: str = "silu", *, gate_up_bias: torch.Tensor | None = None,
                 down_bias: torch.Tensor | None = None, transposed: bool = False,
-                interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+                interleaved: bool = False, alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT) -> torch.Tensor:
     """The experts of a mixture-of-experts layer, each token through its chosen ones.
 
     ``hidden`` ``[..., hidden_size]``; ``indices`` (int64) and ``weights``

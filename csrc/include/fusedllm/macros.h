@@ -12,3 +12,12 @@
 #if defined(FUSEDLLM_SIMT)
 #include "simt/device_math.h"
 #endif
+
+// gpt-oss's clamped SwiGLU (act::gpt_oss_gated): the default alpha and limit
+// of the moe_experts ops, written into their schemas (schemas.h) and the
+// Gating defaults (moe.h) from here; tests/test_limits.py checks the schemas
+// against fusedllm._limits.
+#define FUSEDLLM_GPT_OSS_ALPHA 1.702
+#define FUSEDLLM_GPT_OSS_LIMIT 7.0
+#define FUSEDLLM_STRING_(x) #x
+#define FUSEDLLM_STRING(x) FUSEDLLM_STRING_(x)

@@ -43,7 +43,7 @@ enum class Gate : int { kSilu = 0, kGeluTanh = 1, kGptOss = 2 };
 struct Gating {
   Gate gate = Gate::kSilu;
   bool interleaved = false;
-  double alpha = 1.702, limit = 7.0;
+  double alpha = FUSEDLLM_GPT_OSS_ALPHA, limit = FUSEDLLM_GPT_OSS_LIMIT;
 };
 
 // Where the gate and the up value of output column c sit in a gate/up row.

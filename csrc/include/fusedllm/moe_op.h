@@ -140,8 +140,8 @@ inline MoeShape check_moe_experts(const char* op, const at::Tensor& hidden,
                                   std::string_view activation,
                                   const std::optional<at::Tensor>& gate_up_bias = std::nullopt,
                                   const std::optional<at::Tensor>& down_bias = std::nullopt,
-                                  bool transposed = false, double alpha = 1.702,
-                                  double limit = 7.0) {
+                                  bool transposed = false, double alpha = FUSEDLLM_GPT_OSS_ALPHA,
+                                  double limit = FUSEDLLM_GPT_OSS_LIMIT) {
   check_float_tensor(hidden, op, "hidden");
   TORCH_CHECK_VALUE(hidden.dim() == 2, op, ": hidden must be [tokens, hidden_size], got shape ",
                     hidden.sizes());

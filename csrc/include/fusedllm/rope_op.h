@@ -27,8 +27,25 @@ struct RopePlan {
   // int64 [Bp, S] (Bp 1 with stride 0, or B), or undefined: position offset + s.
   at::Tensor positions;
   int64_t offset = 0;
+  const char* op = "";
   bool empty() const { return batch * seq * head_dim == 0 || (q.in.size(1) + k.in.size(1)) == 0; }
 };
+
+// Every position of a host tensor inside the table: run by the CPU ops before
+// any row is written (rope_ works in place) and whether or not a row reads it;
+// a CUDA kernel asserts on the device instead.
+inline void check_positions(const RopePlan& p) {
+  if (!p.positions.defined()) return;
+  const int64_t rows = p.cos.size(1), stride = p.positions.stride(0);
+  const int64_t* v = p.positions.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t s = 0; s < p.seq; ++s) {
+      const int64_t pos = v[b * stride + s];
+      TORCH_CHECK_VALUE(pos >= 0 && pos < rows, p.op, ": position ", pos, " is outside the cos/sin table of ",
+                        rows, " positions");
+    }
+  }
+}
 
 inline RopePlan plan_rope(const char* op, const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& cos, const at::Tensor& sin,
@@ -44,6 +61,7 @@ inline RopePlan plan_rope(const char* op, const at::Tensor& q, const at::Tensor&
   TORCH_CHECK_VALUE(q.size(3) == k.size(3), op, ": q and k must have the same head dim, got ",
                     q.size(3), " and ", k.size(3));
   RopePlan p;
+  p.op = op;
   p.batch = q.size(0);
   p.seq = q.size(2);
   p.head_dim = q.size(3);
@@ -110,16 +128,6 @@ inline RopePlan plan_rope(const char* op, const at::Tensor& q, const at::Tensor&
     TORCH_CHECK_VALUE(offset == 0, op, ": pass either position_ids or offset, not both");
     at::Tensor pos2 = (pos.dim() == 1 ? pos.unsqueeze(0) : pos).to(at::kLong);
     if (pos2.stride(1) != 1) pos2 = pos2.contiguous();
-    if (pos2.device().is_cpu()) {
-      // Every position, before any row is written (rope_ works in place) and
-      // whether or not a row reads it; a CUDA kernel asserts on the device.
-      const at::Tensor flat = pos2.contiguous();
-      const int64_t* v = flat.const_data_ptr<int64_t>();
-      for (int64_t i = 0; i < flat.numel(); ++i) {
-        TORCH_CHECK_VALUE(v[i] >= 0 && v[i] < table_rows, op, ": position ", v[i],
-                          " is outside the cos/sin table of ", table_rows, " positions");
-      }
-    }
     p.positions = pos2.expand({p.batch, p.seq});
   } else {
     TORCH_CHECK_VALUE(offset + p.seq <= table_rows, op, ": positions ", offset, "..",
@@ -147,9 +155,13 @@ inline RopePlan plan_rope(const char* op, const at::Tensor& q, const at::Tensor&
   return p;
 }
 
-// `Impl` provides `static void run(const RopePlan&)` for non-empty plans.
+// `Impl` provides `static void run(const RopePlan&)` for non-empty plans, and
+// may provide `static void check(const RopePlan&)`, run on every plan first.
 template <typename Impl>
 struct RopeOps {
+  static void check(const RopePlan& p) {
+    if constexpr (requires { Impl::check(p); }) Impl::check(p);
+  }
   static std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& cos, const at::Tensor& sin,
                                                  const std::optional<at::Tensor>& position_ids,
@@ -157,6 +169,7 @@ struct RopeOps {
                                                  int64_t rotary_dim, bool inverse) {
     auto p = plan_rope("fusedllm.rope", q, k, cos, sin, position_ids, offset, interleaved,
                        rotary_dim, inverse, /*in_place=*/false);
+    check(p);
     if (!p.empty()) Impl::run(p);
     return {p.q.out, p.k.out};
   }
@@ -166,6 +179,7 @@ struct RopeOps {
                     int64_t offset, bool interleaved, int64_t rotary_dim, bool inverse) {
     auto p = plan_rope("fusedllm.rope_", q, k, cos, sin, position_ids, offset, interleaved,
                        rotary_dim, inverse, /*in_place=*/true);
+    check(p);
     if (!p.empty()) Impl::run(p);
   }
 };

@@ -5,6 +5,8 @@
 
 #include <torch/library.h>
 
+#include "fusedllm/macros.h"
+
 namespace fusedllm {
 
 inline void define_ops(torch::Library& m) {
@@ -123,7 +125,8 @@ inline void define_ops(torch::Library& m) {
   m.def("moe_experts(Tensor hidden, Tensor indices, Tensor weights, Tensor gate_up_proj, "
         "Tensor down_proj, str activation, bool save_for_backward, Tensor? gate_up_bias=None, "
         "Tensor? down_bias=None, bool transposed=False, bool interleaved=False, "
-        "float alpha=1.702, float limit=7.0) -> (Tensor out, "
+        "float alpha=" FUSEDLLM_STRING(FUSEDLLM_GPT_OSS_ALPHA) ", "
+        "float limit=" FUSEDLLM_STRING(FUSEDLLM_GPT_OSS_LIMIT) ") -> (Tensor out, "
         "Tensor order, Tensor position, Tensor offsets, Tensor gate_up, Tensor expert_out)");
   // Gradients as output_mask asks (hidden, weights, gate_up_proj, down_proj)
   // and bias_mask (gate_up_bias, down_bias, where given); [0] for the others.
@@ -131,7 +134,8 @@ inline void define_ops(torch::Library& m) {
         "Tensor gate_up_proj, Tensor down_proj, Tensor order, Tensor position, Tensor offsets, "
         "Tensor gate_up, Tensor expert_out, str activation, bool[4] output_mask, "
         "Tensor? gate_up_bias=None, Tensor? down_bias=None, bool transposed=False, "
-        "bool interleaved=False, float alpha=1.702, float limit=7.0, "
+        "bool interleaved=False, float alpha=" FUSEDLLM_STRING(FUSEDLLM_GPT_OSS_ALPHA) ", "
+        "float limit=" FUSEDLLM_STRING(FUSEDLLM_GPT_OSS_LIMIT) ", "
         "bool[2] bias_mask=[False, False]) -> (Tensor grad_hidden, Tensor grad_weights, "
         "Tensor grad_gate_up_proj, Tensor grad_down_proj, Tensor grad_gate_up_bias, "
         "Tensor grad_down_bias)");

@@ -27,8 +27,8 @@ using at::vec::Vectorized;
 // matter lie), exp(0) = 1 exactly, inf above 88.72, NaN for NaN, 0 below -87
 // (AVX2) or a subnormal down to -103 (AVX-512, where vscalefps applies 2^n).
 // ATen's exp_u20 (about 1e-6 everywhere) takes 19 instructions with three
-// conversions where this takes 12: a 96 x 96 tile's softmax ran 1.13x (AVX-512)
-// and 1.7x (AVX2) as fast on a Zen 4. The DEFAULT variant keeps exp_u20.
+// conversions where this takes 12: a 96 x 96 tile's softmax ran 1.17x (AVX-512)
+// and 1.03x (AVX2) as fast on a Zen 4. The DEFAULT variant keeps exp_u20.
 #if defined(CPU_CAPABILITY_AVX512)
 inline __m512 exp_fast(__m512 x) {
   // min / max return their second operand when either is NaN: NaN passes

@@ -1,6 +1,7 @@
 """Tolerances and comparison helpers shared by the tests."""
 
 import contextlib
+import re
 
 import torch
 
@@ -127,3 +128,8 @@ def results_across_thread_counts(device, run):
     finally:
         torch.set_num_threads(old)
     return results
+
+
+def whole(message: str) -> str:
+    """A pytest.raises match= for exactly this message."""
+    return "^" + re.escape(message) + "$"

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import fusedllm
 from fusedllm.nn import MoE
+from checks import whole
 
 
 def plain_moe(m: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -257,29 +258,42 @@ def test_meta_device_and_repr():
         assert words in text
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(hidden_size=0), "hidden_size"),
-    (dict(intermediate_size=2.5), "intermediate_size"),
-    (dict(num_experts=True), "num_experts"),
-    (dict(top_k=0), "top_k"),
-    (dict(top_k=9), "top_k"),
-    (dict(activation="relu"), "activation"),
-    (dict(scoring="tanh"), "scoring"),
-    (dict(normalize=1), "normalize"),
-    (dict(num_groups=3), "num_groups"),
-    (dict(num_groups=4, top_groups=5), "top_groups"),
-    (dict(num_groups=4, top_groups=1, top_k=3), "top_k"),
-    (dict(scaling=float("inf")), "scaling"),
-    (dict(scaling="2"), "scaling"),
-    (dict(correction_bias=None), "correction_bias"),
-    (dict(shared_intermediate_size=-1), "shared_intermediate_size"),
-    (dict(shared_gate=True), "shared_gate"),
-    (dict(shared_intermediate_size=8, shared_name="experts"), "shared_name"),
-])
-def test_bad_constructor_arguments(kwargs, name):
+
+# (kwargs, the argument a row is about, the whole message)
+BAD_CONSTRUCTOR_ARGUMENTS = [
+    (dict(hidden_size=0), "hidden_size", "fusedllm.nn.MoE: hidden_size must be a positive int, got 0"),
+    (dict(intermediate_size=2.5), "intermediate_size",
+     "fusedllm.nn.MoE: intermediate_size must be a positive int, got 2.5"),
+    (dict(num_experts=True), "num_experts", "fusedllm.nn.MoE: num_experts must be a positive int, got True"),
+    (dict(top_k=0), "top_k", "fusedllm.nn.MoE: top_k must be a positive int, got 0"),
+    (dict(top_k=9), "top_k", "fusedllm.nn.MoE: top_k (9) must be at most num_experts (8)"),
+    (dict(activation="relu"), "activation",
+     "fusedllm.nn.MoE: activation must be one of ('silu', 'gelu_tanh'), got 'relu'"),
+    (dict(scoring="tanh"), "scoring", "fusedllm.nn.MoE: scoring must be one of ('softmax', 'sigmoid'), got 'tanh'"),
+    (dict(normalize=1), "normalize", "fusedllm.nn.MoE: normalize must be True or False, got 1"),
+    (dict(num_groups=3), "num_groups", "fusedllm.nn.MoE: num_groups (3) must divide num_experts (8)"),
+    (dict(num_groups=4, top_groups=5), "top_groups", "fusedllm.nn.MoE: top_groups (5) must be at most num_groups (4)"),
+    (dict(num_groups=4, top_groups=1, top_k=3), "top_k",
+     "fusedllm.nn.MoE: top_k (3) is more than the 2 experts of the top_groups=1 groups kept"),
+    (dict(scaling=float("inf")), "scaling", "fusedllm.nn.MoE: scaling must be a finite number, got inf"),
+    (dict(scaling="2"), "scaling", "fusedllm.nn.MoE: scaling must be a finite number, got '2'"),
+    (dict(correction_bias=None), "correction_bias", "fusedllm.nn.MoE: correction_bias must be True or False, got None"),
+    (dict(shared_intermediate_size=-1), "shared_intermediate_size",
+     "fusedllm.nn.MoE: shared_intermediate_size must be a positive int, got -1"),
+    (dict(shared_gate=True), "shared_gate",
+     "fusedllm.nn.MoE: shared_gate=True needs a shared expert (shared_intermediate_size)"),
+    (dict(shared_intermediate_size=8, shared_name="experts"), "shared_name",
+     "fusedllm.nn.MoE: shared_name must be an identifier other than gate, experts and shared_expert_gate, "
+     "got 'experts'"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", [pytest.param(kwargs, message, id=f"kwargs{i}-{name}")
+                                             for i, (kwargs, name, message) in enumerate(BAD_CONSTRUCTOR_ARGUMENTS)])
+def test_bad_constructor_arguments(kwargs, message):
     args = dict(hidden_size=16, intermediate_size=8, num_experts=8, top_k=2)
     args.update(kwargs)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=whole(message)):
         MoE(**args)
 
 
@@ -287,7 +301,7 @@ def test_bad_forward_arguments():
     m = _layer("mixtral", dtype=torch.float32)
     with pytest.raises(ValueError, match=r"x must be \[\.\.\., hidden_size=16\]"):
         m(torch.randn(3, 15))
-    with pytest.raises(ValueError, match="x must be"):
+    with pytest.raises(ValueError, match=whole("fusedllm.nn.MoE: x must be [..., hidden_size=16], got list")):
         m([1.0] * 16)
     with pytest.raises(ValueError, match="x is torch.float64"):
         m(torch.randn(3, 16, dtype=torch.float64))

@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 
 import pytest
 
@@ -69,7 +70,8 @@ def test_size_setting_rejects_unknown(path, monkeypatch):
     monkeypatch.setenv("FUSEDLLM_NOTEBOOK_SIZE", "huge")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     first = first_code_cell(path)
-    with pytest.raises(ValueError, match="huge"):
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "FUSEDLLM_NOTEBOOK_SIZE='huge': use small, default or large") + "$"):
         exec(first, {})
 
 

@@ -4,6 +4,7 @@ separate projections, from_sequential, KV-cache decoding against the full
 forward, dropout, torch.compile and bad arguments."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 import fusedllm
 from fusedllm.nn import GatedMLP, GQAttention, KVCache, ParallelBlock, RMSNorm
 
-from checks import FORWARD_TOL, GRAD_TOL, assert_close
+from checks import FORWARD_TOL, GRAD_TOL, assert_close, whole
 from reference import attention as ref_attention
 
 
@@ -335,53 +336,73 @@ def test_meta_device_and_repr():
     assert "intermediate_size=40" in text and "window=8" in text
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(d_model=0), "d_model"),
-    (dict(n_heads=3), "n_heads"),
-    (dict(n_kv_heads=3), "n_kv_heads"),
-    (dict(n_kv_heads=0), "n_kv_heads"),
-    (dict(intermediate_size=None), "intermediate_size"),
-    (dict(intermediate_size=-4), "intermediate_size"),
-    (dict(norm="batch"), "norm"),
-    (dict(activation="relu"), "activation"),
-    (dict(bias=1), "bias"),
-    (dict(rope="yes"), "rope"),
-    (dict(window=0), "window"),
-    (dict(dropout=1.0), "dropout"),
-    (dict(eps=-1.0), "eps"),
-    (dict(rotary_dim=5), "rotary_dim"),
-    (dict(head_dim=7), "head_dim"),
-    (dict(head_dim=0), "head_dim"),
-])
-def test_bad_constructor_arguments(kwargs, name):
+
+# (kwargs, the argument a row is about, the whole message)
+BAD_CONSTRUCTOR_ARGUMENTS = [
+    (dict(d_model=0), "d_model", "fusedllm.nn.ParallelBlock: d_model must be a positive int, got 0"),
+    (dict(n_heads=3), "n_heads", "fusedllm.nn.ParallelBlock: n_heads (3) must be a multiple of n_kv_heads (2)"),
+    (dict(n_kv_heads=3), "n_kv_heads",
+     "fusedllm.nn.ParallelBlock: n_heads (4) must be a multiple of n_kv_heads (3)"),
+    (dict(n_kv_heads=0), "n_kv_heads", "fusedllm.nn.ParallelBlock: n_kv_heads must be a positive int, got 0"),
+    (dict(intermediate_size=None), "intermediate_size",
+     "fusedllm.nn.ParallelBlock: intermediate_size must be given (the gated hidden width)"),
+    (dict(intermediate_size=-4), "intermediate_size",
+     "fusedllm.nn.ParallelBlock: intermediate_size must be a positive int, got -4"),
+    (dict(norm="batch"), "norm", "fusedllm.nn.ParallelBlock: norm must be one of ('rms', 'layer'), got 'batch'"),
+    (dict(activation="relu"), "activation",
+     "fusedllm.nn.ParallelBlock: activation must be one of ('silu', 'gelu_tanh'), got 'relu'"),
+    (dict(bias=1), "bias", "fusedllm.nn.ParallelBlock: bias must be True or False, got 1"),
+    (dict(rope="yes"), "rope", "fusedllm.nn.ParallelBlock: rope must be True or False, got 'yes'"),
+    (dict(window=0), "window", "fusedllm.nn.ParallelBlock: window must be a positive int, got 0"),
+    (dict(dropout=1.0), "dropout", "fusedllm.nn.ParallelBlock: dropout must be a number in [0, 1), got 1.0"),
+    (dict(eps=-1.0), "eps", "fusedllm.nn.ParallelBlock: eps must be a number >= 0, got -1.0"),
+    (dict(rotary_dim=5), "rotary_dim",
+     "fusedllm.nn.ParallelBlock: rotary_dim must be a positive even number at most the head dim 8, got 5"),
+    (dict(head_dim=7), "head_dim", "fusedllm.nn.ParallelBlock: rope=True needs an even head_dim, got 7"),
+    (dict(head_dim=0), "head_dim", "fusedllm.nn.ParallelBlock: head_dim must be a positive int, got 0"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", [pytest.param(kwargs, message, id=f"kwargs{i}-{name}")
+                                             for i, (kwargs, name, message) in enumerate(BAD_CONSTRUCTOR_ARGUMENTS)])
+def test_bad_constructor_arguments(kwargs, message):
     args = dict(d_model=32, n_heads=4, n_kv_heads=2, intermediate_size=40)
     args.update(kwargs)
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(ValueError, match=whole(message)):
         ParallelBlock(**args)
 
 
 def test_bad_forward_arguments():
     block = ParallelBlock(32, 4, 2, 40)
-    with pytest.raises(ValueError, match="x must be"):
+    with pytest.raises(ValueError, match=whole(
+            "fusedllm.nn.ParallelBlock: x must be [batch, seq, d_model=32], got [2, 5, 16]")):
         block(torch.randn(2, 5, 16))
-    with pytest.raises(ValueError, match="x must be"):
+    with pytest.raises(ValueError, match=whole(
+            "fusedllm.nn.ParallelBlock: x must be [batch, seq, d_model=32], got [5, 32]")):
         block(torch.randn(5, 32))
     with pytest.raises(ValueError, match="x is torch.float64"):
         block(torch.randn(1, 5, 32, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"mask of shape \[3, 3, 7, 7\] does not broadcast to \[batch, q_heads, q_len, "
                                          r"kv_len\] = \[1, 4, 5, 5\]$"):
         block(torch.randn(1, 5, 32), mask=torch.ones(3, 3, 7, 7, dtype=torch.bool))
-    with pytest.raises(ValueError, match="cache"):
+    with pytest.raises(ValueError, match=whole(
+            "fusedllm.nn.ParallelBlock: cache must be a fusedllm.nn.KVCache, got list")):
         block(torch.randn(1, 5, 32), cache=[])
-    with pytest.raises(ValueError, match="mask"):
+    with pytest.raises(ValueError, match=whole(
+            "fusedllm.nn.ParallelBlock: mask must be a torch.Tensor or None, got list")):
         block(torch.randn(1, 5, 32), mask=[[True]])
-    with pytest.raises(ValueError, match="position_offset"):
+    with pytest.raises(ValueError, match=whole(
+            "fusedllm.nn.ParallelBlock: position_offset must be an int >= 0, got -1")):
         block(torch.randn(1, 5, 32), position_offset=-1)
-    with pytest.raises(ValueError, match="attention"):
+    with pytest.raises(ValueError, match=whole(
+            "fusedllm.nn.ParallelBlock.from_sequential: attention must be a fusedllm.nn.GQAttention, got Linear")):
         ParallelBlock.from_sequential(nn.Linear(2, 2), GatedMLP(32, 40))
-    with pytest.raises(ValueError, match="mlp"):
+    with pytest.raises(ValueError, match=whole(
+            "fusedllm.nn.ParallelBlock.from_sequential: mlp must be a fusedllm.nn.GatedMLP, got Linear")):
         ParallelBlock.from_sequential(GQAttention(32, 4), nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="norm"):
+    with pytest.raises(ValueError, match=whole(
+            "fusedllm.nn.ParallelBlock.from_sequential: norm must be a fusedllm.nn.RMSNorm or nn.LayerNorm, "
+            "got Identity")):
         ParallelBlock.from_sequential(GQAttention(32, 4), GatedMLP(32, 40), nn.Identity())
 
 

@@ -135,11 +135,7 @@ template <typename T>
 struct BackwardTask {
   using acc_t = typename VecIO<T>::acc_t;
   static constexpr bool kPairs = kPairProducts<T>;
-#if defined(__AVX2__)
-  static constexpr bool kFloatLanes = !kPairs && std::is_same_v<acc_t, float>;
-#else
-  static constexpr bool kFloatLanes = false;
-#endif
+  static constexpr bool kFloatLanes = kFloatKeyLanes<T>;
 
   // A tile of query positions [p0, p0 + npos) and its rows (positions x the
   // group's heads). Tiles the forward scored with the keys along the lanes

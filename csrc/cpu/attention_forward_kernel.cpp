@@ -277,11 +277,7 @@ struct ForwardTask {
   // scaled Q rows in kbuf (K is read where it lies), then transposed into
   // the tile the rest of the float32 path reads. Q's rows in the lanes
   // (rows x keys as keys x rows) used 4 or 8 of 16 (8) lanes.
-#if defined(__AVX2__)
-  static constexpr bool kFloatLanes = !kPairs && std::is_same_v<acc_t, float>;
-#else
-  static constexpr bool kFloatLanes = false;
-#endif
+  static constexpr bool kFloatLanes = kFloatKeyLanes<T>;
 
   // The next key tile's rows, asked for in kPrefetchParts pieces spread over
   // this tile's work (all at once, the requests fill the core's miss queue

@@ -27,6 +27,17 @@ constexpr bool kPairProducts =
     false;
 #endif
 
+// Whether a T operand's decoding tiles (at most kNarrowRows rows) score on
+// float32 FMAs with the keys along the lanes (FloatKeyLanes, attention_lanes.h)
+// in this variant: float32, and 16-bit operands without the pair kernels.
+template <typename T>
+constexpr bool kFloatKeyLanes =
+#if defined(__AVX2__)
+    !kPairProducts<T> && std::is_same_v<typename VecIO<T>::acc_t, float>;
+#else
+    false;
+#endif
+
 #if defined(__AVX512BF16__)
 // ---------------------------------------------------------------------------
 // Pair products: C (+)= A B, two terms of the inner dimension per instruction.

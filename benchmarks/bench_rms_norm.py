@@ -168,6 +168,8 @@ def bench_case(rows, dim, dtype, device, reps, with_compile, lk, add=False):
 
 def cases(args, device):
     shapes = [(2048, 1024)] if args.quick else [(4096, 4096), (16384, 1024)]
+    if device.type == "cuda" and not args.quick:  # sizes whose time is the kernels', not the per-call cost
+        shapes += [(16384, 4096), (65536, 1024)]
     reps = args.reps or (15 if args.quick else 40)
     lk = liger(device, args)
     for add in (False, True):

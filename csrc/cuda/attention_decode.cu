@@ -134,6 +134,23 @@ __device__ __forceinline__ int64_t broadcast64(int64_t v, int src) {
   return static_cast<int64_t>(static_cast<uint64_t>(hi) << 32 | lo);
 }
 
+// A 64-row tile's row pointers held across a warp's lanes, lane l rows l and
+// l + 32: each row's place (a block-table read on a paged cache) is worked
+// out once a tile by one lane, and any row's pointer is then two shuffles. Per
+// 16-byte copy, that place had cost a dependent table load and 64-bit products.
+template <typename S>
+struct LaneRows {
+  const S* low;   // row lane
+  const S* high;  // row lane + 32
+
+  // Row r's pointer (nullptr: not readable). A warp-wide call: every lane
+  // calls it, all with r below 32 or all with r from 32 on.
+  __device__ __forceinline__ const S* row(int r) const {
+    const S* mine = r < kWarpSize ? low : high;
+    return reinterpret_cast<const S*>(broadcast64(reinterpret_cast<int64_t>(mine), r % kWarpSize));
+  }
+};
+
 // Three blocks a SM where the registers allow it without spilling.
 template <typename T, Stored kS, int kD, int kRows>
 __global__ void __launch_bounds__(kDecodeThreads, kD <= 64 && kRows <= 4 ? 3 : 2)
@@ -513,29 +530,58 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
     const Strides st = is_v ? v.scale_st : k.scale_st;
     return place.page < 0 ? 0.f : scales[place.page * st.b + g * st.h + place.row * st.s] * kUnit;
   };
+  // The rows of keys [j0, j0 + kKeys) of K or V over this warp's lanes.
+  static_assert(kKeys == 2 * kWarpSize, "LaneRows holds two rows a lane");
+  const auto lane_rows = [&](const KvSource& src, int64_t j0) {
+    return LaneRows<S>{key_row(src, j0 + lane), key_row(src, j0 + lane + kWarpSize)};
+  };
   const auto stage_kv = [&](int64_t tile) {
     const int buffer = static_cast<int>(tile % 2);
     const int64_t j0 = key_lo + tile * kKeys;
     if constexpr (kCodes) {
-      // Whole 16-byte chunks (`wide` rows: launch_attention_decode).
+      // Whole 16-byte chunks (`wide` rows: launch_attention_decode), thread
+      // t's at row t / kChunks + i kRowStep.
       constexpr int kChunks = kD / 16, kRowStep = tc::kThreads / kChunks;
       const int row = threadIdx.x / kChunks, col = threadIdx.x % kChunks * 16;
+      uint8_t* k_to = kc_s + (buffer * kKeys + row) * kD + col;
+      uint8_t* v_to = vc_s + (buffer * kKeys + row) * kD + col;
+      if (k.pages.paged()) {
+        // A thread's rows lie in the same half of the tile across its warp
+        // (row < 16 at head dim 128, < 32 at 64), as LaneRows::row asks.
+        const LaneRows<S> k_rows = lane_rows(k, j0), v_rows = lane_rows(v, j0);
 #pragma unroll 1
-      for (int i = 0; i < kKeys / kRowStep; ++i) {
-        const int r = row + i * kRowStep;
-        const uint8_t* kr = col < d ? key_row(k, j0 + r) : nullptr;
-        const uint8_t* vr = col < d ? key_row(v, j0 + r) : nullptr;
-        uint8_t* k_to = kc_s + (buffer * kKeys + r) * kD + col;
-        uint8_t* v_to = vc_s + (buffer * kKeys + r) * kD + col;
-        mma::cp_async_16_or_zero(k_to, kr != nullptr ? kr + col : k_to, kr != nullptr);
-        mma::cp_async_16_or_zero(v_to, vr != nullptr ? vr + col : v_to, vr != nullptr);
+        for (int i = 0; i < kKeys / kRowStep; ++i) {
+          const int r = row + i * kRowStep;
+          const uint8_t* kr = k_rows.row(r);
+          const uint8_t* vr = v_rows.row(r);
+          if (col >= d) kr = vr = nullptr;
+          mma::cp_async_16_or_zero(k_to + i * kRowStep * kD, kr != nullptr ? kr + col : k_to, kr != nullptr);
+          mma::cp_async_16_or_zero(v_to + i * kRowStep * kD, vr != nullptr ? vr + col : v_to, vr != nullptr);
+        }
+      } else {
+        // Dense rows: one source pointer a thread, stepping by kRowStep rows.
+        const int n = static_cast<int>(std::min<int64_t>(kKeys, key_hi - j0));
+        const uint8_t* kr = key_row(k, j0) + row * k.st.s + col;
+        const uint8_t* vr = key_row(v, j0) + row * v.st.s + col;
+#pragma unroll 1
+        for (int i = 0; i < kKeys / kRowStep; ++i) {
+          const bool inside = row + i * kRowStep < n && col < d;
+          mma::cp_async_16_or_zero(k_to + i * kRowStep * kD, inside ? kr : k_to, inside);
+          mma::cp_async_16_or_zero(v_to + i * kRowStep * kD, inside ? vr : v_to, inside);
+          kr += kRowStep * k.st.s;
+          vr += kRowStep * v.st.s;
+        }
       }
     } else {
       T* k_to = k_s + buffer * kKeys * kStride;
       T* v_to = v_s + buffer * kKeys * kStride;
       if (k.pages.paged()) {
-        tc::stage_tile<T, kD, kKeys>(k_to, [&](int r) { return key_row(k, j0 + r); }, d, kv_chunks);
-        tc::stage_tile<T, kD, kKeys>(v_to, [&](int r) { return key_row(v, j0 + r); }, d, kv_chunks);
+        // stage_tile asks each row of every lane of a warp at once, from one
+        // half of the tile; its loop, not unrolled: the unrolled copies' 16
+        // addresses spilled at head dim 128 (sm_90).
+        const LaneRows<S> k_rows = lane_rows(k, j0), v_rows = lane_rows(v, j0);
+        tc::stage_tile<T, kD, kKeys, false>(k_to, [k_rows](int r) { return k_rows.row(r); }, d, kv_chunks);
+        tc::stage_tile<T, kD, kKeys, false>(v_to, [v_rows](int r) { return v_rows.row(r); }, d, kv_chunks);
       } else {
         const int n = static_cast<int>(std::min<int64_t>(kKeys, key_hi - j0));
         tc::stage_strided_rows<T, kD, kKeys>(k_to, key_row(k, j0), k.st.s, n, d, kv_chunks);

@@ -127,12 +127,13 @@ inline bool chunks_aligned(const void* ptr, Strides s) {
 // the chunk is whole or past d, element by element otherwise. The caller
 // commits the cp.async group.
 //
-// Where every chunk is whole (chunks and d == kD: the common head dims) and kD
-// <= 128, a thread's units are unrolled into one cp.async each and a test of
-// the row:
+// Where every chunk is whole (chunks and d == kD: the common head dims), kD
+// <= 128 and kMayUnroll, a thread's units are unrolled into one cp.async each
+// and a test of the row:
 // the general loop cost about 60 instructions per 16-byte copy in the SASS,
-// half of the forward's key-tile loop.
-template <typename T, int kD, int kTileRows, typename RowFn>
+// half of the forward's key-tile loop. (kMayUnroll false: a caller whose
+// registers cannot hold every unit's address at once.)
+template <typename T, int kD, int kTileRows, bool kMayUnroll = true, typename RowFn>
 __device__ __forceinline__ void stage_tile(T* dst, RowFn&& src_row, int d, bool chunks) {
   constexpr int kChunks = kD / 8, kStride = Tile<kD>::kStride;
   constexpr int kSlabsPerOctet = kChunks / 4;  // a slab: 8 rows x 4 chunks, one warp's turn
@@ -143,7 +144,7 @@ __device__ __forceinline__ void stage_tile(T* dst, RowFn&& src_row, int d, bool 
   const auto col_of = [](int u) { return 8 * (4 * (u / kWarpSize % kSlabsPerOctet) + u % kWarpSize / 8); };
   // At head dim 256 the unrolled copies' addresses took registers the
   // forward's accumulators need (it spilled).
-  constexpr bool kUnrolled = kD <= 128;
+  constexpr bool kUnrolled = kMayUnroll && kD <= 128;
   if (kUnrolled && chunks && d == kD) {
 #pragma unroll
     for (int i = 0; i < kUnits / kThreads; ++i) {

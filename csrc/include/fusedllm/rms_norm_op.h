@@ -123,8 +123,11 @@ inline RmsNormBackwardPlan plan_rms_norm_backward(
   const bool has_weight = weight.has_value() && weight->defined();
   p.want_weight_grad = has_weight && compute_weight_grad;
   p.grad_input = at::empty(input.sizes(), input.options());
-  p.grad_weight = p.want_weight_grad ? at::zeros({p.n}, input.options())
-                                     : at::empty({0}, input.options());
+  // Every device's kernels write each element of the weight gradient; zeros
+  // only where no kernel runs (no rows), which saves a fill per call.
+  p.grad_weight = !p.want_weight_grad ? at::empty({0}, input.options())
+                  : input.numel() == 0 ? at::zeros({p.n}, input.options())
+                                       : at::empty({p.n}, input.options());
   if (input.numel() == 0) return p;
   p.grad_out = as_rows(grad_out, p.n);
   p.x = as_rows(input, p.n);

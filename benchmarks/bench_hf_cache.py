@@ -15,7 +15,10 @@ a different computation: the rows show the bounded memory and step time).
 On the full-layer rows also: FusedCache
 with int8 storage (read in place by the fusedllm attention), DynamicCache
 under transformers' "sdpa" attention, and, where optimum-quanto is installed,
-transformers' QuantizedCache (4-bit). Each layer's cache
+transformers' QuantizedCache (4-bit). On a GPU (not --quick) also a Llama
+large enough that attention shows in a step ("llama 8x4096" rows: 8 layers,
+hidden 4096, 32 query / 8 kv heads of 128, MLP 4096, bfloat16), full
+layers. Each layer's cache
 is filled with the context's keys and values (random, not timed); then `new`
 greedy decoding steps of one token each through the whole model, the median
 step time. DynamicCache concatenates each layer's whole past with the new
@@ -44,6 +47,11 @@ from fusedllm.hf import FusedCache  # noqa: E402
 
 CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=2, vocab_size=32000, max_position_embeddings=65536)
+# Llama-3-8B's attention shape in 8 layers, with an MLP no wider than the model
+# so that the KV cache's reads weigh in the step: 32k keys make 1 GiB of cache
+# at batch 1 against 1.1 GB of weights.
+LARGE = dict(CONFIG, hidden_size=4096, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=32,
+             num_key_value_heads=8)
 
 
 def storage_mib(cache):
@@ -66,13 +74,14 @@ def quantized_cache(config):
 
 
 def bench_one(model, cache, batch, context, new, device, dtype):
-    head_dim = CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
-        for idx in range(CONFIG["num_hidden_layers"]):  # the context's keys and values
-            k = torch.randn(batch, CONFIG["num_key_value_heads"], context, head_dim, generator=g, device=device)
+        for idx in range(config.num_hidden_layers):  # the context's keys and values
+            k = torch.randn(batch, config.num_key_value_heads, context, head_dim, generator=g, device=device)
             cache.update(k.to(dtype), k.to(dtype), idx)
-        token = torch.randint(0, CONFIG["vocab_size"], (batch, 1), generator=g, device=device)
+        token = torch.randint(0, config.vocab_size, (batch, 1), generator=g, device=device)
         position = [context]
 
         keyword = cache_keyword(model)
@@ -89,25 +98,29 @@ def bench_one(model, cache, batch, context, new, device, dtype):
     return statistics.median(times), None if isinstance(cache, transformers.QuantizedCache) else storage_mib(cache)
 
 
-def models(args):
-    """(label, model class, config, dtypes, contexts, FusedCache options): the
-    Llama with full layers only, the same shape as a Mistral with a sliding
-    window on every layer, and the Llama with FusedCache bounding its full
-    layers (StreamingLLM: 4 sink positions and the window)."""
+def models(args, device):
+    """(label, model class, config, dtypes, contexts, FusedCache options, full
+    layers): the Llama with full layers only, the same shape as a Mistral with
+    a sliding window on every layer, the Llama with FusedCache bounding its full
+    layers (StreamingLLM: 4 sink positions and the window), and on a GPU the
+    larger Llama."""
     contexts = [1024, 4096] if args.quick else [1024, 8192, 32768]
     dtypes = [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float32]
     window = 1024 if args.quick else 4096
-    yield "", transformers.LlamaForCausalLM, transformers.LlamaConfig(**CONFIG), dtypes, contexts, {}
+    yield "", transformers.LlamaForCausalLM, transformers.LlamaConfig(**CONFIG), dtypes, contexts, {}, True
     yield (f"window {window} ", transformers.MistralForCausalLM,
-           transformers.MistralConfig(**CONFIG, sliding_window=window), [torch.bfloat16], contexts[1:], {})
+           transformers.MistralConfig(**CONFIG, sliding_window=window), [torch.bfloat16], contexts[1:], {}, False)
     yield (f"sinks 4 + window {window} ", transformers.LlamaForCausalLM, transformers.LlamaConfig(**CONFIG),
-           [torch.bfloat16], contexts[1:], dict(window=window, sink=4))
+           [torch.bfloat16], contexts[1:], dict(window=window, sink=4), False)
+    if device.type == "cuda" and not args.quick:
+        yield ("llama 8x4096 ", transformers.LlamaForCausalLM, transformers.LlamaConfig(**LARGE), [torch.bfloat16],
+               contexts, {}, True)
 
 
 def cases(args, device):
     batches = [1, 4] if args.quick else [1, 8]
     new = args.reps or (6 if args.quick else 12)
-    for label, cls, config, dtypes, contexts, options in models(args):
+    for label, cls, config, dtypes, contexts, options, full in models(args, device):
         for dtype in dtypes:
             torch.manual_seed(0)
             model = cls(config).to(device, dtype).eval()
@@ -122,7 +135,7 @@ def cases(args, device):
                                context=context, dtype=dtype_name(dtype), dynamic_ms=dyn_s * 1e3,
                                fused_ms=fused_s * 1e3, speedup=dyn_s / fused_s, dynamic_tok_s=batch / dyn_s,
                                fused_tok_s=batch / fused_s, dynamic_mib=dyn_mib, fused_mib=fused_mib)
-                    if not label:  # the full-layer rows
+                    if full:
                         int8_s, int8_mib = bench_one(model, FusedCache(model.config, dtype=torch.int8), batch,
                                                      context, new, device, dtype)
                         model.set_attn_implementation("sdpa")

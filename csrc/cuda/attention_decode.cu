@@ -461,18 +461,17 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
   __shared__ int64_t row_lo[kRows], row_hi[kRows];
   __shared__ int unreadable;  // a length or page that cannot be read: NaN rows (make_nan_if)
 
-  const int64_t g = blockIdx.y, b = blockIdx.z, slice = blockIdx.x;
+  const tc::BlockPlace place;
+  const int64_t g = place.g, b = place.b, slice = blockIdx.x;
+  const int warp = place.warp, lane = place.lane, group = place.group, quad = place.quad;
   const int64_t sq = seqs.q_len(b);
   const int64_t rows_total = sq * rows.group;  // at most kRows (launch_attention_decode)
   if (rows_total <= 0) return;
   const bool length_ok = seqs.k_len_ok(b);
   const Mask mask = mask_all.of_lengths(sq, length_ok ? seqs.k_len(b) : 0);
   const int64_t slice_lo = slice * slices.keys, slice_hi = slice_lo + slices.keys;
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int group = lane / 4, quad = lane % 4;
 
-  tc::stage_group_rows<T, kD, kRows>(q_s, q + b * qs.b + seqs.q_start(b) * qs.s, qs, rows, g, 0, rows_total, d,
-                                     q_chunks);
+  tc::stage_group_rows<T, kD, kRows>(q_s, place.query_side(q, qs, seqs), qs, rows, g, 0, rows_total, d, q_chunks);
   if (threadIdx.x == 0) unreadable = !length_ok;
   if (threadIdx.x < kRows) {
     const int r = threadIdx.x;

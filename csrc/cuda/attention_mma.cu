@@ -33,24 +33,20 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
   T* k_s = q_s + kRows * kStride;               // [2][kKeys][kStride]
   T* v_s = k_s + 2 * kKeys * kStride;           // [2][kKeys][kStride]
 
-  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const tc::BlockPlace place;
+  const int64_t g = place.g, b = place.b;
+  const int warp = place.warp, group = place.group, quad = place.quad;
   const int64_t sq = seqs.q_len(b);
-  const int64_t rows_total = sq * rows.group;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows;
-  if (row0 >= rows_total) return;  // past this (packed) sequence's end: the whole block
+  tc::QueryBlock<kRows, kKeys> block(rows, sq);
+  if (block.empty()) return;  // past this (packed) sequence's end: the whole block
   const bool length_ok = seqs.k_len_ok(b);  // else no keys, NaN rows (make_nan_if)
   const Mask mask = mask_all.of_lengths(sq, length_ok ? seqs.k_len(b) : 0);
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int group = lane / 4, quad = lane % 4;
-  const T* q_b = q + b * qs.b + seqs.q_start(b) * qs.s;
-  const int64_t k_start = seqs.k_start(b);
-  const T* k_b = k + b * ks.b + g * ks.h + k_start * ks.s;
-  const T* v_b = v + b * vs.b + g * vs.h + k_start * vs.s;
-
-  const int64_t last_row = (row0 + kRows < rows_total ? row0 + kRows : rows_total) - 1;
-  const int64_t key_lo = attn::key_begin(mask, rows.group_pos(row0));
-  const int64_t key_hi = attn::key_end(mask, rows.group_pos(last_row));
-  const int64_t n_tiles = key_hi > key_lo ? (key_hi - key_lo + kKeys - 1) / kKeys : 0;
+  block.find_keys(mask, rows);
+  const int64_t rows_total = block.rows_total, row0 = block.row0;
+  const int64_t key_lo = block.key_lo, key_hi = block.key_hi, n_tiles = block.n_tiles;
+  const T* q_b = place.query_side(q, qs, seqs);
+  const T* k_b = place.key_side(k, ks, seqs);
+  const T* v_b = place.key_side(v, vs, seqs);
 
   tc::stage_group_rows<T, kD, kRows>(q_s, q_b, qs, rows, g, row0, rows_total, d, q_chunks);
   const auto stage_kv = [&](int64_t tile) {

@@ -73,6 +73,48 @@ struct Tile {
 // dK and dV accumulate 2 x [16, kD] per warp: past 128 they would not fit in registers.
 constexpr int kMaxDkdvHeadDim = 128;
 
+// Where a tensor-core attention block and its lane stand: the block's kv head
+// g and sequence b (grid y and z), the lane's warp and its place in the
+// fragment layouts (lane = 4 group + quad), and sequence b's rows in the
+// query-side operands (Q, dO, O: [B, Hq, S, D] or packed) and in the kv
+// head's K and V.
+struct BlockPlace {
+  int64_t g, b;
+  int warp, lane, group, quad;
+
+  __device__ __forceinline__ BlockPlace()
+      : g(blockIdx.y), b(blockIdx.z), warp(threadIdx.x / kWarpSize), lane(threadIdx.x % kWarpSize),
+        group(lane / 4), quad(lane % 4) {}
+
+  template <typename T>
+  __device__ __forceinline__ const T* query_side(const T* x, Strides s, const attn::Seqs& seqs) const {
+    return x + b * s.b + seqs.q_start(b) * s.s;
+  }
+  template <typename T>
+  __device__ __forceinline__ const T* key_side(const T* x, Strides s, const attn::Seqs& seqs) const {
+    return x + b * s.b + g * s.h + seqs.k_start(b) * s.s;
+  }
+};
+
+// A block of kBlockRows query rows (position, head) of its kv head's group in
+// sequence b, from row blockIdx.x kBlockRows (empty past the sequence's rows),
+// and the keys any of them sees under `mask`, in tiles of kKeys.
+template <int kBlockRows, int kKeys>
+struct QueryBlock {
+  int64_t rows_total, row0;
+  int64_t key_lo = 0, key_hi = 0, n_tiles = 0;
+
+  __device__ __forceinline__ QueryBlock(const attn::QueryRows& rows, int64_t sq)
+      : rows_total(sq * rows.group), row0(static_cast<int64_t>(blockIdx.x) * kBlockRows) {}
+  __device__ __forceinline__ bool empty() const { return row0 >= rows_total; }
+  __device__ __forceinline__ void find_keys(const Mask& mask, const attn::QueryRows& rows) {
+    const int64_t last_row = (row0 + kBlockRows < rows_total ? row0 + kBlockRows : rows_total) - 1;
+    key_lo = attn::key_begin(mask, rows.group_pos(row0));
+    key_hi = attn::key_end(mask, rows.group_pos(last_row));
+    n_tiles = key_hi > key_lo ? (key_hi - key_lo + kKeys - 1) / kKeys : 0;
+  }
+};
+
 // Calls f(T{}) for the 16-bit type of dtype.
 template <typename F>
 void with_mma_dtype(at::ScalarType dtype, F&& f) {

@@ -36,16 +36,15 @@ attention_mma_delta_kernel(const T* __restrict__ grad_out, Strides gs, const T* 
   constexpr int kStride = tc::Tile<kD>::kStride;
   T* do_s = dynamic_shared<T>();         // [kRows][kStride]
   T* o_s = do_s + tc::kRows * kStride;   // [kRows][kStride]
-  const int64_t g = blockIdx.y, b = blockIdx.z;
-  const int64_t rows_total = seqs.q_len(b) * rows.group;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * tc::kRows;
-  if (row0 >= rows_total) return;  // past this (packed) sequence's end: the whole block
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int group = lane / 4, quad = lane % 4;
-  const int64_t q_start = seqs.q_start(b);
-  tc::stage_group_rows<T, kD, tc::kRows>(do_s, grad_out + b * gs.b + q_start * gs.s, gs, rows, g, row0, rows_total,
+  const tc::BlockPlace place;
+  const int64_t g = place.g, b = place.b;
+  const int warp = place.warp, group = place.group, quad = place.quad;
+  const tc::QueryBlock<tc::kRows, 1> block(rows, seqs.q_len(b));
+  if (block.empty()) return;  // past this (packed) sequence's end: the whole block
+  const int64_t rows_total = block.rows_total, row0 = block.row0;
+  tc::stage_group_rows<T, kD, tc::kRows>(do_s, place.query_side(grad_out, gs, seqs), gs, rows, g, row0, rows_total,
                                          d, chunks);
-  tc::stage_group_rows<T, kD, tc::kRows>(o_s, out + b * os.b + q_start * os.s, os, rows, g, row0, rows_total, d,
+  tc::stage_group_rows<T, kD, tc::kRows>(o_s, place.query_side(out, os, seqs), os, rows, g, row0, rows_total, d,
                                          chunks);
   mma::cp_async_commit();
   mma::cp_async_wait<0>();
@@ -81,24 +80,20 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
   T* k_s = do_s + tc::kRows * kStride;        // [2][kKeys][kStride]
   T* v_s = k_s + 2 * kKeys * kStride;         // [2][kKeys][kStride]
 
-  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const tc::BlockPlace place;
+  const int64_t g = place.g, b = place.b;
+  const int warp = place.warp, group = place.group, quad = place.quad;
   const int64_t sq = seqs.q_len(b);
-  const int64_t rows_total = sq * rows.group;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * tc::kRows;
-  if (row0 >= rows_total) return;  // past this (packed) sequence's end: the whole block
+  tc::QueryBlock<tc::kRows, kKeys> block(rows, sq);
+  if (block.empty()) return;  // past this (packed) sequence's end: the whole block
   const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int group = lane / 4, quad = lane % 4;
-  const int64_t q_start = seqs.q_start(b), k_start = seqs.k_start(b);
-  const T* q_b = q + b * qs.b + q_start * qs.s;
-  const T* g_b = grad_out + b * gs.b + q_start * gs.s;
-  const T* k_b = k + b * ks.b + g * ks.h + k_start * ks.s;
-  const T* v_b = v + b * vs.b + g * vs.h + k_start * vs.s;
-
-  const int64_t last_row = (row0 + tc::kRows < rows_total ? row0 + tc::kRows : rows_total) - 1;
-  const int64_t key_lo = attn::key_begin(mask, rows.group_pos(row0));
-  const int64_t key_hi = attn::key_end(mask, rows.group_pos(last_row));
-  const int64_t n_tiles = key_hi > key_lo ? (key_hi - key_lo + kKeys - 1) / kKeys : 0;
+  block.find_keys(mask, rows);
+  const int64_t rows_total = block.rows_total, row0 = block.row0;
+  const int64_t key_lo = block.key_lo, key_hi = block.key_hi, n_tiles = block.n_tiles;
+  const T* q_b = place.query_side(q, qs, seqs);
+  const T* g_b = place.query_side(grad_out, gs, seqs);
+  const T* k_b = place.key_side(k, ks, seqs);
+  const T* v_b = place.key_side(v, vs, seqs);
 
   tc::stage_group_rows<T, kD, tc::kRows>(q_s, q_b, qs, rows, g, row0, rows_total, d, q_chunks);
   tc::stage_group_rows<T, kD, tc::kRows>(do_s, g_b, gs, rows, g, row0, rows_total, d, q_chunks);
@@ -211,19 +206,18 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
   float* lse_s = reinterpret_cast<float*>(do_s + 2 * kTile * kStride);  // [2][kTile]
   float* delta_s = lse_s + 2 * kTile;                                   // [2][kTile]
 
-  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const tc::BlockPlace place;
+  const int64_t g = place.g, b = place.b;
+  const int warp = place.warp, group = place.group, quad = place.quad;
   const int64_t sq = seqs.q_len(b), sk = seqs.k_len(b);
   const int64_t j0 = static_cast<int64_t>(blockIdx.x) * tc::kRows;
   if (j0 >= sk) return;  // past this (packed) sequence's end: the whole block
   const int64_t j_end = j0 + tc::kRows < sk ? j0 + tc::kRows : sk;
   const Mask mask = mask_all.of_lengths(sq, sk);
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int group = lane / 4, quad = lane % 4;
-  const int64_t q_start = seqs.q_start(b), k_start = seqs.k_start(b);
-  const T* q_b = q + b * qs.b + q_start * qs.s;
-  const T* g_b = grad_out + b * gs.b + q_start * gs.s;
-  const T* k_b = k + b * ks.b + g * ks.h + k_start * ks.s;
-  const T* v_b = v + b * vs.b + g * vs.h + k_start * vs.s;
+  const T* q_b = place.query_side(q, qs, seqs);
+  const T* g_b = place.query_side(grad_out, gs, seqs);
+  const T* k_b = place.key_side(k, ks, seqs);
+  const T* v_b = place.key_side(v, vs, seqs);
 
   tc::stage_key_rows<T, kD, tc::kRows>(k_s, v_s, k_b, ks.s, v_b, vs.s, j0, j_end, d, kv_chunks);
 

@@ -36,7 +36,8 @@ class Case(NamedTuple):
     id: str
     op: str
     build: Callable[[], tuple]  # fresh positional arguments, the same for both implementations
-    # the compiled message after "fusedllm.<op>: " (or whole, when it starts with "fusedllm."); None: accepted
+    # the compiled message after "fusedllm.<op>: " (attention_varlen for packed attention calls; or whole,
+    # when it starts with "fusedllm."); None: accepted
     expect: str | re.Pattern | None
     plain: object  # SAME, or what the plain path does today: None (accepts), a message as expect, (type, message)
     why: str | None  # why the two disagree (a strict xfail)
@@ -730,14 +731,24 @@ def _short(outcome):
     return None if outcome is None else outcome[:2]
 
 
-def _whole(op, message):
-    return message if message.startswith("fusedllm.") else f"fusedllm.{op}: {message}"
+def _name(case):
+    """The name the case's errors carry: a call of the attention op with packed
+    sequences is what fusedllm.attention_varlen makes, and answers as it."""
+    if case.op == "attention":
+        args = dict(zip(ATTENTION_ARGS, case.build()[3:]))
+        if args["cu_seqlens_q"] is not None or args["cu_seqlens_k"] is not None:
+            return "attention_varlen"
+    return case.op
+
+
+def _whole(case, message):
+    return message if message.startswith("fusedllm.") else f"fusedllm.{_name(case)}: {message}"
 
 
 def _tabled_plain(case):
     if case.plain is None or isinstance(case.plain, tuple):
         return case.plain
-    return "ValueError", _whole(case.op, case.plain)
+    return "ValueError", _whole(case, case.plain)
 
 
 def _param(case):
@@ -776,10 +787,10 @@ def test_compiled_outcome_is_as_tabled(case):
     else:
         assert got is not None and got[0] == "ValueError", got
         if isinstance(case.expect, re.Pattern):
-            prefix = f"fusedllm.{case.op}: "
+            prefix = f"fusedllm.{_name(case)}: "
             assert got[1].startswith(prefix) and case.expect.fullmatch(got[1][len(prefix):]), got[1]
         else:
-            assert got[1] == _whole(case.op, case.expect)
+            assert got[1] == _whole(case, case.expect)
     if case.why:
         assert _short(_outcome(_plain, case)) == _tabled_plain(case)
 

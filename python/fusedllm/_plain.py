@@ -189,9 +189,11 @@ def attention(q, k, v, mask, scale, causal, window, dropout_p, seed, window_righ
     (check_attention_call). int8 / float8 k and v run dequantized to float32,
     with q in float32 and the output cast back. Packed sequences, and caches of
     several lengths (kv_lens, block_table), run one sequence at a time."""
-    _, _, max_k = check_attention_call("fusedllm.attention", q, k, v, mask, scale, window, dropout_p, seed,
-                                       window_right, softcap, sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                                       max_seqlen_q, max_seqlen_k, k_scale, v_scale, kv_lens, block_table)
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None  # attention_varlen's call: its name
+    op = "fusedllm.attention_varlen" if packed else "fusedllm.attention"
+    _, _, max_k = check_attention_call(op, q, k, v, mask, scale, window, dropout_p, seed, window_right, softcap,
+                                       sinks, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, k_scale, v_scale, kv_lens, block_table)
     opts = dict(window_right=window_right, softcap=softcap, sinks=sinks)
     if k_scale is not None:  # float32 k * k_scale, v * v_scale (any layout: a scale per row of k / v)
         out, lse = _attention(q.float(), k.float() * k_scale.unsqueeze(-1), v.float() * v_scale.unsqueeze(-1),

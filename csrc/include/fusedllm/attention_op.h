@@ -442,7 +442,9 @@ inline at::Tensor check_kv_scale(const char* op, const char* name, const at::Ten
 
 inline AttentionForwardPlan plan_attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                    const at::Tensor& v, const AttentionArgs& a) {
-  const char* op = "fusedllm.attention";
+  // Packed sequences are what fusedllm.attention_varlen passes: its errors carry its name.
+  const bool packed = a.cu_seqlens_q.has_value() || a.cu_seqlens_k.has_value();
+  const char* op = packed ? "fusedllm.attention_varlen" : "fusedllm.attention";
   AttentionForwardPlan p;
   check_attention_params(p, op, q, k, v, a);
   const AttentionShape& s = p.shape;

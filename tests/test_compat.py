@@ -306,7 +306,8 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match=whole(
             "ModernFeedForward: activation must be 'swiglu' or one of ['gelu', 'mish', 'relu', 'silu'], got 'tanh'")):
         nb000.ModernFeedForward(16, 32, activation="tanh")
-    with pytest.raises(ValueError, match=whole("norm_type must be 'layernorm' or 'rmsnorm', got 'batchnorm'")):
+    with pytest.raises(ValueError, match=whole(
+            "PreNormTransformerBlock: norm_type must be 'layernorm' or 'rmsnorm', got 'batchnorm'")):
         nb000.PreNormTransformerBlock(16, 2, 32, norm_type="batchnorm")
     with pytest.raises(ValueError, match=whole("RoPEAttention: d_model (16) must be a multiple of n_heads (3)")):
         nb000.RoPEAttention(16, 3)
@@ -316,5 +317,5 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match=whole(
             "LLaMAGroupQueryAttention: config.n_heads (4) must be a multiple of config.n_kv_heads (3)")):
         nb003.LLaMAGroupQueryAttention(_llama_cfg(nb003.LLaMAConfig, n_kv_heads=3))
-    with pytest.raises(TypeError, match=whole("mask must be a torch.Tensor or None, got list")):
+    with pytest.raises(TypeError, match=whole("RoPEAttention: mask must be a torch.Tensor or None, got list")):
         nb000.RoPEAttention(16, 2, 32)(_x(1, 3, 16), mask=[[1, 0]])

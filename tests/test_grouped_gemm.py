@@ -195,7 +195,7 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="offsets must be a contiguous int64"):
         run(a, b, offsets.int(), 0, "lockstep")
     with pytest.raises(ValueError, match="^" + re.escape(
-            "grouped_mm: a, b and out must have one dtype, got Float, Double and Float") + "$"):
+            "grouped_mm: a, b and out must have one dtype, got torch.float32, torch.float64 and torch.float32") + "$"):
         run(a, b.double(), offsets, 0, "lockstep")
     with pytest.raises(ValueError, match="a's last dimension must have unit stride"):
         run(a.T.contiguous().T, b, offsets, 0, "lockstep")

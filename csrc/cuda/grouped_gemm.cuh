@@ -36,6 +36,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "fusedllm/checks.h"
 #include "fusedllm/moe.h"
 #include "mma.cuh"
 #include "primitives.cuh"
@@ -449,7 +450,7 @@ inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Ten
   TORCH_CHECK_VALUE(offsets.dim() == 1 && offsets.size(0) >= 1 && offsets.scalar_type() == at::kLong &&
                         offsets.is_contiguous(),
                     "grouped_mm: offsets must be a contiguous int64 [E + 1] tensor, got ",
-                    offsets.scalar_type(), " ", offsets.sizes(), " with strides ", offsets.strides());
+                    dtype_name(offsets.scalar_type()), " ", offsets.sizes(), " with strides ", offsets.strides());
   const int64_t rows = a.size(0), experts = offsets.size(0) - 1;
   int64_t m = 0, n = 0, k = 0;
   switch (kind) {
@@ -488,7 +489,7 @@ inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Ten
                           bias.is_contiguous() && bias.scalar_type() == out.scalar_type() &&
                           bias.device() == out.device(),
                       "grouped_mm: bias must be a contiguous [E, N] = [", experts, ", ", n,
-                      "] tensor of out's dtype and device, got ", bias.scalar_type(), " ",
+                      "] tensor of out's dtype and device, got ", dtype_name(bias.scalar_type()), " ",
                       bias.sizes(), " on ", bias.device());
   }
   TORCH_CHECK_VALUE(experts > 0 || rows == 0,
@@ -496,10 +497,10 @@ inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Ten
   const auto dtype = out.scalar_type();
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 ||
                         dtype == at::kHalf,
-                    "grouped_mm: out must be float32, float64, bfloat16 or float16, got ", dtype);
+                    "grouped_mm: out must be float32, float64, bfloat16 or float16, got ", dtype_name(dtype));
   TORCH_CHECK_VALUE(a.scalar_type() == dtype && b.scalar_type() == dtype,
-                    "grouped_mm: a, b and out must have one dtype, got ", a.scalar_type(), ", ",
-                    b.scalar_type(), " and ", dtype);
+                    "grouped_mm: a, b and out must have one dtype, got ", dtype_name(a.scalar_type()), ", ",
+                    dtype_name(b.scalar_type()), " and ", dtype_name(dtype));
   TORCH_CHECK_VALUE(a.device() == out.device() && b.device() == out.device() &&
                         offsets.device() == out.device(),
                     "grouped_mm: out, a, b and offsets must be on one device, got ", out.device(), ", ",

@@ -10,14 +10,14 @@ from torch import nn
 from .. import functional as FF
 
 
-def keep_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+def keep_mask(mask: torch.Tensor | None, owner: str) -> torch.Tensor | None:
     """The notebooks mask with ``scores.masked_fill(mask == 0, ...)``: a 1/0 (or
     True/False) tensor where nonzero means "attend". The fused op wants a bool
-    keep-mask, which is exactly ``mask != 0``."""
+    keep-mask, which is exactly ``mask != 0``. ``owner`` names the module in errors."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        raise TypeError(f"{owner}: mask must be a torch.Tensor or None, got {type(mask).__name__}")
     mask = mask.detach()
     return mask if mask.dtype == torch.bool else mask != 0
 

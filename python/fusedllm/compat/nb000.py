@@ -149,7 +149,7 @@ class RoPEAttention(nn.Module):
         batch, seq, d_model = x.shape
         q, k = self.rope(self._heads(self.w_q(x)), self._heads(self.w_k(x)), position_offset)
         v = self._heads(self.w_v(x))
-        keep = keep_mask(mask)
+        keep = keep_mask(mask, type(self).__name__)
         if need_weights:
             out, weights = attention_with_weights(q, k, v, keep, is_causal, dropout=self.dropout)
         else:
@@ -158,12 +158,12 @@ class RoPEAttention(nn.Module):
         return self.w_o(out), weights
 
 
-def _norm_pair(d_model: int, norm_type: str):
+def _norm_pair(owner: str, d_model: int, norm_type: str):
     if norm_type == "rmsnorm":
         return RMSNorm(d_model), RMSNorm(d_model)
     if norm_type == "layernorm":
         return nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-    raise ValueError(f"norm_type must be 'layernorm' or 'rmsnorm', got {norm_type!r}")
+    raise ValueError(f"{owner}: norm_type must be 'layernorm' or 'rmsnorm', got {norm_type!r}")
 
 
 class PreNormTransformerBlock(nn.Module):
@@ -181,7 +181,7 @@ class PreNormTransformerBlock(nn.Module):
         super().__init__()
         self.attention = RoPEAttention(d_model, n_heads, dropout=dropout)
         self.feed_forward = ModernFeedForward(d_model, d_ff, "swiglu", dropout)
-        self.norm1, self.norm2 = _norm_pair(d_model, norm_type)
+        self.norm1, self.norm2 = _norm_pair(type(self).__name__, d_model, norm_type)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, need_weights: bool = False):
@@ -205,7 +205,7 @@ class PostNormTransformerBlock(nn.Module):
         super().__init__()
         self.attention = RoPEAttention(d_model, n_heads, dropout=dropout)
         self.feed_forward = ModernFeedForward(d_model, d_ff, "swiglu", dropout)
-        self.norm1, self.norm2 = _norm_pair(d_model, norm_type)
+        self.norm1, self.norm2 = _norm_pair(type(self).__name__, d_model, norm_type)
         self.dropout = nn.Dropout(dropout)
 
     def _add_norm(self, norm, x, update):

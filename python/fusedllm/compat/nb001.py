@@ -62,7 +62,7 @@ class OriginalMultiHeadAttention(nn.Module):
         q = self._heads(self.W_q(query))
         k = self._heads(self.W_k(key))
         v = self._heads(self.W_v(value))
-        keep = keep_mask(mask)
+        keep = keep_mask(mask, type(self).__name__)
         if need_weights:
             out, weights = attention_with_weights(q, k, v, keep, dropout=self.dropout)
         else:
@@ -95,7 +95,7 @@ class ModernMultiHeadAttention(nn.Module):
     def forward(self, x: torch.Tensor, mask=None, *, need_weights: bool = False):
         batch, seq, d_model = x.shape
         q, k, v = self.qkv(x).view(batch, seq, 3, self.num_heads, self.d_k).permute(2, 0, 3, 1, 4)
-        keep = keep_mask(mask)
+        keep = keep_mask(mask, type(self).__name__)
         if need_weights:
             out, weights = attention_with_weights(q, k, v, keep, dropout=self.attn_dropout)
         else:

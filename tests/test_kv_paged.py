@@ -528,7 +528,8 @@ def test_full_pool_is_an_error_that_changes_nothing():
 
 
 def test_cache_errors():
-    with pytest.raises(ValueError, match="page_size must be a positive int"):
+    with pytest.raises(ValueError, match=checks.whole(
+            "fusedllm.nn.PagedKVCache: page_size must be a positive int, got 0")):
         PagedKVCache(num_pages=4, page_size=0, kv_heads=1, head_dim=4)
     with pytest.raises(ValueError, match="^" + re.escape(
             "fusedllm.nn.PagedKVCache: dtype must be float32, float64, bfloat16, float16, int8 or float8_e4m3fn, "
@@ -537,21 +538,29 @@ def test_cache_errors():
     cache = PagedKVCache(num_pages=4, page_size=2, kv_heads=2, head_dim=4)
     a = cache.new_sequence()
     x = torch.randn(1, 2, 1, 4)
-    with pytest.raises(ValueError, match="sequence 7 is not live"):
+    with pytest.raises(ValueError, match=checks.whole(
+            "fusedllm.nn.PagedKVCache.append: sequence 7 is not live (never made, or freed); live: [0]")):
         cache.append(7, x, x)
-    with pytest.raises(ValueError, match="appears twice"):
+    with pytest.raises(ValueError, match=checks.whole(
+            "fusedllm.nn.PagedKVCache.append: a sequence appears twice in [0, 0]")):
         cache.append([a, a], torch.cat([x, x]), torch.cat([x, x]))
-    with pytest.raises(ValueError, match=r"k must be \[len\(seqs\), kv_heads, new_len, head_dim\]"):
+    with pytest.raises(ValueError, match=checks.whole(
+            "fusedllm.nn.PagedKVCache.append: k must be [len(seqs), kv_heads, new_len, head_dim] = "
+            "[1, 2, 'new_len', 4], got shape [1, 3, 1, 4]")):
         cache.append(a, torch.randn(1, 3, 1, 4), x)
-    with pytest.raises(ValueError, match="the cache holds torch.float32 but k is torch.bfloat16"):
+    with pytest.raises(ValueError, match=checks.whole(
+            "fusedllm.nn.PagedKVCache.append: the cache holds torch.float32 but k is torch.bfloat16")):
         cache.append(a, x.bfloat16(), x.bfloat16())
-    with pytest.raises(ValueError, match="layer must be an int in"):
+    with pytest.raises(ValueError, match=checks.whole(
+            "fusedllm.nn.PagedKVCache.append: layer must be an int in [0, 1), got 1")):
         cache.append(a, x, x, layer=1)
     with pytest.raises(RuntimeError, match="^" + re.escape(
             "fusedllm.nn.PagedKVCache.append: k/v require grad, but the cache keeps no autograd history; "
             "decode under torch.no_grad() or torch.inference_mode()") + "$"):
         cache.append(a, x.requires_grad_(), x)
-    with pytest.raises(ValueError, match=r"q must be \[len\(seqs\), q_heads, q_len, head_dim\]"):
+    with pytest.raises(ValueError, match=checks.whole(
+            "fusedllm.nn.PagedKVCache.attend: q must be [len(seqs), q_heads, q_len, head_dim] with len(seqs) = 1, "
+            "got shape [2, 2, 1, 4]")):
         cache.attend(torch.randn(2, 2, 1, 4), a)
     cache.free(a)
     with pytest.raises(ValueError, match="sequence 0 is not live"):

@@ -224,11 +224,17 @@ def test_from_config_settings():
 
 def test_from_config_refusals():
     t = _hf()
-    with pytest.raises(ValueError, match="model type 'llama'"):
+    with pytest.raises(ValueError, match=whole(
+            "fusedllm.nn.MoE.from_config: model type 'llama' is not one of mixtral, qwen2_moe, qwen3_moe, olmoe, "
+            "deepseek_v3")):
         MoE.from_config(t.LlamaConfig(hidden_size=32))
-    with pytest.raises(ValueError, match="activation 'relu'"):
+    with pytest.raises(ValueError, match=whole(
+            "fusedllm.nn.MoE.from_config: activation 'relu' has no fused kernel; supported: ['gelu_new', "
+            "'gelu_pytorch_tanh', 'gelu_tanh', 'silu', 'swish']")):
         MoE.from_config(t.MixtralConfig(hidden_size=32, hidden_act="relu"))
-    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+    with pytest.raises(ValueError, match=whole(
+            "fusedllm.nn.MoE.from_config: a Qwen2-MoE block always has a shared expert; "
+            "shared_expert_intermediate_size is 0")):
         MoE.from_config(t.Qwen2MoeConfig(hidden_size=32, shared_expert_intermediate_size=0))
 
 

@@ -42,19 +42,17 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
   const bool length_ok = seqs.k_len_ok(b);  // else no keys, NaN rows (make_nan_if)
   const Mask mask = mask_all.of_lengths(sq, length_ok ? seqs.k_len(b) : 0);
   block.find_keys(mask, rows);
-  const int64_t rows_total = block.rows_total, row0 = block.row0;
-  const int64_t key_lo = block.key_lo, key_hi = block.key_hi, n_tiles = block.n_tiles;
   const T* q_b = place.query_side(q, qs, seqs);
   const T* k_b = place.key_side(k, ks, seqs);
   const T* v_b = place.key_side(v, vs, seqs);
 
-  tc::stage_group_rows<T, kD, kRows>(q_s, q_b, qs, rows, g, row0, rows_total, d, q_chunks);
+  tc::stage_group_rows<T, kD, kRows>(q_s, q_b, qs, rows, g, block.row0, block.rows_total, d, q_chunks);
   const auto stage_kv = [&](int64_t tile) {
     const int buffer = static_cast<int>(tile % 2);
     tc::stage_key_rows<T, kD, kKeys>(k_s + buffer * kKeys * kStride, v_s + buffer * kKeys * kStride, k_b,
-                                     ks.s, v_b, vs.s, key_lo + tile * kKeys, key_hi, d, kv_chunks);
+                                     ks.s, v_b, vs.s, block.key_lo + tile * kKeys, block.key_hi, d, kv_chunks);
   };
-  tc::pipeline_start(n_tiles, stage_kv);
+  tc::pipeline_start(block.n_tiles, stage_kv);
 
   // This lane's rows: r = 2 m + half is row `group` + 8 half of the warp's
   // m-tile m. Their head, position and key range are worked out where needed
@@ -65,10 +63,10 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
   };
   const auto lane_row = [&](int r) {
     LaneRow x;
-    x.row = row0 + (warp * kM + r / 2) * 16 + group + 8 * (r % 2);
+    x.row = block.row0 + (warp * kM + r / 2) * 16 + group + 8 * (r % 2);
     x.head = rows.group_head(g, x.row);
     x.pos = rows.group_pos(x.row);
-    const bool valid = x.row < rows_total;
+    const bool valid = x.row < block.rows_total;
     x.lo = valid ? attn::key_begin(mask, x.pos) : 0;
     x.hi = valid ? attn::key_end(mask, x.pos) : 0;
     return x;
@@ -86,10 +84,10 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
   float m[kLaneRows], l[kLaneRows];  // running max, this lane's sum
 #pragma unroll
   for (int r = 0; r < kLaneRows; ++r) m[r] = -kInf, l[r] = 0.f;
-  for (int64_t tile = 0; tile < n_tiles; ++tile) {
-    tc::pipeline_next(tile, n_tiles, stage_kv);
+  for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
+    tc::pipeline_next(tile, block.n_tiles, stage_kv);
     const int buffer = static_cast<int>(tile % 2);
-    const int64_t j0 = key_lo + tile * kKeys;
+    const int64_t j0 = block.key_lo + tile * kKeys;
 
     mma::FragC s[kM][kKeys / 8];
     tc::mma_rows_rows<T, kM, kD, kKeys, kStride>(s, q_s + warp * kM * 16 * kStride, k_s + buffer * kKeys * kStride);
@@ -180,7 +178,7 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
   for (int r = 0; r < kLaneRows; ++r) {
     const float sum = quad_reduce_sum(l[r]);
     const LaneRow x = lane_row(r);
-    if (x.row >= rows_total) continue;
+    if (x.row >= block.rows_total) continue;
     const int64_t out_row = rows.row_of_group_row(b, g, x.row);
     float lse_r = attn::row_lse(m[r], sum);
     float factor = attn::row_norm(m[r], sum, lse_r);

@@ -41,11 +41,10 @@ attention_mma_delta_kernel(const T* __restrict__ grad_out, Strides gs, const T* 
   const int warp = place.warp, group = place.group, quad = place.quad;
   const tc::QueryBlock<tc::kRows, 1> block(rows, seqs.q_len(b));
   if (block.empty()) return;  // past this (packed) sequence's end: the whole block
-  const int64_t rows_total = block.rows_total, row0 = block.row0;
-  tc::stage_group_rows<T, kD, tc::kRows>(do_s, place.query_side(grad_out, gs, seqs), gs, rows, g, row0, rows_total,
-                                         d, chunks);
-  tc::stage_group_rows<T, kD, tc::kRows>(o_s, place.query_side(out, os, seqs), os, rows, g, row0, rows_total, d,
-                                         chunks);
+  tc::stage_group_rows<T, kD, tc::kRows>(do_s, place.query_side(grad_out, gs, seqs), gs, rows, g, block.row0,
+                                         block.rows_total, d, chunks);
+  tc::stage_group_rows<T, kD, tc::kRows>(o_s, place.query_side(out, os, seqs), os, rows, g, block.row0,
+                                         block.rows_total, d, chunks);
   mma::cp_async_commit();
   mma::cp_async_wait<0>();
   __syncthreads();
@@ -57,8 +56,8 @@ attention_mma_delta_kernel(const T* __restrict__ grad_out, Strides gs, const T* 
   const float diagonal[2] = {group % 2 != 0 ? c[0].r[1] : c[0].r[0], group % 2 != 0 ? c[1].r[3] : c[1].r[2]};
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int64_t row = row0 + warp * 16 + group + 8 * half;
-    if (row < rows_total) delta[rows.row_of_group_row(b, g, row)] = diagonal[half];
+    const int64_t row = block.row0 + warp * 16 + group + 8 * half;
+    if (row < block.rows_total) delta[rows.row_of_group_row(b, g, row)] = diagonal[half];
   }
 #endif
 }
@@ -88,29 +87,27 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
   if (block.empty()) return;  // past this (packed) sequence's end: the whole block
   const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
   block.find_keys(mask, rows);
-  const int64_t rows_total = block.rows_total, row0 = block.row0;
-  const int64_t key_lo = block.key_lo, key_hi = block.key_hi, n_tiles = block.n_tiles;
   const T* q_b = place.query_side(q, qs, seqs);
   const T* g_b = place.query_side(grad_out, gs, seqs);
   const T* k_b = place.key_side(k, ks, seqs);
   const T* v_b = place.key_side(v, vs, seqs);
 
-  tc::stage_group_rows<T, kD, tc::kRows>(q_s, q_b, qs, rows, g, row0, rows_total, d, q_chunks);
-  tc::stage_group_rows<T, kD, tc::kRows>(do_s, g_b, gs, rows, g, row0, rows_total, d, q_chunks);
+  tc::stage_group_rows<T, kD, tc::kRows>(q_s, q_b, qs, rows, g, block.row0, block.rows_total, d, q_chunks);
+  tc::stage_group_rows<T, kD, tc::kRows>(do_s, g_b, gs, rows, g, block.row0, block.rows_total, d, q_chunks);
   const auto stage_kv = [&](int64_t tile) {
     const int buffer = static_cast<int>(tile % 2);
     tc::stage_key_rows<T, kD, kKeys>(k_s + buffer * kKeys * kStride, v_s + buffer * kKeys * kStride, k_b,
-                                     ks.s, v_b, vs.s, key_lo + tile * kKeys, key_hi, d, kv_chunks);
+                                     ks.s, v_b, vs.s, block.key_lo + tile * kKeys, block.key_hi, d, kv_chunks);
   };
-  tc::pipeline_start(n_tiles, stage_kv);
+  tc::pipeline_start(block.n_tiles, stage_kv);
 
   // This lane's two rows (half 0: row `group` of the warp's 16, half 1: group + 8).
   int64_t head[2], pos[2], lo[2], hi[2];
   float lse_row[2], dlt[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int64_t row = row0 + warp * 16 + group + 8 * half;
-    const bool valid = row < rows_total;
+    const int64_t row = block.row0 + warp * 16 + group + 8 * half;
+    const bool valid = row < block.rows_total;
     const int64_t lrow = valid ? rows.row_of_group_row(b, g, row) : 0;
     head[half] = rows.group_head(g, row);
     pos[half] = rows.group_pos(row);
@@ -125,10 +122,10 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
   const int64_t all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
 
   mma::FragC dq[kN];
-  for (int64_t tile = 0; tile < n_tiles; ++tile) {
-    tc::pipeline_next(tile, n_tiles, stage_kv);
+  for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
+    tc::pipeline_next(tile, block.n_tiles, stage_kv);
     const int buffer = static_cast<int>(tile % 2);
-    const int64_t j0 = key_lo + tile * kKeys;
+    const int64_t j0 = block.key_lo + tile * kKeys;
     const T* k_tile = k_s + buffer * kKeys * kStride;
 
     mma::FragC s[kKeys / 8], dp[kKeys / 8];
@@ -172,8 +169,8 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
 
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int64_t row = row0 + warp * 16 + group + 8 * half;
-    if (row >= rows_total) continue;
+    const int64_t row = block.row0 + warp * 16 + group + 8 * half;
+    if (row >= block.rows_total) continue;
     T* dq_row = grad_q + rows.row_of_group_row(b, g, row) * d;
 #pragma unroll
     for (int n = 0; n < kN; ++n) {

@@ -2,8 +2,11 @@
 // the emulator catches what it claims: a missing barrier, shared memory read
 // past its end, divergent and mismatched barriers, a full-mask shuffle in a
 // partial warp, a shuffle waiting on lanes held at a barrier, a failed device
-// assert, launches over the device's limits, and shared-memory bank conflicts. Also the tensor-core check tile
-// (mma_check.cuh) and the grouped matrix products (grouped_gemm.cuh) on CPU
+// assert, launches over the device's limits, shared-memory bank conflicts, and
+// misuse of Hopper's units (mbarrier waits that never complete, wgmma without
+// its fences, shared memory read by wgmma without fence.proxy.async, partial
+// warpgroups). Also the tensor-core check tiles (mma_check.cuh,
+// hopper_check.cuh) and the grouped matrix products (grouped_gemm.cuh) on CPU
 // tensors. Built only into fusedllm._simt.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -12,6 +15,7 @@
 #include <vector>
 
 #include "grouped_gemm.cuh"
+#include "hopper_check.cuh"
 #include "mma_check.cuh"
 #include "primitives.cuh"
 
@@ -92,6 +96,85 @@ __global__ void bank_conflicts_kernel(float* out, int stride) {
   out[256 + lane] = static_cast<float>(r[0] & 0xffu);
 }
 
+// Hopper (hopper.cuh). One warpgroup; `mode` picks the mistake.
+namespace hp = cuda::hopper;
+
+// A 64 x 64 x 16 product from shared tiles written with ordinary stores:
+// fenced (mode 0) it is exact; without fence_proxy_async (1), without
+// wgmma_fence (2), or with the accumulators written before the wait (3) the
+// emulator refuses it.
+__global__ void wgmma_shared_stores_kernel(float* out, int mode) {
+  unsigned char* raw = dynamic_shared<unsigned char>();
+  auto* tile = reinterpret_cast<c10::BFloat16*>(raw + (1024 - hp::shared_address(raw) % 1024) % 1024);
+  const int t = threadIdx.x;
+  // A and B (64 x 16 each, K-major, no swizzle) all ones: every product is 16.
+  for (int i = t; i < 2 * 64 * 16; i += blockDim.x) tile[i] = c10::BFloat16(1.f);
+  if (mode != 1) hp::fence_proxy_async();
+  __syncthreads();
+  float acc[32];
+  for (float& x : acc) x = 0.f;
+  if (mode != 2) hp::wgmma_fence();
+  const uint64_t a = hp::make_descriptor(tile, hp::Swizzle::kNone, 64 * 16, 128);
+  const uint64_t b = hp::make_descriptor(tile + 64 * 16, hp::Swizzle::kNone, 64 * 16, 128);
+  hp::wgmma<c10::BFloat16, 64, hp::Major::kK, hp::Major::kK>(acc, a, b, true);
+  hp::wgmma_commit();
+  if (mode == 3) acc[0] = 2.f;
+  hp::wgmma_wait<0>();
+  out[t] = acc[0];
+}
+
+// mbarrier misuse: a wait on a phase nobody completes (mode 0), an expected
+// transaction count that a smaller copy never completes (1), a TMA box past the
+// end of shared memory (2); a copy read before waiting reads NaN (3).
+__global__ void mbarrier_misuse_kernel(const FUSEDLLM_GRID_CONSTANT hp::TensorMap map, float* out, int mode) {
+  unsigned char* raw = dynamic_shared<unsigned char>();
+  unsigned char* tile = raw + (1024 - hp::shared_address(raw) % 1024) % 1024;
+  auto* bar = reinterpret_cast<uint64_t*>(tile + 4096);
+  if (threadIdx.x == 0) hp::mbarrier_init(bar, 1);
+  __syncthreads();
+  const int32_t at[2] = {0, 0};
+  if (mode == 0) {
+    hp::mbarrier_wait(bar, 0);
+  } else if (mode == 1) {
+    if (threadIdx.x == 0) {
+      hp::mbarrier_arrive_expect_tx(bar, 4096);
+      hp::tma_load(tile, map, bar, at);  // 2048 bytes
+    }
+    hp::mbarrier_wait(bar, 0);
+  } else if (mode == 2) {
+    if (threadIdx.x == 0) hp::tma_load(tile + 4096 - 512, map, bar, at);
+  } else {
+    if (threadIdx.x == 0) {
+      hp::mbarrier_arrive_expect_tx(bar, 2048);
+      hp::tma_load(tile, map, bar, at);
+    }
+    __syncthreads();
+    const auto* row = reinterpret_cast<const c10::BFloat16*>(tile);
+    const int t = threadIdx.x % 32;
+    if (threadIdx.x < 32) out[t] = static_cast<float>(row[t]);
+    __syncthreads();
+    hp::mbarrier_wait(bar, 0);
+    if (threadIdx.x < 32) out[32 + t] = static_cast<float>(row[t]);
+  }
+}
+
+// Warpgroup instructions from threads that are not a whole warpgroup.
+__global__ void partial_warpgroup_kernel(float* out) {
+  hp::wgmma_fence();
+  out[threadIdx.x] = 1.f;
+}
+
+// Warps 1 to 4 (two warpgroups' parts) meet in wgmma_wait.
+__global__ void misaligned_warpgroup_kernel(float* out) {
+  if (threadIdx.x >= 32 && threadIdx.x < 160) hp::wgmma_wait<0>();
+  out[threadIdx.x % 64] = 1.f;
+}
+
+__global__ void setmaxnreg_kernel(float* out) {
+  hp::setmaxnreg<20, false>();
+  out[threadIdx.x % 64] = 1.f;
+}
+
 }  // namespace
 
 // Runs self-test `name`; returns the block's output (64 floats).
@@ -117,6 +200,30 @@ std::vector<float> run_selftest(const std::string& name) {
   } else if (name == "bank_conflicts_128" || name == "bank_conflicts_144") {
     const int stride = name == "bank_conflicts_128" ? 128 : 144;
     cuda::launch("bank_conflicts_kernel", bank_conflicts_kernel, 1, cuda::kWarpSize, 8 * stride, stream, o, stride);
+  } else if (name == "wgmma_fenced" || name == "wgmma_without_proxy_fence" || name == "wgmma_without_fence" ||
+             name == "wgmma_accumulator_written") {
+    const int mode = name == "wgmma_fenced" ? 0 : name == "wgmma_without_proxy_fence" ? 1
+                     : name == "wgmma_without_fence" ? 2 : 3;
+    cuda::launch("wgmma_shared_stores_kernel", wgmma_shared_stores_kernel, 1, 128, 1024 + 4096, stream, o, mode);
+  } else if (name == "mbarrier_never_completes" || name == "tma_bytes_never_arrive" || name == "tma_box_past_shared" ||
+             name == "tma_read_before_wait") {
+    const int mode = name == "mbarrier_never_completes" ? 0 : name == "tma_bytes_never_arrive" ? 1
+                     : name == "tma_box_past_shared" ? 2 : 3;
+    static std::vector<c10::BFloat16> source = [] {
+      std::vector<c10::BFloat16> v(64 * 64);
+      for (size_t i = 0; i < v.size(); ++i) v[i] = c10::BFloat16(static_cast<float>(i % 64));
+      return v;
+    }();
+    const int64_t dims[2] = {64, 64}, strides[1] = {128};
+    const int box[2] = {64, 16};  // 2048 bytes
+    const hp::TensorMap map = hp::encode_tensor_map(source.data(), 2, 2, dims, strides, box, hp::Swizzle::k128B);
+    cuda::launch("mbarrier_misuse_kernel", mbarrier_misuse_kernel, 1, 64, 1024 + 4096 + 64, stream, map, o, mode);
+  } else if (name == "partial_warpgroup") {
+    cuda::launch("partial_warpgroup_kernel", partial_warpgroup_kernel, 1, 96, 0, stream, o);
+  } else if (name == "misaligned_warpgroup") {
+    cuda::launch("misaligned_warpgroup_kernel", misaligned_warpgroup_kernel, 1, 256, 0, stream, o);
+  } else if (name == "setmaxnreg_out_of_range") {
+    cuda::launch("setmaxnreg_kernel", setmaxnreg_kernel, 1, 128, 0, stream, o);
   } else if (name == "too_many_threads") {
     cuda::launch("plain_kernel", plain_kernel, 1, 1025, 0, stream, o);
   } else if (name == "grid_too_large") {
@@ -158,6 +265,47 @@ at::Tensor mma_tile(const at::Tensor& a, const at::Tensor& b, bool b_rows_are_n)
   return c;
 }
 
+// The Hopper check product (hopper_check.cuh): a [64, k] times b, b given as
+// [n, k] or (b_mn_major) [k, n]; span: the swizzle span in bytes (16: none).
+at::Tensor wgmma_tile(const at::Tensor& a, const at::Tensor& b, int64_t span, bool b_mn_major, bool a_in_registers) {
+  TORCH_CHECK_VALUE(a.device().is_cpu() && b.device().is_cpu(), "wgmma_tile: a and b must be CPU tensors");
+  TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2 && a.size(0) == 64, "wgmma_tile: a must be [64, k] and b 2-D");
+  TORCH_CHECK_VALUE(a.scalar_type() == b.scalar_type() &&
+                        (a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf),
+                    "wgmma_tile: a and b must both be bfloat16 or both float16");
+  const int64_t k = a.size(1), n = b_mn_major ? b.size(1) : b.size(0);
+  TORCH_CHECK_VALUE((b_mn_major ? b.size(0) : b.size(1)) == k, "wgmma_tile: b's k must be a's, got ", b.sizes());
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  at::Tensor c = at::empty({64, n}, a.options().dtype(at::kFloat));
+  const cuda::Stream stream;
+  if (a.scalar_type() == at::kBFloat16) {
+    cuda::hopper::launch_wgmma_tile(ac.const_data_ptr<at::BFloat16>(), bc.const_data_ptr<at::BFloat16>(),
+                                    c.data_ptr<float>(), static_cast<int>(n), static_cast<int>(k),
+                                    static_cast<int>(span), b_mn_major, a_in_registers, stream);
+  } else {
+    cuda::hopper::launch_wgmma_tile(ac.const_data_ptr<at::Half>(), bc.const_data_ptr<at::Half>(), c.data_ptr<float>(),
+                                    static_cast<int>(n), static_cast<int>(k), static_cast<int>(span), b_mn_major,
+                                    a_in_registers, stream);
+  }
+  return c;
+}
+
+// encode_tensor_map over a row-major CPU tensor (dimensions innermost first,
+// as TMA counts them) with `box` (innermost first); its refusals are the test.
+void encode_tensor_map(const at::Tensor& t, at::IntArrayRef box, int64_t swizzle) {
+  const int rank = static_cast<int>(t.dim());
+  TORCH_CHECK_VALUE(static_cast<int>(box.size()) == rank, "encode_tensor_map: one box size per dimension");
+  int64_t dims[5] = {}, strides[4] = {};
+  int box_dims[5] = {};
+  for (int d = 0; d < rank && d < 5; ++d) {
+    dims[d] = t.size(rank - 1 - d);
+    box_dims[d] = static_cast<int>(box[d]);
+    if (d > 0) strides[d - 1] = t.stride(rank - 1 - d) * t.element_size();
+  }
+  cuda::hopper::encode_tensor_map(t.const_data_ptr(), static_cast<int>(t.element_size()), rank, dims, strides,
+                                  box_dims, static_cast<cuda::hopper::Swizzle>(swizzle));
+}
+
 // cuda::grouped_mm on CPU tensors, out allocated here: kind is a
 // GroupedProduct (0: a @ b[e]^T, 1: a @ b[e], 2: the weight gradient);
 // tensor_cores = false runs the SIMT kernel for 16-bit types too.
@@ -187,6 +335,10 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
 TORCH_LIBRARY(fusedllm_simt_selftest, m) {
   m.def("mma_tile(Tensor a, Tensor b, bool b_rows_are_n) -> Tensor");
   m.impl("mma_tile", c10::DispatchKey::CPU, &fusedllm::simt::mma_tile);
+  m.def("wgmma_tile(Tensor a, Tensor b, int span, bool b_mn_major, bool a_in_registers) -> Tensor");
+  m.impl("wgmma_tile", c10::DispatchKey::CPU, &fusedllm::simt::wgmma_tile);
+  m.def("encode_tensor_map(Tensor t, int[] box, int swizzle) -> ()");
+  m.impl("encode_tensor_map", c10::DispatchKey::CPU, &fusedllm::simt::encode_tensor_map);
   m.def("grouped_mm(Tensor a, Tensor b, Tensor offsets, int kind, bool tensor_cores=True) -> Tensor");
   m.impl("grouped_mm", c10::DispatchKey::CPU, &fusedllm::simt::grouped_mm);
 }

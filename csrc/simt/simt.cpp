@@ -1,14 +1,18 @@
 // The SIMT emulator's runtime: fibers, the block scheduler, barriers, warp
 // collectives, launches and the errors they raise. See simt.h. One translation
-// unit in four parts, each a job: the thread-local block and thread state stay
+// unit in five parts, each a job: the thread-local block and thread state stay
 // internal to it, and the hot paths (a barrier, a shuffle) inline across parts.
 #include "simt/simt.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <csetjmp>
 #include <cstdarg>
@@ -43,6 +47,7 @@ namespace fusedllm::simt {
 #include "simt/fiber.inc"
 #include "simt/scheduler.inc"
 #include "simt/kernel_calls.inc"
+#include "simt/hopper.inc"
 #include "simt/launch.inc"
 
 }  // namespace fusedllm::simt

@@ -83,6 +83,52 @@ enum class SharedAccess : int { kLdmatrix = 0, kCpAsync = 1 };
 void record_shared_access(SharedAccess kind, const void* address);
 FUSEDLLM_SIMT_NORETURN void kernel_assert_failed(const char* cond, const char* file, int line);
 
+// Hopper's asynchronous units (csrc/cuda/hopper.cuh), emulated. Shared-memory
+// addresses are byte offsets from the block's dynamic shared memory (the GPU
+// swizzles on the address bits, so kernels align their tiles by these).
+uint32_t shared_address(const void* p);
+void mbarrier_init(void* bar, unsigned count, const char* file, int line);
+// One arrival (after raising the transaction count by expect_tx bytes);
+// returns the barrier's phase before the arrival.
+uint64_t mbarrier_arrive(void* bar, uint32_t expect_tx, const char* file, int line);
+void mbarrier_expect_tx(void* bar, uint32_t bytes, const char* file, int line);
+// Returns once the phase of parity `parity` has completed.
+void mbarrier_wait(void* bar, unsigned parity, const char* file, int line);
+// fence.proxy.async: what ordinary stores wrote to shared memory becomes
+// visible to wgmma and TMA (the emulator's view of the async proxy).
+void fence_proxy_async();
+// The tensor map a host encodes (hopper.cuh), as the emulator keeps it in the
+// 128 bytes of a CUtensorMap.
+struct TensorMapImage {
+  uint32_t magic;
+  uint8_t rank, element_bytes, swizzle_bytes, nan_fill;
+  const void* global;
+  uint64_t dims[5];
+  uint64_t strides[4];  // bytes, of dimensions 1..rank-1
+  uint16_t box[5];
+};
+constexpr uint32_t kTensorMapMagic = 0x544d4150u;
+// Box at coords (innermost first) into shared `dst`, completing `bytes` on `bar`.
+void tma_load(void* dst, const void* map, void* bar, const int32_t* coords, const char* file, int line);
+void tma_store(const void* map, const void* src, const int32_t* coords, const char* file, int line);
+// One warpgroup matrix product as issued by one thread, executed when its
+// warpgroup waits for it (wgmma_wait).
+struct WgmmaIssue {
+  int n = 0;               // 8..256
+  bool bf16 = true;        // else float16
+  bool a_in_registers = false;
+  bool trans_a = false, trans_b = false;  // operand MN-major
+  bool accumulate = true;  // scale-d
+  uint64_t desc_a = 0, desc_b = 0;
+  uint32_t a[4] = {0, 0, 0, 0};
+  float* d = nullptr;      // this thread's n / 2 accumulators
+};
+void wgmma_issue(const WgmmaIssue& op, const char* file, int line);
+void wgmma_fence(const char* file, int line);
+void wgmma_commit(const char* file, int line);
+void wgmma_wait(int pending, const char* file, int line);
+void setmaxnreg(int registers, const char* file, int line);
+
 template <typename T>
 uint64_t to_bits(T v) {
   static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8,

@@ -1,0 +1,205 @@
+// A 64 x N x K matrix product built from the Hopper units of hopper.cuh the way
+// a warp-specialized attention kernel uses them: a producer warpgroup issues
+// TMA loads of 64-wide K tiles into a two-stage ring of shared memory (full and
+// empty mbarriers, their phases flipping each round), a consumer warpgroup
+// multiplies each stage with wgmma and frees it. It exists to check those
+// units: under the emulator (torch.ops.fusedllm_simt_selftest.wgmma_tile) and
+// on an sm_90a GPU (tests/hopper_check.cu), for every swizzle, both layouts of
+// B, and A from shared memory or from registers.
+#pragma once
+
+#include "hopper.cuh"
+
+namespace fusedllm::cuda::hopper {
+
+constexpr int kCheckRows = 64;    // M
+constexpr int kCheckKTile = 64;   // K elements a stage holds
+constexpr int kCheckStages = 2;
+constexpr int kCheckThreads = 256;  // producer and consumer warpgroups
+
+// Shared tiles are laid out as TMA writes them: boxes of kSpan bytes (the
+// swizzle span; 16 without a swizzle) by their rows, side by side.
+template <int N>
+constexpr int check_stage_bytes() {
+  return (kCheckRows + N) * kCheckKTile * 2;
+}
+template <int N>
+constexpr size_t check_shared_bytes() {
+  return static_cast<size_t>(kCheckStages) * check_stage_bytes<N>() + 1024 + 64;
+}
+
+// c [64, N] float32 = a [64, K] times b: b is [N, K] (kMajorB == kK: c = a b^T)
+// or [K, N] (kMN: c = a b); K a multiple of 64. a_global: a, for the fragments
+// of A from registers.
+template <typename T, int N, int kSpan, Major kMajorB, bool kARegisters>
+__global__ void __launch_bounds__(kCheckThreads, 1)
+    wgmma_tile_kernel(const FUSEDLLM_GRID_CONSTANT TensorMap map_a, const FUSEDLLM_GRID_CONSTANT TensorMap map_b,
+                      const T* a_global, int k_total, float* c) {
+  constexpr Swizzle kSwizzle = kSpan == 16 ? Swizzle::kNone : static_cast<Swizzle>(kSpan);
+  constexpr int kBoxElements = kSpan / 2;
+  constexpr int kATileBytes = kCheckRows * kCheckKTile * 2;
+  unsigned char* raw = dynamic_shared<unsigned char>();
+  unsigned char* tiles = raw + (1024 - shared_address(raw) % 1024) % 1024;
+  auto* full = reinterpret_cast<uint64_t*>(tiles + kCheckStages * check_stage_bytes<N>());
+  uint64_t* empty = full + kCheckStages;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < kCheckStages; ++s) {
+      mbarrier_init(&full[s], 1);
+      mbarrier_init(&empty[s], 128);
+    }
+  }
+  __syncthreads();
+  const int k_tiles = k_total / kCheckKTile;
+  // The warpgroup, uniform across each warp as the compiler can see (else it
+  // serialises the wgmma of a branch it takes for divergent).
+  const int warpgroup = __shfl_sync(kFullMask, tid / 128, 0);
+
+  if (warpgroup == 0) {  // producer
+    setmaxnreg<40, false>();
+    if (tid == 0) {
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        const int s = kt % kCheckStages, round = kt / kCheckStages;
+        mbarrier_wait(&empty[s], (round & 1) ^ 1);
+        mbarrier_arrive_expect_tx(&full[s], check_stage_bytes<N>());
+        unsigned char* a_tile = tiles + s * check_stage_bytes<N>();
+        unsigned char* b_tile = a_tile + kATileBytes;
+        for (int box = 0; box < kCheckKTile / kBoxElements; ++box) {
+          const int32_t at_a[2] = {kt * kCheckKTile + box * kBoxElements, 0};
+          tma_load(a_tile + box * kCheckRows * kSpan, map_a, &full[s], at_a);
+        }
+        if constexpr (kMajorB == Major::kK) {
+          for (int box = 0; box < kCheckKTile / kBoxElements; ++box) {
+            const int32_t at_b[2] = {kt * kCheckKTile + box * kBoxElements, 0};
+            tma_load(b_tile + box * N * kSpan, map_b, &full[s], at_b);
+          }
+        } else {
+          for (int box = 0; box < N / kBoxElements; ++box) {
+            const int32_t at_b[2] = {box * kBoxElements, kt * kCheckKTile};
+            tma_load(b_tile + box * kCheckKTile * kSpan, map_b, &full[s], at_b);
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  setmaxnreg<232, true>();
+  const int t = tid - 128, w = t / 32, g = (t % 32) / 4, q = t % 4;
+  float acc[N / 2];
+  for (int i = 0; i < N / 2; ++i) acc[i] = 1.0f;  // the first product overwrites (scale-d = 0)
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const int s = kt % kCheckStages, round = kt / kCheckStages;
+    mbarrier_wait(&full[s], round & 1);
+    const unsigned char* a_tile = tiles + s * check_stage_bytes<N>();
+    const unsigned char* b_tile = a_tile + kATileBytes;
+    // A's fragments from registers are written before the fence that orders
+    // them before the products.
+    mma::FragA frags[kARegisters ? kCheckKTile / 16 : 1];
+    if constexpr (kARegisters) {
+      for (int step = 0; step < kCheckKTile / 16; ++step) {
+        const int k0 = kt * kCheckKTile + step * 16;
+        const T* top = a_global + static_cast<int64_t>(16 * w + g) * k_total + k0 + 2 * q;
+        const T* bottom = top + 8 * static_cast<int64_t>(k_total);
+        frags[step] = mma::FragA{{mma::pack2(top[0], top[1]), mma::pack2(bottom[0], bottom[1]),
+                                  mma::pack2(top[8], top[9]), mma::pack2(bottom[8], bottom[9])}};
+      }
+    }
+    wgmma_fence();
+    for (int step = 0; step < kCheckKTile / 16; ++step) {
+      const bool accumulate = kt > 0 || step > 0;
+      // K-major operand of `rows` rows: the step's 32 bytes of each row.
+      auto k_major = [&](const unsigned char* tile, int rows) {
+        if constexpr (kSpan == 16) {
+          return make_descriptor(tile + 2 * step * rows * 16, kSwizzle, rows * 16, 128);
+        } else {
+          const int byte = 32 * step;
+          return make_descriptor(tile + (byte / kSpan) * rows * kSpan + byte % kSpan, kSwizzle, 16, 8 * kSpan);
+        }
+      };
+      uint64_t desc_b;
+      if constexpr (kMajorB == Major::kK) {
+        desc_b = k_major(b_tile, N);
+      } else if constexpr (kSpan == 16) {
+        desc_b = make_descriptor(b_tile + 16 * step * 16, kSwizzle, 128, kCheckKTile * 16);
+      } else {
+        desc_b = make_descriptor(b_tile + 16 * step * kSpan, kSwizzle, kCheckKTile * kSpan, 8 * kSpan);
+      }
+      if constexpr (kARegisters) {
+        wgmma<T, N, kMajorB>(acc, frags[step], desc_b, accumulate);
+      } else {
+        wgmma<T, N, Major::kK, kMajorB>(acc, k_major(a_tile, kCheckRows), desc_b, accumulate);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    mbarrier_arrive(&empty[s]);
+  }
+  for (int r = 0; r < N / 2; ++r) {
+    const int j = r / 4, h = (r % 4) / 2, col = r % 2;
+    c[(16 * w + g + 8 * h) * N + 8 * j + 2 * q + col] = acc[r];
+  }
+}
+
+template <typename T, int N, int kSpan, Major kMajorB, bool kARegisters>
+void launch_wgmma_tile_as(const T* a, const T* b, float* c, int k, Stream stream) {
+  constexpr Swizzle kSwizzle = kSpan == 16 ? Swizzle::kNone : static_cast<Swizzle>(kSpan);
+  const int box_inner = kSpan / 2;
+  const int64_t a_dims[2] = {k, kCheckRows}, a_strides[1] = {2 * static_cast<int64_t>(k)};
+  const int a_box[2] = {box_inner, kCheckRows};
+  const TensorMap map_a = encode_tensor_map(a, 2, 2, a_dims, a_strides, a_box, kSwizzle);
+  TensorMap map_b;
+  if constexpr (kMajorB == Major::kK) {
+    const int64_t dims[2] = {k, N}, strides[1] = {2 * static_cast<int64_t>(k)};
+    const int box[2] = {box_inner, N};
+    map_b = encode_tensor_map(b, 2, 2, dims, strides, box, kSwizzle);
+  } else {
+    const int64_t dims[2] = {N, k}, strides[1] = {2 * N};
+    const int box[2] = {box_inner, kCheckKTile};
+    map_b = encode_tensor_map(b, 2, 2, dims, strides, box, kSwizzle);
+  }
+  auto* kernel = wgmma_tile_kernel<T, N, kSpan, kMajorB, kARegisters>;
+  allow_dynamic_shared_memory(kernel, check_shared_bytes<N>());
+  launch("wgmma_tile_kernel", kernel, 1, kCheckThreads, check_shared_bytes<N>(), stream, map_a, map_b, a, k, c);
+}
+
+template <typename T, int N, int kSpan>
+void launch_wgmma_tile_span(const T* a, const T* b, float* c, int k, bool b_mn_major, bool a_in_registers,
+                            Stream stream) {
+  if (b_mn_major) {
+    a_in_registers ? launch_wgmma_tile_as<T, N, kSpan, Major::kMN, true>(a, b, c, k, stream)
+                   : launch_wgmma_tile_as<T, N, kSpan, Major::kMN, false>(a, b, c, k, stream);
+  } else {
+    a_in_registers ? launch_wgmma_tile_as<T, N, kSpan, Major::kK, true>(a, b, c, k, stream)
+                   : launch_wgmma_tile_as<T, N, kSpan, Major::kK, false>(a, b, c, k, stream);
+  }
+}
+
+template <typename T, int N>
+void launch_wgmma_tile_n(const T* a, const T* b, float* c, int k, int span, bool b_mn_major, bool a_in_registers,
+                         Stream stream) {
+  switch (span) {
+    case 16: return launch_wgmma_tile_span<T, N, 16>(a, b, c, k, b_mn_major, a_in_registers, stream);
+    case 32: return launch_wgmma_tile_span<T, N, 32>(a, b, c, k, b_mn_major, a_in_registers, stream);
+    case 64: return launch_wgmma_tile_span<T, N, 64>(a, b, c, k, b_mn_major, a_in_registers, stream);
+    case 128: return launch_wgmma_tile_span<T, N, 128>(a, b, c, k, b_mn_major, a_in_registers, stream);
+    default: TORCH_CHECK_VALUE(false, "wgmma_tile: span must be 16 (no swizzle), 32, 64 or 128, got ", span);
+  }
+}
+
+// The check product for a [64, k] and b ([n, k], or [k, n] when b_mn_major);
+// n 64, 128 or 256, k a positive multiple of 64; span: the swizzle span in
+// bytes, 16 for none.
+template <typename T>
+void launch_wgmma_tile(const T* a, const T* b, float* c, int n, int k, int span, bool b_mn_major,
+                       bool a_in_registers, Stream stream) {
+  TORCH_CHECK_VALUE(k > 0 && k % kCheckKTile == 0, "wgmma_tile: k must be a positive multiple of 64, got ", k);
+  switch (n) {
+    case 64: return launch_wgmma_tile_n<T, 64>(a, b, c, k, span, b_mn_major, a_in_registers, stream);
+    case 128: return launch_wgmma_tile_n<T, 128>(a, b, c, k, span, b_mn_major, a_in_registers, stream);
+    case 256: return launch_wgmma_tile_n<T, 256>(a, b, c, k, span, b_mn_major, a_in_registers, stream);
+    default: TORCH_CHECK_VALUE(false, "wgmma_tile: n must be 64, 128 or 256, got ", n);
+  }
+}
+
+}  // namespace fusedllm::cuda::hopper

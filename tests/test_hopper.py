@@ -1,0 +1,209 @@
+"""Hopper's asynchronous units of csrc/cuda/hopper.cuh (mbarriers, TMA tile
+copies, wgmma from shared-memory descriptors and from registers, setmaxnreg),
+through the warp-specialized check product of csrc/cuda/hopper_check.cuh: under
+the emulator for every swizzle, both layouts of B, both sources of A and both
+16-bit types; the misuse the emulator refuses, each with its message; compiled
+for sm_90a (the instructions they become); and on an sm_90a GPU."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from checks import assert_close
+from test_tensor_core import _cuda_include_dirs, _cuobjdump
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPANS = {"none": 16, "32B": 32, "64B": 64, "128B": 128}
+
+
+def operands(dtype, n, k, b_mn_major, exact, device="cpu"):
+    """a [64, k], b ([n, k] or [k, n]) and the float64 product. `exact`: small
+    integers, so that every product and partial sum is exact in float32 and a
+    layout mistake shows as a wrong value whatever the summation order."""
+    g = torch.Generator().manual_seed(11 + n + k + 2 * b_mn_major + exact)
+    shape_b = (k, n) if b_mn_major else (n, k)
+    if exact:
+        a = torch.randint(-3, 4, (64, k), generator=g).to(dtype)
+        b = torch.randint(-3, 4, shape_b, generator=g).to(dtype)
+    else:
+        a = torch.randn(64, k, generator=g).to(dtype)
+        b = torch.randn(*shape_b, generator=g).to(dtype)
+    expected = a.double() @ (b.double() if b_mn_major else b.double().T)
+    return a.to(device), b.to(device), expected.to(device)
+
+
+def check(c, expected, exact):
+    if exact:
+        assert torch.equal(c, expected.float()), (c - expected.float()).abs().max()
+    else:
+        assert_close(c, expected, (1e-5, 1e-5), upcast=True)
+
+
+def simt():
+    import fusedllm.simt  # loads fusedllm._simt or says how to build it
+
+    return fusedllm.simt
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("a_in_registers", [False, True], ids=["a_shared", "a_registers"])
+@pytest.mark.parametrize("b_mn_major", [False, True], ids=["b_k_major", "b_mn_major"])
+@pytest.mark.parametrize("span", list(SPANS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_check_product_under_the_emulator(dtype, span, b_mn_major, a_in_registers):
+    """Four K tiles through two stages (each mbarrier's phase flips twice),
+    N = 128, every swizzle of TMA and the descriptors, B K-major (Q K^T's
+    layout) and MN-major (P V's)."""
+    a, b, expected = operands(dtype, 128, 256, b_mn_major, exact=True)
+    with simt().kernels(schedule="lockstep"):
+        c = torch.ops.fusedllm_simt_selftest.wgmma_tile(a, b, SPANS[span], b_mn_major, a_in_registers)
+    check(c, expected, exact=True)
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("schedule", ["lockstep", "reverse", "warp-random"])
+@pytest.mark.parametrize("n", [64, 256])
+def test_check_product_shapes_and_schedules(n, schedule):
+    a, b, expected = operands(torch.bfloat16, n, 128, False, exact=False)
+    with simt().kernels(schedule=schedule):
+        c = torch.ops.fusedllm_simt_selftest.wgmma_tile(a, b, 128, False, False)
+    check(c, expected, exact=False)
+
+
+@pytest.mark.simt
+def test_check_product_bad_arguments():
+    a = torch.zeros(64, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="^wgmma_tile: k must be a positive multiple of 64, got 96$"):
+        torch.ops.fusedllm_simt_selftest.wgmma_tile(a, torch.zeros(64, 96, dtype=torch.bfloat16), 128, False, False)
+    a = torch.zeros(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="^wgmma_tile: span must be 16 \\(no swizzle\\), 32, 64 or 128, got 8$"):
+        torch.ops.fusedllm_simt_selftest.wgmma_tile(a, torch.zeros(64, 64, dtype=torch.bfloat16), 8, False, False)
+
+
+TENSOR_MAP_REFUSALS = [
+    ((64, 64), [64, 300], 128, "box dimension 1 must be 1 to 256 elements, got 300"),
+    ((64, 64), [4, 64], 0, "the box's inner dimension must be a multiple of 16 bytes, got 8"),
+    ((64, 64), [32, 64], 128, "a swizzled box's inner dimension must be the swizzle span (128 bytes), got 64 bytes"),
+    ((64, 60), [8, 8], 0, "the stride of dimension 1 must be a positive multiple of 16 bytes below 2^40, got 120"),
+    ((2, 2, 2, 2, 2, 8), [8, 1, 1, 1, 1, 1], 0, "rank must be 1 to 5, got 6"),
+]
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("shape,box,swizzle,message", TENSOR_MAP_REFUSALS, ids=[r[3][:24] for r in TENSOR_MAP_REFUSALS])
+def test_tensor_map_refuses_what_tma_cannot_copy(shape, box, swizzle, message):
+    """encode_tensor_map checks what cuTensorMapEncodeTiled checks (and the
+    emulator's one restriction, swizzled boxes as wide as the span), naming
+    the argument."""
+    simt()
+    t = torch.zeros(shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="^encode_tensor_map: " + re.escape(message) + "$"):
+        torch.ops.fusedllm_simt_selftest.encode_tensor_map(t, box, swizzle)
+    torch.ops.fusedllm_simt_selftest.encode_tensor_map(torch.zeros(64, 64, dtype=torch.bfloat16), [64, 64], 128)
+
+
+MISUSE = {
+    "wgmma_without_proxy_fence": r"wgmma at csrc/simt/selftest.cpp:\d+ \(A\) reads shared memory at offset 0x\w+ "
+                                 r"that ordinary stores wrote after the last fence.proxy.async",
+    "wgmma_without_fence": r"wgmma at csrc/simt/selftest.cpp:\d+: no wgmma_fence since the kernel began or since "
+                           r"the last wgmma_wait",
+    "wgmma_accumulator_written": r"wrote its accumulator registers between issuing the wgmma and wgmma_wait",
+    "mbarrier_never_completes": r"deadlock, no thread can go on: 64 threads \(from \(0,0,0\)\) at mbarrier_wait "
+                                r"csrc/simt/selftest.cpp:\d+ on the mbarrier at shared offset 0x\w+ for the phase "
+                                r"of parity 0 \(its phase 0 waits for 1 of 1 arrivals and 0 transaction bytes\)",
+    "tma_bytes_never_arrive": r"deadlock, .* \(its phase 0 waits for 0 of 1 arrivals and 2048 transaction bytes\)",
+    "tma_box_past_shared": r"tma_load at csrc/simt/selftest.cpp:\d+: the box of 2048 bytes at shared offset 0x\w+ "
+                           r"ends past the block's \d+ bytes of dynamic shared memory",
+    "partial_warpgroup": r"wgmma_fence at csrc/simt/selftest.cpp:\d+: warpgroup 0 \(warps 0 to 3\) is not whole: "
+                         r"the block has 96 threads",
+    "misaligned_warpgroup": r"deadlock, .*in wgmma_wait at csrc/simt/selftest.cpp:\d+ \(warpgroup 0\);.*"
+                            r"in wgmma_wait at csrc/simt/selftest.cpp:\d+ \(warpgroup 1\)",
+    "setmaxnreg_out_of_range": r"setmaxnreg at csrc/simt/selftest.cpp:\d+: the register count must be a multiple "
+                               r"of 8 from 24 to 256, got 20",
+}
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("schedule", ["lockstep", "warp"])
+@pytest.mark.parametrize("name", list(MISUSE))
+def test_the_emulator_refuses_misuse_of_the_hopper_units(name, schedule):
+    with simt().kernels(schedule=schedule), pytest.raises(RuntimeError, match=MISUSE[name]):
+        simt().run_selftest(name)
+
+
+@pytest.mark.simt
+def test_the_correct_twin_runs():
+    """The kernel of the wgmma misuse tests with its fences: every product is 16."""
+    with simt().kernels(schedule="warp-random"):
+        out = simt().run_selftest("wgmma_fenced")
+    assert out == [16.0] * 64
+
+
+@pytest.mark.simt
+def test_a_tma_copy_read_before_its_wait_reads_nan():
+    """A TMA load lands when its mbarrier is waited on: read before the wait,
+    the destination holds NaN; after it, the data (row 0 of the source: 0..63)."""
+    with simt().kernels(schedule="lockstep"):
+        out = simt().run_selftest("tma_read_before_wait")
+    assert all(x != x for x in out[:32]), out
+    assert out[32:] == [float(i) for i in range(32)], out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_units_compile_to_hopper_instructions(tmp_path):
+    """Evidence without a GPU: the sm_90a check product holds HGMMA (wgmma,
+    from shared memory and from registers), UTMALDG (TMA loads), SYNCS
+    (mbarrier), USETMAXREG (setmaxnreg: ptxas drops it when it cannot tell the
+    kernel's register count) and WARPGROUP.ARRIVE (wgmma.fence), and no
+    local-memory traffic; ptxas did not serialise the products."""
+    cuobjdump = _cuobjdump()
+    assert cuobjdump, "nvcc is here but cuobjdump is not (the CUDA toolkit's, or triton's copy)"
+    probe = tmp_path / "probe.cu"
+    instances = []
+    for t in ("c10::BFloat16", "c10::Half"):
+        for regs in ("true", "false"):
+            instances.append(
+                f"template __global__ void fusedllm::cuda::hopper::wgmma_tile_kernel<{t}, 128, 128, "
+                f"fusedllm::cuda::hopper::Major::kMN, {regs}>(const __grid_constant__ fusedllm::cuda::hopper::TensorMap, "
+                f"const __grid_constant__ fusedllm::cuda::hopper::TensorMap, const {t}*, int, float*);")
+    probe.write_text('#include "hopper_check.cuh"\n' + "\n".join(instances) + "\n")
+    cubin = tmp_path / "probe.cubin"
+    built = subprocess.run(["nvcc", "-std=c++20", "-arch=sm_90a", "--expt-relaxed-constexpr", "-cubin",
+                            "-Xptxas", "-v", *_cuda_include_dirs(), str(probe), "-o", str(cubin)],
+                           check=True, capture_output=True, text=True)
+    assert "serialized" not in built.stderr and "setmaxnreg' ignored" not in built.stderr, built.stderr
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+    for instruction in ("HGMMA.64x128x16.F32.BF16", "HGMMA.64x128x16.F32 ", "UTMALDG.2D", "SYNCS.PHASECHK",
+                        "USETMAXREG", "WARPGROUP.ARRIVE"):
+        assert instruction in sass, f"{instruction.strip()} not in the sm_90a machine code"
+    assert "LDL" not in sass and "STL" not in sass
+
+
+@pytest.fixture(scope="module")
+def gpu_check_product():
+    from torch.utils.cpp_extension import load
+
+    return load(name="fusedllm_hopper_check", sources=[os.path.join(ROOT, "tests", "hopper_check.cu")],
+                extra_include_paths=[os.path.join(ROOT, "csrc", "cuda"), os.path.join(ROOT, "csrc", "include")],
+                extra_cuda_cflags=["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-gencode",
+                                   "arch=compute_90a,code=sm_90a"],
+                extra_cflags=["-std=c++20"], verbose=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("a_in_registers", [False, True], ids=["a_shared", "a_registers"])
+@pytest.mark.parametrize("b_mn_major", [False, True], ids=["b_k_major", "b_mn_major"])
+@pytest.mark.parametrize("span", list(SPANS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_check_product_on_a_hopper_gpu(gpu_check_product, dtype, span, b_mn_major, a_in_registers):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma and TMA need sm_90a (an H100 or H200)")
+    a, b, expected = operands(dtype, 128, 256, b_mn_major, exact=True, device="cuda")
+    c = gpu_check_product.wgmma_tile(a, b, SPANS[span], b_mn_major, a_in_registers)
+    check(c, expected, exact=True)

@@ -1,12 +1,15 @@
 """The tensor-core attention kernels (bfloat16 / float16 on sm_80+,
-csrc/cuda/attention_mma*.cu): which kernel dispatch picks; values, log-sum-exp
-and gradients against the float64 reference over group ratios, lengths, head
-dims, masks and every option; the dropout pattern; packed sequences; and no
-shared-memory bank conflicts. They run under the emulator ("simt", "simt-warp")
-and on a GPU ("cuda"), never on the CPU kernels."""
+csrc/cuda/attention_mma*.cu, and the Hopper forward of attention_hopper.cu):
+which kernel dispatch picks; values, log-sum-exp and gradients against the
+float64 reference over group ratios, lengths, head dims, masks and every
+option; the dropout pattern; packed sequences; and no shared-memory bank
+conflicts. They run under the emulator ("simt", "simt-warp"), twice: with the
+mma.sync forward and with the Hopper forward wherever it serves the call; and
+on a GPU ("cuda", as dispatch chooses), never on the CPU kernels."""
 
 import contextlib
 import functools
+import os
 import sys
 
 import pytest
@@ -28,6 +31,7 @@ pytestmark = pytest.mark.parametrize("device", [d for d in DEVICES if not isinst
 assert_close = functools.partial(checks.assert_close, upcast=True)
 
 FORWARD = "attention_mma_forward_kernel"
+HOPPER_FORWARD = "attention_hopper_forward_kernel"  # sm_90a: wgmma, TMA, warp-specialized
 SIMT_FORWARD = "attention_forward_kernel"
 DECODE = "attention_decode_kernel"  # SIMT: up to 16 rows a kv head, bfloat16 / float16
 DECODE_MMA = "attention_decode_mma_kernel"  # its tensor-core form, for a cache of the query's dtype
@@ -48,6 +52,37 @@ def backward_kernels(head_dim):
 def _emulator():
     simt = sys.modules.get("fusedllm.simt")
     return simt if simt is not None and simt.active() else None
+
+
+_forward = {"kernel": "mma"}
+
+
+@pytest.fixture(autouse=True, params=["mma", "hopper"])
+def forward_kernel(request, device):
+    """Under the emulator the grid runs with the mma.sync forward and again with
+    the Hopper forward (FUSEDLLM_CUDA_ATTENTION=hopper); a GPU runs it once,
+    its device choosing the forward."""
+    if request.param == "hopper" and _emulator() is None:
+        pytest.skip("on a GPU the device chooses the Hopper forward")
+    saved = os.environ.get("FUSEDLLM_CUDA_ATTENTION")
+    if request.param == "hopper":
+        os.environ["FUSEDLLM_CUDA_ATTENTION"] = "hopper"
+    _forward["kernel"] = request.param
+    yield request.param
+    _forward["kernel"] = "mma"
+    if saved is None:
+        os.environ.pop("FUSEDLLM_CUDA_ATTENTION", None)
+    else:
+        os.environ["FUSEDLLM_CUDA_ATTENTION"] = saved
+
+
+def tc_forward(head_dim, group, kv_lens=False):
+    """The tensor-core forward this run takes for a call of more than 16 rows a
+    kv head: the Hopper one where it serves (head dims up to 128, a group that
+    divides its 128 rows, no kv_lens), else the mma.sync one."""
+    if _forward["kernel"] == "hopper" and head_dim <= 128 and 128 % group == 0 and not kv_lens:
+        return HOPPER_FORWARD
+    return FORWARD
 
 
 @contextlib.contextmanager
@@ -101,8 +136,10 @@ def run_and_check(q, k, v, dtype, check_lse=True, **options):
     ran, absent = backward_kernels(q.shape[-1])
     # Up to 16 rows a kv head the forward is the decoding kernel's (on the tensor cores too).
     rows = q.shape[-2] * q.shape[-3] // k.shape[-3]
-    forward = DECODE_MMA if rows <= 16 and q.shape[-1] <= 128 and not options.get("dropout_p") else FORWARD
-    check_ran(counts, forward, *ran, absent=(SIMT_FORWARD, DECODE, *({FORWARD, DECODE_MMA} - {forward}), *absent))
+    forward = (DECODE_MMA if rows <= 16 and q.shape[-1] <= 128 and not options.get("dropout_p") else
+               tc_forward(q.shape[-1], q.shape[-3] // k.shape[-3], options.get("kv_lens") is not None))
+    check_ran(counts, forward, *ran,
+              absent=(SIMT_FORWARD, DECODE, *({FORWARD, HOPPER_FORWARD, DECODE_MMA} - {forward}), *absent))
     check_against_reference(q, k, v, out, grad_out, grads, dtype, **options)
     if check_lse:
         _, ref_lse, _ = reference_results(q, k, v, grad_out, **options)
@@ -136,9 +173,10 @@ def test_dispatch_picks_the_kernel(device, dtype, hq, hkv, sq, expected):
         out.backward(torch.randn_like(out))
     if counts is None:
         pytest.skip("only the emulator counts launches")
+    expected = tc_forward(32, hq // hkv) if expected == FORWARD else expected
     tensor_core_backward = (DELTA, DQ, DKDV)
     simt_backward = (SIMT_DELTA, SIMT_DQ, SIMT_DKDV)
-    forwards = {FORWARD, SIMT_FORWARD, DECODE, DECODE_MMA}
+    forwards = {FORWARD, HOPPER_FORWARD, SIMT_FORWARD, DECODE, DECODE_MMA}
     backward = tensor_core_backward if dtype != torch.float32 and sq * hq // hkv >= 16 else simt_backward
     other_backward = simt_backward if backward == tensor_core_backward else tensor_core_backward
     check_ran(counts, expected, *backward, absent=(*(forwards - {expected}), *other_backward))
@@ -156,11 +194,11 @@ def test_simt_kernel_on_request(device, monkeypatch):
         out = fusedllm.attention(q, k, v)
     if counts is None:
         pytest.skip("only the emulator counts launches")
-    check_ran(counts, DECODE, absent=(FORWARD, DECODE_MMA))
+    check_ran(counts, DECODE, absent=(FORWARD, HOPPER_FORWARD, DECODE_MMA))
     ref, _ = ref_attention(q.double(), k.double(), v.double())
     assert_close(out, ref, FORWARD_TOL[torch.bfloat16], "out")
     monkeypatch.setenv("FUSEDLLM_CUDA_ATTENTION", "tensor-cores")
-    with pytest.raises(ValueError, match="FUSEDLLM_CUDA_ATTENTION must be 'auto' or 'simt'"):
+    with pytest.raises(ValueError, match="FUSEDLLM_CUDA_ATTENTION must be 'auto', 'simt' or 'hopper'"):
         fusedllm.attention(q, k, v)
 
 
@@ -168,7 +206,7 @@ def test_build_lists_the_attention_kernels(device):
     fusedllm.attention(*make_qkv(1, 2, 2, 3, 3, 8, torch.float32, device))  # an op for the simt fixture
     simt = _emulator()
     names = simt._simt.attention_kernels() if simt is not None else fusedllm.build_info()["cuda_attention_kernels"]
-    for kernel in (FORWARD, SIMT_FORWARD, DECODE, DECODE_MMA, DELTA, SIMT_DELTA, DQ, SIMT_DQ, DKDV, SIMT_DKDV):
+    for kernel in (FORWARD, HOPPER_FORWARD, SIMT_FORWARD, DECODE, DECODE_MMA, DELTA, SIMT_DELTA, DQ, SIMT_DQ, DKDV, SIMT_DKDV):
         assert any(name.startswith(kernel + " ") for name in names), (kernel, names)
 
 
@@ -274,7 +312,7 @@ def test_dropout_keeps_what_the_cpu_op_keeps(device, dtype):
     with launches() as counts:
         out, _ = ops.attention(q, k, v, None, 0.125, False, -1, p, torch.tensor([seed]), -1, 0.0, None,
                                None, None, None, 0, 0)
-    check_ran(counts, FORWARD)
+    check_ran(counts, tc_forward(64, 2))
     keep = _plain.dropout_keep(seed, (b, hq, sq, sk), p, q.device)
     assert torch.equal(out != 0, keep), "dropout kept other probabilities than the CPU op"
     assert_close(out, (keep.double() / sk / (1 - p)), FORWARD_TOL[dtype], "kept values")
@@ -295,7 +333,7 @@ def test_dropout_with_options_matches_reference(device, dtype):
                                slopes, None, None, 0, 0)
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v, sinks), grad_out)
-    check_ran(counts, FORWARD, DQ, DKDV)
+    check_ran(counts, tc_forward(64, 2), DQ, DKDV)
     keep = _plain.dropout_keep(seed, (b, hq, sq, sk), p, q.device)
     check_against_reference(q, k, v, out, grad_out, grads, dtype, scale=0.5, window=(40, 4), keep=keep,
                             dropout_p=p, softcap=2.0, sinks=sinks, alibi_slopes=slopes)
@@ -308,7 +346,7 @@ def test_varlen_matches_reference(device, case, dtype):
     q, k, v, cu_q, cu_k = pack(lengths_q, lengths_k, 8, 2, 64, dtype, device, requires_grad=True)
     with launches() as counts:
         check_varlen(q, k, v, cu_q, cu_k, dtype, **varlen_options(case, len(lengths_q), 8, device))
-    check_ran(counts, FORWARD, DQ, DKDV)
+    check_ran(counts, tc_forward(64, 4), DQ, DKDV)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -362,6 +400,6 @@ def test_no_bank_conflicts(device, head_dim):
         out.backward(torch.randn_like(out))
     if counts is None:
         pytest.skip("only the emulator counts bank conflicts")
-    check_ran(counts, FORWARD, *backward_kernels(head_dim)[0])
+    check_ran(counts, tc_forward(head_dim, 2), *backward_kernels(head_dim)[0])
     assert counts["ldmatrix"] > 0 and counts["cp_async"] > 0
     assert counts["ldmatrix_conflicts"] == 0 and counts["cp_async_conflicts"] == 0, counts

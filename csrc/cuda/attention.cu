@@ -300,7 +300,11 @@ struct CudaAttention {
     if (launch_attention_decode(p, current_stream())) return;
     if (!p.k_scale.defined() && !p.pages.paged() &&
         choose_attention_kernel(p, p.q.scalar_type()) == AttentionKernel::kTensorCore) {
-      launch_attention_mma_forward(p, current_stream());
+      if (hopper_attention_available() && attention_hopper_forward_serves(p)) {
+        launch_attention_hopper_forward(p, current_stream());
+      } else {
+        launch_attention_mma_forward(p, current_stream());
+      }
     } else {
       launch_attention_forward(p, current_stream());
     }
@@ -348,6 +352,7 @@ std::vector<std::string> attention_kernels() {
           "attention_delta_kernel (SIMT)", "attention_dq_kernel (SIMT)",
           "attention_dkdv_kernel (SIMT)",
           "attention_mma_forward_kernel (tensor cores: bfloat16/float16, sm_80+)",
+          "attention_hopper_forward_kernel (wgmma and TMA: bfloat16/float16, head dims up to 128, sm_90a)",
           "attention_mma_delta_kernel (tensor cores: bfloat16/float16, sm_80+)",
           "attention_mma_dq_kernel (tensor cores: bfloat16/float16, sm_80+)",
           "attention_mma_dkdv_kernel (tensor cores: bfloat16/float16, sm_80+, head dims up to 128)"};

@@ -402,14 +402,32 @@ __device__ __forceinline__ float score(float acc, bool visible, bool plain, floa
 
 // FUSEDLLM_CUDA_ATTENTION=simt keeps every call on the SIMT kernels: benchmarks
 // compare the two, and the emulated test suite runs its broad attention grid on
-// the SIMT kernels (the tensor-core kernels have their own grid). Unset or
-// "auto": the choice below.
-inline bool simt_attention_requested() {
+// the SIMT kernels (the tensor-core kernels have their own grid). "hopper":
+// the emulator runs the Hopper forward (attention_hopper.cu) wherever it
+// serves a call (on a GPU it is chosen by the device alone). Unset or "auto":
+// the choice below.
+enum class AttentionRequest { kAuto, kSimt, kHopper };
+inline AttentionRequest attention_request() {
   const char* value = std::getenv("FUSEDLLM_CUDA_ATTENTION");
-  if (value == nullptr || *value == '\0' || std::string(value) == "auto") return false;
-  TORCH_CHECK_VALUE(std::string(value) == "simt",
-                    "FUSEDLLM_CUDA_ATTENTION must be 'auto' or 'simt', got '", value, "'");
-  return true;
+  if (value == nullptr || *value == '\0' || std::string(value) == "auto") return AttentionRequest::kAuto;
+  if (std::string(value) == "simt") return AttentionRequest::kSimt;
+  TORCH_CHECK_VALUE(std::string(value) == "hopper",
+                    "FUSEDLLM_CUDA_ATTENTION must be 'auto', 'simt' or 'hopper', got '", value, "'");
+  return AttentionRequest::kHopper;
+}
+inline bool simt_attention_requested() { return attention_request() == AttentionRequest::kSimt; }
+
+// Whether the Hopper forward may run here: an sm_90 GPU with this build's
+// sm_90a machine code, or the emulator on request.
+inline bool hopper_attention_available() {
+#if defined(FUSEDLLM_SIMT)
+  return attention_request() == AttentionRequest::kHopper;
+#elif defined(FUSEDLLM_SM90A_IMAGE)
+  const auto& props = device_properties();
+  return props.major == 9 && props.minor == 0;
+#else
+  return false;
+#endif
 }
 
 // Which kernel serves a call: the tensor-core kernels for bfloat16 / float16
@@ -428,6 +446,12 @@ inline AttentionKernel choose_attention_kernel(const AttentionParams& p, at::Sca
 }
 
 }  // namespace
+
+// The Hopper forward (attention_hopper.cu): whether it serves the call (16-bit
+// types, head dims up to 128, a group that divides its 128 rows, no kv_lens,
+// operands TMA can describe), and its launch.
+bool attention_hopper_forward_serves(const AttentionForwardPlan& p);
+void launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream stream);
 
 // The tensor-core forward (attention_mma.cu) and backward (attention_mma_backward.cu;
 // dK/dV up to head dim kMaxDkdvHeadDim, the SIMT kernel above it).

@@ -1,0 +1,328 @@
+// The Hopper attention forward (bfloat16 / float16, sm_90a), warp-specialized
+// in FlashAttention-3's manner: a block holds 128 query rows (position, head)
+// of one kv head and sequence, in QueryRows' group order, so every K/V tile
+// serves all query heads of the group. Warpgroup 0 is the producer: one thread
+// issues TMA loads of Q and of 128-key K and V tiles into a two-stage ring
+// (full and empty mbarriers) and the warpgroup gives its registers up.
+// Warpgroups 1 and 2 are consumers, 64 rows each: S = Q K^T on wgmma from
+// shared memory, the online softmax on S's accumulators in registers (the
+// m16n8 accumulator layout of the mma.sync forward, so its per-score code
+// serves: masks, windows, soft-capping, ALiBi, dropout), P rounded to 16 bits
+// into A fragments and O += P V on wgmma with A from registers and V read
+// MN-major. Every operand tile is written by TMA with the 128-byte swizzle:
+// rows of 64 head-dim elements, a box per 64 of the head dim.
+//
+// Not yet: the intra-warpgroup overlap of softmax with the next product and
+// the ping-pong between consumers; head dim 256; kv_lens (a cache's slots past
+// a sequence's length may hold anything, and a tile reads them whole) and
+// K/V layouts TMA cannot describe: those calls keep the mma.sync forward.
+#include "attention_mma.cuh"
+#include "hopper.cuh"
+
+namespace fusedllm::cuda {
+namespace {
+
+namespace hk {
+
+constexpr int kConsumers = 2;
+constexpr int kThreads = (kConsumers + 1) * 128;
+constexpr int kRows = kConsumers * 64;  // query rows of a block
+constexpr int kKeys = 128;              // keys of a K / V tile
+constexpr int kStages = 2;
+constexpr int kBox = 64;                // head-dim elements of a TMA box: one 128-byte swizzled row
+constexpr int kMaxHeadDim = 128;
+
+template <int kD>
+struct Layout {
+  static constexpr int kQBytes = kRows * kD * 2;
+  static constexpr int kTileBytes = kKeys * kD * 2;  // one K or V tile
+  // Q, then each stage's K and V, then the mbarriers; 1024 bytes to align the tiles.
+  static constexpr size_t smem() { return 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * (1 + 3 * kStages); }
+};
+
+// Tensor-map strides in bytes; a dimension of one element may have any stride
+// (packed sequences' batch), but TMA takes only multiples of 16.
+inline int64_t map_stride(int64_t elements, int64_t size) { return size == 1 ? 16 : 2 * elements; }
+
+inline bool map_stride_ok(int64_t elements, int64_t size) {
+  return size == 1 || (elements > 0 && (2 * elements) % 16 == 0);
+}
+
+}  // namespace hk
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(hk::kThreads, 1)
+attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
+                                const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_k,
+                                const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_v, T* __restrict__ out,
+                                float* __restrict__ lse, attn::QueryRows rows, attn::Seqs seqs, int d, float scale,
+                                Mask mask_all, ScoreExtras extras) {
+  using hopper::Major;
+  using hopper::Swizzle;
+  using L = hk::Layout<kD>;
+  constexpr int kBoxes = kD / hk::kBox;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  unsigned char* raw = dynamic_shared<unsigned char>();
+  unsigned char* q_s = raw + (1024 - hopper::shared_address(raw) % 1024) % 1024;
+  unsigned char* kv_s = q_s + L::kQBytes;  // stage s: K at 2 s tiles, V after it
+  auto* q_full = reinterpret_cast<uint64_t*>(kv_s + 2 * hk::kStages * L::kTileBytes);
+  uint64_t* k_full = q_full + 1;
+  uint64_t* v_full = k_full + hk::kStages;
+  uint64_t* kv_empty = v_full + hk::kStages;
+  const auto k_tile = [&](int stage) { return kv_s + 2 * stage * L::kTileBytes; };
+  const auto v_tile = [&](int stage) { return kv_s + (2 * stage + 1) * L::kTileBytes; };
+
+  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int64_t sq = seqs.q_len(b);
+  tc::QueryBlock<hk::kRows, hk::kKeys> block(rows, sq);
+  if (block.empty()) return;  // past this (packed) sequence's end: the whole block
+  const bool length_ok = seqs.k_len_ok(b);
+  const Mask mask = mask_all.of_lengths(sq, length_ok ? seqs.k_len(b) : 0);
+  block.find_keys(mask, rows);
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    hopper::mbarrier_init(q_full, 1);
+    for (int s = 0; s < hk::kStages; ++s) {
+      hopper::mbarrier_init(&k_full[s], 1);
+      hopper::mbarrier_init(&v_full[s], 1);
+      hopper::mbarrier_init(&kv_empty[s], hk::kConsumers * 128);
+    }
+  }
+  __syncthreads();
+  // Uniform across each warp as the compiler can see: the products of a
+  // branch it takes for divergent are serialised.
+  const int warpgroup = __shfl_sync(kFullMask, tid / 128, 0);
+
+  if (warpgroup == 0) {  // producer
+    hopper::setmaxnreg<24, false>();
+    if (tid == 0) {
+      const int32_t pos0 = static_cast<int32_t>(seqs.q_start(b) + rows.group_pos(block.row0));
+      const auto map_b = static_cast<int32_t>(seqs.packed() ? 0 : b);  // packed: one [1, H, total, D] tensor
+      hopper::mbarrier_arrive_expect_tx(q_full, L::kQBytes);
+      for (int box = 0; box < kBoxes; ++box) {
+        const int32_t at[4] = {box * hk::kBox, static_cast<int32_t>(g * rows.group), pos0, map_b};
+        hopper::tma_load(q_s + box * hk::kRows * 128, map_q, q_full, at);
+      }
+      const int64_t k_start = seqs.k_start(b);
+      for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
+        const int stage = static_cast<int>(tile % hk::kStages);
+        const unsigned round = static_cast<unsigned>(tile / hk::kStages);
+        hopper::mbarrier_wait(&kv_empty[stage], (round & 1u) ^ 1u);
+        const auto key0 = static_cast<int32_t>(k_start + block.key_lo + tile * hk::kKeys);
+        hopper::mbarrier_arrive_expect_tx(&k_full[stage], L::kTileBytes);
+        for (int box = 0; box < kBoxes; ++box) {
+          const int32_t at[4] = {box * hk::kBox, static_cast<int32_t>(g), key0, map_b};
+          hopper::tma_load(k_tile(stage) + box * hk::kKeys * 128, map_k, &k_full[stage], at);
+        }
+        hopper::mbarrier_arrive_expect_tx(&v_full[stage], L::kTileBytes);
+        for (int box = 0; box < kBoxes; ++box) {
+          const int32_t at[4] = {box * hk::kBox, static_cast<int32_t>(g), key0, map_b};
+          hopper::tma_load(v_tile(stage) + box * hk::kKeys * 128, map_v, &v_full[stage], at);
+        }
+      }
+    }
+    return;
+  }
+
+  hopper::setmaxnreg<240, true>();
+  const int t = tid - 128 * warpgroup, warp = t / 32, group = (t % 32) / 4, quad = t % 4;
+  const int consumer = warpgroup - 1;
+  // This lane's rows: r = 0, 1 are rows `group` and group + 8 of its warp's 16.
+  struct LaneRow {
+    int64_t row, head, pos, lo, hi;  // lo == hi == 0 past the end: no key
+  };
+  const auto lane_row = [&](int r) {
+    LaneRow x;
+    x.row = block.row0 + consumer * 64 + warp * 16 + group + 8 * r;
+    x.head = rows.group_head(g, x.row);
+    x.pos = rows.group_pos(x.row);
+    const bool valid = x.row < block.rows_total;
+    x.lo = valid ? attn::key_begin(mask, x.pos) : 0;
+    x.hi = valid ? attn::key_end(mask, x.pos) : 0;
+    return x;
+  };
+  int64_t all_lo = 0, all_hi = std::numeric_limits<int64_t>::max();  // keys both rows see
+  for (int r = 0; r < 2; ++r) {
+    const LaneRow x = lane_row(r);
+    all_lo = x.lo > all_lo ? x.lo : all_lo;
+    all_hi = x.hi < all_hi ? x.hi : all_hi;
+  }
+  const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
+
+  // Operand descriptors: K-major tiles of 128-byte rows (8-row groups 1024
+  // bytes apart), a k-step of 16 elements 32 bytes along a row, the next 64
+  // of the head dim in the next box; V read MN-major (its rows are keys).
+  const auto q_desc = [&](int ks) {
+    return hopper::make_descriptor(q_s + (ks / 4) * hk::kRows * 128 + consumer * 64 * 128 + 32 * (ks % 4),
+                                   Swizzle::k128B, 16, 1024);
+  };
+  const auto k_desc = [&](int stage, int ks) {
+    return hopper::make_descriptor(k_tile(stage) + (ks / 4) * hk::kKeys * 128 + 32 * (ks % 4), Swizzle::k128B, 16,
+                                   1024);
+  };
+  const auto v_desc = [&](int stage, int step) {
+    return hopper::make_descriptor(v_tile(stage) + step * 16 * 128, Swizzle::k128B, hk::kKeys * 128, 1024);
+  };
+
+  // Accumulators in the layout of hopper.cuh: s[4 j + 2 r + c] is lane row r,
+  // column 8 j + 2 quad + c.
+  float o[kD / 2], m[2], l[2];
+  for (float& x : o) x = 0.f;
+  for (int r = 0; r < 2; ++r) m[r] = -kInf, l[r] = 0.f;
+  hopper::mbarrier_wait(q_full, 0);
+  for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
+    const int stage = static_cast<int>(tile % hk::kStages);
+    const unsigned round = static_cast<unsigned>(tile / hk::kStages);
+    const int64_t j0 = block.key_lo + tile * hk::kKeys;
+    float s[hk::kKeys / 2];
+    hopper::mbarrier_wait(&k_full[stage], round & 1u);
+    hopper::wgmma_fence();
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      hopper::wgmma<T, hk::kKeys, Major::kK, Major::kK>(s, q_desc(ks), k_desc(stage, ks), ks > 0);
+    }
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<0>();
+
+    float tile_max[2] = {-kInf, -kInf};
+    if (plain && j0 >= all_lo && j0 + hk::kKeys <= all_hi) {
+      for (int e = 0; e < hk::kKeys / 2; ++e) {
+        s[e] *= scale;
+        tile_max[(e / 2) % 2] = fmaxf(tile_max[(e / 2) % 2], s[e]);
+      }
+    } else {
+      for (int r = 0; r < 2; ++r) {
+        const LaneRow x = lane_row(r);
+        for (int j = 0; j < hk::kKeys / 8; ++j) {
+          for (int c = 0; c < 2; ++c) {
+            const int64_t key = j0 + 8 * j + 2 * quad + c;
+            const bool visible = key >= x.lo && key < x.hi;
+            float& z = s[4 * j + 2 * r + c];
+            z = tc::score(z, visible, plain, scale, extras, mask, b, x.head, x.pos, key, nullptr);
+            tile_max[r] = fmaxf(tile_max[r], z);
+          }
+        }
+      }
+    }
+    float shift[2];
+    for (int r = 0; r < 2; ++r) {
+      const float alpha =
+          attn::online_softmax_step(m[r], quad_reduce_max(tile_max[r]), shift[r], attn::ScalarOps<float>{});
+      l[r] *= alpha;
+      for (int n = 0; n < kD / 8; ++n) {
+        o[4 * n + 2 * r] *= alpha;
+        o[4 * n + 2 * r + 1] *= alpha;
+      }
+    }
+    for (int e = 0; e < hk::kKeys / 2; ++e) {
+      const int r = (e / 2) % 2;
+      const float p = tc::exp_of_difference(s[e], shift[r]);
+      l[r] += p;  // the sum (and so the lse) is that of the probabilities before dropout
+      s[e] = p;
+    }
+    if (extras.drop.enabled) {
+      for (int r = 0; r < 2; ++r) {
+        const LaneRow x = lane_row(r);
+        for (int j = 0; j < hk::kKeys / 8; ++j) {
+          for (int c = 0; c < 2; ++c) {
+            float& p = s[4 * j + 2 * r + c];
+            if (p > 0.f) p *= extras.keep_factor<float>(b, x.head, x.pos, j0 + 8 * j + 2 * quad + c);
+          }
+        }
+      }
+    }
+    // P as A fragments: n-tiles 2i and 2i + 1 of S are fragment i's columns.
+    mma::FragA pa[hk::kKeys / 16];
+    for (int i = 0; i < hk::kKeys / 16; ++i) {
+      const float* lo = s + 8 * i;
+      pa[i].r[0] = mma::pack2(T(lo[0]), T(lo[1]));
+      pa[i].r[1] = mma::pack2(T(lo[2]), T(lo[3]));
+      pa[i].r[2] = mma::pack2(T(lo[4]), T(lo[5]));
+      pa[i].r[3] = mma::pack2(T(lo[6]), T(lo[7]));
+    }
+    hopper::mbarrier_wait(&v_full[stage], round & 1u);
+    hopper::wgmma_fence();
+    for (int i = 0; i < hk::kKeys / 16; ++i) {
+      hopper::wgmma<T, kD, Major::kMN>(o, pa[i], v_desc(stage, i), true);
+    }
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<0>();
+    hopper::mbarrier_arrive(&kv_empty[stage]);
+  }
+
+  for (int r = 0; r < 2; ++r) {
+    const float sum = quad_reduce_sum(l[r]);
+    const LaneRow x = lane_row(r);
+    if (x.row >= block.rows_total) continue;
+    const int64_t out_row = rows.row_of_group_row(b, g, x.row);
+    float lse_r = attn::row_lse(m[r], sum);
+    float factor = attn::row_norm(m[r], sum, lse_r);
+    make_nan_if(!length_ok, factor, lse_r);
+    if (extras.mods.sinks != nullptr) factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(x.head));
+    T* o_row = out + out_row * d;
+    for (int n = 0; n < kD / 8; ++n) {
+      const int c = n * 8 + 2 * quad;
+      if (c < d) o_row[c] = T(o[4 * n + 2 * r] * factor);
+      if (c + 1 < d) o_row[c + 1] = T(o[4 * n + 2 * r + 1] * factor);
+    }
+    if (quad == 0) lse[out_row] = lse_r;
+  }
+}
+
+// The tensor map of q, k or v ([B, H, S, D] with these strides, or packed as
+// [1, H, total, D]): dimensions head dim, heads, positions, batch (heads
+// before positions: a box of a group's heads at consecutive positions lands
+// as QueryRows' group rows), boxes of 64 x box_heads x box_positions.
+hopper::TensorMap attention_map(const at::Tensor& t, int box_heads, int box_positions) {
+  const int64_t dims[4] = {t.size(3), t.size(1), t.size(2), t.size(0)};
+  const int64_t strides[3] = {hk::map_stride(t.stride(1), t.size(1)), hk::map_stride(t.stride(2), t.size(2)),
+                              hk::map_stride(t.stride(0), t.size(0))};
+  const int box[4] = {hk::kBox, box_heads, box_positions, 1};
+  return hopper::encode_tensor_map(t.const_data_ptr(), 2, 4, dims, strides, box, hopper::Swizzle::k128B);
+}
+
+bool map_ok(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && t.stride(3) == 1 &&
+         hk::map_stride_ok(t.stride(0), t.size(0)) && hk::map_stride_ok(t.stride(1), t.size(1)) &&
+         hk::map_stride_ok(t.stride(2), t.size(2));
+}
+
+}  // namespace
+
+bool attention_hopper_forward_serves(const AttentionForwardPlan& p) {
+  const AttentionShape& s = p.shape;
+  const at::ScalarType dtype = p.q.scalar_type();
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && s.head_dim <= hk::kMaxHeadDim &&
+         hk::kRows % p.rows.group == 0 && p.seqs.k_lens == nullptr && !p.k_scale.defined() && !p.pages.paged() &&
+         map_ok(p.q) && map_ok(p.k) && map_ok(p.v);
+}
+
+void launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream stream) {
+  const AttentionShape& s = p.shape;
+  const attn::QueryRows rows = rows_of(p);
+  const int group = static_cast<int>(rows.group);
+  const hopper::TensorMap map_q = attention_map(p.q, group, hk::kRows / group);
+  const hopper::TensorMap map_k = attention_map(p.k, 1, hk::kKeys);
+  const hopper::TensorMap map_v = attention_map(p.v, 1, hk::kKeys);
+  tc::with_mma_dtype(p.q.scalar_type(), [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    const auto run = [&](auto D) {
+      constexpr int kD = decltype(D)::value;
+      auto kernel = attention_hopper_forward_kernel<T, kD>;
+      const size_t smem = hk::Layout<kD>::smem();
+      allow_shared_memory(kernel, smem);
+      const dim3 grid(static_cast<unsigned>((rows.group_rows() + hk::kRows - 1) / hk::kRows),
+                      static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+      launch("attention_hopper_forward_kernel", kernel, grid, hk::kThreads, smem, stream, map_q, map_k, map_v,
+             p.out.mutable_data_ptr<T>(), p.lse.mutable_data_ptr<float>(), rows, p.seqs,
+             static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras_of(p));
+    };
+    if (s.head_dim <= 64) {
+      run(std::integral_constant<int, 64>{});
+    } else {
+      run(std::integral_constant<int, 128>{});
+    }
+  });
+}
+
+}  // namespace fusedllm::cuda

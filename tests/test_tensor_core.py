@@ -120,8 +120,9 @@ ATTENTION_KERNELS = r"attention_mma_(forward|dq|dkdv)_kernel"
 @pytest.mark.slow
 def test_built_tensor_core_kernels_hold_tensor_core_instructions():
     """Evidence from the installed build itself, without a GPU, where it holds
-    machine code for sm_75, sm_80 and sm_90 (FUSEDLLM_CUDA=1, as CI builds): on
-    sm_80 and sm_90 every instantiation of the tensor-core attention kernels (the
+    machine code for sm_75, sm_80 and sm_90a (FUSEDLLM_CUDA=1, as CI builds):
+    the Hopper forward holds HGMMA, UTMALDG and USETMAXREG on sm_90a; on sm_80
+    and sm_90a every instantiation of the tensor-core attention kernels (the
     forward and dQ for two dtypes x four head dims, dK/dV for three) and of the
     grouped products holds HMMA (mma.sync;
     .BF16 for bfloat16), ldmatrix (LDSM) and cp.async (LDGSTS); on sm_75, below
@@ -130,12 +131,17 @@ def test_built_tensor_core_kernels_hold_tensor_core_instructions():
     from fusedllm import _extension
 
     archs = fusedllm.build_info().get("cuda_archs", [])
-    if not {"75-real", "80-real", "90-real"} <= set(archs):
-        pytest.skip(f"this build holds machine code for {archs or 'no GPU'} (FUSEDLLM_CUDA=1 builds sm_75, 80 and 90)")
+    if not {"75-real", "80-real", "90a-real"} <= set(archs):
+        pytest.skip(f"this build holds machine code for {archs or 'no GPU'} (FUSEDLLM_CUDA=1 builds sm_75, 80 and 90a)")
     cuobjdump = _cuobjdump()
     assert cuobjdump, "the build holds CUDA machine code but cuobjdump is not here (the toolkit's, or triton's copy)"
     library = _extension._C.__file__
-    for arch in ("sm_80", "sm_90"):
+    hopper = _functions_sass(cuobjdump, library, "sm_90a", "attention_hopper_forward_kernel")
+    assert len(hopper) == 4, list(hopper)  # two dtypes x head dims 64 and 128
+    for name, body in hopper.items():
+        hgmma = "HGMMA.64x128x16.F32.BF16" if "BFloat16" in name else "HGMMA.64x128x16.F32 "
+        assert hgmma in body and "UTMALDG.4D" in body and "USETMAXREG" in body, name
+    for arch in ("sm_80", "sm_90a"):
         attention = _functions_sass(cuobjdump, library, arch, ATTENTION_KERNELS)
         grouped = _functions_sass(cuobjdump, library, arch, "grouped_mm_tc_kernel")
         assert len(attention) == 22 and len(grouped) == 6, (arch, list(attention), list(grouped))

@@ -128,27 +128,28 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   hopper::setmaxnreg<240, true>();
   const int t = tid - 128 * warpgroup, warp = t / 32, group = (t % 32) / 4, quad = t % 4;
   const int consumer = warpgroup - 1;
-  // This lane's rows: r = 0, 1 are rows `group` and group + 8 of its warp's 16.
-  struct LaneRow {
-    int64_t row, head, pos, lo, hi;  // lo == hi == 0 past the end: no key
-  };
-  const auto lane_row = [&](int r) {
-    LaneRow x;
-    x.row = block.row0 + consumer * 64 + warp * 16 + group + 8 * r;
-    x.head = rows.group_head(g, x.row);
-    x.pos = rows.group_pos(x.row);
-    const bool valid = x.row < block.rows_total;
-    x.lo = valid ? attn::key_begin(mask, x.pos) : 0;
-    x.hi = valid ? attn::key_end(mask, x.pos) : 0;
-    return x;
-  };
-  int64_t all_lo = 0, all_hi = std::numeric_limits<int64_t>::max();  // keys both rows see
+  // This lane's rows: r = 0, 1 are rows `group` and group + 8 of its warp's
+  // 16; the keys each sees, as offsets from the block's first key in 32 bits
+  // (lo == hi: none), and all other row values worked out where needed: the
+  // registers go to the accumulators.
+  const auto lane_row = [&](int r) { return block.row0 + consumer * 64 + warp * 16 + group + 8 * r; };
+  int lo[2], hi[2];
+#pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const LaneRow x = lane_row(r);
-    all_lo = x.lo > all_lo ? x.lo : all_lo;
-    all_hi = x.hi < all_hi ? x.hi : all_hi;
+    const int64_t row = lane_row(r), pos = rows.group_pos(row);
+    const bool valid = row < block.rows_total;
+    const int64_t a = valid ? attn::key_begin(mask, pos) - block.key_lo : 0;
+    const int64_t z = valid ? attn::key_end(mask, pos) - block.key_lo : 0;
+    const int64_t span = block.n_tiles * hk::kKeys;
+    lo[r] = static_cast<int>(a < 0 ? 0 : a > span ? span : a);
+    hi[r] = static_cast<int>(z < lo[r] ? lo[r] : z > span ? span : z);
   }
   const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
+  // The tiles whose every key both rows see, [full_lo, full_hi): a plain call
+  // scores them without testing each key.
+  const int all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
+  const int full_lo = plain && all_hi > all_lo ? (all_lo + hk::kKeys - 1) / hk::kKeys : 0;
+  const int full_hi = plain && all_hi > all_lo ? all_hi / hk::kKeys : 0;
 
   // Operand descriptors: K-major tiles of 128-byte rows (8-row groups 1024
   // bytes apart), a k-step of 16 elements 32 bytes along a row, the next 64
@@ -168,7 +169,9 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   // Accumulators in the layout of hopper.cuh: s[4 j + 2 r + c] is lane row r,
   // column 8 j + 2 quad + c.
   float o[kD / 2], m[2], l[2];
+#pragma unroll
   for (float& x : o) x = 0.f;
+#pragma unroll
   for (int r = 0; r < 2; ++r) m[r] = -kInf, l[r] = 0.f;
   hopper::mbarrier_wait(q_full, 0);
   for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
@@ -178,6 +181,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     float s[hk::kKeys / 2];
     hopper::mbarrier_wait(&k_full[stage], round & 1u);
     hopper::wgmma_fence();
+#pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
       hopper::wgmma<T, hk::kKeys, Major::kK, Major::kK>(s, q_desc(ks), k_desc(stage, ks), ks > 0);
     }
@@ -185,35 +189,42 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     hopper::wgmma_wait<0>();
 
     float tile_max[2] = {-kInf, -kInf};
-    if (plain && j0 >= all_lo && j0 + hk::kKeys <= all_hi) {
+    if (tile >= full_lo && tile < full_hi) {
+#pragma unroll
       for (int e = 0; e < hk::kKeys / 2; ++e) {
         s[e] *= scale;
         tile_max[(e / 2) % 2] = fmaxf(tile_max[(e / 2) % 2], s[e]);
       }
     } else {
+#pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const LaneRow x = lane_row(r);
+        const int64_t row = lane_row(r), head = rows.group_head(g, row), pos = rows.group_pos(row);
+#pragma unroll
         for (int j = 0; j < hk::kKeys / 8; ++j) {
+#pragma unroll
           for (int c = 0; c < 2; ++c) {
-            const int64_t key = j0 + 8 * j + 2 * quad + c;
-            const bool visible = key >= x.lo && key < x.hi;
+            const int key = static_cast<int>(tile) * hk::kKeys + 8 * j + 2 * quad + c;  // from key_lo
+            const bool visible = key >= lo[r] && key < hi[r];
             float& z = s[4 * j + 2 * r + c];
-            z = tc::score(z, visible, plain, scale, extras, mask, b, x.head, x.pos, key, nullptr);
+            z = tc::score(z, visible, plain, scale, extras, mask, b, head, pos, block.key_lo + key, nullptr);
             tile_max[r] = fmaxf(tile_max[r], z);
           }
         }
       }
     }
     float shift[2];
+#pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float alpha =
           attn::online_softmax_step(m[r], quad_reduce_max(tile_max[r]), shift[r], attn::ScalarOps<float>{});
       l[r] *= alpha;
+#pragma unroll
       for (int n = 0; n < kD / 8; ++n) {
         o[4 * n + 2 * r] *= alpha;
         o[4 * n + 2 * r + 1] *= alpha;
       }
     }
+#pragma unroll
     for (int e = 0; e < hk::kKeys / 2; ++e) {
       const int r = (e / 2) % 2;
       const float p = tc::exp_of_difference(s[e], shift[r]);
@@ -221,18 +232,22 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       s[e] = p;
     }
     if (extras.drop.enabled) {
+#pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const LaneRow x = lane_row(r);
+        const int64_t row = lane_row(r), head = rows.group_head(g, row), pos = rows.group_pos(row);
+#pragma unroll
         for (int j = 0; j < hk::kKeys / 8; ++j) {
+#pragma unroll
           for (int c = 0; c < 2; ++c) {
             float& p = s[4 * j + 2 * r + c];
-            if (p > 0.f) p *= extras.keep_factor<float>(b, x.head, x.pos, j0 + 8 * j + 2 * quad + c);
+            if (p > 0.f) p *= extras.keep_factor<float>(b, head, pos, j0 + 8 * j + 2 * quad + c);
           }
         }
       }
     }
     // P as A fragments: n-tiles 2i and 2i + 1 of S are fragment i's columns.
     mma::FragA pa[hk::kKeys / 16];
+#pragma unroll
     for (int i = 0; i < hk::kKeys / 16; ++i) {
       const float* lo = s + 8 * i;
       pa[i].r[0] = mma::pack2(T(lo[0]), T(lo[1]));
@@ -242,6 +257,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     }
     hopper::mbarrier_wait(&v_full[stage], round & 1u);
     hopper::wgmma_fence();
+#pragma unroll
     for (int i = 0; i < hk::kKeys / 16; ++i) {
       hopper::wgmma<T, kD, Major::kMN>(o, pa[i], v_desc(stage, i), true);
     }
@@ -250,16 +266,18 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     hopper::mbarrier_arrive(&kv_empty[stage]);
   }
 
+#pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float sum = quad_reduce_sum(l[r]);
-    const LaneRow x = lane_row(r);
-    if (x.row >= block.rows_total) continue;
-    const int64_t out_row = rows.row_of_group_row(b, g, x.row);
+    const int64_t row = lane_row(r);
+    if (row >= block.rows_total) continue;
+    const int64_t out_row = rows.row_of_group_row(b, g, row);
     float lse_r = attn::row_lse(m[r], sum);
     float factor = attn::row_norm(m[r], sum, lse_r);
     make_nan_if(!length_ok, factor, lse_r);
-    if (extras.mods.sinks != nullptr) factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(x.head));
+    if (extras.mods.sinks != nullptr) factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(rows.group_head(g, row)));
     T* o_row = out + out_row * d;
+#pragma unroll
     for (int n = 0; n < kD / 8; ++n) {
       const int c = n * 8 + 2 * quad;
       if (c < d) o_row[c] = T(o[4 * n + 2 * r] * factor);

@@ -403,9 +403,10 @@ __device__ __forceinline__ float score(float acc, bool visible, bool plain, floa
 // FUSEDLLM_CUDA_ATTENTION=simt keeps every call on the SIMT kernels: benchmarks
 // compare the two, and the emulated test suite runs its broad attention grid on
 // the SIMT kernels (the tensor-core kernels have their own grid). "hopper":
-// the emulator runs the Hopper forward (attention_hopper.cu) wherever it
-// serves a call (on a GPU it is chosen by the device alone). Unset or "auto":
-// the choice below.
+// the Hopper forward (attention_hopper.cu) wherever it serves a call and the
+// device runs it (the emulator; an sm_90 GPU with this build's sm_90a machine
+// code); it stays a request until it has been measured on a GPU. Unset or
+// "auto": the choice below.
 enum class AttentionRequest { kAuto, kSimt, kHopper };
 inline AttentionRequest attention_request() {
   const char* value = std::getenv("FUSEDLLM_CUDA_ATTENTION");
@@ -417,11 +418,12 @@ inline AttentionRequest attention_request() {
 }
 inline bool simt_attention_requested() { return attention_request() == AttentionRequest::kSimt; }
 
-// Whether the Hopper forward may run here: an sm_90 GPU with this build's
-// sm_90a machine code, or the emulator on request.
+// Whether the Hopper forward runs here: requested, and on the emulator or an
+// sm_90 GPU with this build's sm_90a machine code.
 inline bool hopper_attention_available() {
+  if (attention_request() != AttentionRequest::kHopper) return false;
 #if defined(FUSEDLLM_SIMT)
-  return attention_request() == AttentionRequest::kHopper;
+  return true;
 #elif defined(FUSEDLLM_SM90A_IMAGE)
   const auto& props = device_properties();
   return props.major == 9 && props.minor == 0;

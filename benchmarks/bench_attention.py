@@ -1,8 +1,10 @@
 """Causal grouped-query attention: the notebook's per-head loop, eager softmax
 attention with repeated K/V, F.scaled_dot_product_attention(enable_gqa=True),
 torch.compile of the eager version, and fusedllm.attention; on a GPU also SDPA
-restricted to each of its backends (flash, cuDNN, memory-efficient, math) and
-fusedllm held to its SIMT kernels.
+restricted to each of its backends (flash, cuDNN, memory-efficient, math),
+fusedllm held to its SIMT kernels and, on an sm_90 GPU, fusedllm with its
+Hopper forward (FUSEDLLM_CUDA_ATTENTION=hopper; its backward is the mma.sync
+one).
 
     python benchmarks/bench_attention.py            # B=1, Hq=32, Hkv=8, D=128, S in 512/2048/4096
     python benchmarks/bench_attention.py --quick    # small sizes, fewer repetitions
@@ -90,25 +92,36 @@ def sdpa_backend_core(backend):
     return core
 
 
-def fused_simt_core(q, k, v):
-    """fusedllm.attention held to its SIMT kernels (FUSEDLLM_CUDA_ATTENTION=simt),
-    which bfloat16 / float16 calls leave for the tensor-core kernels on sm_80+."""
-    saved = os.environ.get("FUSEDLLM_CUDA_ATTENTION")
-    os.environ["FUSEDLLM_CUDA_ATTENTION"] = "simt"
-    try:
-        return fused_core(q, k, v)
-    finally:
-        if saved is None:
-            del os.environ["FUSEDLLM_CUDA_ATTENTION"]
-        else:
-            os.environ["FUSEDLLM_CUDA_ATTENTION"] = saved
+def fused_held_core(request):
+    """fusedllm.attention under FUSEDLLM_CUDA_ATTENTION=request: "simt" holds it
+    to its SIMT kernels (which bfloat16 / float16 calls leave for the tensor
+    cores on sm_80+), "hopper" takes the Hopper forward where it serves."""
+    def core(q, k, v):
+        saved = os.environ.get("FUSEDLLM_CUDA_ATTENTION")
+        os.environ["FUSEDLLM_CUDA_ATTENTION"] = request
+        try:
+            return fused_core(q, k, v)
+        finally:
+            if saved is None:
+                del os.environ["FUSEDLLM_CUDA_ATTENTION"]
+            else:
+                os.environ["FUSEDLLM_CUDA_ATTENTION"] = saved
+    return core
+
+
+def hopper_forward_here(device):
+    """An sm_90 GPU and a build with sm_90a machine code: the Hopper forward can run."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+            and "90a-real" in fusedllm.build_info().get("cuda_archs", []))
 
 
 def candidates(with_compile, device):
     c = {"notebook": notebook_core, "eager": eager_core, "sdpa": sdpa_core}
     if device.type == "cuda":
         c.update({name: sdpa_backend_core(backend) for name, backend in SDPA_BACKENDS.items()})
-        c["fusedllm_simt"] = fused_simt_core
+        c["fusedllm_simt"] = fused_held_core("simt")
+        if hopper_forward_here(device):
+            c["fusedllm_hopper"] = fused_held_core("hopper")
     if with_compile:
         # A fresh compilation per case: each shape and dtype is its own graph.
         torch._dynamo.reset()
@@ -134,6 +147,8 @@ def bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cor
     with torch.no_grad():
         reference = cores["sdpa"](q, k, v).float()
         max_diff = (cores["fusedllm"](q, k, v).float() - reference).abs().max().item()
+        hopper_diff = ((cores["fusedllm_hopper"](q, k, v).float() - reference).abs().max().item()
+                       if "fusedllm_hopper" in cores else None)
         unsupported = {}
         for n in [n for n in names if n in SDPA_BACKENDS]:
             try:  # a backend that cannot run this case (dtype, GQA, GPU) raises; it is listed as skipped
@@ -206,6 +221,7 @@ def bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cor
             gflops={n: flops / t / 1e9 for n, t in times.items()},
             peak_mb={n: b / 2**20 for n, b in peaks.items()},
             max_abs_diff_vs_sdpa=max_diff,
+            hopper_max_abs_diff_vs_sdpa=hopper_diff,
         )
         for n in calls:
             row[f"{n}_ms"] = times[n] * 1e3
@@ -232,6 +248,7 @@ COLUMNS = [
     ("vs_compile", "× compile", ".2f"),
     *((f"vs_{name}", f"× SDPA {name[5:]}", ".2f") for name in SDPA_BACKENDS),
     ("vs_fusedllm_simt", "× fusedllm SIMT kernel", ".2f"),
+    ("vs_fusedllm_hopper", "× fusedllm Hopper forward", ".2f"),
     ("fused_gflops", "fusedllm GFLOP/s", ".0f"),
     ("matmul_gflops", "matmul GFLOP/s", ".0f"),
     ("pct_matmul", "fusedllm % of matmul", ".0f"),

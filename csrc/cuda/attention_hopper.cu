@@ -12,8 +12,11 @@
 // MN-major. Every operand tile is written by TMA with the 128-byte swizzle:
 // rows of 64 head-dim elements, a box per 64 of the head dim.
 //
-// Not yet: the intra-warpgroup overlap of softmax with the next product and
-// the ping-pong between consumers; head dim 256; kv_lens (a cache's slots past
+// Inside a consumer, tile j + 1's scores are issued before tile j's P V, and
+// their softmax runs while P V is on the tensor cores (FlashAttention-3's
+// intra-warpgroup overlap).
+//
+// Not yet: the ping-pong between consumers; head dim 256; kv_lens (a cache's slots past
 // a sequence's length may hold anything, and a tile reads them whole) and
 // K/V layouts TMA cannot describe: those calls keep the mma.sync forward.
 #include "attention_mma.cuh"
@@ -50,7 +53,9 @@ inline bool map_stride_ok(int64_t elements, int64_t size) {
 
 }  // namespace hk
 
-template <typename T, int kD>
+// kPlain: no score modifier, no tensor mask, no dropout (the visibility of
+// keys in the tiles a causal or window bound cuts is the only per-score work).
+template <typename T, int kD, bool kPlain>
 __global__ void __launch_bounds__(hk::kThreads, 1)
 attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
                                 const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_k,
@@ -144,7 +149,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     lo[r] = static_cast<int>(a < 0 ? 0 : a > span ? span : a);
     hi[r] = static_cast<int>(z < lo[r] ? lo[r] : z > span ? span : z);
   }
-  const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
+  constexpr bool plain = kPlain;
   // The tiles whose every key both rows see, [full_lo, full_hi): a plain call
   // scores them without testing each key.
   const int all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
@@ -167,27 +172,26 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   };
 
   // Accumulators in the layout of hopper.cuh: s[4 j + 2 r + c] is lane row r,
-  // column 8 j + 2 quad + c.
+  // column 8 j + 2 quad + c (O's likewise).
   float o[kD / 2], m[2], l[2];
 #pragma unroll
   for (float& x : o) x = 0.f;
 #pragma unroll
   for (int r = 0; r < 2; ++r) m[r] = -kInf, l[r] = 0.f;
-  hopper::mbarrier_wait(q_full, 0);
-  for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
+  // S = Q K^T of a tile, issued and committed (not waited for).
+  const auto issue_scores = [&](float (&s)[hk::kKeys / 2], int64_t tile) {
     const int stage = static_cast<int>(tile % hk::kStages);
-    const unsigned round = static_cast<unsigned>(tile / hk::kStages);
-    const int64_t j0 = block.key_lo + tile * hk::kKeys;
-    float s[hk::kKeys / 2];
-    hopper::mbarrier_wait(&k_full[stage], round & 1u);
+    hopper::mbarrier_wait(&k_full[stage], static_cast<unsigned>(tile / hk::kStages) & 1u);
     hopper::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
       hopper::wgmma<T, hk::kKeys, Major::kK, Major::kK>(s, q_desc(ks), k_desc(stage, ks), ks > 0);
     }
     hopper::wgmma_commit();
-    hopper::wgmma_wait<0>();
-
+  };
+  // The online softmax of a tile's finished scores: s becomes P (after
+  // dropout), m and l move on; returns in alpha what O must be scaled by.
+  const auto softmax = [&](float (&s)[hk::kKeys / 2], int64_t tile, float (&alpha)[2]) {
     float tile_max[2] = {-kInf, -kInf};
     if (tile >= full_lo && tile < full_hi) {
 #pragma unroll
@@ -215,14 +219,8 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     float shift[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float alpha =
-          attn::online_softmax_step(m[r], quad_reduce_max(tile_max[r]), shift[r], attn::ScalarOps<float>{});
-      l[r] *= alpha;
-#pragma unroll
-      for (int n = 0; n < kD / 8; ++n) {
-        o[4 * n + 2 * r] *= alpha;
-        o[4 * n + 2 * r + 1] *= alpha;
-      }
+      alpha[r] = attn::online_softmax_step(m[r], quad_reduce_max(tile_max[r]), shift[r], attn::ScalarOps<float>{});
+      l[r] *= alpha[r];
     }
 #pragma unroll
     for (int e = 0; e < hk::kKeys / 2; ++e) {
@@ -231,7 +229,8 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       l[r] += p;  // the sum (and so the lse) is that of the probabilities before dropout
       s[e] = p;
     }
-    if (extras.drop.enabled) {
+    if (!kPlain && extras.drop.enabled) {
+      const int64_t j0 = block.key_lo + tile * hk::kKeys;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int64_t row = lane_row(r), head = rows.group_head(g, row), pos = rows.group_pos(row);
@@ -245,25 +244,80 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
         }
       }
     }
-    // P as A fragments: n-tiles 2i and 2i + 1 of S are fragment i's columns.
-    mma::FragA pa[hk::kKeys / 16];
+  };
+  // P as A fragments: n-tiles 2i and 2i + 1 of S are fragment i's columns.
+  const auto to_frags = [&](const float (&s)[hk::kKeys / 2], mma::FragA (&pa)[hk::kKeys / 16]) {
 #pragma unroll
     for (int i = 0; i < hk::kKeys / 16; ++i) {
-      const float* lo = s + 8 * i;
-      pa[i].r[0] = mma::pack2(T(lo[0]), T(lo[1]));
-      pa[i].r[1] = mma::pack2(T(lo[2]), T(lo[3]));
-      pa[i].r[2] = mma::pack2(T(lo[4]), T(lo[5]));
-      pa[i].r[3] = mma::pack2(T(lo[6]), T(lo[7]));
+      const float* p = s + 8 * i;
+      pa[i].r[0] = mma::pack2(T(p[0]), T(p[1]));
+      pa[i].r[1] = mma::pack2(T(p[2]), T(p[3]));
+      pa[i].r[2] = mma::pack2(T(p[4]), T(p[5]));
+      pa[i].r[3] = mma::pack2(T(p[6]), T(p[7]));
     }
-    hopper::mbarrier_wait(&v_full[stage], round & 1u);
+  };
+  const auto rescale = [&](const float (&alpha)[2]) {
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[4 * n + e] *= alpha[e / 2];
+    }
+  };
+
+  hopper::mbarrier_wait(q_full, 0);
+  float s[hk::kKeys / 2], alpha[2];
+  mma::FragA pa[hk::kKeys / 16];
+  // O += P V of the tile whose P is in pa, committed.
+  const auto issue_values = [&](int64_t tile) {
+    const int stage = static_cast<int>(tile % hk::kStages);
+    hopper::mbarrier_wait(&v_full[stage], static_cast<unsigned>(tile / hk::kStages) & 1u);
     hopper::wgmma_fence();
 #pragma unroll
     for (int i = 0; i < hk::kKeys / 16; ++i) {
       hopper::wgmma<T, kD, Major::kMN>(o, pa[i], v_desc(stage, i), true);
     }
     hopper::wgmma_commit();
-    hopper::wgmma_wait<0>();
-    hopper::mbarrier_arrive(&kv_empty[stage]);
+  };
+  if constexpr (kPlain) {
+    // Tile j's P V runs on the tensor cores while the softmax of tile j + 1's
+    // scores (issued before it) runs beside it; O is rescaled once P V is
+    // done. Every tile but the last has a next one: no product is issued
+    // under a condition, so ptxas sees which group each wait completes (else
+    // it serialises the products).
+    if (block.n_tiles > 0) {
+      issue_scores(s, 0);
+      hopper::wgmma_wait<0>();
+      softmax(s, 0, alpha);
+      to_frags(s, pa);  // O is zero: nothing to rescale
+    }
+    for (int64_t tile = 0; tile + 1 < block.n_tiles; ++tile) {
+      issue_scores(s, tile + 1);
+      issue_values(tile);
+      hopper::wgmma_wait<1>();  // the scores, not P V
+      softmax(s, tile + 1, alpha);
+      hopper::wgmma_wait<0>();
+      hopper::mbarrier_arrive(&kv_empty[tile % hk::kStages]);
+      rescale(alpha);
+      to_frags(s, pa);
+    }
+    if (block.n_tiles > 0) {
+      issue_values(block.n_tiles - 1);
+      hopper::wgmma_wait<0>();
+      hopper::mbarrier_arrive(&kv_empty[(block.n_tiles - 1) % hk::kStages]);
+    }
+  } else {
+    // Score modifiers, masks and dropout need the registers that overlapping
+    // the softmax with P V would hold: one product at a time.
+    for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
+      issue_scores(s, tile);
+      hopper::wgmma_wait<0>();
+      softmax(s, tile, alpha);
+      rescale(alpha);
+      to_frags(s, pa);
+      issue_values(tile);
+      hopper::wgmma_wait<0>();
+      hopper::mbarrier_arrive(&kv_empty[tile % hk::kStages]);
+    }
   }
 
 #pragma unroll
@@ -324,21 +378,26 @@ void launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream strea
   const hopper::TensorMap map_v = attention_map(p.v, 1, hk::kKeys);
   tc::with_mma_dtype(p.q.scalar_type(), [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
-    const auto run = [&](auto D) {
+    const ScoreExtras extras = extras_of(p);
+    const bool plain = !extras.mods.any_score_mod() && !extras.mask.present() && !extras.drop.enabled;
+    const auto run = [&](auto D, auto kPlain) {
       constexpr int kD = decltype(D)::value;
-      auto kernel = attention_hopper_forward_kernel<T, kD>;
+      auto kernel = attention_hopper_forward_kernel<T, kD, decltype(kPlain)::value>;
       const size_t smem = hk::Layout<kD>::smem();
       allow_shared_memory(kernel, smem);
       const dim3 grid(static_cast<unsigned>((rows.group_rows() + hk::kRows - 1) / hk::kRows),
                       static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
       launch("attention_hopper_forward_kernel", kernel, grid, hk::kThreads, smem, stream, map_q, map_k, map_v,
              p.out.mutable_data_ptr<T>(), p.lse.mutable_data_ptr<float>(), rows, p.seqs,
-             static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras_of(p));
+             static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras);
+    };
+    const auto with_plain = [&](auto D) {
+      plain ? run(D, std::true_type{}) : run(D, std::false_type{});
     };
     if (s.head_dim <= 64) {
-      run(std::integral_constant<int, 64>{});
+      with_plain(std::integral_constant<int, 64>{});
     } else {
-      run(std::integral_constant<int, 128>{});
+      with_plain(std::integral_constant<int, 128>{});
     }
   });
 }

@@ -84,6 +84,62 @@ def test_check_product_bad_arguments():
         torch.ops.fusedllm_simt_selftest.wgmma_tile(a, torch.zeros(64, 64, dtype=torch.bfloat16), 8, False, False)
 
 
+def tma_image(src, box, coords, swizzle):
+    """The oracle of a TMA load: the box of src at coords (innermost first),
+    zero outside the tensor, as a dense row-major tile whose 16-byte chunks are
+    swizzled on the address bits (bits 4.. xor bits 7.., as many as the span
+    has 16-byte chunks' bits), as bytes."""
+    rank = src.dim()
+    index = []
+    for d in range(rank):  # tensor dimension rank-1-d is TMA dimension d
+        index.append(torch.arange(coords[d], coords[d] + box[d]))
+    index = index[::-1]
+    tile = torch.zeros([box[d] for d in range(rank)][::-1], dtype=src.dtype)
+    inside = [(i >= 0) & (i < n) for i, n in zip(index, src.shape)]
+    grids = torch.meshgrid(*index, indexing="ij")
+    keep = torch.ones(tile.shape, dtype=torch.bool)
+    for d, g in enumerate(grids):
+        keep &= inside[d].reshape([-1 if e == d else 1 for e in range(rank)]).expand(tile.shape)
+    clamped = [g.clamp(0, n - 1) for g, n in zip(grids, src.shape)]
+    tile[keep] = src[tuple(clamped)][keep]
+    raw = tile.contiguous().view(torch.uint8).reshape(-1)
+    if swizzle == 0:
+        return raw
+    bits = {32: 1, 64: 2, 128: 3}[swizzle]
+    offsets = torch.arange(0, raw.numel(), 16)
+    moved = offsets ^ (((offsets >> 7) & ((1 << bits) - 1)) << 4)
+    out = torch.empty_like(raw)
+    for o, m in zip(offsets.tolist(), moved.tolist()):
+        out[m:m + 16] = raw[o:o + 16]
+    return out
+
+
+TMA_BOXES = [  # shape (outermost first), box and coords (innermost first), swizzle, dtype
+    ((40, 64), [64, 16], [0, 30], 128, torch.bfloat16),       # rows past the end read zero
+    ((3, 5, 48), [16, 4, 2], [-8, 3, 2], 32, torch.bfloat16),  # negative and past-the-end coordinates
+    ((2, 3, 4, 40), [32, 3, 2, 2], [8, 1, 2, 0], 64, torch.bfloat16),
+    ((2, 2, 3, 4, 24), [8, 4, 2, 2, 1], [16, 2, 1, 0, 1], 0, torch.float32),
+    ((100,), [32], [80], 0, torch.float32),
+]
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("shape,box,coords,swizzle,dtype", TMA_BOXES, ids=lambda x: str(x))
+def test_tma_round_trip_of_a_box(shape, box, coords, swizzle, dtype):
+    """1-D to 5-D boxes, every swizzle, partly outside the tensor: the bytes
+    that land in shared memory are the oracle's, and the store writes back
+    exactly the box's elements that lie inside the tensor."""
+    simt()
+    src = (torch.arange(torch.Size(shape).numel()) % 251 + 1).reshape(shape).to(dtype)
+    with simt().kernels(schedule="lockstep"):
+        image, stored = torch.ops.fusedllm_simt_selftest.tma_box(src, box, coords, swizzle)
+    assert torch.equal(image, tma_image(src, box, coords, swizzle))
+    want = torch.zeros_like(src)
+    region = tuple(slice(max(c, 0), max(min(c + b, n), 0)) for c, b, n in zip(coords[::-1], box[::-1], shape))
+    want[region] = src[region]
+    assert torch.equal(stored, want)
+
+
 TENSOR_MAP_REFUSALS = [
     ((64, 64), [64, 300], 128, "box dimension 1 must be 1 to 256 elements, got 300"),
     ((64, 64), [4, 64], 0, "the box's inner dimension must be a multiple of 16 bytes, got 8"),
@@ -207,3 +263,18 @@ def test_check_product_on_a_hopper_gpu(gpu_check_product, dtype, span, b_mn_majo
     a, b, expected = operands(dtype, 128, 256, b_mn_major, exact=True, device="cuda")
     c = gpu_check_product.wgmma_tile(a, b, SPANS[span], b_mn_major, a_in_registers)
     check(c, expected, exact=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("shape,box,coords,swizzle,dtype", TMA_BOXES, ids=lambda x: str(x))
+def test_tma_round_trip_on_a_hopper_gpu(gpu_check_product, shape, box, coords, swizzle, dtype):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("TMA needs sm_90a (an H100 or H200)")
+    src = (torch.arange(torch.Size(shape).numel()) % 251 + 1).reshape(shape).to(dtype)
+    image, stored = gpu_check_product.tma_box(src.cuda(), box, coords, swizzle)
+    assert torch.equal(image.cpu(), tma_image(src, box, coords, swizzle))
+    want = torch.zeros_like(src)
+    region = tuple(slice(max(c, 0), max(min(c + b, n), 0)) for c, b, n in zip(coords[::-1], box[::-1], shape))
+    want[region] = src[region]
+    assert torch.equal(stored.cpu(), want)

@@ -5,7 +5,8 @@
 // multiplies each stage with wgmma and frees it. It exists to check those
 // units: under the emulator (torch.ops.fusedllm_simt_selftest.wgmma_tile) and
 // on an sm_90a GPU (tests/hopper_check.cu), for every swizzle, both layouts of
-// B, and A from shared memory or from registers.
+// B, and A from shared memory or from registers. Also a TMA round trip of a
+// 1-D to 5-D box (load, the bytes as they land, store).
 #pragma once
 
 #include "hopper.cuh"
@@ -16,6 +17,10 @@ constexpr int kCheckRows = 64;    // M
 constexpr int kCheckKTile = 64;   // K elements a stage holds
 constexpr int kCheckStages = 2;
 constexpr int kCheckThreads = 256;  // producer and consumer warpgroups
+
+struct TmaCoords {
+  int32_t c[5];
+};
 
 // Shared tiles are laid out as TMA writes them: boxes of kSpan bytes (the
 // swizzle span; 16 without a swizzle) by their rows, side by side.
@@ -199,6 +204,60 @@ void launch_wgmma_tile(const T* a, const T* b, float* c, int n, int k, int span,
     case 128: return launch_wgmma_tile_n<T, 128>(a, b, c, k, span, b_mn_major, a_in_registers, stream);
     case 256: return launch_wgmma_tile_n<T, 256>(a, b, c, k, span, b_mn_major, a_in_registers, stream);
     default: TORCH_CHECK_VALUE(false, "wgmma_tile: n must be 64, 128 or 256, got ", n);
+  }
+}
+
+// A TMA round trip: the box of `src_map` at `coords` is loaded into shared
+// memory, its bytes as they landed (swizzled) copied to `image`, and the box
+// stored from there to `dst_map` at the same coordinates.
+template <int kRank>
+__global__ void __launch_bounds__(128)
+    tma_box_kernel(const FUSEDLLM_GRID_CONSTANT TensorMap src_map, const FUSEDLLM_GRID_CONSTANT TensorMap dst_map,
+                   TmaCoords coords, int box_bytes, unsigned char* image) {
+  unsigned char* raw = dynamic_shared<unsigned char>();
+  unsigned char* tile = raw + (1024 - shared_address(raw) % 1024) % 1024;
+  auto* bar = reinterpret_cast<uint64_t*>(tile + ((box_bytes + 127) / 128) * 128);
+  int32_t at[kRank];
+  for (int d = 0; d < kRank; ++d) at[d] = coords.c[d];
+  if (threadIdx.x == 0) {
+    mbarrier_init(bar, 1);
+    mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(box_bytes));
+    tma_load(tile, src_map, bar, at);
+  }
+  __syncthreads();
+  mbarrier_wait(bar, 0);
+  for (int i = threadIdx.x; i < box_bytes; i += blockDim.x) image[i] = tile[i];
+  if (threadIdx.x == 0) {
+    tma_store(dst_map, tile, at);
+    tma_store_commit();
+    tma_store_wait<0>();
+  }
+}
+
+// src and dst: tensors of `rank` dimensions (innermost first) of `dims`
+// elements of element_bytes, dimension d > 0 strides[d - 1] bytes apart;
+// image: box_bytes. swizzle_bytes: 0, 32, 64 or 128.
+inline void launch_tma_box(const void* src, void* dst, int element_bytes, int rank, const int64_t* dims,
+                           const int64_t* strides, const int* box, const int32_t* coords, int swizzle_bytes,
+                           unsigned char* image, Stream stream) {
+  const auto swizzle = static_cast<Swizzle>(swizzle_bytes);
+  const TensorMap src_map = encode_tensor_map(src, element_bytes, rank, dims, strides, box, swizzle);
+  const TensorMap dst_map = encode_tensor_map(dst, element_bytes, rank, dims, strides, box, swizzle);
+  int box_bytes = element_bytes;
+  for (int d = 0; d < rank; ++d) box_bytes *= box[d];
+  TmaCoords at{};
+  for (int d = 0; d < rank; ++d) at.c[d] = coords[d];
+  const size_t smem = 1024 + ((box_bytes + 127) / 128) * 128 + 8;
+  const auto go = [&](auto kernel) {
+    allow_dynamic_shared_memory(kernel, smem);
+    launch("tma_box_kernel", kernel, 1, 128, smem, stream, src_map, dst_map, at, box_bytes, image);
+  };
+  switch (rank) {
+    case 1: return go(tma_box_kernel<1>);
+    case 2: return go(tma_box_kernel<2>);
+    case 3: return go(tma_box_kernel<3>);
+    case 4: return go(tma_box_kernel<4>);
+    default: return go(tma_box_kernel<5>);
   }
 }
 

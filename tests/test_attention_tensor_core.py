@@ -83,11 +83,23 @@ def forward_kernel(request, device):
         os.environ["FUSEDLLM_CUDA_ATTENTION"] = saved
 
 
+HOPPER_SMEM_256 = 197688  # the Hopper forward's shared memory at head dim 256 (hk::Layout<256>::smem())
+
+
+def _smem_optin():
+    simt = _emulator()
+    if simt is not None:
+        return simt._simt.device_properties()["shared_mem_per_block_optin"]
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+
+
 def tc_forward(head_dim, group, kv_lens=False):
     """The tensor-core forward this run takes for a call of more than 16 rows a
-    kv head: the Hopper one where it serves (head dims up to 128, a group that
-    divides its 128 rows, no kv_lens), else the mma.sync one."""
-    if _forward["kernel"] == "hopper" and head_dim <= 128 and 128 % group == 0 and not kv_lens:
+    kv head: the Hopper one where it serves (a group that divides its 128
+    rows, no kv_lens; head dim 256 where its shared memory fits: not the
+    emulated sm_80-class device), else the mma.sync one."""
+    fits = head_dim <= 128 or _smem_optin() >= HOPPER_SMEM_256
+    if _forward["kernel"] == "hopper" and fits and 128 % group == 0 and not kv_lens:
         return HOPPER_FORWARD
     return FORWARD
 

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -207,6 +208,42 @@ def test_a_tma_copy_read_before_its_wait_reads_nan():
         out = simt().run_selftest("tma_read_before_wait")
     assert all(x != x for x in out[:32]), out
     assert out[32:] == [float(i) for i in range(32)], out
+
+
+HEAD_DIM_256 = r"""
+import json, math, torch, fusedllm, fusedllm.simt as simt
+from reference import attention as ref_attention
+out = []
+for causal, softcap, dtype in ((True, None, torch.bfloat16), (False, None, torch.float16), (True, 5.0, torch.bfloat16)):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 150, 256, generator=g).to(dtype)
+    k, v = (torch.randn(1, 2, 150, 256, generator=g).to(dtype) for _ in range(2))
+    with simt.kernels(schedule="lockstep"):
+        before = dict(simt.stats()["kernel_launches"])
+        o = fusedllm.attention(q, k, v, causal=causal, softcap=softcap)
+        ran = simt.stats()["kernel_launches"].get("attention_hopper_forward_kernel", 0) - before.get(
+            "attention_hopper_forward_kernel", 0)
+    want, _ = ref_attention(q.double(), k.double(), v.double(), causal=causal, softcap=softcap)
+    out.append(dict(ran=ran, err=(o.double() - want).abs().max().item()))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.simt
+def test_hopper_forward_at_head_dim_256_on_an_sm90_sized_device():
+    """At head dim 256 the Hopper forward takes 197 KiB of shared memory: the
+    emulated device gets an sm_90's 227 KiB (FUSEDLLM_SIMT_SMEM_OPTIN, read
+    once, hence a process of its own) and runs it, plain and with soft-capping."""
+    simt()
+    env = dict(os.environ, FUSEDLLM_SIMT_SMEM_OPTIN=str(227 * 1024), FUSEDLLM_CUDA_ATTENTION="hopper",
+               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", HEAD_DIM_256], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    import json
+
+    for case in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert case["ran"] == 1 and case["err"] < 2e-2, case
 
 
 @pytest.mark.slow

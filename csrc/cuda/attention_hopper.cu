@@ -1,24 +1,27 @@
-// The Hopper attention forward (bfloat16 / float16, sm_90a), warp-specialized
-// in FlashAttention-3's manner: a block holds 128 query rows (position, head)
-// of one kv head and sequence, in QueryRows' group order, so every K/V tile
-// serves all query heads of the group. Warpgroup 0 is the producer: one thread
-// issues TMA loads of Q and of 128-key K and V tiles into a two-stage ring
-// (full and empty mbarriers) and the warpgroup gives its registers up.
-// Warpgroups 1 and 2 are consumers, 64 rows each: S = Q K^T on wgmma from
-// shared memory, the online softmax on S's accumulators in registers (the
-// m16n8 accumulator layout of the mma.sync forward, so its per-score code
-// serves: masks, windows, soft-capping, ALiBi, dropout), P rounded to 16 bits
-// into A fragments and O += P V on wgmma with A from registers and V read
-// MN-major. Every operand tile is written by TMA with the 128-byte swizzle:
-// rows of 64 head-dim elements, a box per 64 of the head dim.
+// The Hopper attention forward (bfloat16 / float16, head dims up to 256,
+// sm_90a), warp-specialized in FlashAttention-3's manner: a block holds 128
+// query rows (position, head) of one kv head and sequence, in QueryRows' group
+// order, so every K/V tile serves all query heads of the group. Warpgroup 0 is
+// the producer: one thread issues TMA loads of Q and of K and V tiles into a
+// two-stage ring (full and empty mbarriers) and the warpgroup gives its
+// registers up. Warpgroups 1 and 2 are consumers, 64 rows each: S = Q K^T on
+// wgmma from shared memory, the online softmax on S's accumulators in
+// registers (the m16n8 accumulator layout of the mma.sync forward, so its
+// per-score code serves: masks, windows, soft-capping, ALiBi, dropout), P
+// rounded to 16 bits into A fragments and O += P V on wgmma with A from
+// registers and V read MN-major. Every operand tile is written by TMA with the
+// 128-byte swizzle: rows of 64 head-dim elements, a box per 64 of the head dim.
+// Tiles hold 128 keys (64 at head dim 256, where the block takes 197 KiB of
+// shared memory: an sm_90 GPU's, past the emulated sm_80-class device's unless
+// FUSEDLLM_SIMT_SMEM_OPTIN raises it).
 //
-// Inside a consumer, tile j + 1's scores are issued before tile j's P V, and
+// In a plain call, tile j + 1's scores are issued before tile j's P V, and
 // their softmax runs while P V is on the tensor cores (FlashAttention-3's
 // intra-warpgroup overlap).
 //
-// Not yet: the ping-pong between consumers; head dim 256; kv_lens (a cache's slots past
-// a sequence's length may hold anything, and a tile reads them whole) and
-// K/V layouts TMA cannot describe: those calls keep the mma.sync forward.
+// Not yet: the ping-pong between consumers; kv_lens (a cache's slots past a
+// sequence's length may hold anything, and a tile reads them whole) and K/V
+// layouts TMA cannot describe: those calls keep the mma.sync forward.
 #include "attention_mma.cuh"
 #include "hopper.cuh"
 
@@ -30,13 +33,15 @@ namespace hk {
 constexpr int kConsumers = 2;
 constexpr int kThreads = (kConsumers + 1) * 128;
 constexpr int kRows = kConsumers * 64;  // query rows of a block
-constexpr int kKeys = 128;              // keys of a K / V tile
 constexpr int kStages = 2;
 constexpr int kBox = 64;                // head-dim elements of a TMA box: one 128-byte swizzled row
-constexpr int kMaxHeadDim = 128;
+constexpr int kMaxHeadDim = 256;
 
 template <int kD>
 struct Layout {
+  // Keys of a K / V tile: at head dim 256 O takes 128 registers a thread, so
+  // S gets 32 (64 keys) and the tiles fit shared memory (197 KiB).
+  static constexpr int kKeys = kD <= 128 ? 128 : 64;
   static constexpr int kQBytes = kRows * kD * 2;
   static constexpr int kTileBytes = kKeys * kD * 2;  // one K or V tile
   // Q, then each stage's K and V, then the mbarriers; 1024 bytes to align the tiles.
@@ -66,6 +71,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   using hopper::Swizzle;
   using L = hk::Layout<kD>;
   constexpr int kBoxes = kD / hk::kBox;
+  constexpr int kKeys = L::kKeys;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   unsigned char* raw = dynamic_shared<unsigned char>();
   unsigned char* q_s = raw + (1024 - hopper::shared_address(raw) % 1024) % 1024;
@@ -79,7 +85,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
 
   const int64_t g = blockIdx.y, b = blockIdx.z;
   const int64_t sq = seqs.q_len(b);
-  tc::QueryBlock<hk::kRows, hk::kKeys> block(rows, sq);
+  tc::QueryBlock<hk::kRows, kKeys> block(rows, sq);
   if (block.empty()) return;  // past this (packed) sequence's end: the whole block
   const bool length_ok = seqs.k_len_ok(b);
   const Mask mask = mask_all.of_lengths(sq, length_ok ? seqs.k_len(b) : 0);
@@ -114,16 +120,16 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
         const int stage = static_cast<int>(tile % hk::kStages);
         const unsigned round = static_cast<unsigned>(tile / hk::kStages);
         hopper::mbarrier_wait(&kv_empty[stage], (round & 1u) ^ 1u);
-        const auto key0 = static_cast<int32_t>(k_start + block.key_lo + tile * hk::kKeys);
+        const auto key0 = static_cast<int32_t>(k_start + block.key_lo + tile * kKeys);
         hopper::mbarrier_arrive_expect_tx(&k_full[stage], L::kTileBytes);
         for (int box = 0; box < kBoxes; ++box) {
           const int32_t at[4] = {box * hk::kBox, static_cast<int32_t>(g), key0, map_b};
-          hopper::tma_load(k_tile(stage) + box * hk::kKeys * 128, map_k, &k_full[stage], at);
+          hopper::tma_load(k_tile(stage) + box * kKeys * 128, map_k, &k_full[stage], at);
         }
         hopper::mbarrier_arrive_expect_tx(&v_full[stage], L::kTileBytes);
         for (int box = 0; box < kBoxes; ++box) {
           const int32_t at[4] = {box * hk::kBox, static_cast<int32_t>(g), key0, map_b};
-          hopper::tma_load(v_tile(stage) + box * hk::kKeys * 128, map_v, &v_full[stage], at);
+          hopper::tma_load(v_tile(stage) + box * kKeys * 128, map_v, &v_full[stage], at);
         }
       }
     }
@@ -145,7 +151,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     const bool valid = row < block.rows_total;
     const int64_t a = valid ? attn::key_begin(mask, pos) - block.key_lo : 0;
     const int64_t z = valid ? attn::key_end(mask, pos) - block.key_lo : 0;
-    const int64_t span = block.n_tiles * hk::kKeys;
+    const int64_t span = block.n_tiles * kKeys;
     lo[r] = static_cast<int>(a < 0 ? 0 : a > span ? span : a);
     hi[r] = static_cast<int>(z < lo[r] ? lo[r] : z > span ? span : z);
   }
@@ -153,8 +159,8 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   // The tiles whose every key both rows see, [full_lo, full_hi): a plain call
   // scores them without testing each key.
   const int all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
-  const int full_lo = plain && all_hi > all_lo ? (all_lo + hk::kKeys - 1) / hk::kKeys : 0;
-  const int full_hi = plain && all_hi > all_lo ? all_hi / hk::kKeys : 0;
+  const int full_lo = plain && all_hi > all_lo ? (all_lo + kKeys - 1) / kKeys : 0;
+  const int full_hi = plain && all_hi > all_lo ? all_hi / kKeys : 0;
 
   // Operand descriptors: K-major tiles of 128-byte rows (8-row groups 1024
   // bytes apart), a k-step of 16 elements 32 bytes along a row, the next 64
@@ -164,11 +170,11 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
                                    Swizzle::k128B, 16, 1024);
   };
   const auto k_desc = [&](int stage, int ks) {
-    return hopper::make_descriptor(k_tile(stage) + (ks / 4) * hk::kKeys * 128 + 32 * (ks % 4), Swizzle::k128B, 16,
+    return hopper::make_descriptor(k_tile(stage) + (ks / 4) * kKeys * 128 + 32 * (ks % 4), Swizzle::k128B, 16,
                                    1024);
   };
   const auto v_desc = [&](int stage, int step) {
-    return hopper::make_descriptor(v_tile(stage) + step * 16 * 128, Swizzle::k128B, hk::kKeys * 128, 1024);
+    return hopper::make_descriptor(v_tile(stage) + step * 16 * 128, Swizzle::k128B, kKeys * 128, 1024);
   };
 
   // Accumulators in the layout of hopper.cuh: s[4 j + 2 r + c] is lane row r,
@@ -179,23 +185,23 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
 #pragma unroll
   for (int r = 0; r < 2; ++r) m[r] = -kInf, l[r] = 0.f;
   // S = Q K^T of a tile, issued and committed (not waited for).
-  const auto issue_scores = [&](float (&s)[hk::kKeys / 2], int64_t tile) {
+  const auto issue_scores = [&](float (&s)[kKeys / 2], int64_t tile) {
     const int stage = static_cast<int>(tile % hk::kStages);
     hopper::mbarrier_wait(&k_full[stage], static_cast<unsigned>(tile / hk::kStages) & 1u);
     hopper::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
-      hopper::wgmma<T, hk::kKeys, Major::kK, Major::kK>(s, q_desc(ks), k_desc(stage, ks), ks > 0);
+      hopper::wgmma<T, kKeys, Major::kK, Major::kK>(s, q_desc(ks), k_desc(stage, ks), ks > 0);
     }
     hopper::wgmma_commit();
   };
   // The online softmax of a tile's finished scores: s becomes P (after
   // dropout), m and l move on; returns in alpha what O must be scaled by.
-  const auto softmax = [&](float (&s)[hk::kKeys / 2], int64_t tile, float (&alpha)[2]) {
+  const auto softmax = [&](float (&s)[kKeys / 2], int64_t tile, float (&alpha)[2]) {
     float tile_max[2] = {-kInf, -kInf};
     if (tile >= full_lo && tile < full_hi) {
 #pragma unroll
-      for (int e = 0; e < hk::kKeys / 2; ++e) {
+      for (int e = 0; e < kKeys / 2; ++e) {
         s[e] *= scale;
         tile_max[(e / 2) % 2] = fmaxf(tile_max[(e / 2) % 2], s[e]);
       }
@@ -204,10 +210,10 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       for (int r = 0; r < 2; ++r) {
         const int64_t row = lane_row(r), head = rows.group_head(g, row), pos = rows.group_pos(row);
 #pragma unroll
-        for (int j = 0; j < hk::kKeys / 8; ++j) {
+        for (int j = 0; j < kKeys / 8; ++j) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            const int key = static_cast<int>(tile) * hk::kKeys + 8 * j + 2 * quad + c;  // from key_lo
+            const int key = static_cast<int>(tile) * kKeys + 8 * j + 2 * quad + c;  // from key_lo
             const bool visible = key >= lo[r] && key < hi[r];
             float& z = s[4 * j + 2 * r + c];
             z = tc::score(z, visible, plain, scale, extras, mask, b, head, pos, block.key_lo + key, nullptr);
@@ -223,19 +229,19 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       l[r] *= alpha[r];
     }
 #pragma unroll
-    for (int e = 0; e < hk::kKeys / 2; ++e) {
+    for (int e = 0; e < kKeys / 2; ++e) {
       const int r = (e / 2) % 2;
       const float p = tc::exp_of_difference(s[e], shift[r]);
       l[r] += p;  // the sum (and so the lse) is that of the probabilities before dropout
       s[e] = p;
     }
     if (!kPlain && extras.drop.enabled) {
-      const int64_t j0 = block.key_lo + tile * hk::kKeys;
+      const int64_t j0 = block.key_lo + tile * kKeys;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int64_t row = lane_row(r), head = rows.group_head(g, row), pos = rows.group_pos(row);
 #pragma unroll
-        for (int j = 0; j < hk::kKeys / 8; ++j) {
+        for (int j = 0; j < kKeys / 8; ++j) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             float& p = s[4 * j + 2 * r + c];
@@ -246,9 +252,9 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     }
   };
   // P as A fragments: n-tiles 2i and 2i + 1 of S are fragment i's columns.
-  const auto to_frags = [&](const float (&s)[hk::kKeys / 2], mma::FragA (&pa)[hk::kKeys / 16]) {
+  const auto to_frags = [&](const float (&s)[kKeys / 2], mma::FragA (&pa)[kKeys / 16]) {
 #pragma unroll
-    for (int i = 0; i < hk::kKeys / 16; ++i) {
+    for (int i = 0; i < kKeys / 16; ++i) {
       const float* p = s + 8 * i;
       pa[i].r[0] = mma::pack2(T(p[0]), T(p[1]));
       pa[i].r[1] = mma::pack2(T(p[2]), T(p[3]));
@@ -265,15 +271,15 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   };
 
   hopper::mbarrier_wait(q_full, 0);
-  float s[hk::kKeys / 2], alpha[2];
-  mma::FragA pa[hk::kKeys / 16];
+  float s[kKeys / 2], alpha[2];
+  mma::FragA pa[kKeys / 16];
   // O += P V of the tile whose P is in pa, committed.
   const auto issue_values = [&](int64_t tile) {
     const int stage = static_cast<int>(tile % hk::kStages);
     hopper::mbarrier_wait(&v_full[stage], static_cast<unsigned>(tile / hk::kStages) & 1u);
     hopper::wgmma_fence();
 #pragma unroll
-    for (int i = 0; i < hk::kKeys / 16; ++i) {
+    for (int i = 0; i < kKeys / 16; ++i) {
       hopper::wgmma<T, kD, Major::kMN>(o, pa[i], v_desc(stage, i), true);
     }
     hopper::wgmma_commit();
@@ -364,7 +370,11 @@ bool map_ok(const at::Tensor& t) {
 bool attention_hopper_forward_serves(const AttentionForwardPlan& p) {
   const AttentionShape& s = p.shape;
   const at::ScalarType dtype = p.q.scalar_type();
+  const size_t smem = s.head_dim <= 64    ? hk::Layout<64>::smem()
+                      : s.head_dim <= 128 ? hk::Layout<128>::smem()
+                                          : hk::Layout<256>::smem();
   return (dtype == at::kBFloat16 || dtype == at::kHalf) && s.head_dim <= hk::kMaxHeadDim &&
+         smem <= device_properties().sharedMemPerBlockOptin &&
          hk::kRows % p.rows.group == 0 && p.seqs.k_lens == nullptr && !p.k_scale.defined() && !p.pages.paged() &&
          map_ok(p.q) && map_ok(p.k) && map_ok(p.v);
 }
@@ -374,14 +384,14 @@ void launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream strea
   const attn::QueryRows rows = rows_of(p);
   const int group = static_cast<int>(rows.group);
   const hopper::TensorMap map_q = attention_map(p.q, group, hk::kRows / group);
-  const hopper::TensorMap map_k = attention_map(p.k, 1, hk::kKeys);
-  const hopper::TensorMap map_v = attention_map(p.v, 1, hk::kKeys);
   tc::with_mma_dtype(p.q.scalar_type(), [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     const ScoreExtras extras = extras_of(p);
     const bool plain = !extras.mods.any_score_mod() && !extras.mask.present() && !extras.drop.enabled;
     const auto run = [&](auto D, auto kPlain) {
       constexpr int kD = decltype(D)::value;
+      const hopper::TensorMap map_k = attention_map(p.k, 1, hk::Layout<kD>::kKeys);
+      const hopper::TensorMap map_v = attention_map(p.v, 1, hk::Layout<kD>::kKeys);
       auto kernel = attention_hopper_forward_kernel<T, kD, decltype(kPlain)::value>;
       const size_t smem = hk::Layout<kD>::smem();
       allow_shared_memory(kernel, smem);
@@ -396,8 +406,10 @@ void launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream strea
     };
     if (s.head_dim <= 64) {
       with_plain(std::integral_constant<int, 64>{});
-    } else {
+    } else if (s.head_dim <= 128) {
       with_plain(std::integral_constant<int, 128>{});
+    } else {
+      with_plain(std::integral_constant<int, 256>{});
     }
   });
 }

@@ -99,6 +99,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       hopper::mbarrier_init(&v_full[s], 1);
       hopper::mbarrier_init(&kv_empty[s], hk::kConsumers * 128);
     }
+    hopper::mbarrier_init_fence();
   }
   __syncthreads();
   // Uniform across each warp as the compiler can see: the products of a
@@ -188,6 +189,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   const auto issue_scores = [&](float (&s)[kKeys / 2], int64_t tile) {
     const int stage = static_cast<int>(tile % hk::kStages);
     hopper::mbarrier_wait(&k_full[stage], static_cast<unsigned>(tile / hk::kStages) & 1u);
+    hopper::fence_operand(s);
     hopper::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
@@ -277,12 +279,22 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   const auto issue_values = [&](int64_t tile) {
     const int stage = static_cast<int>(tile % hk::kStages);
     hopper::mbarrier_wait(&v_full[stage], static_cast<unsigned>(tile / hk::kStages) & 1u);
+    hopper::fence_operand(o);
+#pragma unroll
+    for (int i = 0; i < kKeys / 16; ++i) hopper::fence_operand(pa[i]);
     hopper::wgmma_fence();
 #pragma unroll
     for (int i = 0; i < kKeys / 16; ++i) {
       hopper::wgmma<T, kD, Major::kMN>(o, pa[i], v_desc(stage, i), true);
     }
     hopper::wgmma_commit();
+  };
+  // After a wait: the registers of what it completed are read from here on.
+  const auto scores_done = [&] { hopper::fence_operand(s); };
+  const auto values_done = [&] {
+    hopper::fence_operand(o);
+#pragma unroll
+    for (int i = 0; i < kKeys / 16; ++i) hopper::fence_operand(pa[i]);
   };
   if constexpr (kPlain) {
     // Tile j's P V runs on the tensor cores while the softmax of tile j + 1's
@@ -293,6 +305,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     if (block.n_tiles > 0) {
       issue_scores(s, 0);
       hopper::wgmma_wait<0>();
+      scores_done();
       softmax(s, 0, alpha);
       to_frags(s, pa);  // O is zero: nothing to rescale
     }
@@ -300,8 +313,10 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       issue_scores(s, tile + 1);
       issue_values(tile);
       hopper::wgmma_wait<1>();  // the scores, not P V
+      scores_done();
       softmax(s, tile + 1, alpha);
       hopper::wgmma_wait<0>();
+      values_done();
       hopper::mbarrier_arrive(&kv_empty[tile % hk::kStages]);
       rescale(alpha);
       to_frags(s, pa);
@@ -309,6 +324,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     if (block.n_tiles > 0) {
       issue_values(block.n_tiles - 1);
       hopper::wgmma_wait<0>();
+      values_done();
       hopper::mbarrier_arrive(&kv_empty[(block.n_tiles - 1) % hk::kStages]);
     }
   } else {
@@ -317,11 +333,13 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
       issue_scores(s, tile);
       hopper::wgmma_wait<0>();
+      scores_done();
       softmax(s, tile, alpha);
       rescale(alpha);
       to_frags(s, pa);
       issue_values(tile);
       hopper::wgmma_wait<0>();
+      values_done();
       hopper::mbarrier_arrive(&kv_empty[tile % hk::kStages]);
     }
   }

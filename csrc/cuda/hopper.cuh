@@ -174,7 +174,8 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
 }
 
 // A barrier of `count` arrivals per phase, in shared memory (8 bytes). One
-// thread initialises it; a __syncthreads must follow before others use it.
+// thread initialises it, then mbarrier_init_fence and a __syncthreads before
+// others (and the TMA unit) use it.
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, unsigned count, Site site = {}) {
 #if defined(FUSEDLLM_SIMT)
   simt::detail::mbarrier_init(bar, count, site.file, site.line);
@@ -182,6 +183,13 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* bar, unsigned count, Sit
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(count) : "memory");
 #else
   FUSEDLLM_HOPPER_UNAVAILABLE();
+#endif
+}
+
+// Makes the initialising thread's mbarrier_init visible to the async proxy.
+__device__ __forceinline__ void mbarrier_init_fence() {
+#if FUSEDLLM_HAS_SM90A
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 #endif
 }
 
@@ -354,6 +362,28 @@ __device__ __forceinline__ void wgmma_fence(Site site = {}) {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #else
   FUSEDLLM_HOPPER_UNAVAILABLE();
+#endif
+}
+
+// Keeps the compiler from moving reads or writes of these registers across
+// the wgmma instructions around it: it sees a product's accumulators written
+// when the product is issued, but they arrive at the wait. Around every
+// issue and after every wait, on the accumulators and A fragments involved.
+template <int kN>
+__device__ __forceinline__ void fence_operand(float (&r)[kN]) {
+#if FUSEDLLM_HAS_SM90A
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(r[i])::"memory");
+#else
+  (void)r;
+#endif
+}
+__device__ __forceinline__ void fence_operand(mma::FragA& a) {
+#if FUSEDLLM_HAS_SM90A
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a.r[i])::"memory");
+#else
+  (void)a;
 #endif
 }
 

@@ -53,6 +53,7 @@ __global__ void __launch_bounds__(kCheckThreads, 1)
       mbarrier_init(&full[s], 1);
       mbarrier_init(&empty[s], 128);
     }
+    mbarrier_init_fence();
   }
   __syncthreads();
   const int k_tiles = k_total / kCheckKTile;
@@ -110,6 +111,8 @@ __global__ void __launch_bounds__(kCheckThreads, 1)
                                   mma::pack2(top[8], top[9]), mma::pack2(bottom[8], bottom[9])}};
       }
     }
+    fence_operand(acc);
+    for (auto& f : frags) fence_operand(f);
     wgmma_fence();
     for (int step = 0; step < kCheckKTile / 16; ++step) {
       const bool accumulate = kt > 0 || step > 0;
@@ -138,6 +141,7 @@ __global__ void __launch_bounds__(kCheckThreads, 1)
     }
     wgmma_commit();
     wgmma_wait<0>();
+    fence_operand(acc);
     mbarrier_arrive(&empty[s]);
   }
   for (int r = 0; r < N / 2; ++r) {
@@ -221,6 +225,7 @@ __global__ void __launch_bounds__(128)
   for (int d = 0; d < kRank; ++d) at[d] = coords.c[d];
   if (threadIdx.x == 0) {
     mbarrier_init(bar, 1);
+    mbarrier_init_fence();
     mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(box_bytes));
     tma_load(tile, src_map, bar, at);
   }

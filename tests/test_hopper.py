@@ -1,5 +1,6 @@
 """Hopper's asynchronous units of csrc/cuda/hopper.cuh (mbarriers, TMA tile
-copies, wgmma from shared-memory descriptors and from registers, setmaxnreg),
+copies, wgmma from shared-memory descriptors and from registers, setmaxnreg,
+named barriers),
 through the warp-specialized check product of csrc/cuda/hopper_check.cuh: under
 the emulator for every swizzle, both layouts of B, both sources of A and both
 16-bit types; the misuse the emulator refuses, each with its message; compiled
@@ -179,6 +180,11 @@ MISUSE = {
                          r"the block has 96 threads",
     "misaligned_warpgroup": r"deadlock, .*in wgmma_wait at csrc/simt/selftest.cpp:\d+ \(warpgroup 0\);.*"
                             r"in wgmma_wait at csrc/simt/selftest.cpp:\d+ \(warpgroup 1\)",
+    "named_barrier_never_completes": r"deadlock, no thread can go on: 64 threads \(from \(0,0,0\)\) at named "
+                                     r"barrier 1 csrc/simt/selftest.cpp:\d+ \(64 of 128 threads arrived\); 64 threads "
+                                     r"\(from \(64,0,0\)\) exited;",
+    "named_barrier_odd_count": r"bar.sync 1 at csrc/simt/selftest.cpp:\d+: a named barrier is 1 to 15 \(0 is "
+                               r"__syncthreads'\) and counts a multiple of 32 threads up to the block's 128, got 48",
     "setmaxnreg_out_of_range": r"setmaxnreg at csrc/simt/selftest.cpp:\d+: the register count must be a multiple "
                                r"of 8 from 24 to 256, got 20",
 }

@@ -17,9 +17,10 @@
 //
 // In a plain call, tile j + 1's scores are issued before tile j's P V, and
 // their softmax runs while P V is on the tensor cores (FlashAttention-3's
-// intra-warpgroup overlap).
+// intra-warpgroup overlap), and the two consumers take turns issuing their
+// products (its ping-pong).
 //
-// Not yet: the ping-pong between consumers; kv_lens (a cache's slots past a
+// Not yet: kv_lens (a cache's slots past a
 // sequence's length may hold anything, and a tile reads them whole) and K/V
 // layouts TMA cannot describe: those calls keep the mma.sync forward.
 #include "attention_mma.cuh"
@@ -186,9 +187,15 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
 #pragma unroll
   for (int r = 0; r < 2; ++r) m[r] = -kInf, l[r] = 0.f;
   // S = Q K^T of a tile, issued and committed (not waited for).
+  const auto wait_keys = [&](int64_t tile) {
+    hopper::mbarrier_wait(&k_full[tile % hk::kStages], static_cast<unsigned>(tile / hk::kStages) & 1u);
+  };
+  const auto wait_values = [&](int64_t tile) {
+    hopper::mbarrier_wait(&v_full[tile % hk::kStages], static_cast<unsigned>(tile / hk::kStages) & 1u);
+  };
+  // Its K tile landed (wait_keys).
   const auto issue_scores = [&](float (&s)[kKeys / 2], int64_t tile) {
     const int stage = static_cast<int>(tile % hk::kStages);
-    hopper::mbarrier_wait(&k_full[stage], static_cast<unsigned>(tile / hk::kStages) & 1u);
     hopper::fence_operand(s);
     hopper::wgmma_fence();
 #pragma unroll
@@ -275,10 +282,9 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   hopper::mbarrier_wait(q_full, 0);
   float s[kKeys / 2], alpha[2];
   mma::FragA pa[kKeys / 16];
-  // O += P V of the tile whose P is in pa, committed.
+  // O += P V of the tile whose P is in pa, committed; its V tile landed (wait_values).
   const auto issue_values = [&](int64_t tile) {
     const int stage = static_cast<int>(tile % hk::kStages);
-    hopper::mbarrier_wait(&v_full[stage], static_cast<unsigned>(tile / hk::kStages) & 1u);
     hopper::fence_operand(o);
 #pragma unroll
     for (int i = 0; i < kKeys / 16; ++i) hopper::fence_operand(pa[i]);
@@ -301,17 +307,30 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     // scores (issued before it) runs beside it; O is rescaled once P V is
     // done. Every tile but the last has a next one: no product is issued
     // under a condition, so ptxas sees which group each wait completes (else
-    // it serialises the products).
+    // it serialises the products). The two consumers take turns issuing
+    // (named barriers 1 and 2, consumer 0 first), so that one's softmax runs
+    // while the other's products do.
+    const int mine = 1 + consumer, theirs = 2 - consumer;
+    const auto my_turn = [&] { hopper::named_barrier_sync(mine, 256); };
+    const auto your_turn = [&] { hopper::named_barrier_arrive(theirs, 256); };
+    if (consumer == 1) your_turn();
     if (block.n_tiles > 0) {
+      wait_keys(0);
+      my_turn();
       issue_scores(s, 0);
+      your_turn();
       hopper::wgmma_wait<0>();
       scores_done();
       softmax(s, 0, alpha);
       to_frags(s, pa);  // O is zero: nothing to rescale
     }
     for (int64_t tile = 0; tile + 1 < block.n_tiles; ++tile) {
+      wait_keys(tile + 1);
+      wait_values(tile);
+      my_turn();
       issue_scores(s, tile + 1);
       issue_values(tile);
+      your_turn();
       hopper::wgmma_wait<1>();  // the scores, not P V
       scores_done();
       softmax(s, tile + 1, alpha);
@@ -322,7 +341,10 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       to_frags(s, pa);
     }
     if (block.n_tiles > 0) {
+      wait_values(block.n_tiles - 1);
+      my_turn();
       issue_values(block.n_tiles - 1);
+      your_turn();
       hopper::wgmma_wait<0>();
       values_done();
       hopper::mbarrier_arrive(&kv_empty[(block.n_tiles - 1) % hk::kStages]);
@@ -331,12 +353,14 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     // Score modifiers, masks and dropout need the registers that overlapping
     // the softmax with P V would hold: one product at a time.
     for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
+      wait_keys(tile);
       issue_scores(s, tile);
       hopper::wgmma_wait<0>();
       scores_done();
       softmax(s, tile, alpha);
       rescale(alpha);
       to_frags(s, pa);
+      wait_values(tile);
       issue_values(tile);
       hopper::wgmma_wait<0>();
       values_done();

@@ -530,6 +530,24 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 2], const mma::FragA& a, ui
 #undef FUSEDLLM_WGMMA_D64
 #undef FUSEDLLM_WGMMA_D32
 
+// Named barrier `id` (1 to 15; 0 is __syncthreads') of `threads` threads (a
+// multiple of 32): arrive and wait for the phase, or arrive only. Orders
+// warpgroups against each other without stopping the whole block.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads, Site site = {}) {
+#if defined(FUSEDLLM_SIMT)
+  simt::detail::named_barrier(id, threads, true, site.file, site.line);
+#else
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+#endif
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads, Site site = {}) {
+#if defined(FUSEDLLM_SIMT)
+  simt::detail::named_barrier(id, threads, false, site.file, site.line);
+#else
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+#endif
+}
+
 // Moves the warpgroup's register allocation to kRegisters (a multiple of 8
 // from 24 to 256): producers give registers up (kIncrease = false) so that
 // consumers can take them. Every thread of the warpgroup.

@@ -171,6 +171,13 @@ __global__ void misaligned_warpgroup_kernel(float* out) {
   out[threadIdx.x % 64] = 1.f;
 }
 
+// A named barrier of 128 threads that only 64 reach (mode 0), or of 48 (1).
+__global__ void named_barrier_kernel(float* out, int mode) {
+  if (mode == 0 && threadIdx.x >= 64) return;
+  hp::named_barrier_sync(1, mode == 0 ? 128 : 48);
+  out[threadIdx.x % 64] = 1.f;
+}
+
 __global__ void setmaxnreg_kernel(float* out) {
   hp::setmaxnreg<20, false>();
   out[threadIdx.x % 64] = 1.f;
@@ -223,6 +230,9 @@ std::vector<float> run_selftest(const std::string& name) {
     cuda::launch("partial_warpgroup_kernel", partial_warpgroup_kernel, 1, 96, 0, stream, o);
   } else if (name == "misaligned_warpgroup") {
     cuda::launch("misaligned_warpgroup_kernel", misaligned_warpgroup_kernel, 1, 256, 0, stream, o);
+  } else if (name == "named_barrier_never_completes" || name == "named_barrier_odd_count") {
+    cuda::launch("named_barrier_kernel", named_barrier_kernel, 1, 128, 0, stream, o,
+                 name == "named_barrier_never_completes" ? 0 : 1);
   } else if (name == "setmaxnreg_out_of_range") {
     cuda::launch("setmaxnreg_kernel", setmaxnreg_kernel, 1, 128, 0, stream, o);
   } else if (name == "too_many_threads") {

@@ -128,6 +128,9 @@ void wgmma_fence(const char* file, int line);
 void wgmma_commit(const char* file, int line);
 void wgmma_wait(int pending, const char* file, int line);
 void setmaxnreg(int registers, const char* file, int line);
+// Named barriers (bar.sync / bar.arrive id, threads): `threads` arrivals
+// complete a phase; sync waits for its phase, arrive does not.
+void named_barrier(int id, int threads, bool wait, const char* file, int line);
 
 template <typename T>
 uint64_t to_bits(T v) {

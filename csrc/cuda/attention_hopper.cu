@@ -186,14 +186,13 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   for (float& x : o) x = 0.f;
 #pragma unroll
   for (int r = 0; r < 2; ++r) m[r] = -kInf, l[r] = 0.f;
-  // S = Q K^T of a tile, issued and committed (not waited for).
   const auto wait_keys = [&](int64_t tile) {
     hopper::mbarrier_wait(&k_full[tile % hk::kStages], static_cast<unsigned>(tile / hk::kStages) & 1u);
   };
   const auto wait_values = [&](int64_t tile) {
     hopper::mbarrier_wait(&v_full[tile % hk::kStages], static_cast<unsigned>(tile / hk::kStages) & 1u);
   };
-  // Its K tile landed (wait_keys).
+  // S = Q K^T of a tile whose K has landed (wait_keys), issued and committed.
   const auto issue_scores = [&](float (&s)[kKeys / 2], int64_t tile) {
     const int stage = static_cast<int>(tile % hk::kStages);
     hopper::fence_operand(s);
@@ -377,7 +376,10 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     float lse_r = attn::row_lse(m[r], sum);
     float factor = attn::row_norm(m[r], sum, lse_r);
     make_nan_if(!length_ok, factor, lse_r);
-    if (extras.mods.sinks != nullptr) factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(rows.group_head(g, row)));
+    // A sink joins the finished row's denominator: it scales the output and the lse includes it.
+    if (extras.mods.sinks != nullptr) {
+      factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(rows.group_head(g, row)));
+    }
     T* o_row = out + out_row * d;
 #pragma unroll
     for (int n = 0; n < kD / 8; ++n) {

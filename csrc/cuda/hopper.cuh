@@ -269,19 +269,29 @@ __device__ __forceinline__ void tma_load(void* dst, const TensorMap& map, uint64
   const uint32_t to = shared_address(dst), b = shared_address(bar);
   const auto m = reinterpret_cast<uint64_t>(&map);
   if constexpr (kRank == 1) {
-    asm volatile("cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3}], [%2];\n"
+    asm volatile(
+        "cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3}], [%2];\n"
                  ::"r"(to), "l"(m), "r"(b), "r"(coords[0]) : "memory");
   } else if constexpr (kRank == 2) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4}], [%2];\n"
                  ::"r"(to), "l"(m), "r"(b), "r"(coords[0]), "r"(coords[1]) : "memory");
   } else if constexpr (kRank == 3) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n"
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5}], [%2];\n"
                  ::"r"(to), "l"(m), "r"(b), "r"(coords[0]), "r"(coords[1]), "r"(coords[2]) : "memory");
   } else if constexpr (kRank == 4) {
-    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
                  ::"r"(to), "l"(m), "r"(b), "r"(coords[0]), "r"(coords[1]), "r"(coords[2]), "r"(coords[3]) : "memory");
   } else {
-    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n"
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n"
                  ::"r"(to), "l"(m), "r"(b), "r"(coords[0]), "r"(coords[1]), "r"(coords[2]), "r"(coords[3]),
                  "r"(coords[4]) : "memory");
   }
@@ -303,19 +313,24 @@ __device__ __forceinline__ void tma_store(const TensorMap& map, const void* src,
   const uint32_t from = shared_address(src);
   const auto m = reinterpret_cast<uint64_t>(&map);
   if constexpr (kRank == 1) {
-    asm volatile("cp.async.bulk.tensor.1d.global.shared::cta.tile.bulk_group [%0, {%2}], [%1];\n"
+    asm volatile(
+        "cp.async.bulk.tensor.1d.global.shared::cta.tile.bulk_group [%0, {%2}], [%1];\n"
                  ::"l"(m), "r"(from), "r"(coords[0]) : "memory");
   } else if constexpr (kRank == 2) {
-    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%2, %3}], [%1];\n"
+    asm volatile(
+        "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%2, %3}], [%1];\n"
                  ::"l"(m), "r"(from), "r"(coords[0]), "r"(coords[1]) : "memory");
   } else if constexpr (kRank == 3) {
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+    asm volatile(
+        "cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n"
                  ::"l"(m), "r"(from), "r"(coords[0]), "r"(coords[1]), "r"(coords[2]) : "memory");
   } else if constexpr (kRank == 4) {
-    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
                  ::"l"(m), "r"(from), "r"(coords[0]), "r"(coords[1]), "r"(coords[2]), "r"(coords[3]) : "memory");
   } else {
-    asm volatile("cp.async.bulk.tensor.5d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5, %6}], [%1];\n"
+    asm volatile(
+        "cp.async.bulk.tensor.5d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5, %6}], [%1];\n"
                  ::"l"(m), "r"(from), "r"(coords[0]), "r"(coords[1]), "r"(coords[2]), "r"(coords[3]), "r"(coords[4])
                  : "memory");
   }
@@ -471,13 +486,25 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 2], uint64_t desc_a, uint64
   simt::detail::wgmma_issue(op, site.file, site.line);
 #elif FUSEDLLM_HAS_SM90A
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if constexpr (N == 64) FUSEDLLM_WGMMA_SS(64, "bf16", FUSEDLLM_WGMMA_D32, FUSEDLLM_F32(d), "32", "33", "34", "35", "36");
-    if constexpr (N == 128) FUSEDLLM_WGMMA_SS(128, "bf16", FUSEDLLM_WGMMA_D64, FUSEDLLM_F64(d), "64", "65", "66", "67", "68");
-    if constexpr (N == 256) FUSEDLLM_WGMMA_SS(256, "bf16", FUSEDLLM_WGMMA_D128, FUSEDLLM_F128(d), "128", "129", "130", "131", "132");
+    if constexpr (N == 64)
+      FUSEDLLM_WGMMA_SS(64, "bf16", FUSEDLLM_WGMMA_D32, FUSEDLLM_F32(d), "32",
+                        "33", "34", "35", "36");
+    if constexpr (N == 128)
+      FUSEDLLM_WGMMA_SS(128, "bf16", FUSEDLLM_WGMMA_D64, FUSEDLLM_F64(d), "64",
+                        "65", "66", "67", "68");
+    if constexpr (N == 256)
+      FUSEDLLM_WGMMA_SS(256, "bf16", FUSEDLLM_WGMMA_D128, FUSEDLLM_F128(d), "128",
+                        "129", "130", "131", "132");
   } else {
-    if constexpr (N == 64) FUSEDLLM_WGMMA_SS(64, "f16", FUSEDLLM_WGMMA_D32, FUSEDLLM_F32(d), "32", "33", "34", "35", "36");
-    if constexpr (N == 128) FUSEDLLM_WGMMA_SS(128, "f16", FUSEDLLM_WGMMA_D64, FUSEDLLM_F64(d), "64", "65", "66", "67", "68");
-    if constexpr (N == 256) FUSEDLLM_WGMMA_SS(256, "f16", FUSEDLLM_WGMMA_D128, FUSEDLLM_F128(d), "128", "129", "130", "131", "132");
+    if constexpr (N == 64)
+      FUSEDLLM_WGMMA_SS(64, "f16", FUSEDLLM_WGMMA_D32, FUSEDLLM_F32(d), "32",
+                        "33", "34", "35", "36");
+    if constexpr (N == 128)
+      FUSEDLLM_WGMMA_SS(128, "f16", FUSEDLLM_WGMMA_D64, FUSEDLLM_F64(d), "64",
+                        "65", "66", "67", "68");
+    if constexpr (N == 256)
+      FUSEDLLM_WGMMA_SS(256, "f16", FUSEDLLM_WGMMA_D128, FUSEDLLM_F128(d), "128",
+                        "129", "130", "131", "132");
   }
 #else
   (void)d, (void)desc_a, (void)desc_b, (void)accumulate, (void)kTransA, (void)kTransB;
@@ -506,13 +533,25 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 2], const mma::FragA& a, ui
   simt::detail::wgmma_issue(op, site.file, site.line);
 #elif FUSEDLLM_HAS_SM90A
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if constexpr (N == 64) FUSEDLLM_WGMMA_RS(64, "bf16", FUSEDLLM_WGMMA_D32, FUSEDLLM_F32(d), "32", "33", "34", "35", "36", "37", "38");
-    if constexpr (N == 128) FUSEDLLM_WGMMA_RS(128, "bf16", FUSEDLLM_WGMMA_D64, FUSEDLLM_F64(d), "64", "65", "66", "67", "68", "69", "70");
-    if constexpr (N == 256) FUSEDLLM_WGMMA_RS(256, "bf16", FUSEDLLM_WGMMA_D128, FUSEDLLM_F128(d), "128", "129", "130", "131", "132", "133", "134");
+    if constexpr (N == 64)
+      FUSEDLLM_WGMMA_RS(64, "bf16", FUSEDLLM_WGMMA_D32, FUSEDLLM_F32(d), "32",
+                        "33", "34", "35", "36", "37", "38");
+    if constexpr (N == 128)
+      FUSEDLLM_WGMMA_RS(128, "bf16", FUSEDLLM_WGMMA_D64, FUSEDLLM_F64(d), "64",
+                        "65", "66", "67", "68", "69", "70");
+    if constexpr (N == 256)
+      FUSEDLLM_WGMMA_RS(256, "bf16", FUSEDLLM_WGMMA_D128, FUSEDLLM_F128(d), "128",
+                        "129", "130", "131", "132", "133", "134");
   } else {
-    if constexpr (N == 64) FUSEDLLM_WGMMA_RS(64, "f16", FUSEDLLM_WGMMA_D32, FUSEDLLM_F32(d), "32", "33", "34", "35", "36", "37", "38");
-    if constexpr (N == 128) FUSEDLLM_WGMMA_RS(128, "f16", FUSEDLLM_WGMMA_D64, FUSEDLLM_F64(d), "64", "65", "66", "67", "68", "69", "70");
-    if constexpr (N == 256) FUSEDLLM_WGMMA_RS(256, "f16", FUSEDLLM_WGMMA_D128, FUSEDLLM_F128(d), "128", "129", "130", "131", "132", "133", "134");
+    if constexpr (N == 64)
+      FUSEDLLM_WGMMA_RS(64, "f16", FUSEDLLM_WGMMA_D32, FUSEDLLM_F32(d), "32",
+                        "33", "34", "35", "36", "37", "38");
+    if constexpr (N == 128)
+      FUSEDLLM_WGMMA_RS(128, "f16", FUSEDLLM_WGMMA_D64, FUSEDLLM_F64(d), "64",
+                        "65", "66", "67", "68", "69", "70");
+    if constexpr (N == 256)
+      FUSEDLLM_WGMMA_RS(256, "f16", FUSEDLLM_WGMMA_D128, FUSEDLLM_F128(d), "128",
+                        "129", "130", "131", "132", "133", "134");
   }
 #else
   (void)d, (void)a, (void)desc_b, (void)accumulate, (void)kTransB;

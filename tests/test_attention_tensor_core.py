@@ -93,13 +93,13 @@ def _smem_optin():
     return torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
 
 
-def tc_forward(head_dim, group, kv_lens=False):
+def tc_forward(head_dim, group):
     """The tensor-core forward this run takes for a call of more than 16 rows a
     kv head: the Hopper one where it serves (a group that divides its 128
-    rows, no kv_lens; head dim 256 where its shared memory fits: not the
-    emulated sm_80-class device), else the mma.sync one."""
+    rows; head dim 256 where its shared memory fits: not the emulated
+    sm_80-class device), else the mma.sync one."""
     fits = head_dim <= 128 or _smem_optin() >= HOPPER_SMEM_256
-    if _forward["kernel"] == "hopper" and fits and 128 % group == 0 and not kv_lens:
+    if _forward["kernel"] == "hopper" and fits and 128 % group == 0:
         return HOPPER_FORWARD
     return FORWARD
 
@@ -156,7 +156,7 @@ def run_and_check(q, k, v, dtype, check_lse=True, **options):
     # Up to 16 rows a kv head the forward is the decoding kernel's (on the tensor cores too).
     rows = q.shape[-2] * q.shape[-3] // k.shape[-3]
     forward = (DECODE_MMA if rows <= 16 and q.shape[-1] <= 128 and not options.get("dropout_p") else
-               tc_forward(q.shape[-1], q.shape[-3] // k.shape[-3], options.get("kv_lens") is not None))
+               tc_forward(q.shape[-1], q.shape[-3] // k.shape[-3]))
     check_ran(counts, forward, *ran,
               absent=(SIMT_FORWARD, DECODE, *({FORWARD, HOPPER_FORWARD, DECODE_MMA} - {forward}), *absent))
     check_against_reference(q, k, v, out, grad_out, grads, dtype, **options)
@@ -382,7 +382,7 @@ def test_kv_lens_matches_reference(device, dtype):
     kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     with launches() as counts, torch.no_grad():
         out = fusedllm.attention(q, k, v, causal=True, kv_lens=kv_lens)
-    check_ran(counts, FORWARD, absent=(SIMT_FORWARD,))
+    check_ran(counts, tc_forward(64, 4), absent=(SIMT_FORWARD,))
     for b, n in enumerate(lens):
         want = (torch.zeros_like(q[b:b + 1]) if n == 0 else
                 ref_attention(q[b:b + 1].double(), k[b:b + 1, :, :n].double(), v[b:b + 1, :, :n].double(),
@@ -400,7 +400,7 @@ def test_kv_lens_past_the_cache_give_nan_rows(device):
     kv_lens = torch.tensor([81, 40, -1], dtype=torch.int32, device=device)
     with launches() as counts, torch.no_grad():
         out = fusedllm.attention(q, k, v, causal=True, kv_lens=kv_lens)
-    check_ran(counts, FORWARD, absent=(SIMT_FORWARD,))
+    check_ran(counts, tc_forward(64, 4), absent=(SIMT_FORWARD,))
     assert torch.isnan(out[0]).all() and torch.isnan(out[2]).all()
     want, _ = ref_attention(q[1:2].double(), k[1:2, :, :40].double(), v[1:2, :, :40].double(), causal=True)
     assert_close(out[1:2], want, FORWARD_TOL[torch.bfloat16])

@@ -20,9 +20,7 @@
 // intra-warpgroup overlap), and the two consumers take turns issuing their
 // products (its ping-pong).
 //
-// Not yet: kv_lens (a cache's slots past a
-// sequence's length may hold anything, and a tile reads them whole) and K/V
-// layouts TMA cannot describe: those calls keep the mma.sync forward.
+// K/V layouts TMA cannot describe keep the mma.sync forward.
 #include "attention_mma.cuh"
 #include "hopper.cuh"
 
@@ -189,8 +187,27 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   const auto wait_keys = [&](int64_t tile) {
     hopper::mbarrier_wait(&k_full[tile % hk::kStages], static_cast<unsigned>(tile / hk::kStages) & 1u);
   };
+  // The V tile of `tile` landed. In the tile the block's last visible key
+  // cuts, the rows past it are zeroed: their probabilities are 0, but the
+  // rows may hold anything (a cache's slots past a sequence's length), and
+  // 0 x NaN is NaN. Both consumers write the same zeros; each fences them for
+  // its own products and waits for its warpgroup's writes.
   const auto wait_values = [&](int64_t tile) {
-    hopper::mbarrier_wait(&v_full[tile % hk::kStages], static_cast<unsigned>(tile / hk::kStages) & 1u);
+    const int stage = static_cast<int>(tile % hk::kStages);
+    hopper::mbarrier_wait(&v_full[stage], static_cast<unsigned>(tile / hk::kStages) & 1u);
+    const int64_t visible = block.key_hi - (block.key_lo + tile * kKeys);
+    if (visible < kKeys) {
+      const int first = static_cast<int>(visible);
+      constexpr int kChunksPerRow = 128 / 16;  // a row of a box (the swizzle keeps it whole)
+      const int chunks = (kKeys - first) * kChunksPerRow;
+      for (int c = t; c < kBoxes * chunks; c += 128) {
+        const int box = c / chunks, row = first + (c % chunks) / kChunksPerRow, chunk = c % kChunksPerRow;
+        *reinterpret_cast<Pack<uint32_t, 4>*>(v_tile(stage) + (box * kKeys + row) * 128 + chunk * 16) =
+            Pack<uint32_t, 4>{{0u, 0u, 0u, 0u}};
+      }
+      hopper::fence_proxy_async();
+      hopper::named_barrier_sync(3 + consumer, 128);
+    }
   };
   // S = Q K^T of a tile whose K has landed (wait_keys), issued and committed.
   const auto issue_scores = [&](float (&s)[kKeys / 2], int64_t tile) {
@@ -419,7 +436,7 @@ bool attention_hopper_forward_serves(const AttentionForwardPlan& p) {
                                           : hk::Layout<256>::smem();
   return (dtype == at::kBFloat16 || dtype == at::kHalf) && s.head_dim <= hk::kMaxHeadDim &&
          smem <= device_properties().sharedMemPerBlockOptin &&
-         hk::kRows % p.rows.group == 0 && p.seqs.k_lens == nullptr && !p.k_scale.defined() && !p.pages.paged() &&
+         hk::kRows % p.rows.group == 0 && !p.k_scale.defined() && !p.pages.paged() &&
          map_ok(p.q) && map_ok(p.k) && map_ok(p.v);
 }
 

@@ -172,7 +172,8 @@ def run_and_check(q, k, v, dtype, check_lse=True, **options):
 # (dtype, q_heads, kv_heads, q_len, forward kernel): the tensor-core forward
 # serves 16-bit types once a kv head's query rows (q_len x group) pass 16; up
 # to 16 take the decoding kernel (on the tensor cores too), float32 the general
-# SIMT kernel. The backward is the tensor cores' from 16 rows on.
+# SIMT kernel. The backward is the tensor cores' from 16 rows on. FORWARD
+# stands for the Hopper forward where this run requests it and it serves.
 DISPATCH_CASES = [
     (torch.bfloat16, 2, 2, 17, FORWARD),
     (torch.float16, 4, 1, 8, FORWARD),

@@ -93,12 +93,12 @@ def _smem_optin():
     return torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
 
 
-def tc_forward(head_dim, group):
+def tc_forward(head_dim, group, plain=True):
     """The tensor-core forward this run takes for a call of more than 16 rows a
     kv head: the Hopper one where it serves (a group that divides its 128
-    rows; head dim 256 where its shared memory fits: not the emulated
-    sm_80-class device), else the mma.sync one."""
-    fits = head_dim <= 128 or _smem_optin() >= HOPPER_SMEM_256
+    rows; head dim 256 in plain calls where its shared memory fits: not the
+    emulated sm_80-class device), else the mma.sync one."""
+    fits = head_dim <= 128 or (plain and _smem_optin() >= HOPPER_SMEM_256)
     if _forward["kernel"] == "hopper" and fits and 128 % group == 0:
         return HOPPER_FORWARD
     return FORWARD
@@ -156,7 +156,9 @@ def run_and_check(q, k, v, dtype, check_lse=True, **options):
     # Up to 16 rows a kv head the forward is the decoding kernel's (on the tensor cores too).
     rows = q.shape[-2] * q.shape[-3] // k.shape[-3]
     forward = (DECODE_MMA if rows <= 16 and q.shape[-1] <= 128 and not options.get("dropout_p") else
-               tc_forward(q.shape[-1], q.shape[-3] // k.shape[-3]))
+               tc_forward(q.shape[-1], q.shape[-3] // k.shape[-3],
+                          all(options.get(o) is None for o in ("softcap", "sinks", "alibi_slopes", "mask"))
+                          and not options.get("dropout_p")))
     check_ran(counts, forward, *ran,
               absent=(SIMT_FORWARD, DECODE, *({FORWARD, HOPPER_FORWARD, DECODE_MMA} - {forward}), *absent))
     check_against_reference(q, k, v, out, grad_out, grads, dtype, **options)
@@ -275,6 +277,23 @@ def test_long_prefill(device):
     """1000 positions, causal + sliding window, GQA 4:2."""
     q, k, v = make_qkv(1, 4, 2, 1000, 1000, 64, torch.bfloat16, device, requires_grad=True)
     run_and_check(q, k, v, torch.bfloat16, check_lse=False, causal=True, window=300)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sliced_qkv"])
+def test_strided_layouts_match_reference(device, layout):
+    """q, k, v as Hugging Face models hand them over: [B, S, H, D] storage seen
+    as [B, H, S, D] (heads inside positions), or slices of one fused qkv
+    projection; the Hopper forward's tensor maps order heads and positions by
+    their strides (both orders load in its Q tile's group-row order)."""
+    b, hq, hkv, s, d = 2, 8, 2, 150, 64
+    if layout == "bshd":
+        q = torch.randn(b, s, hq, d, device=device).to(torch.bfloat16).transpose(1, 2)
+        k, v = (torch.randn(b, s, hkv, d, device=device).to(torch.bfloat16).transpose(1, 2) for _ in range(2))
+    else:
+        qkv = torch.randn(b, s, hq + 2 * hkv, d, device=device).to(torch.bfloat16).transpose(1, 2)
+        q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    run_and_check(q, k, v, torch.bfloat16, causal=True)
 
 
 # (option, causal, dtype)

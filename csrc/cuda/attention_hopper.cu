@@ -10,7 +10,9 @@
 // per-score code serves: masks, windows, soft-capping, ALiBi, dropout), P
 // rounded to 16 bits into A fragments and O += P V on wgmma with A from
 // registers and V read MN-major. Every operand tile is written by TMA with the
-// 128-byte swizzle: rows of 64 head-dim elements, a box per 64 of the head dim.
+// 128-byte swizzle: rows of 64 head-dim elements, a box per 64 of the head dim;
+// a block's Q rows are a box of its group's heads at its positions, landing
+// in group-row order or head by head, as the strides of q order them.
 // Tiles hold 128 keys (64 at head dim 256, where the block takes 197 KiB of
 // shared memory: an sm_90 GPU's, past the emulated sm_80-class device's unless
 // FUSEDLLM_SIMT_SMEM_OPTIN raises it).
@@ -47,13 +49,13 @@ struct Layout {
   static constexpr size_t smem() { return 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * (1 + 3 * kStages); }
 };
 
-// Tensor-map strides in bytes; a dimension of one element may have any stride
-// (packed sequences' batch), but TMA takes only multiples of 16.
-inline int64_t map_stride(int64_t elements, int64_t size) { return size == 1 ? 16 : 2 * elements; }
-
-inline bool map_stride_ok(int64_t elements, int64_t size) {
-  return size == 1 || (elements > 0 && (2 * elements) % 16 == 0);
-}
+// Whether each tensor map has heads inside positions (AttentionMap), and
+// log2 of the positions of a block's Q rows (kRows / group: a power of two,
+// as a group that divides 128 is).
+struct HeadsInner {
+  bool q, k, v;
+  int q_positions_log2;
+};
 
 }  // namespace hk
 
@@ -65,7 +67,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
                                 const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_k,
                                 const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_v, T* __restrict__ out,
                                 float* __restrict__ lse, attn::QueryRows rows, attn::Seqs seqs, int d, float scale,
-                                Mask mask_all, ScoreExtras extras) {
+                                Mask mask_all, ScoreExtras extras, hk::HeadsInner heads_inner) {
   using hopper::Major;
   using hopper::Swizzle;
   using L = hk::Layout<kD>;
@@ -111,8 +113,9 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       const int32_t pos0 = static_cast<int32_t>(seqs.q_start(b) + rows.group_pos(block.row0));
       const auto map_b = static_cast<int32_t>(seqs.packed() ? 0 : b);  // packed: one [1, H, total, D] tensor
       hopper::mbarrier_arrive_expect_tx(q_full, L::kQBytes);
+      const auto head0 = static_cast<int32_t>(g * rows.group);
       for (int box = 0; box < kBoxes; ++box) {
-        const int32_t at[4] = {box * hk::kBox, static_cast<int32_t>(g * rows.group), pos0, map_b};
+        const int32_t at[4] = {box * hk::kBox, heads_inner.q ? head0 : pos0, heads_inner.q ? pos0 : head0, map_b};
         hopper::tma_load(q_s + box * hk::kRows * 128, map_q, q_full, at);
       }
       const int64_t k_start = seqs.k_start(b);
@@ -122,13 +125,14 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
         hopper::mbarrier_wait(&kv_empty[stage], (round & 1u) ^ 1u);
         const auto key0 = static_cast<int32_t>(k_start + block.key_lo + tile * kKeys);
         hopper::mbarrier_arrive_expect_tx(&k_full[stage], L::kTileBytes);
+        const auto head = static_cast<int32_t>(g);
         for (int box = 0; box < kBoxes; ++box) {
-          const int32_t at[4] = {box * hk::kBox, static_cast<int32_t>(g), key0, map_b};
+          const int32_t at[4] = {box * hk::kBox, heads_inner.k ? head : key0, heads_inner.k ? key0 : head, map_b};
           hopper::tma_load(k_tile(stage) + box * kKeys * 128, map_k, &k_full[stage], at);
         }
         hopper::mbarrier_arrive_expect_tx(&v_full[stage], L::kTileBytes);
         for (int box = 0; box < kBoxes; ++box) {
-          const int32_t at[4] = {box * hk::kBox, static_cast<int32_t>(g), key0, map_b};
+          const int32_t at[4] = {box * hk::kBox, heads_inner.v ? head : key0, heads_inner.v ? key0 : head, map_b};
           hopper::tma_load(v_tile(stage) + box * kKeys * 128, map_v, &v_full[stage], at);
         }
       }
@@ -143,7 +147,16 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   // 16; the keys each sees, as offsets from the block's first key in 32 bits
   // (lo == hi: none), and all other row values worked out where needed: the
   // registers go to the accumulators.
-  const auto lane_row = [&](int r) { return block.row0 + consumer * 64 + warp * 16 + group + 8 * r; };
+  // Shared row i of Q is group row row0 + i when Q's map has heads inside
+  // positions, else position i % (kRows / group) of head i / (kRows / group).
+  // This lane's two rows as offsets from row0, worked out once.
+  int row_offset[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = consumer * 64 + warp * 16 + group + 8 * r, shift = heads_inner.q_positions_log2;
+    row_offset[r] = heads_inner.q ? i : ((i & ((1 << shift) - 1)) << (7 - shift)) + (i >> shift);  // group 2^(7-shift)
+  }
+  const auto lane_row = [&](int r) { return block.row0 + row_offset[r]; };
   int lo[2], hi[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -408,23 +421,47 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   }
 }
 
-// The tensor map of q, k or v ([B, H, S, D] with these strides, or packed as
-// [1, H, total, D]): dimensions head dim, heads, positions, batch (heads
-// before positions: a box of a group's heads at consecutive positions lands
-// as QueryRows' group rows), boxes of 64 x box_heads x box_positions.
-hopper::TensorMap attention_map(const at::Tensor& t, int box_heads, int box_positions) {
-  const int64_t dims[4] = {t.size(3), t.size(1), t.size(2), t.size(0)};
-  const int64_t strides[3] = {hk::map_stride(t.stride(1), t.size(1)), hk::map_stride(t.stride(2), t.size(2)),
-                              hk::map_stride(t.stride(0), t.size(0))};
-  const int box[4] = {hk::kBox, box_heads, box_positions, 1};
-  return hopper::encode_tensor_map(t.const_data_ptr(), 2, 4, dims, strides, box, hopper::Swizzle::k128B);
-}
+// q, k or v ([B, H, S, D] with any strides, or packed as [1, H, total, D]) as a
+// tensor map: the head dim, then heads and positions in the order of their
+// strides, then the batch, each dimension's stride at least the extent of
+// the one inside it (as the driver describes tensors). A dimension of one
+// element takes the extent of the one inside it as its stride.
+struct AttentionMap {
+  bool heads_inner = true;  // dimensions D, H, S, B; else D, S, H, B
+  int64_t dims[4] = {}, strides[3] = {};  // strides in bytes, of dimensions 1..3
+  bool ok = false;          // TMA can describe the tensor
 
-bool map_ok(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && t.stride(3) == 1 &&
-         hk::map_stride_ok(t.stride(0), t.size(0)) && hk::map_stride_ok(t.stride(1), t.size(1)) &&
-         hk::map_stride_ok(t.stride(2), t.size(2));
-}
+  explicit AttentionMap(const at::Tensor& t) {
+    const auto stride_of = [&](int dim, int64_t inner_extent) {
+      return t.size(dim) == 1 ? inner_extent : 2 * t.stride(dim);
+    };
+    const int64_t row = 2 * t.size(3);
+    // Heads inside positions when their stride is the smaller (a dimension
+    // of one element goes outside).
+    heads_inner = t.size(1) == 1 ? false : t.size(2) == 1 ? true : t.stride(1) < t.stride(2);
+    const int inner = heads_inner ? 1 : 2, outer = heads_inner ? 2 : 1;
+    dims[0] = t.size(3);
+    dims[1] = t.size(inner);
+    dims[2] = t.size(outer);
+    dims[3] = t.size(0);
+    strides[0] = stride_of(inner, row);
+    strides[1] = stride_of(outer, strides[0] * dims[1]);
+    strides[2] = stride_of(0, strides[1] * dims[2]);
+    ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && t.stride(3) == 1 && strides[0] >= row;
+    int64_t extent = row;
+    for (int d = 0; d < 3; ++d) {
+      ok = ok && strides[d] % 16 == 0 && strides[d] >= extent && strides[d] < (int64_t{1} << 40);
+      extent = strides[d] * dims[d + 1];
+    }
+  }
+
+  // Boxes of 64 head-dim elements x box_heads x box_positions (x 1 batch).
+  hopper::TensorMap encode(const at::Tensor& t, int box_heads, int box_positions) const {
+    const int box[4] = {hk::kBox, heads_inner ? box_heads : box_positions, heads_inner ? box_positions : box_heads,
+                        1};
+    return hopper::encode_tensor_map(t.const_data_ptr(), 2, 4, dims, strides, box, hopper::Swizzle::k128B);
+  }
+};
 
 }  // namespace
 
@@ -434,25 +471,33 @@ bool attention_hopper_forward_serves(const AttentionForwardPlan& p) {
   const size_t smem = s.head_dim <= 64    ? hk::Layout<64>::smem()
                       : s.head_dim <= 128 ? hk::Layout<128>::smem()
                                           : hk::Layout<256>::smem();
-  return (dtype == at::kBFloat16 || dtype == at::kHalf) && s.head_dim <= hk::kMaxHeadDim &&
+  // At head dim 256 the general scoring (modifiers, masks, dropout) would
+  // spill beside O's 128 registers: those calls keep the mma.sync forward.
+  const ScoreExtras extras = extras_of(p);
+  const bool plain = !extras.mods.any_score_mod() && !extras.mask.present() && !extras.drop.enabled;
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && (s.head_dim <= 128 || plain) &&
+         s.head_dim <= hk::kMaxHeadDim &&
          smem <= device_properties().sharedMemPerBlockOptin &&
-         hk::kRows % p.rows.group == 0 && !p.k_scale.defined() && !p.pages.paged() &&
-         map_ok(p.q) && map_ok(p.k) && map_ok(p.v);
+         hk::kRows % p.rows.group == 0 && !p.k_scale.defined() && !p.pages.paged() && AttentionMap(p.q).ok &&
+         AttentionMap(p.k).ok && AttentionMap(p.v).ok;
 }
 
 void launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream stream) {
   const AttentionShape& s = p.shape;
   const attn::QueryRows rows = rows_of(p);
   const int group = static_cast<int>(rows.group);
-  const hopper::TensorMap map_q = attention_map(p.q, group, hk::kRows / group);
+  const AttentionMap q_map(p.q), k_map(p.k), v_map(p.v);
+  int positions_log2 = 0;  // of kRows / group
+  while ((hk::kRows / group) >> (positions_log2 + 1) != 0) ++positions_log2;
+  const hopper::TensorMap map_q = q_map.encode(p.q, group, hk::kRows / group);
   tc::with_mma_dtype(p.q.scalar_type(), [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     const ScoreExtras extras = extras_of(p);
     const bool plain = !extras.mods.any_score_mod() && !extras.mask.present() && !extras.drop.enabled;
     const auto run = [&](auto D, auto kPlain) {
       constexpr int kD = decltype(D)::value;
-      const hopper::TensorMap map_k = attention_map(p.k, 1, hk::Layout<kD>::kKeys);
-      const hopper::TensorMap map_v = attention_map(p.v, 1, hk::Layout<kD>::kKeys);
+      const hopper::TensorMap map_k = k_map.encode(p.k, 1, hk::Layout<kD>::kKeys);
+      const hopper::TensorMap map_v = v_map.encode(p.v, 1, hk::Layout<kD>::kKeys);
       auto kernel = attention_hopper_forward_kernel<T, kD, decltype(kPlain)::value>;
       const size_t smem = hk::Layout<kD>::smem();
       allow_shared_memory(kernel, smem);
@@ -460,10 +505,16 @@ void launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream strea
                       static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
       launch("attention_hopper_forward_kernel", kernel, grid, hk::kThreads, smem, stream, map_q, map_k, map_v,
              p.out.mutable_data_ptr<T>(), p.lse.mutable_data_ptr<float>(), rows, p.seqs,
-             static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras);
+             static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras,
+             hk::HeadsInner{q_map.heads_inner, k_map.heads_inner, v_map.heads_inner, positions_log2});
     };
     const auto with_plain = [&](auto D) {
-      plain ? run(D, std::true_type{}) : run(D, std::false_type{});
+      if constexpr (decltype(D)::value > 128) {
+        TORCH_CHECK(plain, "fusedllm.attention: the Hopper forward serves head dim 256 in plain calls only");
+        run(D, std::true_type{});
+      } else {
+        plain ? run(D, std::true_type{}) : run(D, std::false_type{});
+      }
     };
     if (s.head_dim <= 64) {
       with_plain(std::integral_constant<int, 64>{});

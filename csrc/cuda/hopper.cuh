@@ -77,9 +77,9 @@ struct alignas(64) TensorMap {
   unsigned char bytes[128];
 };
 
-// The tiled tensor map of a row-major tensor at `global`: `rank` dimensions
-// (1 to 5) of `dims` elements, innermost first, dimension d > 0 `strides[d-1]`
-// bytes apart; copies a box of `box` elements per dimension into shared memory
+// The tiled tensor map of a tensor at `global`: `rank` dimensions (1 to 5) of
+// `dims` elements, innermost first, dimension d > 0 `strides[d-1]` bytes apart
+// (each past the extent of the dimension inside it); copies a box of `box` elements per dimension into shared memory
 // as a dense row-major tile (swizzled: its rows are the swizzle span, 32, 64 or
 // 128 bytes); elements outside the tensor read as zero and are not written.
 inline TensorMap encode_tensor_map(const void* global, int element_bytes, int rank, const int64_t* dims,
@@ -101,6 +101,13 @@ inline TensorMap encode_tensor_map(const void* global, int element_bytes, int ra
                         "encode_tensor_map: the stride of dimension ", d,
                         " must be a positive multiple of 16 bytes below 2^40, got ", strides[d - 1]);
     }
+  }
+  // Each dimension's stride reaches past the extent of the one inside it, as
+  // the driver describes tensors.
+  for (int d = 1; d < rank; ++d) {
+    const int64_t inner = d == 1 ? dims[0] * element_bytes : strides[d - 2] * dims[d - 1];
+    TORCH_CHECK_VALUE(strides[d - 1] >= inner, "encode_tensor_map: the stride of dimension ", d, " (",
+                      strides[d - 1], " bytes) must reach past dimension ", d - 1, " (", inner, " bytes)");
   }
   const int inner_bytes = box[0] * element_bytes;
   TORCH_CHECK_VALUE(inner_bytes % 16 == 0, "encode_tensor_map: the box's inner dimension must be a multiple of 16 "

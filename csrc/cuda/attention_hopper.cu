@@ -1,18 +1,18 @@
-// The Hopper attention forward (bfloat16 / float16, head dims up to 256,
-// sm_90a), warp-specialized in FlashAttention-3's manner: a block holds 128
-// query rows (position, head) of one kv head and sequence, in QueryRows' group
-// order, so every K/V tile serves all query heads of the group. Warpgroup 0 is
-// the producer: one thread issues TMA loads of Q and of K and V tiles into a
-// two-stage ring (full and empty mbarriers) and the warpgroup gives its
-// registers up. Warpgroups 1 and 2 are consumers, 64 rows each: S = Q K^T on
-// wgmma from shared memory, the online softmax on S's accumulators in
-// registers (the m16n8 accumulator layout of the mma.sync forward, so its
-// per-score code serves: masks, windows, soft-capping, ALiBi, dropout), P
-// rounded to 16 bits into A fragments and O += P V on wgmma with A from
-// registers and V read MN-major. Every operand tile is written by TMA with the
-// 128-byte swizzle: rows of 64 head-dim elements, a box per 64 of the head dim;
-// a block's Q rows are a box of its group's heads at its positions, landing
-// in group-row order or head by head, as the strides of q order them.
+// The Hopper attention forward (bfloat16 / float16, head dims up to 128, 256 in
+// plain calls; sm_90a), warp-specialized in FlashAttention-3's manner: a block
+// holds 128 query rows (position, head) of one kv head and sequence, in
+// QueryRows' group order, so every K/V tile serves all query heads of the
+// group. Warpgroup 0 is the producer: one thread issues TMA loads of Q and of K
+// and V tiles into a two-stage ring (full and empty mbarriers) and the
+// warpgroup gives its registers up. Warpgroups 1 and 2 are consumers, 64 rows
+// each: S = Q K^T on wgmma from shared memory, the online softmax on S's
+// accumulators in registers (the m16n8 accumulator layout of the mma.sync
+// forward, so its per-score code serves: masks, windows, soft-capping, ALiBi,
+// dropout), P rounded to 16 bits into A fragments and O += P V on wgmma with A
+// from registers and V read MN-major. Every operand tile is written by TMA with
+// the 128-byte swizzle: rows of 64 head-dim elements, a box per 64 of the head
+// dim; a block's Q rows are a box of its group's heads at its positions,
+// landing in group-row order or head by head, as the strides of q order them.
 // Tiles hold 128 keys (64 at head dim 256, where the block takes 197 KiB of
 // shared memory: an sm_90 GPU's, past the emulated sm_80-class device's unless
 // FUSEDLLM_SIMT_SMEM_OPTIN raises it).

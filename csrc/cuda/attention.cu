@@ -352,7 +352,8 @@ std::vector<std::string> attention_kernels() {
           "attention_delta_kernel (SIMT)", "attention_dq_kernel (SIMT)",
           "attention_dkdv_kernel (SIMT)",
           "attention_mma_forward_kernel (tensor cores: bfloat16/float16, sm_80+)",
-          "attention_hopper_forward_kernel (wgmma and TMA: bfloat16/float16, head dims up to 256, sm_90a, on request)",
+          "attention_hopper_forward_kernel (wgmma and TMA: bfloat16/float16, head dims up to 128, 256 in plain "
+          "calls, sm_90a, on request)",
           "attention_mma_delta_kernel (tensor cores: bfloat16/float16, sm_80+)",
           "attention_mma_dq_kernel (tensor cores: bfloat16/float16, sm_80+)",
           "attention_mma_dkdv_kernel (tensor cores: bfloat16/float16, sm_80+, head dims up to 128)"};

@@ -30,34 +30,12 @@ at::Tensor wgmma_tile(const at::Tensor& a, const at::Tensor& b, int64_t span, bo
   return c;
 }
 
-// The TMA round trip (hopper_check.cuh) over a contiguous CUDA tensor; as the
-// emulated build's fusedllm_simt_selftest::tma_box.
+// The TMA round trip (hopper_check.cuh) over CUDA tensors.
 std::tuple<at::Tensor, at::Tensor> tma_box(const at::Tensor& src, std::vector<int64_t> box,
                                            std::vector<int64_t> coords, int64_t swizzle) {
   TORCH_CHECK_VALUE(src.is_cuda(), "tma_box: src must be a CUDA tensor");
-  const int rank = static_cast<int>(src.dim());
-  TORCH_CHECK_VALUE(rank >= 1 && rank <= 5 && static_cast<int>(box.size()) == rank &&
-                        static_cast<int>(coords.size()) == rank,
-                    "tma_box: a 1-D to 5-D tensor and one box size and coordinate per dimension");
   const c10::cuda::CUDAGuard guard(src.device());
-  const at::Tensor s = src.contiguous();
-  at::Tensor dst = at::zeros_like(s);
-  int64_t dims[5] = {}, strides[4] = {};
-  int box_dims[5] = {};
-  int32_t at_[5] = {};
-  int64_t bytes = s.element_size();
-  for (int d = 0; d < rank; ++d) {
-    dims[d] = s.size(rank - 1 - d);
-    box_dims[d] = static_cast<int>(box[d]);
-    at_[d] = static_cast<int32_t>(coords[d]);
-    bytes *= box[d];
-    if (d > 0) strides[d - 1] = s.stride(rank - 1 - d) * s.element_size();
-  }
-  at::Tensor image = at::empty({bytes}, s.options().dtype(at::kByte));
-  fusedllm::cuda::hopper::launch_tma_box(s.const_data_ptr(), dst.data_ptr(), static_cast<int>(s.element_size()),
-                                         rank, dims, strides, box_dims, at_, static_cast<int>(swizzle),
-                                         image.data_ptr<uint8_t>(), at::cuda::getCurrentCUDAStream());
-  return {image, dst};
+  return fusedllm::cuda::hopper::tma_box(src, box, coords, swizzle, at::cuda::getCurrentCUDAStream());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

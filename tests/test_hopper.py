@@ -16,8 +16,7 @@ import sys
 import pytest
 import torch
 
-from checks import assert_close
-from test_tensor_core import _cuda_include_dirs, _cuobjdump
+from test_tensor_core import _cuda_include_dirs, _cuobjdump, check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPANS = {"none": 16, "32B": 32, "64B": 64, "128B": 128}
@@ -37,13 +36,6 @@ def operands(dtype, n, k, b_mn_major, exact, device="cpu"):
         b = torch.randn(*shape_b, generator=g).to(dtype)
     expected = a.double() @ (b.double() if b_mn_major else b.double().T)
     return a.to(device), b.to(device), expected.to(device)
-
-
-def check(c, expected, exact):
-    if exact:
-        assert torch.equal(c, expected.float()), (c - expected.float()).abs().max()
-    else:
-        assert_close(c, expected, (1e-5, 1e-5), upcast=True)
 
 
 def simt():

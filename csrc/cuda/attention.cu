@@ -300,9 +300,7 @@ struct CudaAttention {
     if (launch_attention_decode(p, current_stream())) return;
     if (!p.k_scale.defined() && !p.pages.paged() &&
         choose_attention_kernel(p, p.q.scalar_type()) == AttentionKernel::kTensorCore) {
-      if (hopper_attention_available() && attention_hopper_forward_serves(p)) {
-        launch_attention_hopper_forward(p, current_stream());
-      } else {
+      if (!hopper_attention_available() || !launch_attention_hopper_forward(p, current_stream())) {
         launch_attention_mma_forward(p, current_stream());
       }
     } else {

@@ -465,41 +465,35 @@ struct AttentionMap {
 
 }  // namespace
 
-bool attention_hopper_forward_serves(const AttentionForwardPlan& p) {
+bool launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream stream) {
   const AttentionShape& s = p.shape;
   const at::ScalarType dtype = p.q.scalar_type();
+  const ScoreExtras extras = extras_of(p);
+  const bool plain = !extras.mods.any_score_mod() && !extras.mask.present() && !extras.drop.enabled;
+  const AttentionMap q_map(p.q), k_map(p.k), v_map(p.v);
   const size_t smem = s.head_dim <= 64    ? hk::Layout<64>::smem()
                       : s.head_dim <= 128 ? hk::Layout<128>::smem()
                                           : hk::Layout<256>::smem();
   // At head dim 256 the general scoring (modifiers, masks, dropout) would
   // spill beside O's 128 registers: those calls keep the mma.sync forward.
-  const ScoreExtras extras = extras_of(p);
-  const bool plain = !extras.mods.any_score_mod() && !extras.mask.present() && !extras.drop.enabled;
-  return (dtype == at::kBFloat16 || dtype == at::kHalf) && (s.head_dim <= 128 || plain) &&
-         s.head_dim <= hk::kMaxHeadDim &&
-         smem <= device_properties().sharedMemPerBlockOptin &&
-         hk::kRows % p.rows.group == 0 && !p.k_scale.defined() && !p.pages.paged() && AttentionMap(p.q).ok &&
-         AttentionMap(p.k).ok && AttentionMap(p.v).ok;
-}
-
-void launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream stream) {
-  const AttentionShape& s = p.shape;
+  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || s.head_dim > hk::kMaxHeadDim ||
+      (s.head_dim > 128 && !plain) || smem > device_properties().sharedMemPerBlockOptin ||
+      hk::kRows % p.rows.group != 0 || p.k_scale.defined() || p.pages.paged() || !q_map.ok || !k_map.ok ||
+      !v_map.ok) {
+    return false;
+  }
   const attn::QueryRows rows = rows_of(p);
   const int group = static_cast<int>(rows.group);
-  const AttentionMap q_map(p.q), k_map(p.k), v_map(p.v);
   int positions_log2 = 0;  // of kRows / group
   while ((hk::kRows / group) >> (positions_log2 + 1) != 0) ++positions_log2;
   const hopper::TensorMap map_q = q_map.encode(p.q, group, hk::kRows / group);
-  tc::with_mma_dtype(p.q.scalar_type(), [&](auto dtype_tag) {
+  tc::with_mma_dtype(dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
-    const ScoreExtras extras = extras_of(p);
-    const bool plain = !extras.mods.any_score_mod() && !extras.mask.present() && !extras.drop.enabled;
     const auto run = [&](auto D, auto kPlain) {
       constexpr int kD = decltype(D)::value;
       const hopper::TensorMap map_k = k_map.encode(p.k, 1, hk::Layout<kD>::kKeys);
       const hopper::TensorMap map_v = v_map.encode(p.v, 1, hk::Layout<kD>::kKeys);
       auto kernel = attention_hopper_forward_kernel<T, kD, decltype(kPlain)::value>;
-      const size_t smem = hk::Layout<kD>::smem();
       allow_shared_memory(kernel, smem);
       const dim3 grid(static_cast<unsigned>((rows.group_rows() + hk::kRows - 1) / hk::kRows),
                       static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
@@ -508,22 +502,17 @@ void launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream strea
              static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras,
              hk::HeadsInner{q_map.heads_inner, k_map.heads_inner, v_map.heads_inner, positions_log2});
     };
-    const auto with_plain = [&](auto D) {
-      if constexpr (decltype(D)::value > 128) {
-        TORCH_CHECK(plain, "fusedllm.attention: the Hopper forward serves head dim 256 in plain calls only");
-        run(D, std::true_type{});
-      } else {
-        plain ? run(D, std::true_type{}) : run(D, std::false_type{});
-      }
-    };
     if (s.head_dim <= 64) {
-      with_plain(std::integral_constant<int, 64>{});
+      plain ? run(std::integral_constant<int, 64>{}, std::true_type{})
+            : run(std::integral_constant<int, 64>{}, std::false_type{});
     } else if (s.head_dim <= 128) {
-      with_plain(std::integral_constant<int, 128>{});
+      plain ? run(std::integral_constant<int, 128>{}, std::true_type{})
+            : run(std::integral_constant<int, 128>{}, std::false_type{});
     } else {
-      with_plain(std::integral_constant<int, 256>{});
+      run(std::integral_constant<int, 256>{}, std::true_type{});  // plain, as checked above
     }
   });
+  return true;
 }
 
 }  // namespace fusedllm::cuda

@@ -449,12 +449,11 @@ inline AttentionKernel choose_attention_kernel(const AttentionParams& p, at::Sca
 
 }  // namespace
 
-// The Hopper forward (attention_hopper.cu): whether it serves the call (16-bit
+// The Hopper forward (attention_hopper.cu), where it serves the call (16-bit
 // types, head dims up to 128 (256 in plain calls where its shared memory
-// fits), a group that divides its 128 rows, operands TMA can describe), and its
-// launch.
-bool attention_hopper_forward_serves(const AttentionForwardPlan& p);
-void launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream stream);
+// fits), a group that divides its 128 rows, operands TMA can describe);
+// false, launching nothing, where it does not.
+bool launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream stream);
 
 // The tensor-core forward (attention_mma.cu) and backward (attention_mma_backward.cu;
 // dK/dV up to head dim kMaxDkdvHeadDim, the SIMT kernel above it).

@@ -89,13 +89,11 @@ inline TensorMap encode_tensor_map(const void* global, int element_bytes, int ra
                     "encode_tensor_map: elements of 1, 2 or 4 bytes, got ", element_bytes);
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(global) % 16 == 0,
                     "encode_tensor_map: the global address must be 16-byte aligned");
-  int64_t box_elements = 1;
   for (int d = 0; d < rank; ++d) {
     TORCH_CHECK_VALUE(dims[d] >= 1 && dims[d] <= (int64_t{1} << 32), "encode_tensor_map: dimension ", d,
                       " must have 1 to 2^32 elements, got ", dims[d]);
     TORCH_CHECK_VALUE(box[d] >= 1 && box[d] <= 256, "encode_tensor_map: box dimension ", d,
                       " must be 1 to 256 elements, got ", box[d]);
-    box_elements *= box[d];
     if (d > 0) {
       TORCH_CHECK_VALUE(strides[d - 1] > 0 && strides[d - 1] % 16 == 0 && strides[d - 1] < (int64_t{1} << 40),
                         "encode_tensor_map: the stride of dimension ", d,
@@ -115,7 +113,6 @@ inline TensorMap encode_tensor_map(const void* global, int element_bytes, int ra
   TORCH_CHECK_VALUE(swizzle == Swizzle::kNone || inner_bytes == static_cast<int>(swizzle),
                     "encode_tensor_map: a swizzled box's inner dimension must be the swizzle span (",
                     static_cast<int>(swizzle), " bytes), got ", inner_bytes, " bytes");
-  (void)box_elements;
   TensorMap map{};
 #if defined(FUSEDLLM_SIMT)
   simt::detail::TensorMapImage image{};

@@ -9,6 +9,10 @@
 // 1-D to 5-D box (load, the bytes as they land, store).
 #pragma once
 
+#include <ATen/ATen.h>
+
+#include <tuple>
+
 #include "hopper.cuh"
 
 namespace fusedllm::cuda::hopper {
@@ -239,31 +243,62 @@ __global__ void __launch_bounds__(128)
   }
 }
 
-// src and dst: tensors of `rank` dimensions (innermost first) of `dims`
-// elements of element_bytes, dimension d > 0 strides[d - 1] bytes apart;
-// image: box_bytes. swizzle_bytes: 0, 32, 64 or 128.
-inline void launch_tma_box(const void* src, void* dst, int element_bytes, int rank, const int64_t* dims,
-                           const int64_t* strides, const int* box, const int32_t* coords, int swizzle_bytes,
-                           unsigned char* image, Stream stream) {
-  const auto swizzle = static_cast<Swizzle>(swizzle_bytes);
-  const TensorMap src_map = encode_tensor_map(src, element_bytes, rank, dims, strides, box, swizzle);
-  const TensorMap dst_map = encode_tensor_map(dst, element_bytes, rank, dims, strides, box, swizzle);
-  int box_bytes = element_bytes;
-  for (int d = 0; d < rank; ++d) box_bytes *= box[d];
+// A tensor of 1 to 5 dimensions as TMA counts them (innermost first), with a
+// box of `box` elements (innermost first).
+struct TmaShape {
+  int rank = 0, element_bytes = 0;
+  int64_t dims[5] = {}, strides[4] = {};  // strides in bytes, of dimensions 1..rank-1
+  int box[5] = {};
+  int64_t box_bytes = 0;
+
+  TmaShape(const at::Tensor& t, at::IntArrayRef box_sizes, const char* op) {
+    rank = static_cast<int>(t.dim());  // encode_tensor_map checks it is 1 to 5
+    TORCH_CHECK_VALUE(static_cast<int>(box_sizes.size()) == rank, op, ": one box size per dimension");
+    element_bytes = static_cast<int>(t.element_size());
+    box_bytes = element_bytes;
+    for (int d = 0; d < rank && d < 5; ++d) {
+      dims[d] = t.size(rank - 1 - d);
+      box[d] = static_cast<int>(box_sizes[d]);
+      box_bytes *= box[d];
+      if (d > 0) strides[d - 1] = t.stride(rank - 1 - d) * t.element_size();
+    }
+  }
+  TensorMap encode(const at::Tensor& t, int swizzle_bytes) const {
+    return encode_tensor_map(t.const_data_ptr(), element_bytes, rank, dims, strides, box,
+                             static_cast<Swizzle>(swizzle_bytes));
+  }
+};
+
+// The round trip over a contiguous copy of src at `coords` (innermost
+// first): the box's shared-memory bytes as they landed, and a zero tensor
+// with the box stored. swizzle_bytes: 0, 32, 64 or 128.
+inline std::tuple<at::Tensor, at::Tensor> tma_box(const at::Tensor& src, at::IntArrayRef box,
+                                                  at::IntArrayRef coords, int64_t swizzle_bytes, Stream stream) {
+  const at::Tensor s = src.contiguous();
+  const TmaShape shape(s, box, "tma_box");
+  TORCH_CHECK_VALUE(shape.rank >= 1 && shape.rank <= 5 && static_cast<int>(coords.size()) == shape.rank,
+                    "tma_box: a 1-D to 5-D tensor and one coordinate per dimension");
+  at::Tensor dst = at::zeros_like(s);
+  at::Tensor image = at::empty({shape.box_bytes}, s.options().dtype(at::kByte));
+  const TensorMap src_map = shape.encode(s, static_cast<int>(swizzle_bytes));
+  const TensorMap dst_map = shape.encode(dst, static_cast<int>(swizzle_bytes));
+  const int box_bytes = static_cast<int>(shape.box_bytes);
   TmaCoords at{};
-  for (int d = 0; d < rank; ++d) at.c[d] = coords[d];
+  for (int d = 0; d < shape.rank; ++d) at.c[d] = static_cast<int32_t>(coords[d]);
+  unsigned char* out = image.data_ptr<uint8_t>();
   const size_t smem = 1024 + ((box_bytes + 127) / 128) * 128 + 8;
   const auto go = [&](auto kernel) {
     allow_dynamic_shared_memory(kernel, smem);
-    launch("tma_box_kernel", kernel, 1, 128, smem, stream, src_map, dst_map, at, box_bytes, image);
+    launch("tma_box_kernel", kernel, 1, 128, smem, stream, src_map, dst_map, at, box_bytes, out);
   };
-  switch (rank) {
-    case 1: return go(tma_box_kernel<1>);
-    case 2: return go(tma_box_kernel<2>);
-    case 3: return go(tma_box_kernel<3>);
-    case 4: return go(tma_box_kernel<4>);
-    default: return go(tma_box_kernel<5>);
+  switch (shape.rank) {
+    case 1: go(tma_box_kernel<1>); break;
+    case 2: go(tma_box_kernel<2>); break;
+    case 3: go(tma_box_kernel<3>); break;
+    case 4: go(tma_box_kernel<4>); break;
+    default: go(tma_box_kernel<5>); break;
   }
+  return {image, dst};
 }
 
 }  // namespace fusedllm::cuda::hopper

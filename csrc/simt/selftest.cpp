@@ -301,49 +301,16 @@ at::Tensor wgmma_tile(const at::Tensor& a, const at::Tensor& b, int64_t span, bo
   return c;
 }
 
-// The TMA round trip (hopper_check.cuh) over a contiguous CPU tensor of 1 to
-// 5 dimensions (coords and box innermost first, as TMA counts): the box's
-// shared-memory bytes as they landed, and a zero tensor with the box stored.
+// The TMA round trip (hopper_check.cuh) over CPU tensors.
 std::tuple<at::Tensor, at::Tensor> tma_box(const at::Tensor& src, at::IntArrayRef box, at::IntArrayRef coords,
                                            int64_t swizzle) {
-  const int rank = static_cast<int>(src.dim());
-  TORCH_CHECK_VALUE(rank >= 1 && rank <= 5 && static_cast<int>(box.size()) == rank &&
-                        static_cast<int>(coords.size()) == rank,
-                    "tma_box: a 1-D to 5-D tensor and one box size and coordinate per dimension");
-  const at::Tensor s = src.contiguous();
-  at::Tensor dst = at::zeros_like(s);
-  int64_t dims[5] = {}, strides[4] = {};
-  int box_dims[5] = {};
-  int32_t at_[5] = {};
-  int64_t bytes = s.element_size();
-  for (int d = 0; d < rank; ++d) {
-    dims[d] = s.size(rank - 1 - d);
-    box_dims[d] = static_cast<int>(box[d]);
-    at_[d] = static_cast<int32_t>(coords[d]);
-    bytes *= box[d];
-    if (d > 0) strides[d - 1] = s.stride(rank - 1 - d) * s.element_size();
-  }
-  at::Tensor image = at::empty({bytes}, s.options().dtype(at::kByte));
-  cuda::hopper::launch_tma_box(s.const_data_ptr(), dst.data_ptr(), static_cast<int>(s.element_size()), rank, dims,
-                               strides, box_dims, at_, static_cast<int>(swizzle), image.data_ptr<uint8_t>(),
-                               cuda::Stream{});
-  return {image, dst};
+  return cuda::hopper::tma_box(src, box, coords, swizzle, cuda::Stream{});
 }
 
-// encode_tensor_map over a row-major CPU tensor (dimensions innermost first,
-// as TMA counts them) with `box` (innermost first); its refusals are the test.
+// encode_tensor_map over a CPU tensor as it lies (dimensions and box
+// innermost first, as TMA counts them); its refusals are the test.
 void encode_tensor_map(const at::Tensor& t, at::IntArrayRef box, int64_t swizzle) {
-  const int rank = static_cast<int>(t.dim());
-  TORCH_CHECK_VALUE(static_cast<int>(box.size()) == rank, "encode_tensor_map: one box size per dimension");
-  int64_t dims[5] = {}, strides[4] = {};
-  int box_dims[5] = {};
-  for (int d = 0; d < rank && d < 5; ++d) {
-    dims[d] = t.size(rank - 1 - d);
-    box_dims[d] = static_cast<int>(box[d]);
-    if (d > 0) strides[d - 1] = t.stride(rank - 1 - d) * t.element_size();
-  }
-  cuda::hopper::encode_tensor_map(t.const_data_ptr(), static_cast<int>(t.element_size()), rank, dims, strides,
-                                  box_dims, static_cast<cuda::hopper::Swizzle>(swizzle));
+  cuda::hopper::TmaShape(t, box, "encode_tensor_map").encode(t, static_cast<int>(swizzle));
 }
 
 // cuda::grouped_mm on CPU tensors, out allocated here: kind is a

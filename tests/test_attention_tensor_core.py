@@ -38,15 +38,22 @@ DECODE_MMA = "attention_decode_mma_kernel"  # its tensor-core form, for a cache 
 DELTA, SIMT_DELTA = "attention_mma_delta_kernel", "attention_delta_kernel"
 DQ, SIMT_DQ = "attention_mma_dq_kernel", "attention_dq_kernel"
 DKDV, SIMT_DKDV = "attention_mma_dkdv_kernel", "attention_dkdv_kernel"
+HOPPER_DQ, HOPPER_DKDV = "attention_hopper_dq_kernel", "attention_hopper_dkdv_kernel"  # sm_90a
 MAX_DKDV_HEAD_DIM = 128  # wider heads: dK and dV on the SIMT kernel (tc::kMaxDkdvHeadDim)
+HOPPER_BACKWARD_TILE = 64  # query rows of a Hopper dK/dV tile: the group must divide them
 
 
-def backward_kernels(head_dim):
-    """The backward kernels the tensor-core path launches, and those it must not
-    (each dP kernel has its delta, summed as it sums dP)."""
+def backward_kernels(head_dim, group):
+    """The backward kernels this run launches, and those it must not (each dP
+    kernel has its delta, summed as it sums dP): the Hopper ones where this
+    run requests them and they serve (head dims up to 128, a group that
+    divides their tiles), else the mma.sync ones."""
+    hopper = (HOPPER_DQ, HOPPER_DKDV)
+    if _forward["kernel"] == "hopper" and head_dim <= 128 and HOPPER_BACKWARD_TILE % group == 0:
+        return (DELTA, *hopper), (DQ, DKDV, SIMT_DELTA, SIMT_DQ, SIMT_DKDV)
     if head_dim <= MAX_DKDV_HEAD_DIM:
-        return (DELTA, DQ, DKDV), (SIMT_DELTA, SIMT_DQ, SIMT_DKDV)
-    return (DELTA, DQ, SIMT_DELTA, SIMT_DKDV), (SIMT_DQ, DKDV)
+        return (DELTA, DQ, DKDV), (*hopper, SIMT_DELTA, SIMT_DQ, SIMT_DKDV)
+    return (DELTA, DQ, SIMT_DELTA, SIMT_DKDV), (*hopper, SIMT_DQ, DKDV)
 
 
 def _emulator():
@@ -152,7 +159,7 @@ def run_and_check(q, k, v, dtype, check_lse=True, **options):
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, _differentiable(q, k, v, options), grad_out)
         lse = op_lse(q, k, v, **options) if check_lse else None
-    ran, absent = backward_kernels(q.shape[-1])
+    ran, absent = backward_kernels(q.shape[-1], q.shape[-3] // k.shape[-3])
     # Up to 16 rows a kv head the forward is the decoding kernel's (on the tensor cores too).
     rows = q.shape[-2] * q.shape[-3] // k.shape[-3]
     forward = (DECODE_MMA if rows <= 16 and q.shape[-1] <= 128 and not options.get("dropout_p") else
@@ -197,12 +204,11 @@ def test_dispatch_picks_the_kernel(device, dtype, hq, hkv, sq, expected):
     if counts is None:
         pytest.skip("only the emulator counts launches")
     expected = tc_forward(32, hq // hkv) if expected == FORWARD else expected
-    tensor_core_backward = (DELTA, DQ, DKDV)
-    simt_backward = (SIMT_DELTA, SIMT_DQ, SIMT_DKDV)
+    tensor_core_backward, other_backward = backward_kernels(32, hq // hkv)
     forwards = {FORWARD, HOPPER_FORWARD, SIMT_FORWARD, DECODE, DECODE_MMA}
-    backward = tensor_core_backward if dtype != torch.float32 and sq * hq // hkv >= 16 else simt_backward
-    other_backward = simt_backward if backward == tensor_core_backward else tensor_core_backward
-    check_ran(counts, expected, *backward, absent=(*(forwards - {expected}), *other_backward))
+    if dtype == torch.float32 or sq * hq // hkv < 16:
+        tensor_core_backward, other_backward = (SIMT_DELTA, SIMT_DQ, SIMT_DKDV), tensor_core_backward
+    check_ran(counts, expected, *tensor_core_backward, absent=(*(forwards - {expected}), *other_backward))
     ref, _ = ref_attention(q.double(), k.double(), v.double())
     assert_close(out, ref, FORWARD_TOL[dtype], "out")
 
@@ -229,7 +235,8 @@ def test_build_lists_the_attention_kernels(device):
     fusedllm.attention(*make_qkv(1, 2, 2, 3, 3, 8, torch.float32, device))  # an op for the simt fixture
     simt = _emulator()
     names = simt._simt.attention_kernels() if simt is not None else fusedllm.build_info()["cuda_attention_kernels"]
-    for kernel in (FORWARD, HOPPER_FORWARD, SIMT_FORWARD, DECODE, DECODE_MMA, DELTA, SIMT_DELTA, DQ, SIMT_DQ, DKDV, SIMT_DKDV):
+    for kernel in (FORWARD, HOPPER_FORWARD, SIMT_FORWARD, DECODE, DECODE_MMA, DELTA, SIMT_DELTA, DQ, SIMT_DQ, DKDV,
+                   SIMT_DKDV, HOPPER_DQ, HOPPER_DKDV):
         assert any(name.startswith(kernel + " ") for name in names), (kernel, names)
 
 
@@ -294,6 +301,31 @@ def test_strided_layouts_match_reference(device, layout):
         q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     run_and_check(q, k, v, torch.bfloat16, causal=True)
+
+
+@pytest.mark.parametrize("q_heads_inner", [True, False], ids=["q_bshd", "q_bhsd"])
+def test_grad_out_layout_keeps_the_gradients(device, q_heads_inner):
+    """dO whose heads and positions are ordered otherwise than q's loads into
+    q's row order (the Hopper backward then loads it a position or a head at
+    a time): the gradients are the same bits as with dO laid out as q."""
+    b, hq, hkv, s, d = 1, 8, 2, 100, 64
+
+    def make(heads):
+        x = torch.randn(b, s, heads, d, device=device).to(torch.bfloat16)
+        return x.transpose(1, 2) if q_heads_inner else x.transpose(1, 2).contiguous()
+
+    q, k, v = (make(h).requires_grad_() for h in (hq, hkv, hkv))
+    out = fusedllm.attention(q, k, v, causal=True)
+    like_q = torch.empty_like(q).copy_(torch.randn(b, hq, s, d, device=device).to(torch.bfloat16))
+    other = like_q.transpose(1, 2).contiguous().transpose(1, 2) if not q_heads_inner else like_q.contiguous()
+    assert other.stride() != like_q.stride() and torch.equal(other, like_q)
+    with launches() as counts:
+        first = torch.autograd.grad(out, (q, k, v), like_q, retain_graph=True)
+        second = torch.autograd.grad(out, (q, k, v), other)
+    check_ran(counts, *backward_kernels(d, hq // hkv)[0])
+    for x, y in zip(first, second):
+        assert torch.equal(x, y)
+    check_against_reference(q, k, v, out, like_q, first, torch.bfloat16, causal=True)
 
 
 # (option, causal, dtype)
@@ -373,7 +405,7 @@ def test_dropout_with_options_matches_reference(device, dtype):
                                slopes, None, None, 0, 0)
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v, sinks), grad_out)
-    check_ran(counts, tc_forward(64, 2), DQ, DKDV)
+    check_ran(counts, tc_forward(64, 2), *backward_kernels(64, 2)[0])
     keep = _plain.dropout_keep(seed, (b, hq, sq, sk), p, q.device)
     check_against_reference(q, k, v, out, grad_out, grads, dtype, scale=0.5, window=(40, 4), keep=keep,
                             dropout_p=p, softcap=2.0, sinks=sinks, alibi_slopes=slopes)
@@ -386,7 +418,7 @@ def test_varlen_matches_reference(device, case, dtype):
     q, k, v, cu_q, cu_k = pack(lengths_q, lengths_k, 8, 2, 64, dtype, device, requires_grad=True)
     with launches() as counts:
         check_varlen(q, k, v, cu_q, cu_k, dtype, **varlen_options(case, len(lengths_q), 8, device))
-    check_ran(counts, tc_forward(64, 4), DQ, DKDV)
+    check_ran(counts, tc_forward(64, 4), *backward_kernels(64, 4)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -440,6 +472,6 @@ def test_no_bank_conflicts(device, head_dim):
         out.backward(torch.randn_like(out))
     if counts is None:
         pytest.skip("only the emulator counts bank conflicts")
-    check_ran(counts, tc_forward(head_dim, 2), *backward_kernels(head_dim)[0])
+    check_ran(counts, tc_forward(head_dim, 2), *backward_kernels(head_dim, 2)[0])
     assert counts["ldmatrix"] > 0 and counts["cp_async"] > 0
     assert counts["ldmatrix_conflicts"] == 0 and counts["cp_async_conflicts"] == 0, counts

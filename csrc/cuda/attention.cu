@@ -322,6 +322,7 @@ struct CudaAttention {
     if (tensor_cores) {
       delta_tc = delta_rows();
       launch_attention_mma_delta(p, delta_tc, stream);
+      if (hopper_attention_available() && launch_attention_hopper_backward(p, delta_tc, stream)) return;
     }
     if (!mma_dkdv) {
       delta_simt = delta_rows();
@@ -352,6 +353,8 @@ std::vector<std::string> attention_kernels() {
           "attention_mma_forward_kernel (tensor cores: bfloat16/float16, sm_80+)",
           "attention_hopper_forward_kernel (wgmma and TMA: bfloat16/float16, head dims up to 128, 256 in plain "
           "calls, sm_90a, on request)",
+          "attention_hopper_dq_kernel (wgmma and TMA: bfloat16/float16, head dims up to 128, sm_90a, on request)",
+          "attention_hopper_dkdv_kernel (wgmma and TMA: bfloat16/float16, head dims up to 128, sm_90a, on request)",
           "attention_mma_delta_kernel (tensor cores: bfloat16/float16, sm_80+)",
           "attention_mma_dq_kernel (tensor cores: bfloat16/float16, sm_80+)",
           "attention_mma_dkdv_kernel (tensor cores: bfloat16/float16, sm_80+, head dims up to 128)"};

@@ -23,20 +23,12 @@
 // products (its ping-pong).
 //
 // K/V layouts TMA cannot describe keep the mma.sync forward.
-#include "attention_mma.cuh"
-#include "hopper.cuh"
+#include "attention_hopper.cuh"
 
 namespace fusedllm::cuda {
 namespace {
 
 namespace hk {
-
-constexpr int kConsumers = 2;
-constexpr int kThreads = (kConsumers + 1) * 128;
-constexpr int kRows = kConsumers * 64;  // query rows of a block
-constexpr int kStages = 2;
-constexpr int kBox = 64;                // head-dim elements of a TMA box: one 128-byte swizzled row
-constexpr int kMaxHeadDim = 256;
 
 template <int kD>
 struct Layout {
@@ -49,14 +41,6 @@ struct Layout {
   static constexpr size_t smem() { return 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * (1 + 3 * kStages); }
 };
 
-// Whether each tensor map has heads inside positions (AttentionMap), and
-// log2 of the positions of a block's Q rows (kRows / group: a power of two,
-// as a group that divides 128 is).
-struct HeadsInner {
-  bool q, k, v;
-  int q_positions_log2;
-};
-
 }  // namespace hk
 
 // kPlain: no score modifier, no tensor mask, no dropout (the visibility of
@@ -67,7 +51,8 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
                                 const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_k,
                                 const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_v, T* __restrict__ out,
                                 float* __restrict__ lse, attn::QueryRows rows, attn::Seqs seqs, int d, float scale,
-                                Mask mask_all, ScoreExtras extras, hk::HeadsInner heads_inner) {
+                                Mask mask_all, ScoreExtras extras, hk::HeadsInner heads_inner,
+                                hk::RowOrder order) {
   using hopper::Major;
   using hopper::Swizzle;
   using L = hk::Layout<kD>;
@@ -113,11 +98,8 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       const int32_t pos0 = static_cast<int32_t>(seqs.q_start(b) + rows.group_pos(block.row0));
       const auto map_b = static_cast<int32_t>(seqs.packed() ? 0 : b);  // packed: one [1, H, total, D] tensor
       hopper::mbarrier_arrive_expect_tx(q_full, L::kQBytes);
-      const auto head0 = static_cast<int32_t>(g * rows.group);
-      for (int box = 0; box < kBoxes; ++box) {
-        const int32_t at[4] = {box * hk::kBox, heads_inner.q ? head0 : pos0, heads_inner.q ? pos0 : head0, map_b};
-        hopper::tma_load(q_s + box * hk::kRows * 128, map_q, q_full, at);
-      }
+      hk::load_query_rows<kBoxes>(q_s, map_q, heads_inner.q, order, q_full, pos0,
+                                  static_cast<int32_t>(g * rows.group), map_b);
       const int64_t k_start = seqs.k_start(b);
       for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
         const int stage = static_cast<int>(tile % hk::kStages);
@@ -126,15 +108,9 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
         const auto key0 = static_cast<int32_t>(k_start + block.key_lo + tile * kKeys);
         hopper::mbarrier_arrive_expect_tx(&k_full[stage], L::kTileBytes);
         const auto head = static_cast<int32_t>(g);
-        for (int box = 0; box < kBoxes; ++box) {
-          const int32_t at[4] = {box * hk::kBox, heads_inner.k ? head : key0, heads_inner.k ? key0 : head, map_b};
-          hopper::tma_load(k_tile(stage) + box * kKeys * 128, map_k, &k_full[stage], at);
-        }
+        hk::load_key_rows<kBoxes, kKeys>(k_tile(stage), map_k, heads_inner.k, &k_full[stage], key0, head, map_b);
         hopper::mbarrier_arrive_expect_tx(&v_full[stage], L::kTileBytes);
-        for (int box = 0; box < kBoxes; ++box) {
-          const int32_t at[4] = {box * hk::kBox, heads_inner.v ? head : key0, heads_inner.v ? key0 : head, map_b};
-          hopper::tma_load(v_tile(stage) + box * kKeys * 128, map_v, &v_full[stage], at);
-        }
+        hk::load_key_rows<kBoxes, kKeys>(v_tile(stage), map_v, heads_inner.v, &v_full[stage], key0, head, map_b);
       }
     }
     return;
@@ -152,10 +128,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   // This lane's two rows as offsets from row0, worked out once.
   int row_offset[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = consumer * 64 + warp * 16 + group + 8 * r, shift = heads_inner.q_positions_log2;
-    row_offset[r] = heads_inner.q ? i : ((i & ((1 << shift) - 1)) << (7 - shift)) + (i >> shift);  // group 2^(7-shift)
-  }
+  for (int r = 0; r < 2; ++r) row_offset[r] = order.group_row_of(consumer * 64 + warp * 16 + group + 8 * r);
   const auto lane_row = [&](int r) { return block.row0 + row_offset[r]; };
   int lo[2], hi[2];
 #pragma unroll
@@ -421,48 +394,6 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   }
 }
 
-// q, k or v ([B, H, S, D] with any strides, or packed as [1, H, total, D]) as a
-// tensor map: the head dim, then heads and positions in the order of their
-// strides, then the batch, each dimension's stride at least the extent of
-// the one inside it (as the driver describes tensors). A dimension of one
-// element takes the extent of the one inside it as its stride.
-struct AttentionMap {
-  bool heads_inner = true;  // dimensions D, H, S, B; else D, S, H, B
-  int64_t dims[4] = {}, strides[3] = {};  // strides in bytes, of dimensions 1..3
-  bool ok = false;          // TMA can describe the tensor
-
-  explicit AttentionMap(const at::Tensor& t) {
-    const auto stride_of = [&](int dim, int64_t inner_extent) {
-      return t.size(dim) == 1 ? inner_extent : 2 * t.stride(dim);
-    };
-    const int64_t row = 2 * t.size(3);
-    // Heads inside positions when their stride is the smaller (a dimension
-    // of one element goes outside).
-    heads_inner = t.size(1) == 1 ? false : t.size(2) == 1 ? true : t.stride(1) < t.stride(2);
-    const int inner = heads_inner ? 1 : 2, outer = heads_inner ? 2 : 1;
-    dims[0] = t.size(3);
-    dims[1] = t.size(inner);
-    dims[2] = t.size(outer);
-    dims[3] = t.size(0);
-    strides[0] = stride_of(inner, row);
-    strides[1] = stride_of(outer, strides[0] * dims[1]);
-    strides[2] = stride_of(0, strides[1] * dims[2]);
-    ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && t.stride(3) == 1 && strides[0] >= row;
-    int64_t extent = row;
-    for (int d = 0; d < 3; ++d) {
-      ok = ok && strides[d] % 16 == 0 && strides[d] >= extent && strides[d] < (int64_t{1} << 40);
-      extent = strides[d] * dims[d + 1];
-    }
-  }
-
-  // Boxes of 64 head-dim elements x box_heads x box_positions (x 1 batch).
-  hopper::TensorMap encode(const at::Tensor& t, int box_heads, int box_positions) const {
-    const int box[4] = {hk::kBox, heads_inner ? box_heads : box_positions, heads_inner ? box_positions : box_heads,
-                        1};
-    return hopper::encode_tensor_map(t.const_data_ptr(), 2, 4, dims, strides, box, hopper::Swizzle::k128B);
-  }
-};
-
 }  // namespace
 
 bool launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream stream) {
@@ -470,7 +401,7 @@ bool launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream strea
   const at::ScalarType dtype = p.q.scalar_type();
   const ScoreExtras extras = extras_of(p);
   const bool plain = !extras.mods.any_score_mod() && !extras.mask.present() && !extras.drop.enabled;
-  const AttentionMap q_map(p.q), k_map(p.k), v_map(p.v);
+  const hk::AttentionMap q_map(p.q), k_map(p.k), v_map(p.v);
   const size_t smem = s.head_dim <= 64    ? hk::Layout<64>::smem()
                       : s.head_dim <= 128 ? hk::Layout<128>::smem()
                                           : hk::Layout<256>::smem();
@@ -484,9 +415,8 @@ bool launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream strea
   }
   const attn::QueryRows rows = rows_of(p);
   const int group = static_cast<int>(rows.group);
-  int positions_log2 = 0;  // of kRows / group
-  while ((hk::kRows / group) >> (positions_log2 + 1) != 0) ++positions_log2;
-  const hopper::TensorMap map_q = q_map.encode(p.q, group, hk::kRows / group);
+  const hk::RowOrder order = hk::row_order(q_map, group, hk::kRows);
+  const hopper::TensorMap map_q = q_map.encode_rows(p.q, order.pos_major, group, hk::kRows / group);
   tc::with_mma_dtype(dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     const auto run = [&](auto D, auto kPlain) {
@@ -500,7 +430,7 @@ bool launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream strea
       launch("attention_hopper_forward_kernel", kernel, grid, hk::kThreads, smem, stream, map_q, map_k, map_v,
              p.out.mutable_data_ptr<T>(), p.lse.mutable_data_ptr<float>(), rows, p.seqs,
              static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras,
-             hk::HeadsInner{q_map.heads_inner, k_map.heads_inner, v_map.heads_inner, positions_log2});
+             hk::HeadsInner{q_map.heads_inner, k_map.heads_inner, v_map.heads_inner, false}, order);
     };
     if (s.head_dim <= 64) {
       plain ? run(std::integral_constant<int, 64>{}, std::true_type{})

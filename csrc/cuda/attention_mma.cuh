@@ -403,8 +403,8 @@ __device__ __forceinline__ float score(float acc, bool visible, bool plain, floa
 // FUSEDLLM_CUDA_ATTENTION=simt keeps every call on the SIMT kernels: benchmarks
 // compare the two, and the emulated test suite runs its broad attention grid on
 // the SIMT kernels (the tensor-core kernels have their own grid). "hopper":
-// the Hopper forward (attention_hopper.cu) wherever it serves a call and the
-// device runs it (the emulator; an sm_90 GPU with this build's sm_90a machine
+// the Hopper kernels (attention_hopper*.cu) wherever they serve a call and the
+// device runs them (the emulator; an sm_90 GPU with this build's sm_90a machine
 // code); it stays a request until it has been measured on a GPU. Unset or
 // "auto": the choice below.
 enum class AttentionRequest { kAuto, kSimt, kHopper };
@@ -418,7 +418,7 @@ inline AttentionRequest attention_request() {
 }
 inline bool simt_attention_requested() { return attention_request() == AttentionRequest::kSimt; }
 
-// Whether the Hopper forward runs here: requested, and on the emulator or an
+// Whether the Hopper kernels run here: requested, and on the emulator or an
 // sm_90 GPU with this build's sm_90a machine code.
 inline bool hopper_attention_available() {
   if (attention_request() != AttentionRequest::kHopper) return false;
@@ -454,6 +454,11 @@ inline AttentionKernel choose_attention_kernel(const AttentionParams& p, at::Sca
 // fits), a group that divides its 128 rows, operands TMA can describe);
 // false, launching nothing, where it does not.
 bool launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream stream);
+// The Hopper backward (attention_hopper_backward.cu: dQ, then dK and dV, from
+// delta as launch_attention_mma_delta sums it), where it serves the call
+// (16-bit types, head dims up to 128, a group that divides its 64-row tiles,
+// operands TMA can describe); false, launching nothing, where it does not.
+bool launch_attention_hopper_backward(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 
 // The tensor-core forward (attention_mma.cu) and backward (attention_mma_backward.cu;
 // dK/dV up to head dim kMaxDkdvHeadDim, the SIMT kernel above it).

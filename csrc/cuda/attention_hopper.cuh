@@ -1,0 +1,152 @@
+// What the Hopper attention kernels (sm_90a: attention_hopper.cu, the forward;
+// attention_hopper_backward.cu, dQ and dK/dV) share: the block's shape (a TMA
+// producer warpgroup and two consumer warpgroups), q, k, v and dO as tensor
+// maps, and how a tile of a group's query rows lands in shared memory.
+//
+// Operand tiles are written by TMA with the 128-byte swizzle, in boxes of 64
+// head-dim elements: a tile of R rows is kD / 64 boxes of R rows of 128 bytes.
+// A tile of query rows holds P positions of all G query heads of one kv head
+// (P G rows), landing position-major (row p G + h) or head-major (row h P + p)
+// as q's strides order them (RowOrder); dO lands in q's order whatever its
+// own strides, in pieces where they differ.
+#pragma once
+
+#include "attention_mma.cuh"
+#include "hopper.cuh"
+
+namespace fusedllm::cuda {
+namespace {
+
+namespace hk {
+
+constexpr int kConsumers = 2;
+constexpr int kThreads = (kConsumers + 1) * 128;
+constexpr int kRows = kConsumers * 64;  // query rows (forward, dQ) or keys (dK/dV) of a block
+constexpr int kStages = 2;
+constexpr int kBox = 64;                // head-dim elements of a TMA box: one 128-byte swizzled row
+constexpr int kMaxHeadDim = 256;        // forward; the backward takes up to 128
+
+// Whether each tensor map has heads inside positions (AttentionMap).
+struct HeadsInner {
+  bool q, k, v, dout;
+};
+
+// The order of a tile's query rows in shared memory: position-major when q's
+// map has heads inside positions, else head-major; G = 2^group_log2 heads and
+// P = 2^positions_log2 positions (a group that divides the tile's rows is a
+// power of two).
+struct RowOrder {
+  bool pos_major;
+  int group_log2, positions_log2;
+
+  // Shared row i's position and head as offsets from the tile's first.
+  __device__ __forceinline__ int pos_of(int i) const {
+    return pos_major ? i >> group_log2 : i & ((1 << positions_log2) - 1);
+  }
+  __device__ __forceinline__ int head_of(int i) const {
+    return pos_major ? i & ((1 << group_log2) - 1) : i >> positions_log2;
+  }
+  // Shared row i's group row (p G + h) from the tile's first.
+  __device__ __forceinline__ int group_row_of(int i) const {
+    return pos_major ? i : (pos_of(i) << group_log2) + head_of(i);
+  }
+};
+
+// Issues the TMA loads of a query-row tile (kBoxes boxes of 64 head-dim
+// elements; positions pos0.., heads head0.. of `batch` in map coordinates) into
+// dst in `order`, completing on bar: one box per 64 of the head dim where the
+// map's order is the tile's, else a box per position (position-major) or per
+// head (head-major), as AttentionMap::encode_rows shaped the map's box.
+template <int kBoxes>
+__device__ __forceinline__ void load_query_rows(unsigned char* dst, const hopper::TensorMap& map,
+                                                bool map_heads_inner, const RowOrder& order, uint64_t* bar,
+                                                int32_t pos0, int32_t head0, int32_t batch) {
+  const int tile_rows = 1 << (order.group_log2 + order.positions_log2);
+  const bool whole = map_heads_inner == order.pos_major;
+  const int pieces = whole ? 1 : 1 << (order.pos_major ? order.positions_log2 : order.group_log2);
+  const int piece_rows = tile_rows / pieces;
+  for (int box = 0; box < kBoxes; ++box) {
+    for (int piece = 0; piece < pieces; ++piece) {
+      const int32_t pos = pos0 + (!whole && order.pos_major ? piece : 0);
+      const int32_t head = head0 + (!whole && !order.pos_major ? piece : 0);
+      const int32_t at[4] = {box * kBox, map_heads_inner ? head : pos, map_heads_inner ? pos : head, batch};
+      hopper::tma_load(dst + (box * tile_rows + piece * piece_rows) * 128, map, bar, at);
+    }
+  }
+}
+
+// Issues the TMA loads of kKeys key rows (key0.. of kv head `head` of
+// `batch`, map coordinates) of a K or V map into dst, completing on bar.
+template <int kBoxes, int kKeys>
+__device__ __forceinline__ void load_key_rows(unsigned char* dst, const hopper::TensorMap& map,
+                                              bool map_heads_inner, uint64_t* bar, int32_t key0, int32_t head,
+                                              int32_t batch) {
+  for (int box = 0; box < kBoxes; ++box) {
+    const int32_t at[4] = {box * kBox, map_heads_inner ? head : key0, map_heads_inner ? key0 : head, batch};
+    hopper::tma_load(dst + box * kKeys * 128, map, bar, at);
+  }
+}
+
+// q, k, v or dO ([B, H, S, D] with any strides, or packed as [1, H, total, D])
+// as a tensor map: the head dim, then heads and positions in the order of
+// their strides, then the batch, each dimension's stride at least the extent
+// of the one inside it (as the driver describes tensors). A dimension of one
+// element takes the extent of the one inside it as its stride.
+struct AttentionMap {
+  bool heads_inner = true;  // dimensions D, H, S, B; else D, S, H, B
+  int64_t dims[4] = {}, strides[3] = {};  // strides in bytes, of dimensions 1..3
+  bool ok = false;          // TMA can describe the tensor
+
+  explicit AttentionMap(const at::Tensor& t) {
+    const auto stride_of = [&](int dim, int64_t inner_extent) {
+      return t.size(dim) == 1 ? inner_extent : 2 * t.stride(dim);
+    };
+    const int64_t row = 2 * t.size(3);
+    // Heads inside positions when their stride is the smaller (a dimension
+    // of one element goes outside).
+    heads_inner = t.size(1) == 1 ? false : t.size(2) == 1 ? true : t.stride(1) < t.stride(2);
+    const int inner = heads_inner ? 1 : 2, outer = heads_inner ? 2 : 1;
+    dims[0] = t.size(3);
+    dims[1] = t.size(inner);
+    dims[2] = t.size(outer);
+    dims[3] = t.size(0);
+    strides[0] = stride_of(inner, row);
+    strides[1] = stride_of(outer, strides[0] * dims[1]);
+    strides[2] = stride_of(0, strides[1] * dims[2]);
+    ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && t.stride(3) == 1 && strides[0] >= row;
+    int64_t extent = row;
+    for (int d = 0; d < 3; ++d) {
+      ok = ok && strides[d] % 16 == 0 && strides[d] >= extent && strides[d] < (int64_t{1} << 40);
+      extent = strides[d] * dims[d + 1];
+    }
+  }
+
+  // Boxes of 64 head-dim elements x box_heads x box_positions (x 1 batch).
+  hopper::TensorMap encode(const at::Tensor& t, int box_heads, int box_positions) const {
+    const int box[4] = {kBox, heads_inner ? box_heads : box_positions, heads_inner ? box_positions : box_heads, 1};
+    return hopper::encode_tensor_map(t.const_data_ptr(), 2, 4, dims, strides, box, hopper::Swizzle::k128B);
+  }
+  // The box load_query_rows takes for tiles of `positions` x `group` rows in
+  // `order` (pos_major): the whole tile, or one position's or one head's rows.
+  hopper::TensorMap encode_rows(const at::Tensor& t, bool pos_major, int group, int positions) const {
+    if (heads_inner == pos_major) return encode(t, group, positions);
+    return pos_major ? encode(t, group, 1) : encode(t, 1, positions);
+  }
+};
+
+// log2 of a power of two.
+inline int log2_of(int n) {
+  int k = 0;
+  while ((1 << k) < n) ++k;
+  return k;
+}
+
+// The row order of tiles of `tile_rows` query rows of a group (dividing tile_rows) for q's map.
+inline RowOrder row_order(const AttentionMap& q_map, int group, int tile_rows) {
+  return RowOrder{q_map.heads_inner, log2_of(group), log2_of(tile_rows / group)};
+}
+
+}  // namespace hk
+
+}  // namespace
+}  // namespace fusedllm::cuda

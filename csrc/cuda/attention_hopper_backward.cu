@@ -1,0 +1,582 @@
+// The Hopper attention backward (bfloat16 / float16, head dims up to 128;
+// sm_90a): the tensor-core backward's two deterministic kernels (no atomics;
+// delta = rowsum(dO * O) from attention_mma_delta_kernel) on wgmma, with a
+// TMA producer warpgroup and two consumer warpgroups as in the forward
+// (attention_hopper.cuh):
+//
+//   dQ: a block holds 128 query rows of one kv head (64 per consumer) with
+//       their Q and dO; K/V tiles stream through a two-stage ring. Per tile:
+//       S = Q K^T and dP = dO V^T (both operands from shared memory), P and
+//       dS = P (dP - delta) on the accumulators, dS rounded into A fragments
+//       and dQ += dS K (K read MN-major).
+//   dK, dV: a block holds 128 keys of one kv head (64 per consumer) with their
+//       K and V; tiles of 64 query rows (every head of the group at 64 / G
+//       positions) that see them stream through the ring with dO. Per tile:
+//       S^T = K Q^T and dP^T = V dO^T, P^T and dS^T on the accumulators, then
+//       dV += P^T dO and dK += dS^T Q (dO and Q read MN-major). Each consumer
+//       loads its tile's lse, delta and positions into shared memory while
+//       its products run.
+//
+// Scores follow the forward exactly (scale, soft-capping with its slope dcap,
+// ALiBi, masks, the dropout draws of the same Philox stream). Operand rows
+// past a sequence's end (a packed neighbour's, or a cut tile's) are zeroed
+// before the product that sums over them: their probabilities are 0, but
+// 0 x NaN is NaN.
+#include "attention_hopper.cuh"
+
+namespace fusedllm::cuda {
+namespace {
+
+namespace hk {
+
+constexpr int kBwdMaxHeadDim = 128;
+constexpr int kTileRows = 64;  // query rows of a dK/dV tile
+
+template <int kD>
+struct DqLayout {
+  // Keys of a K / V tile: S, dP and dQ share a consumer's registers.
+  static constexpr int kKeys = kD <= 64 ? 128 : 64;
+  static constexpr int kQBytes = kRows * kD * 2;     // Q, and dO
+  static constexpr int kTileBytes = kKeys * kD * 2;  // one K or V tile
+  // Q, dO, each stage's K and V, the mbarriers; 1024 bytes to align the tiles.
+  static constexpr size_t smem() { return 1024 + 2 * kQBytes + 2 * kStages * kTileBytes + 8 * (1 + 3 * kStages); }
+};
+
+template <int kD>
+struct DkdvLayout {
+  static constexpr int kKeyBytes = kRows * kD * 2;       // the block's K, and V
+  static constexpr int kTileBytes = kTileRows * kD * 2;  // one Q or dO tile
+  // A consumer's copy of a tile's lse, delta and positions, double-buffered.
+  static constexpr int kStatsBytes = kConsumers * 2 * kTileRows * 12;
+  // K, V, each stage's Q and dO, the statistics, the mbarriers.
+  static constexpr size_t smem() {
+    return 1024 + 2 * kKeyBytes + 2 * kStages * kTileBytes + kStatsBytes + 8 * (1 + 2 * kStages);
+  }
+};
+
+// Zeros rows [first, rows) of a swizzled tile of `rows` rows (kBoxes boxes of
+// 128-byte rows; the swizzle keeps each row's bytes in it), by the 128
+// threads of a warpgroup (t its thread).
+template <int kBoxes>
+__device__ __forceinline__ void zero_rows_from(unsigned char* tile, int rows, int first, int t) {
+  constexpr int kChunksPerRow = 128 / 16;
+  const int chunks = (rows - first) * kChunksPerRow;
+  for (int c = t; c < kBoxes * chunks; c += 128) {
+    const int box = c / chunks, row = first + (c % chunks) / kChunksPerRow, chunk = c % kChunksPerRow;
+    *reinterpret_cast<Pack<uint32_t, 4>*>(tile + (box * rows + row) * 128 + chunk * 16) =
+        Pack<uint32_t, 4>{{0u, 0u, 0u, 0u}};
+  }
+}
+
+// Rounds a 64 x kN accumulator (hopper.cuh's layout) into the A fragments of
+// a product that sums over its kN columns: n-tiles 2i and 2i + 1 are fragment i's.
+template <typename T, int kN>
+__device__ __forceinline__ void accumulators_to_frags(const float (&s)[kN / 2], mma::FragA (&a)[kN / 16]) {
+#pragma unroll
+  for (int i = 0; i < kN / 16; ++i) {
+    const float* p = s + 8 * i;
+    a[i].r[0] = mma::pack2(T(p[0]), T(p[1]));
+    a[i].r[1] = mma::pack2(T(p[2]), T(p[3]));
+    a[i].r[2] = mma::pack2(T(p[4]), T(p[5]));
+    a[i].r[3] = mma::pack2(T(p[6]), T(p[7]));
+  }
+}
+
+// Descriptors of 128-byte-swizzled tiles of `rows` rows: K-major (the
+// product sums along the head dim: k-step ks of 16 elements, starting at row
+// `row0`, a multiple of 8) and MN-major (it sums along the rows: k-step
+// `step` of 16 rows, the head dim as N).
+__device__ __forceinline__ uint64_t k_major(const unsigned char* tile, int rows, int row0, int ks) {
+  return hopper::make_descriptor(tile + (ks / 4) * rows * 128 + row0 * 128 + 32 * (ks % 4), hopper::Swizzle::k128B,
+                                 16, 1024);
+}
+__device__ __forceinline__ uint64_t mn_major(const unsigned char* tile, int rows, int step) {
+  return hopper::make_descriptor(tile + step * 16 * 128, hopper::Swizzle::k128B, rows * 128, 1024);
+}
+
+}  // namespace hk
+
+// kPlain: no score modifier, no tensor mask, no dropout.
+template <typename T, int kD, bool kPlain>
+__global__ void __launch_bounds__(hk::kThreads, 1)
+attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
+                           const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_do,
+                           const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_k,
+                           const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_v, const float* __restrict__ lse,
+                           const float* __restrict__ delta, T* __restrict__ grad_q, attn::QueryRows rows,
+                           attn::Seqs seqs, int d, float scale, Mask mask_all, ScoreExtras extras,
+                           hk::HeadsInner heads_inner, hk::RowOrder order) {
+  using hopper::Major;
+  using L = hk::DqLayout<kD>;
+  constexpr int kBoxes = kD / hk::kBox;
+  constexpr int kKeys = L::kKeys;
+  unsigned char* raw = dynamic_shared<unsigned char>();
+  unsigned char* q_s = raw + (1024 - hopper::shared_address(raw) % 1024) % 1024;
+  unsigned char* do_s = q_s + L::kQBytes;
+  unsigned char* kv_s = do_s + L::kQBytes;  // stage s: K at 2 s tiles, V after it
+  auto* q_full = reinterpret_cast<uint64_t*>(kv_s + 2 * hk::kStages * L::kTileBytes);
+  uint64_t* k_full = q_full + 1;
+  uint64_t* v_full = k_full + hk::kStages;
+  uint64_t* kv_empty = v_full + hk::kStages;
+  const auto k_tile = [&](int stage) { return kv_s + 2 * stage * L::kTileBytes; };
+  const auto v_tile = [&](int stage) { return kv_s + (2 * stage + 1) * L::kTileBytes; };
+
+  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int64_t sq = seqs.q_len(b);
+  tc::QueryBlock<hk::kRows, kKeys> block(rows, sq);
+  if (block.empty()) return;  // past this (packed) sequence's end: the whole block
+  const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
+  block.find_keys(mask, rows);
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    hopper::mbarrier_init(q_full, 1);
+    for (int s = 0; s < hk::kStages; ++s) {
+      hopper::mbarrier_init(&k_full[s], 1);
+      hopper::mbarrier_init(&v_full[s], 1);
+      hopper::mbarrier_init(&kv_empty[s], hk::kConsumers * 128);
+    }
+    hopper::mbarrier_init_fence();
+  }
+  __syncthreads();
+  const int warpgroup = __shfl_sync(kFullMask, tid / 128, 0);
+
+  if (warpgroup == 0) {  // producer
+    hopper::setmaxnreg<24, false>();
+    if (tid == 0 && block.n_tiles > 0) {
+      const int32_t pos0 = static_cast<int32_t>(seqs.q_start(b) + rows.group_pos(block.row0));
+      const auto map_b = static_cast<int32_t>(seqs.packed() ? 0 : b);  // packed: one [1, H, total, D] tensor
+      const auto head0 = static_cast<int32_t>(g * rows.group);
+      hopper::mbarrier_arrive_expect_tx(q_full, 2 * L::kQBytes);
+      hk::load_query_rows<kBoxes>(q_s, map_q, heads_inner.q, order, q_full, pos0, head0, map_b);
+      hk::load_query_rows<kBoxes>(do_s, map_do, heads_inner.dout, order, q_full, pos0, head0, map_b);
+      const int64_t k_start = seqs.k_start(b);
+      for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
+        const int stage = static_cast<int>(tile % hk::kStages);
+        const unsigned round = static_cast<unsigned>(tile / hk::kStages);
+        hopper::mbarrier_wait(&kv_empty[stage], (round & 1u) ^ 1u);
+        const auto key0 = static_cast<int32_t>(k_start + block.key_lo + tile * kKeys);
+        const auto head = static_cast<int32_t>(g);
+        hopper::mbarrier_arrive_expect_tx(&k_full[stage], L::kTileBytes);
+        hk::load_key_rows<kBoxes, kKeys>(k_tile(stage), map_k, heads_inner.k, &k_full[stage], key0, head, map_b);
+        hopper::mbarrier_arrive_expect_tx(&v_full[stage], L::kTileBytes);
+        hk::load_key_rows<kBoxes, kKeys>(v_tile(stage), map_v, heads_inner.v, &v_full[stage], key0, head, map_b);
+      }
+    }
+    return;
+  }
+
+  hopper::setmaxnreg<240, true>();
+  const int t = tid - 128 * warpgroup, warp = t / 32, group = (t % 32) / 4, quad = t % 4;
+  const int consumer = warpgroup - 1;
+  // This lane's rows r = 0, 1 (rows `group` and group + 8 of its warp's 16)
+  // as offsets from row0, the keys each sees as offsets from key_lo (lo ==
+  // hi: none), its lse and delta.
+  int row_offset[2], lo[2], hi[2];
+  float lse_row[2], dlt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_offset[r] = order.group_row_of(consumer * 64 + warp * 16 + group + 8 * r);
+    const int64_t row = block.row0 + row_offset[r], pos = rows.group_pos(row);
+    const bool valid = row < block.rows_total;
+    const int64_t a = valid ? attn::key_begin(mask, pos) - block.key_lo : 0;
+    const int64_t z = valid ? attn::key_end(mask, pos) - block.key_lo : 0;
+    const int64_t span = block.n_tiles * kKeys;
+    lo[r] = static_cast<int>(a < 0 ? 0 : a > span ? span : a);
+    hi[r] = static_cast<int>(z < lo[r] ? lo[r] : z > span ? span : z);
+    const int64_t lrow = valid ? rows.row_of_group_row(b, g, row) : 0;
+    lse_row[r] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[lrow]) : 0.f;
+    dlt[r] = valid ? delta[lrow] : 0.f;
+  }
+  const auto lane_row = [&](int r) { return block.row0 + row_offset[r]; };
+  const bool unmodified = kPlain || (!extras.mods.any_score_mod() && !extras.mask.present());
+  // The tiles whose every key both rows see: a plain call scores them without testing each key.
+  const int all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
+  const int full_lo = kPlain && all_hi > all_lo ? (all_lo + kKeys - 1) / kKeys : 0;
+  const int full_hi = kPlain && all_hi > all_lo ? all_hi / kKeys : 0;
+
+  float dq[kD / 2];
+#pragma unroll
+  for (float& x : dq) x = 0.f;
+  if (block.n_tiles > 0) hopper::mbarrier_wait(q_full, 0);
+  for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
+    const int stage = static_cast<int>(tile % hk::kStages);
+    const unsigned parity = static_cast<unsigned>(tile / hk::kStages) & 1u;
+    float s[kKeys / 2], dp[kKeys / 2];
+    hopper::mbarrier_wait(&k_full[stage], parity);
+    hopper::mbarrier_wait(&v_full[stage], parity);
+    hopper::fence_operand(s);
+    hopper::fence_operand(dp);
+    hopper::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      hopper::wgmma<T, kKeys, Major::kK, Major::kK>(s, hk::k_major(q_s, hk::kRows, consumer * 64, ks),
+                                                    hk::k_major(k_tile(stage), kKeys, 0, ks), ks > 0);
+    }
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      hopper::wgmma<T, kKeys, Major::kK, Major::kK>(dp, hk::k_major(do_s, hk::kRows, consumer * 64, ks),
+                                                    hk::k_major(v_tile(stage), kKeys, 0, ks), ks > 0);
+    }
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<0>();
+    hopper::fence_operand(s);
+    hopper::fence_operand(dp);
+
+    // s becomes dS = P (dP - delta) (through the cap's slope).
+    if (tile >= full_lo && tile < full_hi) {
+#pragma unroll
+      for (int e = 0; e < kKeys / 2; ++e) {
+        const int r = (e / 2) % 2;
+        const float p = tc::exp_of_difference(s[e] * scale, lse_row[r]);
+        s[e] = attn::score_grad(p, dp[e], dlt[r]);
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t row = lane_row(r), head = rows.group_head(g, row), pos = rows.group_pos(row);
+#pragma unroll
+        for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int e = 4 * j + 2 * r + c;
+            const int key = static_cast<int>(tile) * kKeys + 8 * j + 2 * quad + c;  // from key_lo
+            const bool visible = key >= lo[r] && key < hi[r];
+            float dcap;
+            const float x = tc::score(s[e], visible, unmodified, scale, extras, mask, b, head, pos,
+                                      block.key_lo + key, &dcap);
+            const float p = tc::exp_of_difference(x, lse_row[r]);
+            float dpe = visible ? dp[e] : 0.f;
+            if (!kPlain && extras.drop.enabled && visible) {
+              dpe *= extras.keep_factor<float>(b, head, pos, block.key_lo + key);
+            }
+            s[e] = attn::score_grad(p, dpe, dlt[r]) * dcap;
+          }
+        }
+      }
+    }
+    // K rows past the block's last visible key: dS K sums over them.
+    const int64_t visible_keys = block.key_hi - (block.key_lo + tile * kKeys);
+    if (visible_keys < kKeys) {
+      hk::zero_rows_from<kBoxes>(k_tile(stage), kKeys, static_cast<int>(visible_keys), t);
+      hopper::fence_proxy_async();
+      hopper::named_barrier_sync(1 + consumer, 128);
+    }
+    mma::FragA ds[kKeys / 16];
+    hk::accumulators_to_frags<T, kKeys>(s, ds);
+    hopper::fence_operand(dq);
+#pragma unroll
+    for (int i = 0; i < kKeys / 16; ++i) hopper::fence_operand(ds[i]);
+    hopper::wgmma_fence();
+#pragma unroll
+    for (int i = 0; i < kKeys / 16; ++i) {
+      hopper::wgmma<T, kD, Major::kMN>(dq, ds[i], hk::mn_major(k_tile(stage), kKeys, i), true);
+    }
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<0>();
+    hopper::fence_operand(dq);
+#pragma unroll
+    for (int i = 0; i < kKeys / 16; ++i) hopper::fence_operand(ds[i]);
+    hopper::mbarrier_arrive(&kv_empty[stage]);
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = lane_row(r);
+    if (row >= block.rows_total) continue;
+    T* dq_row = grad_q + rows.row_of_group_row(b, g, row) * d;
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+      const int c = n * 8 + 2 * quad;
+      if (c < d) dq_row[c] = T(dq[4 * n + 2 * r] * scale);
+      if (c + 1 < d) dq_row[c + 1] = T(dq[4 * n + 2 * r + 1] * scale);
+    }
+  }
+}
+
+template <typename T, int kD, bool kPlain>
+__global__ void __launch_bounds__(hk::kThreads, 1)
+attention_hopper_dkdv_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
+                             const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_do,
+                             const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_k,
+                             const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_v, const float* __restrict__ lse,
+                             const float* __restrict__ delta, T* __restrict__ grad_k, T* __restrict__ grad_v,
+                             attn::QueryRows rows, attn::KeyRows key_rows, attn::Seqs seqs, int d, float scale,
+                             Mask mask_all, ScoreExtras extras, hk::HeadsInner heads_inner, hk::RowOrder order) {
+  using hopper::Major;
+  using L = hk::DkdvLayout<kD>;
+  constexpr int kBoxes = kD / hk::kBox;
+  constexpr int kTile = hk::kTileRows;
+  unsigned char* raw = dynamic_shared<unsigned char>();
+  unsigned char* k_s = raw + (1024 - hopper::shared_address(raw) % 1024) % 1024;
+  unsigned char* v_s = k_s + L::kKeyBytes;
+  unsigned char* rows_s = v_s + L::kKeyBytes;  // stage s: Q at 2 s tiles, dO after it
+  auto* stats_s = reinterpret_cast<float*>(rows_s + 2 * hk::kStages * L::kTileBytes);
+  auto* kv_full = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(stats_s) + L::kStatsBytes);
+  uint64_t* full = kv_full + 1;
+  uint64_t* empty = full + hk::kStages;
+  const auto q_tile = [&](int stage) { return rows_s + 2 * stage * L::kTileBytes; };
+  const auto do_tile = [&](int stage) { return rows_s + (2 * stage + 1) * L::kTileBytes; };
+
+  const int64_t g = blockIdx.y, b = blockIdx.z;
+  const int64_t sq = seqs.q_len(b), sk = seqs.k_len(b);
+  const int64_t j0 = static_cast<int64_t>(blockIdx.x) * hk::kRows;
+  if (j0 >= sk) return;  // past this (packed) sequence's end: the whole block
+  const int64_t j_end = j0 + hk::kRows < sk ? j0 + hk::kRows : sk;
+  const Mask mask = mask_all.of_lengths(sq, sk);
+  // The positions that see any key of this block, P = 64 / G of them a tile.
+  const int64_t pos_begin = attn::query_begin(mask, j0, sq), pos_end = attn::query_end(mask, j_end, sq);
+  const int positions = 1 << order.positions_log2;
+  const int64_t n_tiles = pos_end > pos_begin ? (pos_end - pos_begin + positions - 1) / positions : 0;
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    hopper::mbarrier_init(kv_full, 1);
+    for (int s = 0; s < hk::kStages; ++s) {
+      hopper::mbarrier_init(&full[s], 1);
+      hopper::mbarrier_init(&empty[s], hk::kConsumers * 128);
+    }
+    hopper::mbarrier_init_fence();
+  }
+  __syncthreads();
+  const int warpgroup = __shfl_sync(kFullMask, tid / 128, 0);
+
+  if (warpgroup == 0) {  // producer
+    hopper::setmaxnreg<24, false>();
+    if (tid == 0 && n_tiles > 0) {
+      const auto map_b = static_cast<int32_t>(seqs.packed() ? 0 : b);  // packed: one [1, H, total, D] tensor
+      const auto key0 = static_cast<int32_t>(seqs.k_start(b) + j0);
+      hopper::mbarrier_arrive_expect_tx(kv_full, 2 * L::kKeyBytes);
+      hk::load_key_rows<kBoxes, hk::kRows>(k_s, map_k, heads_inner.k, kv_full, key0, static_cast<int32_t>(g), map_b);
+      hk::load_key_rows<kBoxes, hk::kRows>(v_s, map_v, heads_inner.v, kv_full, key0, static_cast<int32_t>(g), map_b);
+      const int64_t pos_start = seqs.q_start(b) + pos_begin;
+      const auto head0 = static_cast<int32_t>(g * rows.group);
+      for (int64_t tile = 0; tile < n_tiles; ++tile) {
+        const int stage = static_cast<int>(tile % hk::kStages);
+        const unsigned round = static_cast<unsigned>(tile / hk::kStages);
+        hopper::mbarrier_wait(&empty[stage], (round & 1u) ^ 1u);
+        const auto pos0 = static_cast<int32_t>(pos_start + tile * positions);
+        hopper::mbarrier_arrive_expect_tx(&full[stage], 2 * L::kTileBytes);
+        hk::load_query_rows<kBoxes>(q_tile(stage), map_q, heads_inner.q, order, &full[stage], pos0, head0, map_b);
+        hk::load_query_rows<kBoxes>(do_tile(stage), map_do, heads_inner.dout, order, &full[stage], pos0, head0,
+                                    map_b);
+      }
+    }
+    return;
+  }
+
+  hopper::setmaxnreg<240, true>();
+  const int t = tid - 128 * warpgroup, warp = t / 32, group = (t % 32) / 4, quad = t % 4;
+  const int consumer = warpgroup - 1;
+  // This consumer's statistics of buffer `buf`: lse, delta, and the position
+  // of each shared row of the tile (-1 past the positions that see a key).
+  const auto lse_s = [&](int buf) { return stats_s + (consumer * 2 + buf) * 3 * kTile; };
+  const auto delta_s = [&](int buf) { return lse_s(buf) + kTile; };
+  const auto pos_s = [&](int buf) { return reinterpret_cast<int*>(lse_s(buf) + 2 * kTile); };
+  const bool unmodified = kPlain || (!extras.mods.any_score_mod() && !extras.mask.present());
+  // This lane's keys (r = 0, 1: keys `group` and group + 8 of its warp's 16)
+  // and its warp's 16.
+  const int64_t warp_j0 = j0 + consumer * 64 + warp * 16;
+
+  float dk[kD / 2], dv[kD / 2];
+#pragma unroll
+  for (int e = 0; e < kD / 2; ++e) dk[e] = 0.f, dv[e] = 0.f;
+  if (n_tiles > 0) hopper::mbarrier_wait(kv_full, 0);
+  for (int64_t tile = 0; tile < n_tiles; ++tile) {
+    const int stage = static_cast<int>(tile % hk::kStages), buf = static_cast<int>(tile % 2);
+    const int64_t p0 = pos_begin + tile * positions;  // the tile's first position
+    float s[kTile / 2], dp[kTile / 2];                 // S^T and dP^T: this lane's keys x the tile's rows
+    hopper::mbarrier_wait(&full[stage], static_cast<unsigned>(tile / hk::kStages) & 1u);
+    hopper::fence_operand(s);
+    hopper::fence_operand(dp);
+    hopper::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      hopper::wgmma<T, kTile, Major::kK, Major::kK>(s, hk::k_major(k_s, hk::kRows, consumer * 64, ks),
+                                                    hk::k_major(q_tile(stage), kTile, 0, ks), ks > 0);
+    }
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      hopper::wgmma<T, kTile, Major::kK, Major::kK>(dp, hk::k_major(v_s, hk::kRows, consumer * 64, ks),
+                                                    hk::k_major(do_tile(stage), kTile, 0, ks), ks > 0);
+    }
+    hopper::wgmma_commit();
+    // While the products run: the tile's statistics, one row a thread.
+    if (t < kTile) {
+      const int64_t pos = p0 + order.pos_of(t);
+      const bool valid = pos < pos_end;
+      const int64_t lrow = valid ? rows.row(b, g * rows.group + order.head_of(t), pos) : 0;
+      lse_s(buf)[t] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[lrow]) : 0.f;
+      delta_s(buf)[t] = valid ? delta[lrow] : 0.f;
+      pos_s(buf)[t] = valid ? static_cast<int>(pos) : -1;
+    }
+    hopper::named_barrier_sync(1 + consumer, 128);
+    hopper::wgmma_wait<0>();
+    hopper::fence_operand(s);
+    hopper::fence_operand(dp);
+
+    // s becomes P^T (after dropout), dp dS^T (through the cap's slope).
+    // Every row of the tile sees every key of this warp: its first
+    // position's range ends after them and its last position's begins before them.
+    const int64_t p_last = p0 + positions - 1;
+    const bool inside = kPlain && p_last < pos_end && warp_j0 + 16 <= j_end &&
+                        warp_j0 + 16 <= attn::key_end(mask, p0) && warp_j0 >= attn::key_begin(mask, p_last);
+    if (inside) {
+#pragma unroll
+      for (int e = 0; e < kTile / 2; ++e) {
+        const int col = 8 * (e / 4) + 2 * quad + e % 2;
+        const float p = tc::exp_of_difference(s[e] * scale, lse_s(buf)[col]);
+        dp[e] = attn::score_grad(p, dp[e], delta_s(buf)[col]);
+        s[e] = p;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < kTile / 2; ++e) {
+        const int col = 8 * (e / 4) + 2 * quad + e % 2;
+        const int64_t key = warp_j0 + group + 8 * ((e / 2) % 2);
+        const int pos = pos_s(buf)[col];
+        const int64_t head = g * rows.group + order.head_of(col);
+        const bool visible = pos >= 0 && key < j_end && key >= attn::key_begin(mask, pos) &&
+                             key < attn::key_end(mask, pos);
+        float dcap;
+        const float x = tc::score(s[e], visible, unmodified, scale, extras, mask, b, head, pos, key, &dcap);
+        const float p = tc::exp_of_difference(x, lse_s(buf)[col]);
+        float keep = 1.f;
+        if (!kPlain && extras.drop.enabled && visible) keep = extras.keep_factor<float>(b, head, pos, key);
+        const float dpe = visible ? dp[e] * keep : 0.f;
+        dp[e] = attn::score_grad(p, dpe, delta_s(buf)[col]) * dcap;
+        s[e] = p * keep;  // dV sees the probabilities after dropout
+      }
+    }
+    // Rows past the positions that see a key (the last tile's, a packed
+    // neighbour's): dV and dK sum over dO's and Q's rows.
+    if (p_last >= pos_end) {
+      const int first_pos = static_cast<int>(pos_end - p0);
+      if (order.pos_major) {
+        hk::zero_rows_from<kBoxes>(q_tile(stage), kTile, first_pos << order.group_log2, t);
+        hk::zero_rows_from<kBoxes>(do_tile(stage), kTile, first_pos << order.group_log2, t);
+      } else {
+        for (int c = t; c < kBoxes * kTile * 8; c += 128) {  // 16-byte chunks of rows whose position is past
+          const int box = c / (kTile * 8), row = (c / 8) % kTile, chunk = c % 8;
+          if (order.pos_of(row) < first_pos) continue;
+          const int at = (box * kTile + row) * 128 + chunk * 16;
+          *reinterpret_cast<Pack<uint32_t, 4>*>(q_tile(stage) + at) = Pack<uint32_t, 4>{{0u, 0u, 0u, 0u}};
+          *reinterpret_cast<Pack<uint32_t, 4>*>(do_tile(stage) + at) = Pack<uint32_t, 4>{{0u, 0u, 0u, 0u}};
+        }
+      }
+      hopper::fence_proxy_async();
+      hopper::named_barrier_sync(1 + consumer, 128);
+    }
+    mma::FragA pa[kTile / 16], dsa[kTile / 16];
+    hk::accumulators_to_frags<T, kTile>(s, pa);
+    hk::accumulators_to_frags<T, kTile>(dp, dsa);
+    hopper::fence_operand(dv);
+    hopper::fence_operand(dk);
+#pragma unroll
+    for (int i = 0; i < kTile / 16; ++i) hopper::fence_operand(pa[i]), hopper::fence_operand(dsa[i]);
+    hopper::wgmma_fence();
+#pragma unroll
+    for (int i = 0; i < kTile / 16; ++i) {
+      hopper::wgmma<T, kD, Major::kMN>(dv, pa[i], hk::mn_major(do_tile(stage), kTile, i), true);
+    }
+#pragma unroll
+    for (int i = 0; i < kTile / 16; ++i) {
+      hopper::wgmma<T, kD, Major::kMN>(dk, dsa[i], hk::mn_major(q_tile(stage), kTile, i), true);
+    }
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<0>();
+    hopper::fence_operand(dv);
+    hopper::fence_operand(dk);
+#pragma unroll
+    for (int i = 0; i < kTile / 16; ++i) hopper::fence_operand(pa[i]), hopper::fence_operand(dsa[i]);
+    hopper::mbarrier_arrive(&empty[stage]);
+  }
+
+  const int64_t kv_row0 = key_rows.row(b, g, 0);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = warp_j0 + group + 8 * r;
+    if (key >= j_end) continue;
+    T* dk_row = grad_k + (kv_row0 + key) * d;
+    T* dv_row = grad_v + (kv_row0 + key) * d;
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+      const int c = n * 8 + 2 * quad;
+      if (c < d) {
+        dk_row[c] = T(dk[4 * n + 2 * r] * scale);
+        dv_row[c] = T(dv[4 * n + 2 * r]);
+      }
+      if (c + 1 < d) {
+        dk_row[c + 1] = T(dk[4 * n + 2 * r + 1] * scale);
+        dv_row[c + 1] = T(dv[4 * n + 2 * r + 1]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool launch_attention_hopper_backward(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream) {
+  const AttentionShape& s = p.shape;
+  const at::ScalarType dtype = p.q.scalar_type();
+  const ScoreExtras extras = extras_of(p);
+  const bool plain = !extras.mods.any_score_mod() && !extras.mask.present() && !extras.drop.enabled;
+  const hk::AttentionMap q_map(p.q), do_map(p.grad_out), k_map(p.k), v_map(p.v);
+  const size_t smem = s.head_dim <= 64 ? std::max(hk::DqLayout<64>::smem(), hk::DkdvLayout<64>::smem())
+                                       : std::max(hk::DqLayout<128>::smem(), hk::DkdvLayout<128>::smem());
+  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || s.head_dim > hk::kBwdMaxHeadDim ||
+      smem > device_properties().sharedMemPerBlockOptin || hk::kTileRows % p.rows.group != 0 || !q_map.ok || !do_map.ok || !k_map.ok || !v_map.ok) {
+    return false;
+  }
+  const attn::QueryRows rows = rows_of(p);
+  const int group = static_cast<int>(rows.group);
+  const hk::HeadsInner heads_inner{q_map.heads_inner, k_map.heads_inner, v_map.heads_inner, do_map.heads_inner};
+  tc::with_mma_dtype(dtype, [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    const auto run = [&](auto D, auto kPlain) {
+      constexpr int kD = decltype(D)::value;
+      constexpr bool kIsPlain = decltype(kPlain)::value;
+      using Dq = hk::DqLayout<kD>;
+      {  // dQ: blocks of 128 query rows
+        const hk::RowOrder order = hk::row_order(q_map, group, hk::kRows);
+        const int positions = hk::kRows / group;
+        auto kernel = attention_hopper_dq_kernel<T, kD, kIsPlain>;
+        allow_shared_memory(kernel, Dq::smem());
+        const dim3 grid(static_cast<unsigned>((rows.group_rows() + hk::kRows - 1) / hk::kRows),
+                        static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+        launch("attention_hopper_dq_kernel", kernel, grid, hk::kThreads, Dq::smem(), stream,
+               q_map.encode_rows(p.q, order.pos_major, group, positions),
+               do_map.encode_rows(p.grad_out, order.pos_major, group, positions),
+               k_map.encode(p.k, 1, Dq::kKeys), v_map.encode(p.v, 1, Dq::kKeys), p.lse.const_data_ptr<float>(),
+               delta.const_data_ptr<float>(), p.grad_q.mutable_data_ptr<T>(), rows, p.seqs,
+               static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras, heads_inner, order);
+      }
+      {  // dK, dV: blocks of 128 keys, tiles of 64 query rows
+        const hk::RowOrder order = hk::row_order(q_map, group, hk::kTileRows);
+        const int positions = hk::kTileRows / group;
+        auto kernel = attention_hopper_dkdv_kernel<T, kD, kIsPlain>;
+        const size_t bytes = hk::DkdvLayout<kD>::smem();
+        allow_shared_memory(kernel, bytes);
+        // Sized by the longest sequence's keys (packed); shorter ones return early.
+        const dim3 grid(static_cast<unsigned>((s.sk + hk::kRows - 1) / hk::kRows),
+                        static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+        launch("attention_hopper_dkdv_kernel", kernel, grid, hk::kThreads, bytes, stream,
+               q_map.encode_rows(p.q, order.pos_major, group, positions),
+               do_map.encode_rows(p.grad_out, order.pos_major, group, positions), k_map.encode(p.k, 1, hk::kRows),
+               v_map.encode(p.v, 1, hk::kRows), p.lse.const_data_ptr<float>(), delta.const_data_ptr<float>(),
+               p.grad_k.mutable_data_ptr<T>(), p.grad_v.mutable_data_ptr<T>(), rows, p.key_rows, p.seqs,
+               static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras, heads_inner, order);
+      }
+    };
+    if (s.head_dim <= 64) {
+      plain ? run(std::integral_constant<int, 64>{}, std::true_type{})
+            : run(std::integral_constant<int, 64>{}, std::false_type{});
+    } else {
+      plain ? run(std::integral_constant<int, 128>{}, std::true_type{})
+            : run(std::integral_constant<int, 128>{}, std::false_type{});
+    }
+  });
+  return true;
+}
+
+}  // namespace fusedllm::cuda

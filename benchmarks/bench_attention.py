@@ -3,8 +3,7 @@ attention with repeated K/V, F.scaled_dot_product_attention(enable_gqa=True),
 torch.compile of the eager version, and fusedllm.attention; on a GPU also SDPA
 restricted to each of its backends (flash, cuDNN, memory-efficient, math),
 fusedllm held to its SIMT kernels and, on an sm_90 GPU, fusedllm with its
-Hopper forward (FUSEDLLM_CUDA_ATTENTION=hopper; its backward is the mma.sync
-one).
+Hopper kernels (FUSEDLLM_CUDA_ATTENTION=hopper, forward and backward).
 
     python benchmarks/bench_attention.py            # B=1, Hq=32, Hkv=8, D=128, S in 512/2048/4096
     python benchmarks/bench_attention.py --quick    # small sizes, fewer repetitions
@@ -21,6 +20,7 @@ one call beyond the inputs (see testkit.memory.peak_memory_bytes).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -92,25 +92,35 @@ def sdpa_backend_core(backend):
     return core
 
 
+@contextlib.contextmanager
+def attention_request(request):
+    """FUSEDLLM_CUDA_ATTENTION=request inside the block (None: as it is)."""
+    saved = os.environ.get("FUSEDLLM_CUDA_ATTENTION")
+    if request is not None:
+        os.environ["FUSEDLLM_CUDA_ATTENTION"] = request
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("FUSEDLLM_CUDA_ATTENTION", None)
+        else:
+            os.environ["FUSEDLLM_CUDA_ATTENTION"] = saved
+
+
 def fused_held_core(request):
     """fusedllm.attention under FUSEDLLM_CUDA_ATTENTION=request: "simt" holds it
     to its SIMT kernels (which bfloat16 / float16 calls leave for the tensor
-    cores on sm_80+), "hopper" takes the Hopper forward where it serves."""
+    cores on sm_80+), "hopper" takes the Hopper kernels where they serve. The
+    timed backward runs under the same request (core.request)."""
     def core(q, k, v):
-        saved = os.environ.get("FUSEDLLM_CUDA_ATTENTION")
-        os.environ["FUSEDLLM_CUDA_ATTENTION"] = request
-        try:
+        with attention_request(request):
             return fused_core(q, k, v)
-        finally:
-            if saved is None:
-                del os.environ["FUSEDLLM_CUDA_ATTENTION"]
-            else:
-                os.environ["FUSEDLLM_CUDA_ATTENTION"] = saved
+    core.request = request
     return core
 
 
 def hopper_forward_here(device):
-    """An sm_90 GPU and a build with sm_90a machine code: the Hopper forward can run."""
+    """An sm_90 GPU and a build with sm_90a machine code: the Hopper kernels can run."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
             and "90a-real" in fusedllm.build_info().get("cuda_archs", []))
 
@@ -168,7 +178,8 @@ def bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cor
         def run():
             for t in leaves:
                 t.grad = None
-            fn(*leaves).backward(grad_out)
+            with attention_request(getattr(fn, "request", None)):
+                fn(*leaves).backward(grad_out)
         return run
 
     # The machine's matrix-multiply rate in the same dtype, timed in the same
@@ -248,7 +259,7 @@ COLUMNS = [
     ("vs_compile", "× compile", ".2f"),
     *((f"vs_{name}", f"× SDPA {name[5:]}", ".2f") for name in SDPA_BACKENDS),
     ("vs_fusedllm_simt", "× fusedllm SIMT kernel", ".2f"),
-    ("vs_fusedllm_hopper", "× fusedllm Hopper forward", ".2f"),
+    ("vs_fusedllm_hopper", "× fusedllm Hopper kernels", ".2f"),
     ("fused_gflops", "fusedllm GFLOP/s", ".0f"),
     ("matmul_gflops", "matmul GFLOP/s", ".0f"),
     ("pct_matmul", "fusedllm % of matmul", ".0f"),

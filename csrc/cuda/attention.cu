@@ -321,8 +321,9 @@ struct CudaAttention {
     at::Tensor delta_tc, delta_simt;
     if (tensor_cores) {
       delta_tc = delta_rows();
-      launch_attention_mma_delta(p, delta_tc, stream);
+      // The Hopper backward sums delta itself, as its dP.
       if (hopper_attention_available() && launch_attention_hopper_backward(p, delta_tc, stream)) return;
+      launch_attention_mma_delta(p, delta_tc, stream);
     }
     if (!mma_dkdv) {
       delta_simt = delta_rows();

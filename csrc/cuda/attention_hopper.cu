@@ -430,7 +430,7 @@ bool launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream strea
       launch("attention_hopper_forward_kernel", kernel, grid, hk::kThreads, smem, stream, map_q, map_k, map_v,
              p.out.mutable_data_ptr<T>(), p.lse.mutable_data_ptr<float>(), rows, p.seqs,
              static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras,
-             hk::HeadsInner{q_map.heads_inner, k_map.heads_inner, v_map.heads_inner, false}, order);
+             hk::HeadsInner{q_map.heads_inner, k_map.heads_inner, v_map.heads_inner, false, false}, order);
     };
     if (s.head_dim <= 64) {
       plain ? run(std::integral_constant<int, 64>{}, std::true_type{})

@@ -7,8 +7,8 @@
 // head-dim elements: a tile of R rows is kD / 64 boxes of R rows of 128 bytes.
 // A tile of query rows holds P positions of all G query heads of one kv head
 // (P G rows), landing position-major (row p G + h) or head-major (row h P + p)
-// as q's strides order them (RowOrder); dO lands in q's order whatever its
-// own strides, in pieces where they differ.
+// as q's strides order them (RowOrder); dO and O land in q's order whatever
+// their own strides, in pieces where they differ.
 #pragma once
 
 #include "attention_mma.cuh"
@@ -28,7 +28,7 @@ constexpr int kMaxHeadDim = 256;        // forward; the backward takes up to 128
 
 // Whether each tensor map has heads inside positions (AttentionMap).
 struct HeadsInner {
-  bool q, k, v, dout;
+  bool q, k, v, dout, out;
 };
 
 // The order of a tile's query rows in shared memory: position-major when q's
@@ -87,7 +87,7 @@ __device__ __forceinline__ void load_key_rows(unsigned char* dst, const hopper::
   }
 }
 
-// q, k, v or dO ([B, H, S, D] with any strides, or packed as [1, H, total, D])
+// q, k, v, dO or O ([B, H, S, D] with any strides, or packed as [1, H, total, D])
 // as a tensor map: the head dim, then heads and positions in the order of
 // their strides, then the batch, each dimension's stride at least the extent
 // of the one inside it (as the driver describes tensors). A dimension of one

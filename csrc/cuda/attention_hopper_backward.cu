@@ -1,11 +1,14 @@
-// The Hopper attention backward (bfloat16 / float16, head dims up to 128;
-// sm_90a): the tensor-core backward's two deterministic kernels (no atomics;
-// delta = rowsum(dO * O) from attention_mma_delta_kernel) on wgmma, with a
-// TMA producer warpgroup and two consumer warpgroups as in the forward
-// (attention_hopper.cuh):
+// The Hopper attention backward (bfloat16 / float16, head dims up to 64, 128
+// in plain calls; sm_90a): the tensor-core backward's two deterministic kernels (no atomics)
+// on wgmma, with a TMA producer warpgroup and two consumer warpgroups as in
+// the forward (attention_hopper.cuh):
 //
 //   dQ: a block holds 128 query rows of one kv head (64 per consumer) with
-//       their Q and dO; K/V tiles stream through a two-stage ring. Per tile:
+//       their Q, dO and O. First delta = rowsum(dO * O), as the diagonal of
+//       dO O^T on the same wgmma products, in the same order, as dP = dO V^T
+//       (a row whose output is one key's value row then gets dP - delta = 0
+//       exactly), written out for dK/dV. K/V tiles stream through a
+//       two-stage ring. Per tile:
 //       S = Q K^T and dP = dO V^T (both operands from shared memory), P and
 //       dS = P (dP - delta) on the accumulators, dS rounded into A fragments
 //       and dQ += dS K (K read MN-major).
@@ -36,10 +39,10 @@ template <int kD>
 struct DqLayout {
   // Keys of a K / V tile: S, dP and dQ share a consumer's registers.
   static constexpr int kKeys = kD <= 64 ? 128 : 64;
-  static constexpr int kQBytes = kRows * kD * 2;     // Q, and dO
+  static constexpr int kQBytes = kRows * kD * 2;     // Q, dO, and O
   static constexpr int kTileBytes = kKeys * kD * 2;  // one K or V tile
-  // Q, dO, each stage's K and V, the mbarriers; 1024 bytes to align the tiles.
-  static constexpr size_t smem() { return 1024 + 2 * kQBytes + 2 * kStages * kTileBytes + 8 * (1 + 3 * kStages); }
+  // Q, dO, O, each stage's K and V, the mbarriers; 1024 bytes to align the tiles.
+  static constexpr size_t smem() { return 1024 + 3 * kQBytes + 2 * kStages * kTileBytes + 8 * (1 + 3 * kStages); }
 };
 
 template <int kD>
@@ -101,9 +104,10 @@ template <typename T, int kD, bool kPlain>
 __global__ void __launch_bounds__(hk::kThreads, 1)
 attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
                            const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_do,
+                           const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_o,
                            const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_k,
                            const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_v, const float* __restrict__ lse,
-                           const float* __restrict__ delta, T* __restrict__ grad_q, attn::QueryRows rows,
+                           float* __restrict__ delta, T* __restrict__ grad_q, attn::QueryRows rows,
                            attn::Seqs seqs, int d, float scale, Mask mask_all, ScoreExtras extras,
                            hk::HeadsInner heads_inner, hk::RowOrder order) {
   using hopper::Major;
@@ -113,7 +117,8 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
   unsigned char* raw = dynamic_shared<unsigned char>();
   unsigned char* q_s = raw + (1024 - hopper::shared_address(raw) % 1024) % 1024;
   unsigned char* do_s = q_s + L::kQBytes;
-  unsigned char* kv_s = do_s + L::kQBytes;  // stage s: K at 2 s tiles, V after it
+  unsigned char* o_s = do_s + L::kQBytes;
+  unsigned char* kv_s = o_s + L::kQBytes;  // stage s: K at 2 s tiles, V after it
   auto* q_full = reinterpret_cast<uint64_t*>(kv_s + 2 * hk::kStages * L::kTileBytes);
   uint64_t* k_full = q_full + 1;
   uint64_t* v_full = k_full + hk::kStages;
@@ -147,9 +152,10 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
       const int32_t pos0 = static_cast<int32_t>(seqs.q_start(b) + rows.group_pos(block.row0));
       const auto map_b = static_cast<int32_t>(seqs.packed() ? 0 : b);  // packed: one [1, H, total, D] tensor
       const auto head0 = static_cast<int32_t>(g * rows.group);
-      hopper::mbarrier_arrive_expect_tx(q_full, 2 * L::kQBytes);
+      hopper::mbarrier_arrive_expect_tx(q_full, 3 * L::kQBytes);
       hk::load_query_rows<kBoxes>(q_s, map_q, heads_inner.q, order, q_full, pos0, head0, map_b);
       hk::load_query_rows<kBoxes>(do_s, map_do, heads_inner.dout, order, q_full, pos0, head0, map_b);
+      hk::load_query_rows<kBoxes>(o_s, map_o, heads_inner.out, order, q_full, pos0, head0, map_b);
       const int64_t k_start = seqs.k_start(b);
       for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
         const int stage = static_cast<int>(tile % hk::kStages);
@@ -171,9 +177,9 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
   const int consumer = warpgroup - 1;
   // This lane's rows r = 0, 1 (rows `group` and group + 8 of its warp's 16)
   // as offsets from row0, the keys each sees as offsets from key_lo (lo ==
-  // hi: none), its lse and delta.
+  // hi: none), and its lse.
   int row_offset[2], lo[2], hi[2];
-  float lse_row[2], dlt[2];
+  float lse_row[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     row_offset[r] = order.group_row_of(consumer * 64 + warp * 16 + group + 8 * r);
@@ -184,9 +190,7 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
     const int64_t span = block.n_tiles * kKeys;
     lo[r] = static_cast<int>(a < 0 ? 0 : a > span ? span : a);
     hi[r] = static_cast<int>(z < lo[r] ? lo[r] : z > span ? span : z);
-    const int64_t lrow = valid ? rows.row_of_group_row(b, g, row) : 0;
-    lse_row[r] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[lrow]) : 0.f;
-    dlt[r] = valid ? delta[lrow] : 0.f;
+    lse_row[r] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[rows.row_of_group_row(b, g, row)]) : 0.f;
   }
   const auto lane_row = [&](int r) { return block.row0 + row_offset[r]; };
   const bool unmodified = kPlain || (!extras.mods.any_score_mod() && !extras.mask.present());
@@ -195,10 +199,43 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
   const int full_lo = kPlain && all_hi > all_lo ? (all_lo + kKeys - 1) / kKeys : 0;
   const int full_hi = kPlain && all_hi > all_lo ? all_hi / kKeys : 0;
 
+  // delta of this lane's rows (0 where the block sees no key: its rows' outputs are 0).
+  float dlt[2] = {0.f, 0.f};
+  if (block.n_tiles > 0) {
+    hopper::mbarrier_wait(q_full, 0);
+    float c[32];  // dO O^T of this consumer's 64 rows
+    hopper::fence_operand(c);
+    hopper::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      hopper::wgmma<T, 64, Major::kK, Major::kK>(c, hk::k_major(do_s, hk::kRows, consumer * 64, ks),
+                                                 hk::k_major(o_s, hk::kRows, consumer * 64, ks), ks > 0);
+    }
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<0>();
+    hopper::fence_operand(c);
+    // Row m = 16 warp + group + 8 r meets column m in register 4 (2 warp + r)
+    // + 2 r + group % 2 of the group's lane with quad group / 2.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float diagonal = 0.f;
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        if (e / 4 == 2 * warp + r && (e / 2) % 2 == r && e % 2 == group % 2) diagonal = c[e];
+      }
+      dlt[r] = __shfl_sync(kFullMask, diagonal, 4 * group + group / 2);
+    }
+  }
+  if (quad == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (lane_row(r) < block.rows_total) delta[rows.row_of_group_row(b, g, lane_row(r))] = dlt[r];
+    }
+  }
+
   float dq[kD / 2];
 #pragma unroll
   for (float& x : dq) x = 0.f;
-  if (block.n_tiles > 0) hopper::mbarrier_wait(q_full, 0);
   for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
     const int stage = static_cast<int>(tile % hk::kStages);
     const unsigned parity = static_cast<unsigned>(tile / hk::kStages) & 1u;
@@ -521,16 +558,20 @@ bool launch_attention_hopper_backward(const AttentionBackwardPlan& p, const at::
   const at::ScalarType dtype = p.q.scalar_type();
   const ScoreExtras extras = extras_of(p);
   const bool plain = !extras.mods.any_score_mod() && !extras.mask.present() && !extras.drop.enabled;
-  const hk::AttentionMap q_map(p.q), do_map(p.grad_out), k_map(p.k), v_map(p.v);
+  const hk::AttentionMap q_map(p.q), do_map(p.grad_out), o_map(p.out), k_map(p.k), v_map(p.v);
   const size_t smem = s.head_dim <= 64 ? std::max(hk::DqLayout<64>::smem(), hk::DkdvLayout<64>::smem())
                                        : std::max(hk::DqLayout<128>::smem(), hk::DkdvLayout<128>::smem());
-  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || s.head_dim > hk::kBwdMaxHeadDim ||
-      smem > device_properties().sharedMemPerBlockOptin || hk::kTileRows % p.rows.group != 0 || !q_map.ok || !do_map.ok || !k_map.ok || !v_map.ok) {
+  // At head dim 128 the general scoring (modifiers, masks, dropout) spilled
+  // in dK/dV beside its 128 registers of dK and dV: those calls keep the
+  // mma.sync backward.
+  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || s.head_dim > hk::kBwdMaxHeadDim || (s.head_dim > 64 && !plain) ||
+      smem > device_properties().sharedMemPerBlockOptin || hk::kTileRows % p.rows.group != 0 || !q_map.ok || !do_map.ok || !o_map.ok || !k_map.ok || !v_map.ok) {
     return false;
   }
   const attn::QueryRows rows = rows_of(p);
   const int group = static_cast<int>(rows.group);
-  const hk::HeadsInner heads_inner{q_map.heads_inner, k_map.heads_inner, v_map.heads_inner, do_map.heads_inner};
+  const hk::HeadsInner heads_inner{q_map.heads_inner, k_map.heads_inner, v_map.heads_inner, do_map.heads_inner,
+                                   o_map.heads_inner};
   tc::with_mma_dtype(dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     const auto run = [&](auto D, auto kPlain) {
@@ -547,8 +588,9 @@ bool launch_attention_hopper_backward(const AttentionBackwardPlan& p, const at::
         launch("attention_hopper_dq_kernel", kernel, grid, hk::kThreads, Dq::smem(), stream,
                q_map.encode_rows(p.q, order.pos_major, group, positions),
                do_map.encode_rows(p.grad_out, order.pos_major, group, positions),
-               k_map.encode(p.k, 1, Dq::kKeys), v_map.encode(p.v, 1, Dq::kKeys), p.lse.const_data_ptr<float>(),
-               delta.const_data_ptr<float>(), p.grad_q.mutable_data_ptr<T>(), rows, p.seqs,
+               o_map.encode_rows(p.out, order.pos_major, group, positions), k_map.encode(p.k, 1, Dq::kKeys),
+               v_map.encode(p.v, 1, Dq::kKeys), p.lse.const_data_ptr<float>(), delta.mutable_data_ptr<float>(),
+               p.grad_q.mutable_data_ptr<T>(), rows, p.seqs,
                static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras, heads_inner, order);
       }
       {  // dK, dV: blocks of 128 keys, tiles of 64 query rows
@@ -572,8 +614,7 @@ bool launch_attention_hopper_backward(const AttentionBackwardPlan& p, const at::
       plain ? run(std::integral_constant<int, 64>{}, std::true_type{})
             : run(std::integral_constant<int, 64>{}, std::false_type{});
     } else {
-      plain ? run(std::integral_constant<int, 128>{}, std::true_type{})
-            : run(std::integral_constant<int, 128>{}, std::false_type{});
+      run(std::integral_constant<int, 128>{}, std::true_type{});  // plain, as checked above
     }
   });
   return true;

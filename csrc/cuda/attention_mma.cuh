@@ -454,8 +454,8 @@ inline AttentionKernel choose_attention_kernel(const AttentionParams& p, at::Sca
 // fits), a group that divides its 128 rows, operands TMA can describe);
 // false, launching nothing, where it does not.
 bool launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream stream);
-// The Hopper backward (attention_hopper_backward.cu: dQ, then dK and dV, from
-// delta as launch_attention_mma_delta sums it), where it serves the call
+// The Hopper backward (attention_hopper_backward.cu: delta and dQ, then dK and
+// dV; delta: a tensor of the call's query rows it fills), where it serves the call
 // (16-bit types, head dims up to 128, a group that divides its 64-row tiles,
 // operands TMA can describe); false, launching nothing, where it does not.
 bool launch_attention_hopper_backward(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);

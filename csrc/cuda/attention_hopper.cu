@@ -54,7 +54,6 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
                                 Mask mask_all, ScoreExtras extras, hk::HeadsInner heads_inner,
                                 hk::RowOrder order) {
   using hopper::Major;
-  using hopper::Swizzle;
   using L = hk::Layout<kD>;
   constexpr int kBoxes = kD / hk::kBox;
   constexpr int kKeys = L::kKeys;
@@ -148,20 +147,10 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   const int full_lo = plain && all_hi > all_lo ? (all_lo + kKeys - 1) / kKeys : 0;
   const int full_hi = plain && all_hi > all_lo ? all_hi / kKeys : 0;
 
-  // Operand descriptors: K-major tiles of 128-byte rows (8-row groups 1024
-  // bytes apart), a k-step of 16 elements 32 bytes along a row, the next 64
-  // of the head dim in the next box; V read MN-major (its rows are keys).
-  const auto q_desc = [&](int ks) {
-    return hopper::make_descriptor(q_s + (ks / 4) * hk::kRows * 128 + consumer * 64 * 128 + 32 * (ks % 4),
-                                   Swizzle::k128B, 16, 1024);
-  };
-  const auto k_desc = [&](int stage, int ks) {
-    return hopper::make_descriptor(k_tile(stage) + (ks / 4) * kKeys * 128 + 32 * (ks % 4), Swizzle::k128B, 16,
-                                   1024);
-  };
-  const auto v_desc = [&](int stage, int step) {
-    return hopper::make_descriptor(v_tile(stage) + step * 16 * 128, Swizzle::k128B, kKeys * 128, 1024);
-  };
+  // Operand descriptors: Q and K K-major, V read MN-major (its rows are keys).
+  const auto q_desc = [&](int ks) { return hk::k_major(q_s, hk::kRows, consumer * 64, ks); };
+  const auto k_desc = [&](int stage, int ks) { return hk::k_major(k_tile(stage), kKeys, 0, ks); };
+  const auto v_desc = [&](int stage, int step) { return hk::mn_major(v_tile(stage), kKeys, step); };
 
   // Accumulators in the layout of hopper.cuh: s[4 j + 2 r + c] is lane row r,
   // column 8 j + 2 quad + c (O's likewise).
@@ -183,14 +172,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     hopper::mbarrier_wait(&v_full[stage], static_cast<unsigned>(tile / hk::kStages) & 1u);
     const int64_t visible = block.key_hi - (block.key_lo + tile * kKeys);
     if (visible < kKeys) {
-      const int first = static_cast<int>(visible);
-      constexpr int kChunksPerRow = 128 / 16;  // a row of a box (the swizzle keeps it whole)
-      const int chunks = (kKeys - first) * kChunksPerRow;
-      for (int c = t; c < kBoxes * chunks; c += 128) {
-        const int box = c / chunks, row = first + (c % chunks) / kChunksPerRow, chunk = c % kChunksPerRow;
-        *reinterpret_cast<Pack<uint32_t, 4>*>(v_tile(stage) + (box * kKeys + row) * 128 + chunk * 16) =
-            Pack<uint32_t, 4>{{0u, 0u, 0u, 0u}};
-      }
+      hk::zero_rows_from<kBoxes>(v_tile(stage), kKeys, static_cast<int>(visible), t);
       hopper::fence_proxy_async();
       hopper::named_barrier_sync(3 + consumer, 128);
     }
@@ -262,17 +244,6 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       }
     }
   };
-  // P as A fragments: n-tiles 2i and 2i + 1 of S are fragment i's columns.
-  const auto to_frags = [&](const float (&s)[kKeys / 2], mma::FragA (&pa)[kKeys / 16]) {
-#pragma unroll
-    for (int i = 0; i < kKeys / 16; ++i) {
-      const float* p = s + 8 * i;
-      pa[i].r[0] = mma::pack2(T(p[0]), T(p[1]));
-      pa[i].r[1] = mma::pack2(T(p[2]), T(p[3]));
-      pa[i].r[2] = mma::pack2(T(p[4]), T(p[5]));
-      pa[i].r[3] = mma::pack2(T(p[6]), T(p[7]));
-    }
-  };
   const auto rescale = [&](const float (&alpha)[2]) {
 #pragma unroll
     for (int n = 0; n < kD / 8; ++n) {
@@ -324,7 +295,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       hopper::wgmma_wait<0>();
       scores_done();
       softmax(s, 0, alpha);
-      to_frags(s, pa);  // O is zero: nothing to rescale
+      hk::accumulators_to_frags<T, kKeys>(s, pa);  // O is zero: nothing to rescale
     }
     for (int64_t tile = 0; tile + 1 < block.n_tiles; ++tile) {
       wait_keys(tile + 1);
@@ -340,7 +311,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       values_done();
       hopper::mbarrier_arrive(&kv_empty[tile % hk::kStages]);
       rescale(alpha);
-      to_frags(s, pa);
+      hk::accumulators_to_frags<T, kKeys>(s, pa);
     }
     if (block.n_tiles > 0) {
       wait_values(block.n_tiles - 1);
@@ -361,7 +332,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       scores_done();
       softmax(s, tile, alpha);
       rescale(alpha);
-      to_frags(s, pa);
+      hk::accumulators_to_frags<T, kKeys>(s, pa);
       wait_values(tile);
       issue_values(tile);
       hopper::wgmma_wait<0>();

@@ -87,6 +87,49 @@ __device__ __forceinline__ void load_key_rows(unsigned char* dst, const hopper::
   }
 }
 
+// Zeros rows [first, rows) of a swizzled tile of `rows` rows (kBoxes boxes of
+// 128-byte rows; the swizzle keeps each row's bytes in it), by the 128
+// threads of a warpgroup (t its thread).
+template <int kBoxes>
+__device__ __forceinline__ void zero_rows_from(unsigned char* tile, int rows, int first, int t) {
+  constexpr int kChunksPerRow = 128 / 16;
+  const int chunks = (rows - first) * kChunksPerRow;
+  for (int c = t; c < kBoxes * chunks; c += 128) {
+    const int box = c / chunks, row = first + (c % chunks) / kChunksPerRow, chunk = c % kChunksPerRow;
+    *reinterpret_cast<Pack<uint32_t, 4>*>(tile + (box * rows + row) * 128 + chunk * 16) =
+        Pack<uint32_t, 4>{{0u, 0u, 0u, 0u}};
+  }
+}
+
+// Rounds a 64 x kN accumulator (hopper.cuh's layout) into the A fragments of
+// a product that sums over its kN columns: n-tiles 2i and 2i + 1 are fragment i's.
+template <typename T, int kN>
+__device__ __forceinline__ void accumulators_to_frags(const float (&s)[kN / 2], mma::FragA (&a)[kN / 16]) {
+#pragma unroll
+  for (int i = 0; i < kN / 16; ++i) {
+    const float* p = s + 8 * i;
+    a[i].r[0] = mma::pack2(T(p[0]), T(p[1]));
+    a[i].r[1] = mma::pack2(T(p[2]), T(p[3]));
+    a[i].r[2] = mma::pack2(T(p[4]), T(p[5]));
+    a[i].r[3] = mma::pack2(T(p[6]), T(p[7]));
+  }
+}
+
+// Descriptors of 128-byte-swizzled tiles of `rows` rows: K-major (the
+// product sums along the head dim: k-step ks of 16 elements, starting at row
+// `row0`, a multiple of 8) and MN-major (it sums along the rows: k-step
+// `step` of 16 rows, the head dim as N).
+// (The step's offset is added to the tile's descriptor, which the compiler
+// keeps across the unrolled steps.)
+__device__ __forceinline__ uint64_t k_major(const unsigned char* tile, int rows, int row0, int ks) {
+  return hopper::advance_descriptor(hopper::make_descriptor(tile + row0 * 128, hopper::Swizzle::k128B, 16, 1024),
+                                    (ks / 4) * rows * 128 + 32 * (ks % 4));
+}
+__device__ __forceinline__ uint64_t mn_major(const unsigned char* tile, int rows, int step) {
+  return hopper::advance_descriptor(hopper::make_descriptor(tile, hopper::Swizzle::k128B, rows * 128, 1024),
+                                    step * 16 * 128);
+}
+
 // q, k, v, dO or O ([B, H, S, D] with any strides, or packed as [1, H, total, D])
 // as a tensor map: the head dim, then heads and positions in the order of
 // their strides, then the batch, each dimension's stride at least the extent

@@ -57,46 +57,6 @@ struct DkdvLayout {
   }
 };
 
-// Zeros rows [first, rows) of a swizzled tile of `rows` rows (kBoxes boxes of
-// 128-byte rows; the swizzle keeps each row's bytes in it), by the 128
-// threads of a warpgroup (t its thread).
-template <int kBoxes>
-__device__ __forceinline__ void zero_rows_from(unsigned char* tile, int rows, int first, int t) {
-  constexpr int kChunksPerRow = 128 / 16;
-  const int chunks = (rows - first) * kChunksPerRow;
-  for (int c = t; c < kBoxes * chunks; c += 128) {
-    const int box = c / chunks, row = first + (c % chunks) / kChunksPerRow, chunk = c % kChunksPerRow;
-    *reinterpret_cast<Pack<uint32_t, 4>*>(tile + (box * rows + row) * 128 + chunk * 16) =
-        Pack<uint32_t, 4>{{0u, 0u, 0u, 0u}};
-  }
-}
-
-// Rounds a 64 x kN accumulator (hopper.cuh's layout) into the A fragments of
-// a product that sums over its kN columns: n-tiles 2i and 2i + 1 are fragment i's.
-template <typename T, int kN>
-__device__ __forceinline__ void accumulators_to_frags(const float (&s)[kN / 2], mma::FragA (&a)[kN / 16]) {
-#pragma unroll
-  for (int i = 0; i < kN / 16; ++i) {
-    const float* p = s + 8 * i;
-    a[i].r[0] = mma::pack2(T(p[0]), T(p[1]));
-    a[i].r[1] = mma::pack2(T(p[2]), T(p[3]));
-    a[i].r[2] = mma::pack2(T(p[4]), T(p[5]));
-    a[i].r[3] = mma::pack2(T(p[6]), T(p[7]));
-  }
-}
-
-// Descriptors of 128-byte-swizzled tiles of `rows` rows: K-major (the
-// product sums along the head dim: k-step ks of 16 elements, starting at row
-// `row0`, a multiple of 8) and MN-major (it sums along the rows: k-step
-// `step` of 16 rows, the head dim as N).
-__device__ __forceinline__ uint64_t k_major(const unsigned char* tile, int rows, int row0, int ks) {
-  return hopper::make_descriptor(tile + (ks / 4) * rows * 128 + row0 * 128 + 32 * (ks % 4), hopper::Swizzle::k128B,
-                                 16, 1024);
-}
-__device__ __forceinline__ uint64_t mn_major(const unsigned char* tile, int rows, int step) {
-  return hopper::make_descriptor(tile + step * 16 * 128, hopper::Swizzle::k128B, rows * 128, 1024);
-}
-
 }  // namespace hk
 
 // kPlain: no score modifier, no tensor mask, no dropout.
@@ -233,13 +193,15 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
     }
   }
 
-  float dq[kD / 2];
+  float dq[kD / 2], s[kKeys / 2], dp[kKeys / 2];
+  mma::FragA ds[kKeys / 16];
 #pragma unroll
   for (float& x : dq) x = 0.f;
-  for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
-    const int stage = static_cast<int>(tile % hk::kStages);
+  const auto stage_of = [](int64_t tile) { return static_cast<int>(tile % hk::kStages); };
+  // S = Q K^T and dP = dO V^T of a tile, issued and committed once its K and V have landed.
+  const auto issue_scores = [&](int64_t tile) {
+    const int stage = stage_of(tile);
     const unsigned parity = static_cast<unsigned>(tile / hk::kStages) & 1u;
-    float s[kKeys / 2], dp[kKeys / 2];
     hopper::mbarrier_wait(&k_full[stage], parity);
     hopper::mbarrier_wait(&v_full[stage], parity);
     hopper::fence_operand(s);
@@ -256,11 +218,13 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
                                                     hk::k_major(v_tile(stage), kKeys, 0, ks), ks > 0);
     }
     hopper::wgmma_commit();
-    hopper::wgmma_wait<0>();
+  };
+  const auto scores_done = [&] {
     hopper::fence_operand(s);
     hopper::fence_operand(dp);
-
-    // s becomes dS = P (dP - delta) (through the cap's slope).
+  };
+  // s becomes dS = P (dP - delta) (through the cap's slope).
+  const auto score_gradients = [&](int64_t tile) {
     if (tile >= full_lo && tile < full_hi) {
 #pragma unroll
       for (int e = 0; e < kKeys / 2; ++e) {
@@ -268,39 +232,41 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
         const float p = tc::exp_of_difference(s[e] * scale, lse_row[r]);
         s[e] = attn::score_grad(p, dp[e], dlt[r]);
       }
-    } else {
+      return;
+    }
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t row = lane_row(r), head = rows.group_head(g, row), pos = rows.group_pos(row);
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = lane_row(r), head = rows.group_head(g, row), pos = rows.group_pos(row);
 #pragma unroll
-        for (int j = 0; j < kKeys / 8; ++j) {
+      for (int j = 0; j < kKeys / 8; ++j) {
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int e = 4 * j + 2 * r + c;
-            const int key = static_cast<int>(tile) * kKeys + 8 * j + 2 * quad + c;  // from key_lo
-            const bool visible = key >= lo[r] && key < hi[r];
-            float dcap;
-            const float x = tc::score(s[e], visible, unmodified, scale, extras, mask, b, head, pos,
-                                      block.key_lo + key, &dcap);
-            const float p = tc::exp_of_difference(x, lse_row[r]);
-            float dpe = visible ? dp[e] : 0.f;
-            if (!kPlain && extras.drop.enabled && visible) {
-              dpe *= extras.keep_factor<float>(b, head, pos, block.key_lo + key);
-            }
-            s[e] = attn::score_grad(p, dpe, dlt[r]) * dcap;
+        for (int c = 0; c < 2; ++c) {
+          const int e = 4 * j + 2 * r + c;
+          const int key = static_cast<int>(tile) * kKeys + 8 * j + 2 * quad + c;  // from key_lo
+          const bool visible = key >= lo[r] && key < hi[r];
+          float dcap;
+          const float x = tc::score(s[e], visible, unmodified, scale, extras, mask, b, head, pos,
+                                    block.key_lo + key, &dcap);
+          const float p = tc::exp_of_difference(x, lse_row[r]);
+          float dpe = visible ? dp[e] : 0.f;
+          if (!kPlain && extras.drop.enabled && visible) {
+            dpe *= extras.keep_factor<float>(b, head, pos, block.key_lo + key);
           }
+          s[e] = attn::score_grad(p, dpe, dlt[r]) * dcap;
         }
       }
     }
-    // K rows past the block's last visible key: dS K sums over them.
+  };
+  // dQ += dS K of the tile whose dS is in ds, committed. K rows past the
+  // block's last visible key are zeroed first: the product sums over them.
+  const auto issue_dq = [&](int64_t tile) {
+    const int stage = stage_of(tile);
     const int64_t visible_keys = block.key_hi - (block.key_lo + tile * kKeys);
     if (visible_keys < kKeys) {
       hk::zero_rows_from<kBoxes>(k_tile(stage), kKeys, static_cast<int>(visible_keys), t);
       hopper::fence_proxy_async();
       hopper::named_barrier_sync(1 + consumer, 128);
     }
-    mma::FragA ds[kKeys / 16];
-    hk::accumulators_to_frags<T, kKeys>(s, ds);
     hopper::fence_operand(dq);
 #pragma unroll
     for (int i = 0; i < kKeys / 16; ++i) hopper::fence_operand(ds[i]);
@@ -310,11 +276,53 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
       hopper::wgmma<T, kD, Major::kMN>(dq, ds[i], hk::mn_major(k_tile(stage), kKeys, i), true);
     }
     hopper::wgmma_commit();
-    hopper::wgmma_wait<0>();
+  };
+  // After dQ's wait: its registers are read from here on, its K/V stage is free.
+  const auto dq_done = [&](int64_t tile) {
     hopper::fence_operand(dq);
 #pragma unroll
     for (int i = 0; i < kKeys / 16; ++i) hopper::fence_operand(ds[i]);
-    hopper::mbarrier_arrive(&kv_empty[stage]);
+    hopper::mbarrier_arrive(&kv_empty[stage_of(tile)]);
+  };
+  if constexpr (kPlain) {
+    // Tile j + 1's S and dP are issued before tile j's dQ += dS K, and their
+    // gradients formed while it runs. Every tile but the last has a next one:
+    // no product is issued under a condition, so ptxas sees which group each
+    // wait completes.
+    if (block.n_tiles > 0) {
+      issue_scores(0);
+      hopper::wgmma_wait<0>();
+      scores_done();
+      score_gradients(0);
+      hk::accumulators_to_frags<T, kKeys>(s, ds);
+    }
+    for (int64_t tile = 0; tile + 1 < block.n_tiles; ++tile) {
+      issue_scores(tile + 1);
+      issue_dq(tile);
+      hopper::wgmma_wait<1>();  // S and dP, not dQ
+      scores_done();
+      score_gradients(tile + 1);
+      hopper::wgmma_wait<0>();
+      dq_done(tile);
+      hk::accumulators_to_frags<T, kKeys>(s, ds);
+    }
+    if (block.n_tiles > 0) {
+      issue_dq(block.n_tiles - 1);
+      hopper::wgmma_wait<0>();
+      dq_done(block.n_tiles - 1);
+    }
+  } else {
+    // The general scoring needs the registers the overlap would hold: one product at a time.
+    for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
+      issue_scores(tile);
+      hopper::wgmma_wait<0>();
+      scores_done();
+      score_gradients(tile);
+      hk::accumulators_to_frags<T, kKeys>(s, ds);
+      issue_dq(tile);
+      hopper::wgmma_wait<0>();
+      dq_done(tile);
+    }
   }
 
 #pragma unroll

@@ -372,6 +372,12 @@ __device__ __forceinline__ uint64_t make_descriptor(const void* tile, Swizzle sw
          static_cast<uint64_t>((stride_bytes >> 4) & 0x3fffu) << 32 | mode << 62;
 }
 
+// The descriptor of the operand `bytes` (a multiple of 16) further along
+// shared memory: only the start address field moves (shared addresses fit in
+// it, so nothing carries out), one add where a descriptor made afresh costs
+// several instructions.
+__device__ __forceinline__ uint64_t advance_descriptor(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 // Before a warpgroup's first wgmma and after any access of the registers a
 // wgmma reads or writes (after each wgmma_wait): every thread of the warpgroup.
 __device__ __forceinline__ void wgmma_fence(Site site = {}) {

@@ -2,8 +2,8 @@
 copies, wgmma from shared-memory descriptors and from registers, setmaxnreg,
 named barriers),
 through the warp-specialized check product of csrc/cuda/hopper_check.cuh: under
-the emulator for every swizzle, both layouts of B, both sources of A and both
-16-bit types; the misuse the emulator refuses, each with its message; compiled
+the emulator for every swizzle, both layouts of B, both sources of A, both
+16-bit types and float8 e4m3 (K-major); the misuse the emulator refuses, each with its message; compiled
 for sm_90a (the instructions they become); and on an sm_90a GPU."""
 
 import json
@@ -44,15 +44,22 @@ def simt():
     return fusedllm.simt
 
 
+# (dtype, b_mn_major): float8 (k32 a step) reads K-major operands only.
+CHECK_TYPES = [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False), (torch.float16, True),
+               (torch.float8_e4m3fn, False)]
+check_types = pytest.mark.parametrize(
+    "dtype,b_mn_major", CHECK_TYPES, ids=lambda x: str(x).replace("torch.", "") if not isinstance(x, bool) else
+    ("b_mn_major" if x else "b_k_major"))
+
+
 @pytest.mark.simt
 @pytest.mark.parametrize("a_in_registers", [False, True], ids=["a_shared", "a_registers"])
-@pytest.mark.parametrize("b_mn_major", [False, True], ids=["b_k_major", "b_mn_major"])
 @pytest.mark.parametrize("span", list(SPANS))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@check_types
 def test_check_product_under_the_emulator(dtype, span, b_mn_major, a_in_registers):
     """Four K tiles through two stages (each mbarrier's phase flips twice),
     N = 128, every swizzle of TMA and the descriptors, B K-major (Q K^T's
-    layout) and MN-major (P V's)."""
+    layout) and MN-major (P V's), 16-bit and float8 operands."""
     a, b, expected = operands(dtype, 128, 256, b_mn_major, exact=True)
     with simt().kernels(schedule="lockstep"):
         c = torch.ops.fusedllm_simt_selftest.wgmma_tile(a, b, SPANS[span], b_mn_major, a_in_registers)
@@ -77,6 +84,14 @@ def test_check_product_bad_arguments():
     a = torch.zeros(64, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="^wgmma_tile: span must be 16 \\(no swizzle\\), 32, 64 or 128, got 8$"):
         torch.ops.fusedllm_simt_selftest.wgmma_tile(a, torch.zeros(64, 64, dtype=torch.bfloat16), 8, False, False)
+    a8 = torch.zeros(64, 64, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="^wgmma_tile: k must be a positive multiple of 128, got 64$"):
+        torch.ops.fusedllm_simt_selftest.wgmma_tile(a8, torch.zeros(64, 64, dtype=torch.float8_e4m3fn), 128, False,
+                                                    False)
+    a8 = torch.zeros(64, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="^wgmma_tile: float8 wgmma reads K-major operands only: b must be \\[n, k\\]$"):
+        torch.ops.fusedllm_simt_selftest.wgmma_tile(a8, torch.zeros(128, 128, dtype=torch.float8_e4m3fn), 128, True,
+                                                    False)
 
 
 def tma_image(src, box, coords, swizzle):
@@ -254,8 +269,8 @@ def test_hopper_forward_at_head_dim_256_on_an_sm90_sized_device():
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_units_compile_to_hopper_instructions(tmp_path):
-    """Evidence without a GPU: the sm_90a check product holds HGMMA (wgmma,
-    from shared memory and from registers), UTMALDG (TMA loads), SYNCS
+    """Evidence without a GPU: the sm_90a check product holds HGMMA (16-bit
+    wgmma, from shared memory and from registers), QGMMA (float8), UTMALDG (TMA loads), SYNCS
     (mbarrier), USETMAXREG (setmaxnreg: ptxas drops it when it cannot tell the
     kernel's register count) and WARPGROUP.ARRIVE (wgmma.fence), and no
     local-memory traffic; ptxas did not serialise the products."""
@@ -263,12 +278,13 @@ def test_units_compile_to_hopper_instructions(tmp_path):
     assert cuobjdump, "nvcc is here but cuobjdump is not (the CUDA toolkit's, or triton's copy)"
     probe = tmp_path / "probe.cu"
     instances = []
-    for t in ("c10::BFloat16", "c10::Half"):
+    for t, major in (("c10::BFloat16", "kMN"), ("c10::Half", "kMN"), ("c10::Float8_e4m3fn", "kK")):
         for regs in ("true", "false"):
             instances.append(
                 f"template __global__ void fusedllm::cuda::hopper::wgmma_tile_kernel<{t}, 128, 128, "
-                f"fusedllm::cuda::hopper::Major::kMN, {regs}>(const __grid_constant__ fusedllm::cuda::hopper::TensorMap, "
-                f"const __grid_constant__ fusedllm::cuda::hopper::TensorMap, const {t}*, int, float*);")
+                f"fusedllm::cuda::hopper::Major::{major}, {regs}>(const __grid_constant__ "
+                f"fusedllm::cuda::hopper::TensorMap, const __grid_constant__ fusedllm::cuda::hopper::TensorMap, "
+                f"const {t}*, int, float*);")
     probe.write_text('#include "hopper_check.cuh"\n' + "\n".join(instances) + "\n")
     cubin = tmp_path / "probe.cubin"
     built = subprocess.run(["nvcc", "-std=c++20", "-arch=sm_90a", "--expt-relaxed-constexpr", "-cubin",
@@ -276,7 +292,8 @@ def test_units_compile_to_hopper_instructions(tmp_path):
                            check=True, capture_output=True, text=True)
     assert "serialized" not in built.stderr and "setmaxnreg' ignored" not in built.stderr, built.stderr
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
-    for instruction in ("HGMMA.64x128x16.F32.BF16", "HGMMA.64x128x16.F32 ", "UTMALDG.2D", "SYNCS.PHASECHK",
+    for instruction in ("HGMMA.64x128x16.F32.BF16", "HGMMA.64x128x16.F32 ", "QGMMA.64x128x32.F32.E4M3.E4M3",
+                        "UTMALDG.2D", "SYNCS.PHASECHK",
                         "USETMAXREG", "WARPGROUP.ARRIVE"):
         assert instruction in sass, f"{instruction.strip()} not in the sm_90a machine code"
     assert "LDL" not in sass and "STL" not in sass
@@ -296,9 +313,8 @@ def gpu_check_product():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("a_in_registers", [False, True], ids=["a_shared", "a_registers"])
-@pytest.mark.parametrize("b_mn_major", [False, True], ids=["b_k_major", "b_mn_major"])
 @pytest.mark.parametrize("span", list(SPANS))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@check_types
 def test_check_product_on_a_hopper_gpu(gpu_check_product, dtype, span, b_mn_major, a_in_registers):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma and TMA need sm_90a (an H100 or H200)")

@@ -13,7 +13,9 @@
 // Layouts, for the 128 threads of a warpgroup, thread t = 32 w + 4 g + q
 // (warp w 0..3, group g 0..7, quad q 0..3):
 //   D (64 x N, float32), N / 2 registers: d[4j + 2h + c] = D[16w + g + 8h][8j + 2q + c]
-//   A from registers (64 x 16): the m16n8k16 A fragment of mma.cuh for rows 16w..16w+15
+//   A from registers (64 x 16): the m16n8k16 A fragment of mma.cuh for rows 16w..16w+15;
+//     float8 (64 x 32): r[i] holds row 16w + g + 8 (i % 2), elements 16 (i / 2) + 4q .. + 3
+//     (the first in the low byte), as mma.sync m16n8k32's A fragment
 // Shared-memory operands: A is 64 x 16 and B is N x 16 (row n holds column n of
 // the product's right operand), each K-major (a row's 16 elements together) or
 // MN-major (consecutive rows' elements together), described by
@@ -27,6 +29,8 @@
 #include <cstdint>
 
 #include "mma.cuh"
+
+#include <c10/util/Float8_e4m3fn.h>
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(FUSEDLLM_SIMT)
 #define FUSEDLLM_HAS_SM90A 1
@@ -66,6 +70,15 @@ struct Site {};
 
 enum class Swizzle : int { kNone = 0, k32B = 32, k64B = 64, k128B = 128 };
 enum class Major : int { kK = 0, kMN = 1 };
+
+// wgmma's operand types: bfloat16 and float16 (k16 a step), and float8 e4m3
+// (k32 a step: the same 32 bytes of a row; K-major operands only).
+template <typename T>
+constexpr bool kIsE4m3 = std::is_same_v<T, c10::Float8_e4m3fn>;
+template <typename T>
+constexpr bool kWgmmaType = mma::kIs16Bit<T> || kIsE4m3<T>;
+template <typename T>
+constexpr int kWgmmaK = kIsE4m3<T> ? 32 : 16;
 
 // ---------------------------------------------------------------------------
 // Tensor maps (host)
@@ -473,20 +486,39 @@ __device__ __forceinline__ void wgmma_wait(Site site = {}) {
                : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc_b),                           \
                  "r"(static_cast<int>(accumulate)), "n"(static_cast<int>(kTransB)))
 
-// D (64 x N) = A B^T (+ D when `accumulate`): A (64 x 16) and B (N x 16) in
-// shared memory as their descriptors describe; K-major or MN-major each.
+// float8 (e4m3): no transposes; desc A, desc B, scale-d (I0..I2) / a0..a3, desc B, scale-d (I0..I5).
+#define FUSEDLLM_WGMMA_SS8(N, DLIST, DOPS, I0, I1, I2)                                                      \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" I2 ", 0;\n"                                             \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" DLIST "}, %" I0 ", %" I1         \
+               ", p, 1, 1;\n}\n"                                                                            \
+               : DOPS                                                                                       \
+               : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)))
+#define FUSEDLLM_WGMMA_RS8(N, DLIST, DOPS, I0, I1, I2, I3, I4, I5)                                          \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" I5 ", 0;\n"                                             \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" DLIST "}, {%" I0 ", %" I1        \
+               ", %" I2 ", %" I3 "}, %" I4 ", p, 1, 1;\n}\n"                                                 \
+               : DOPS                                                                                       \
+               : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "l"(desc_b),                          \
+                 "r"(static_cast<int>(accumulate)))
+
+// D (64 x N) = A B^T (+ D when `accumulate`): A (64 x K) and B (N x K), K =
+// kWgmmaK<T>, in shared memory as their descriptors describe; K-major or
+// MN-major each (K-major only for float8).
 // Asynchronous: the accumulators are undefined until wgmma_wait, and neither
 // they nor the shared operands may be touched before it. N: 64, 128 or 256.
 template <typename T, int N, Major kMajorA, Major kMajorB>
 __device__ __forceinline__ void wgmma(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, bool accumulate,
                                       Site site = {}) {
-  static_assert(mma::kIs16Bit<T>, "wgmma takes bfloat16 or float16 operands");
+  static_assert(kWgmmaType<T>, "wgmma takes bfloat16, float16 or float8 (e4m3) operands");
+  static_assert(!kIsE4m3<T> || (kMajorA == Major::kK && kMajorB == Major::kK),
+                "float8 wgmma reads K-major operands only");
   static_assert(N == 64 || N == 128 || N == 256, "wgmma N must be 64, 128 or 256");
   constexpr bool kTransA = kMajorA == Major::kMN, kTransB = kMajorB == Major::kMN;
 #if defined(FUSEDLLM_SIMT)
   simt::detail::WgmmaIssue op;
   op.n = N;
   op.bf16 = std::is_same_v<T, c10::BFloat16>;
+  op.e4m3 = kIsE4m3<T>;
   op.trans_a = kTransA;
   op.trans_b = kTransB;
   op.accumulate = accumulate;
@@ -495,7 +527,12 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 2], uint64_t desc_a, uint64
   op.d = d;
   simt::detail::wgmma_issue(op, site.file, site.line);
 #elif FUSEDLLM_HAS_SM90A
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (kIsE4m3<T>) {
+    (void)kTransA, (void)kTransB;
+    if constexpr (N == 64) FUSEDLLM_WGMMA_SS8(64, FUSEDLLM_WGMMA_D32, FUSEDLLM_F32(d), "32", "33", "34");
+    if constexpr (N == 128) FUSEDLLM_WGMMA_SS8(128, FUSEDLLM_WGMMA_D64, FUSEDLLM_F64(d), "64", "65", "66");
+    if constexpr (N == 256) FUSEDLLM_WGMMA_SS8(256, FUSEDLLM_WGMMA_D128, FUSEDLLM_F128(d), "128", "129", "130");
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if constexpr (N == 64)
       FUSEDLLM_WGMMA_SS(64, "bf16", FUSEDLLM_WGMMA_D32, FUSEDLLM_F32(d), "32",
                         "33", "34", "35", "36");
@@ -522,18 +559,20 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 2], uint64_t desc_a, uint64
 #endif
 }
 
-// As wgmma, with A (64 x 16, K-major) from the warpgroup's registers: this
-// thread's m16n8k16 A fragment of rows 16w..16w+15 (mma.cuh).
+// As wgmma, with A (64 x 16, or 64 x 32 float8; K-major) from the
+// warpgroup's registers: this thread's A fragment of rows 16w..16w+15 (above).
 template <typename T, int N, Major kMajorB>
 __device__ __forceinline__ void wgmma(float (&d)[N / 2], const mma::FragA& a, uint64_t desc_b, bool accumulate,
                                       Site site = {}) {
-  static_assert(mma::kIs16Bit<T>, "wgmma takes bfloat16 or float16 operands");
+  static_assert(kWgmmaType<T>, "wgmma takes bfloat16, float16 or float8 (e4m3) operands");
+  static_assert(!kIsE4m3<T> || kMajorB == Major::kK, "float8 wgmma reads K-major operands only");
   static_assert(N == 64 || N == 128 || N == 256, "wgmma N must be 64, 128 or 256");
   constexpr bool kTransB = kMajorB == Major::kMN;
 #if defined(FUSEDLLM_SIMT)
   simt::detail::WgmmaIssue op;
   op.n = N;
   op.bf16 = std::is_same_v<T, c10::BFloat16>;
+  op.e4m3 = kIsE4m3<T>;
   op.a_in_registers = true;
   op.trans_b = kTransB;
   op.accumulate = accumulate;
@@ -542,7 +581,15 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 2], const mma::FragA& a, ui
   op.d = d;
   simt::detail::wgmma_issue(op, site.file, site.line);
 #elif FUSEDLLM_HAS_SM90A
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (kIsE4m3<T>) {
+    (void)kTransB;
+    if constexpr (N == 64)
+      FUSEDLLM_WGMMA_RS8(64, FUSEDLLM_WGMMA_D32, FUSEDLLM_F32(d), "32", "33", "34", "35", "36", "37");
+    if constexpr (N == 128)
+      FUSEDLLM_WGMMA_RS8(128, FUSEDLLM_WGMMA_D64, FUSEDLLM_F64(d), "64", "65", "66", "67", "68", "69");
+    if constexpr (N == 256)
+      FUSEDLLM_WGMMA_RS8(256, FUSEDLLM_WGMMA_D128, FUSEDLLM_F128(d), "128", "129", "130", "131", "132", "133");
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if constexpr (N == 64)
       FUSEDLLM_WGMMA_RS(64, "bf16", FUSEDLLM_WGMMA_D32, FUSEDLLM_F32(d), "32",
                         "33", "34", "35", "36", "37", "38");
@@ -569,6 +616,8 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 2], const mma::FragA& a, ui
 #endif
 }
 
+#undef FUSEDLLM_WGMMA_RS8
+#undef FUSEDLLM_WGMMA_SS8
 #undef FUSEDLLM_WGMMA_RS
 #undef FUSEDLLM_WGMMA_SS
 #undef FUSEDLLM_F128

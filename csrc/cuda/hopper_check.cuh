@@ -18,7 +18,9 @@
 namespace fusedllm::cuda::hopper {
 
 constexpr int kCheckRows = 64;    // M
-constexpr int kCheckKTile = 64;   // K elements a stage holds
+constexpr int kCheckKTileBytes = 128;  // of a row a stage holds: 64 16-bit elements, 128 float8 codes
+template <typename T>
+constexpr int kCheckKTile = kCheckKTileBytes / static_cast<int>(sizeof(T));  // K elements a stage holds
 constexpr int kCheckStages = 2;
 constexpr int kCheckThreads = 256;  // producer and consumer warpgroups
 
@@ -28,28 +30,31 @@ struct TmaCoords {
 
 // Shared tiles are laid out as TMA writes them: boxes of kSpan bytes (the
 // swizzle span; 16 without a swizzle) by their rows, side by side.
-template <int N>
+template <typename T, int N>
 constexpr int check_stage_bytes() {
-  return (kCheckRows + N) * kCheckKTile * 2;
+  return (kCheckRows + N) * kCheckKTileBytes;
 }
-template <int N>
+template <typename T, int N>
 constexpr size_t check_shared_bytes() {
-  return static_cast<size_t>(kCheckStages) * check_stage_bytes<N>() + 1024 + 64;
+  return static_cast<size_t>(kCheckStages) * check_stage_bytes<T, N>() + 1024 + 64;
 }
 
 // c [64, N] float32 = a [64, K] times b: b is [N, K] (kMajorB == kK: c = a b^T)
-// or [K, N] (kMN: c = a b); K a multiple of 64. a_global: a, for the fragments
-// of A from registers.
+// or [K, N] (kMN: c = a b); K a multiple of kCheckKTile<T>. a_global: a, for the fragments
+// of A from registers. T: bfloat16, float16 or float8 e4m3 (B K-major).
 template <typename T, int N, int kSpan, Major kMajorB, bool kARegisters>
 __global__ void __launch_bounds__(kCheckThreads, 1)
     wgmma_tile_kernel(const FUSEDLLM_GRID_CONSTANT TensorMap map_a, const FUSEDLLM_GRID_CONSTANT TensorMap map_b,
                       const T* a_global, int k_total, float* c) {
   constexpr Swizzle kSwizzle = kSpan == 16 ? Swizzle::kNone : static_cast<Swizzle>(kSpan);
-  constexpr int kBoxElements = kSpan / 2;
-  constexpr int kATileBytes = kCheckRows * kCheckKTile * 2;
+  constexpr int kElement = static_cast<int>(sizeof(T));
+  constexpr int kBoxElements = kSpan / kElement;
+  constexpr int kATileBytes = kCheckRows * kCheckKTileBytes;
+  constexpr int kKTile = kCheckKTile<T>;
+  constexpr int kStepK = kWgmmaK<T>;  // 32 bytes of a row a step
   unsigned char* raw = dynamic_shared<unsigned char>();
   unsigned char* tiles = raw + (1024 - shared_address(raw) % 1024) % 1024;
-  auto* full = reinterpret_cast<uint64_t*>(tiles + kCheckStages * check_stage_bytes<N>());
+  auto* full = reinterpret_cast<uint64_t*>(tiles + kCheckStages * check_stage_bytes<T, N>());
   uint64_t* empty = full + kCheckStages;
   const int tid = threadIdx.x;
   if (tid == 0) {
@@ -60,7 +65,7 @@ __global__ void __launch_bounds__(kCheckThreads, 1)
     mbarrier_init_fence();
   }
   __syncthreads();
-  const int k_tiles = k_total / kCheckKTile;
+  const int k_tiles = k_total / kKTile;
   // The warpgroup, uniform across each warp as the compiler can see (else it
   // serialises the wgmma of a branch it takes for divergent).
   const int warpgroup = __shfl_sync(kFullMask, tid / 128, 0);
@@ -71,22 +76,22 @@ __global__ void __launch_bounds__(kCheckThreads, 1)
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int s = kt % kCheckStages, round = kt / kCheckStages;
         mbarrier_wait(&empty[s], (round & 1) ^ 1);
-        mbarrier_arrive_expect_tx(&full[s], check_stage_bytes<N>());
-        unsigned char* a_tile = tiles + s * check_stage_bytes<N>();
+        mbarrier_arrive_expect_tx(&full[s], check_stage_bytes<T, N>());
+        unsigned char* a_tile = tiles + s * check_stage_bytes<T, N>();
         unsigned char* b_tile = a_tile + kATileBytes;
-        for (int box = 0; box < kCheckKTile / kBoxElements; ++box) {
-          const int32_t at_a[2] = {kt * kCheckKTile + box * kBoxElements, 0};
+        for (int box = 0; box < kKTile / kBoxElements; ++box) {
+          const int32_t at_a[2] = {kt * kKTile + box * kBoxElements, 0};
           tma_load(a_tile + box * kCheckRows * kSpan, map_a, &full[s], at_a);
         }
         if constexpr (kMajorB == Major::kK) {
-          for (int box = 0; box < kCheckKTile / kBoxElements; ++box) {
-            const int32_t at_b[2] = {kt * kCheckKTile + box * kBoxElements, 0};
+          for (int box = 0; box < kKTile / kBoxElements; ++box) {
+            const int32_t at_b[2] = {kt * kKTile + box * kBoxElements, 0};
             tma_load(b_tile + box * N * kSpan, map_b, &full[s], at_b);
           }
         } else {
           for (int box = 0; box < N / kBoxElements; ++box) {
-            const int32_t at_b[2] = {box * kBoxElements, kt * kCheckKTile};
-            tma_load(b_tile + box * kCheckKTile * kSpan, map_b, &full[s], at_b);
+            const int32_t at_b[2] = {box * kBoxElements, kt * kKTile};
+            tma_load(b_tile + box * kKTile * kSpan, map_b, &full[s], at_b);
           }
         }
       }
@@ -101,24 +106,27 @@ __global__ void __launch_bounds__(kCheckThreads, 1)
   for (int kt = 0; kt < k_tiles; ++kt) {
     const int s = kt % kCheckStages, round = kt / kCheckStages;
     mbarrier_wait(&full[s], round & 1);
-    const unsigned char* a_tile = tiles + s * check_stage_bytes<N>();
+    const unsigned char* a_tile = tiles + s * check_stage_bytes<T, N>();
     const unsigned char* b_tile = a_tile + kATileBytes;
     // A's fragments from registers are written before the fence that orders
-    // them before the products.
-    mma::FragA frags[kARegisters ? kCheckKTile / 16 : 1];
+    // them before the products: each register is 4 bytes of a row (2
+    // elements, or 4 float8 codes), at k 4q / kElement and half a step on.
+    mma::FragA frags[kARegisters ? kKTile / kStepK : 1];
     if constexpr (kARegisters) {
-      for (int step = 0; step < kCheckKTile / 16; ++step) {
-        const int k0 = kt * kCheckKTile + step * 16;
-        const T* top = a_global + static_cast<int64_t>(16 * w + g) * k_total + k0 + 2 * q;
-        const T* bottom = top + 8 * static_cast<int64_t>(k_total);
-        frags[step] = mma::FragA{{mma::pack2(top[0], top[1]), mma::pack2(bottom[0], bottom[1]),
-                                  mma::pack2(top[8], top[9]), mma::pack2(bottom[8], bottom[9])}};
+      for (int step = 0; step < kKTile / kStepK; ++step) {
+        const int k0 = kt * kKTile + step * kStepK + q * (4 / kElement);
+        const auto word = [&](int row, int k) {
+          return *reinterpret_cast<const uint32_t*>(a_global + static_cast<int64_t>(row) * k_total + k);
+        };
+        const int top = 16 * w + g;
+        frags[step] = mma::FragA{{word(top, k0), word(top + 8, k0), word(top, k0 + kStepK / 2),
+                                  word(top + 8, k0 + kStepK / 2)}};
       }
     }
     fence_operand(acc);
     for (auto& f : frags) fence_operand(f);
     wgmma_fence();
-    for (int step = 0; step < kCheckKTile / 16; ++step) {
+    for (int step = 0; step < kKTile / kStepK; ++step) {
       const bool accumulate = kt > 0 || step > 0;
       // K-major operand of `rows` rows: the step's 32 bytes of each row.
       auto k_major = [&](const unsigned char* tile, int rows) {
@@ -133,9 +141,9 @@ __global__ void __launch_bounds__(kCheckThreads, 1)
       if constexpr (kMajorB == Major::kK) {
         desc_b = k_major(b_tile, N);
       } else if constexpr (kSpan == 16) {
-        desc_b = make_descriptor(b_tile + 16 * step * 16, kSwizzle, 128, kCheckKTile * 16);
+        desc_b = make_descriptor(b_tile + 16 * step * 16, kSwizzle, 128, kKTile * 16);
       } else {
-        desc_b = make_descriptor(b_tile + 16 * step * kSpan, kSwizzle, kCheckKTile * kSpan, 8 * kSpan);
+        desc_b = make_descriptor(b_tile + 16 * step * kSpan, kSwizzle, kKTile * kSpan, 8 * kSpan);
       }
       if constexpr (kARegisters) {
         wgmma<T, N, kMajorB>(acc, frags[step], desc_b, accumulate);
@@ -157,31 +165,37 @@ __global__ void __launch_bounds__(kCheckThreads, 1)
 template <typename T, int N, int kSpan, Major kMajorB, bool kARegisters>
 void launch_wgmma_tile_as(const T* a, const T* b, float* c, int k, Stream stream) {
   constexpr Swizzle kSwizzle = kSpan == 16 ? Swizzle::kNone : static_cast<Swizzle>(kSpan);
-  const int box_inner = kSpan / 2;
-  const int64_t a_dims[2] = {k, kCheckRows}, a_strides[1] = {2 * static_cast<int64_t>(k)};
+  constexpr int kElement = static_cast<int>(sizeof(T));
+  const int box_inner = kSpan / kElement;
+  const int64_t a_dims[2] = {k, kCheckRows}, a_strides[1] = {kElement * static_cast<int64_t>(k)};
   const int a_box[2] = {box_inner, kCheckRows};
-  const TensorMap map_a = encode_tensor_map(a, 2, 2, a_dims, a_strides, a_box, kSwizzle);
+  const TensorMap map_a = encode_tensor_map(a, kElement, 2, a_dims, a_strides, a_box, kSwizzle);
   TensorMap map_b;
   if constexpr (kMajorB == Major::kK) {
-    const int64_t dims[2] = {k, N}, strides[1] = {2 * static_cast<int64_t>(k)};
+    const int64_t dims[2] = {k, N}, strides[1] = {kElement * static_cast<int64_t>(k)};
     const int box[2] = {box_inner, N};
-    map_b = encode_tensor_map(b, 2, 2, dims, strides, box, kSwizzle);
+    map_b = encode_tensor_map(b, kElement, 2, dims, strides, box, kSwizzle);
   } else {
-    const int64_t dims[2] = {N, k}, strides[1] = {2 * N};
-    const int box[2] = {box_inner, kCheckKTile};
-    map_b = encode_tensor_map(b, 2, 2, dims, strides, box, kSwizzle);
+    const int64_t dims[2] = {N, k}, strides[1] = {kElement * N};
+    const int box[2] = {box_inner, kCheckKTile<T>};
+    map_b = encode_tensor_map(b, kElement, 2, dims, strides, box, kSwizzle);
   }
   auto* kernel = wgmma_tile_kernel<T, N, kSpan, kMajorB, kARegisters>;
-  allow_dynamic_shared_memory(kernel, check_shared_bytes<N>());
-  launch("wgmma_tile_kernel", kernel, 1, kCheckThreads, check_shared_bytes<N>(), stream, map_a, map_b, a, k, c);
+  allow_dynamic_shared_memory(kernel, check_shared_bytes<T, N>());
+  launch("wgmma_tile_kernel", kernel, 1, kCheckThreads, check_shared_bytes<T, N>(), stream, map_a, map_b, a, k,
+         c);
 }
 
 template <typename T, int N, int kSpan>
 void launch_wgmma_tile_span(const T* a, const T* b, float* c, int k, bool b_mn_major, bool a_in_registers,
                             Stream stream) {
   if (b_mn_major) {
-    a_in_registers ? launch_wgmma_tile_as<T, N, kSpan, Major::kMN, true>(a, b, c, k, stream)
-                   : launch_wgmma_tile_as<T, N, kSpan, Major::kMN, false>(a, b, c, k, stream);
+    if constexpr (kIsE4m3<T>) {
+      TORCH_CHECK_VALUE(false, "wgmma_tile: float8 wgmma reads K-major operands only: b must be [n, k]");
+    } else {
+      a_in_registers ? launch_wgmma_tile_as<T, N, kSpan, Major::kMN, true>(a, b, c, k, stream)
+                     : launch_wgmma_tile_as<T, N, kSpan, Major::kMN, false>(a, b, c, k, stream);
+    }
   } else {
     a_in_registers ? launch_wgmma_tile_as<T, N, kSpan, Major::kK, true>(a, b, c, k, stream)
                    : launch_wgmma_tile_as<T, N, kSpan, Major::kK, false>(a, b, c, k, stream);
@@ -200,19 +214,47 @@ void launch_wgmma_tile_n(const T* a, const T* b, float* c, int k, int span, bool
   }
 }
 
-// The check product for a [64, k] and b ([n, k], or [k, n] when b_mn_major);
-// n 64, 128 or 256, k a positive multiple of 64; span: the swizzle span in
-// bytes, 16 for none.
-template <typename T>
-void launch_wgmma_tile(const T* a, const T* b, float* c, int n, int k, int span, bool b_mn_major,
-                       bool a_in_registers, Stream stream) {
-  TORCH_CHECK_VALUE(k > 0 && k % kCheckKTile == 0, "wgmma_tile: k must be a positive multiple of 64, got ", k);
-  switch (n) {
-    case 64: return launch_wgmma_tile_n<T, 64>(a, b, c, k, span, b_mn_major, a_in_registers, stream);
-    case 128: return launch_wgmma_tile_n<T, 128>(a, b, c, k, span, b_mn_major, a_in_registers, stream);
-    case 256: return launch_wgmma_tile_n<T, 256>(a, b, c, k, span, b_mn_major, a_in_registers, stream);
-    default: TORCH_CHECK_VALUE(false, "wgmma_tile: n must be 64, 128 or 256, got ", n);
+// The check product c = a b^T (b [n, k]) or a b (b_mn_major: b [k, n]) over
+// tensors where the kernels run (CPU tensors under the emulator): a [64, k],
+// both bfloat16, float16 or float8 e4m3 (b then [n, k]); n 64, 128 or 256
+// (kAllN; else 128 only, which is ptxas time where a GPU check builds it), k
+// a positive multiple of 64 (128 for float8); span: the swizzle span in bytes, 16 for none.
+template <bool kAllN = true>
+at::Tensor wgmma_tile(const at::Tensor& a, const at::Tensor& b, int64_t span, bool b_mn_major, bool a_in_registers,
+                      Stream stream) {
+  TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2 && a.size(0) == 64, "wgmma_tile: a must be [64, k] and b 2-D");
+  const at::ScalarType dtype = a.scalar_type();
+  TORCH_CHECK_VALUE(dtype == b.scalar_type() &&
+                        (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat8_e4m3fn),
+                    "wgmma_tile: a and b must both be bfloat16, float16 or float8_e4m3fn");
+  const int64_t k = a.size(1), n = b_mn_major ? b.size(1) : b.size(0);
+  TORCH_CHECK_VALUE((b_mn_major ? b.size(0) : b.size(1)) == k, "wgmma_tile: b's k must be a's, got ", b.sizes());
+  const int64_t k_tile = dtype == at::kFloat8_e4m3fn ? kCheckKTile<c10::Float8_e4m3fn> : kCheckKTile<c10::Half>;
+  TORCH_CHECK_VALUE(k > 0 && k % k_tile == 0, "wgmma_tile: k must be a positive multiple of ", k_tile, ", got ", k);
+  TORCH_CHECK_VALUE(n == 128 || (kAllN && (n == 64 || n == 256)), "wgmma_tile: n must be ",
+                    kAllN ? "64, 128 or 256" : "128", ", got ", n);
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  at::Tensor c = at::empty({64, n}, a.options().dtype(at::kFloat));
+  const auto run = [&](auto type_tag) {
+    using T = decltype(type_tag);
+    const T* pa = static_cast<const T*>(ac.const_data_ptr());
+    const T* pb = static_cast<const T*>(bc.const_data_ptr());
+    const int ki = static_cast<int>(k), si = static_cast<int>(span);
+    float* pc = c.data_ptr<float>();
+    if constexpr (kAllN) {
+      if (n == 64) return launch_wgmma_tile_n<T, 64>(pa, pb, pc, ki, si, b_mn_major, a_in_registers, stream);
+      if (n == 256) return launch_wgmma_tile_n<T, 256>(pa, pb, pc, ki, si, b_mn_major, a_in_registers, stream);
+    }
+    launch_wgmma_tile_n<T, 128>(pa, pb, pc, ki, si, b_mn_major, a_in_registers, stream);
+  };
+  if (dtype == at::kBFloat16) {
+    run(c10::BFloat16{});
+  } else if (dtype == at::kHalf) {
+    run(c10::Half{});
+  } else {
+    run(c10::Float8_e4m3fn{});
   }
+  return c;
 }
 
 // A TMA round trip: the box of `src_map` at `coords` is loaded into shared

@@ -280,25 +280,7 @@ at::Tensor mma_tile(const at::Tensor& a, const at::Tensor& b, bool b_rows_are_n)
 // [n, k] or (b_mn_major) [k, n]; span: the swizzle span in bytes (16: none).
 at::Tensor wgmma_tile(const at::Tensor& a, const at::Tensor& b, int64_t span, bool b_mn_major, bool a_in_registers) {
   TORCH_CHECK_VALUE(a.device().is_cpu() && b.device().is_cpu(), "wgmma_tile: a and b must be CPU tensors");
-  TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2 && a.size(0) == 64, "wgmma_tile: a must be [64, k] and b 2-D");
-  TORCH_CHECK_VALUE(a.scalar_type() == b.scalar_type() &&
-                        (a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf),
-                    "wgmma_tile: a and b must both be bfloat16 or both float16");
-  const int64_t k = a.size(1), n = b_mn_major ? b.size(1) : b.size(0);
-  TORCH_CHECK_VALUE((b_mn_major ? b.size(0) : b.size(1)) == k, "wgmma_tile: b's k must be a's, got ", b.sizes());
-  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
-  at::Tensor c = at::empty({64, n}, a.options().dtype(at::kFloat));
-  const cuda::Stream stream;
-  if (a.scalar_type() == at::kBFloat16) {
-    cuda::hopper::launch_wgmma_tile(ac.const_data_ptr<at::BFloat16>(), bc.const_data_ptr<at::BFloat16>(),
-                                    c.data_ptr<float>(), static_cast<int>(n), static_cast<int>(k),
-                                    static_cast<int>(span), b_mn_major, a_in_registers, stream);
-  } else {
-    cuda::hopper::launch_wgmma_tile(ac.const_data_ptr<at::Half>(), bc.const_data_ptr<at::Half>(), c.data_ptr<float>(),
-                                    static_cast<int>(n), static_cast<int>(k), static_cast<int>(span), b_mn_major,
-                                    a_in_registers, stream);
-  }
-  return c;
+  return cuda::hopper::wgmma_tile(a, b, span, b_mn_major, a_in_registers, cuda::Stream{});
 }
 
 // The TMA round trip (hopper_check.cuh) over CPU tensors.

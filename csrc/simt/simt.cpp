@@ -5,6 +5,7 @@
 #include "simt/simt.h"
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <signal.h>

@@ -116,6 +116,7 @@ void tma_store(const void* map, const void* src, const int32_t* coords, const ch
 struct WgmmaIssue {
   int n = 0;               // 8..256
   bool bf16 = true;        // else float16
+  bool e4m3 = false;       // float8 e4m3 (k32, K-major), whatever bf16 says
   bool a_in_registers = false;
   bool trans_a = false, trans_b = false;  // operand MN-major
   bool accumulate = true;  // scale-d

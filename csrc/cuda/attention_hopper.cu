@@ -61,10 +61,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   unsigned char* raw = dynamic_shared<unsigned char>();
   unsigned char* q_s = raw + (1024 - hopper::shared_address(raw) % 1024) % 1024;
   unsigned char* kv_s = q_s + L::kQBytes;  // stage s: K at 2 s tiles, V after it
-  auto* q_full = reinterpret_cast<uint64_t*>(kv_s + 2 * hk::kStages * L::kTileBytes);
-  uint64_t* k_full = q_full + 1;
-  uint64_t* v_full = k_full + hk::kStages;
-  uint64_t* kv_empty = v_full + hk::kStages;
+  const hk::KvRing ring(reinterpret_cast<uint64_t*>(kv_s + 2 * hk::kStages * L::kTileBytes));
   const auto k_tile = [&](int stage) { return kv_s + 2 * stage * L::kTileBytes; };
   const auto v_tile = [&](int stage) { return kv_s + (2 * stage + 1) * L::kTileBytes; };
 
@@ -77,15 +74,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   block.find_keys(mask, rows);
 
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    hopper::mbarrier_init(q_full, 1);
-    for (int s = 0; s < hk::kStages; ++s) {
-      hopper::mbarrier_init(&k_full[s], 1);
-      hopper::mbarrier_init(&v_full[s], 1);
-      hopper::mbarrier_init(&kv_empty[s], hk::kConsumers * 128);
-    }
-    hopper::mbarrier_init_fence();
-  }
+  if (tid == 0) ring.init();
   __syncthreads();
   // Uniform across each warp as the compiler can see: the products of a
   // branch it takes for divergent are serialised.
@@ -96,21 +85,11 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     if (tid == 0) {
       const int32_t pos0 = static_cast<int32_t>(seqs.q_start(b) + rows.group_pos(block.row0));
       const auto map_b = static_cast<int32_t>(seqs.packed() ? 0 : b);  // packed: one [1, H, total, D] tensor
-      hopper::mbarrier_arrive_expect_tx(q_full, L::kQBytes);
-      hk::load_query_rows<kBoxes>(q_s, map_q, heads_inner.q, order, q_full, pos0,
+      hopper::mbarrier_arrive_expect_tx(ring.q_full, L::kQBytes);
+      hk::load_query_rows<kBoxes>(q_s, map_q, heads_inner.q, order, ring.q_full, pos0,
                                   static_cast<int32_t>(g * rows.group), map_b);
-      const int64_t k_start = seqs.k_start(b);
-      for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
-        const int stage = static_cast<int>(tile % hk::kStages);
-        const unsigned round = static_cast<unsigned>(tile / hk::kStages);
-        hopper::mbarrier_wait(&kv_empty[stage], (round & 1u) ^ 1u);
-        const auto key0 = static_cast<int32_t>(k_start + block.key_lo + tile * kKeys);
-        hopper::mbarrier_arrive_expect_tx(&k_full[stage], L::kTileBytes);
-        const auto head = static_cast<int32_t>(g);
-        hk::load_key_rows<kBoxes, kKeys>(k_tile(stage), map_k, heads_inner.k, &k_full[stage], key0, head, map_b);
-        hopper::mbarrier_arrive_expect_tx(&v_full[stage], L::kTileBytes);
-        hk::load_key_rows<kBoxes, kKeys>(v_tile(stage), map_v, heads_inner.v, &v_full[stage], key0, head, map_b);
-      }
+      ring.produce<kBoxes, kKeys>(block.n_tiles, seqs.k_start(b) + block.key_lo, static_cast<int32_t>(g), map_b,
+                                  map_k, map_v, heads_inner, k_tile, v_tile);
     }
     return;
   }
@@ -118,34 +97,15 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   hopper::setmaxnreg<240, true>();
   const int t = tid - 128 * warpgroup, warp = t / 32, group = (t % 32) / 4, quad = t % 4;
   const int consumer = warpgroup - 1;
-  // This lane's rows: r = 0, 1 are rows `group` and group + 8 of its warp's
-  // 16; the keys each sees, as offsets from the block's first key in 32 bits
-  // (lo == hi: none), and all other row values worked out where needed: the
-  // registers go to the accumulators.
-  // Shared row i of Q is group row row0 + i when Q's map has heads inside
-  // positions, else position i % (kRows / group) of head i / (kRows / group).
-  // This lane's two rows as offsets from row0, worked out once.
-  int row_offset[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) row_offset[r] = order.group_row_of(consumer * 64 + warp * 16 + group + 8 * r);
-  const auto lane_row = [&](int r) { return block.row0 + row_offset[r]; };
-  int lo[2], hi[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = lane_row(r), pos = rows.group_pos(row);
-    const bool valid = row < block.rows_total;
-    const int64_t a = valid ? attn::key_begin(mask, pos) - block.key_lo : 0;
-    const int64_t z = valid ? attn::key_end(mask, pos) - block.key_lo : 0;
-    const int64_t span = block.n_tiles * kKeys;
-    lo[r] = static_cast<int>(a < 0 ? 0 : a > span ? span : a);
-    hi[r] = static_cast<int>(z < lo[r] ? lo[r] : z > span ? span : z);
-  }
+  // This lane's rows and the keys each sees (hk::LaneRows); all other row
+  // values are worked out where needed: the registers go to the accumulators.
+  const hk::LaneRows lane(block, order, rows, mask, consumer * 64 + warp * 16 + group);
+  const auto lane_row = [&](int r) { return block.row0 + lane.offset[r]; };
   constexpr bool plain = kPlain;
   // The tiles whose every key both rows see, [full_lo, full_hi): a plain call
   // scores them without testing each key.
-  const int all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
-  const int full_lo = plain && all_hi > all_lo ? (all_lo + kKeys - 1) / kKeys : 0;
-  const int full_hi = plain && all_hi > all_lo ? all_hi / kKeys : 0;
+  int full_lo = 0, full_hi = 0;
+  if (kPlain) lane.full_tiles<kKeys>(full_lo, full_hi);
 
   // Operand descriptors: Q and K K-major, V read MN-major (its rows are keys).
   const auto q_desc = [&](int ks) { return hk::k_major(q_s, hk::kRows, consumer * 64, ks); };
@@ -159,9 +119,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   for (float& x : o) x = 0.f;
 #pragma unroll
   for (int r = 0; r < 2; ++r) m[r] = -kInf, l[r] = 0.f;
-  const auto wait_keys = [&](int64_t tile) {
-    hopper::mbarrier_wait(&k_full[tile % hk::kStages], static_cast<unsigned>(tile / hk::kStages) & 1u);
-  };
+  const auto wait_keys = [&](int64_t tile) { ring.wait_keys(tile); };
   // The V tile of `tile` landed. In the tile the block's last visible key
   // cuts, the rows past it are zeroed: their probabilities are 0, but the
   // rows may hold anything (a cache's slots past a sequence's length), and
@@ -169,7 +127,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   // its own products and waits for its warpgroup's writes.
   const auto wait_values = [&](int64_t tile) {
     const int stage = static_cast<int>(tile % hk::kStages);
-    hopper::mbarrier_wait(&v_full[stage], static_cast<unsigned>(tile / hk::kStages) & 1u);
+    ring.wait_values(tile);
     const int64_t visible = block.key_hi - (block.key_lo + tile * kKeys);
     if (visible < kKeys) {
       hk::zero_rows_from<kBoxes>(v_tile(stage), kKeys, static_cast<int>(visible), t);
@@ -207,7 +165,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int key = static_cast<int>(tile) * kKeys + 8 * j + 2 * quad + c;  // from key_lo
-            const bool visible = key >= lo[r] && key < hi[r];
+            const bool visible = key >= lane.lo[r] && key < lane.hi[r];
             float& z = s[4 * j + 2 * r + c];
             z = tc::score(z, visible, plain, scale, extras, mask, b, head, pos, block.key_lo + key, nullptr);
             tile_max[r] = fmaxf(tile_max[r], z);
@@ -252,7 +210,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     }
   };
 
-  hopper::mbarrier_wait(q_full, 0);
+  hopper::mbarrier_wait(ring.q_full, 0);
   float s[kKeys / 2], alpha[2];
   mma::FragA pa[kKeys / 16];
   // O += P V of the tile whose P is in pa, committed; its V tile landed (wait_values).
@@ -309,7 +267,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       softmax(s, tile + 1, alpha);
       hopper::wgmma_wait<0>();
       values_done();
-      hopper::mbarrier_arrive(&kv_empty[tile % hk::kStages]);
+      ring.release(tile);
       rescale(alpha);
       hk::accumulators_to_frags<T, kKeys>(s, pa);
     }
@@ -320,7 +278,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       your_turn();
       hopper::wgmma_wait<0>();
       values_done();
-      hopper::mbarrier_arrive(&kv_empty[(block.n_tiles - 1) % hk::kStages]);
+      ring.release(block.n_tiles - 1);
     }
   } else {
     // Score modifiers, masks and dropout need the registers that overlapping
@@ -337,7 +295,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       issue_values(tile);
       hopper::wgmma_wait<0>();
       values_done();
-      hopper::mbarrier_arrive(&kv_empty[tile % hk::kStages]);
+      ring.release(tile);
     }
   }
 
@@ -354,13 +312,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     if (extras.mods.sinks != nullptr) {
       factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(rows.group_head(g, row)));
     }
-    T* o_row = out + out_row * d;
-#pragma unroll
-    for (int n = 0; n < kD / 8; ++n) {
-      const int c = n * 8 + 2 * quad;
-      if (c < d) o_row[c] = T(o[4 * n + 2 * r] * factor);
-      if (c + 1 < d) o_row[c + 1] = T(o[4 * n + 2 * r + 1] * factor);
-    }
+    hk::store_lane_row<T, kD>(out + out_row * d, o, r, quad, d, factor);
     if (quad == 0) lse[out_row] = lse_r;
   }
 }

@@ -130,6 +130,97 @@ __device__ __forceinline__ uint64_t mn_major(const unsigned char* tile, int rows
                                     step * 16 * 128);
 }
 
+// The mbarriers of a block that streams K/V tiles past its query rows (the
+// forward, dQ): the query-side tiles' full barrier, and per stage the K and V
+// tiles' full barriers and their empty one, which all consumer threads arrive at.
+struct KvRing {
+  static constexpr int kBarriers = 1 + 3 * kStages;
+  uint64_t *q_full, *k_full, *v_full, *kv_empty;
+
+  __device__ __forceinline__ explicit KvRing(uint64_t* bars)
+      : q_full(bars), k_full(bars + 1), v_full(bars + 1 + kStages), kv_empty(bars + 1 + 2 * kStages) {}
+  // By thread 0, before the block's __syncthreads.
+  __device__ __forceinline__ void init() const {
+    hopper::mbarrier_init(q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      hopper::mbarrier_init(&k_full[s], 1);
+      hopper::mbarrier_init(&v_full[s], 1);
+      hopper::mbarrier_init(&kv_empty[s], kConsumers * 128);
+    }
+    hopper::mbarrier_init_fence();
+  }
+  // The producer's thread: n_tiles tiles of kKeys keys from map key key0 of
+  // kv head `head` into k_tile(stage) and v_tile(stage), each stage once
+  // its consumers freed it.
+  template <int kBoxes, int kKeys, typename KTile, typename VTile>
+  __device__ __forceinline__ void produce(int64_t n_tiles, int64_t key0, int32_t head, int32_t batch,
+                                          const hopper::TensorMap& map_k, const hopper::TensorMap& map_v,
+                                          const HeadsInner& heads_inner, KTile&& k_tile, VTile&& v_tile) const {
+    constexpr uint32_t kTileBytes = kKeys * kBoxes * 128;
+    for (int64_t tile = 0; tile < n_tiles; ++tile) {
+      const int stage = static_cast<int>(tile % kStages);
+      const unsigned round = static_cast<unsigned>(tile / kStages);
+      hopper::mbarrier_wait(&kv_empty[stage], (round & 1u) ^ 1u);
+      const auto key = static_cast<int32_t>(key0 + tile * kKeys);
+      hopper::mbarrier_arrive_expect_tx(&k_full[stage], kTileBytes);
+      load_key_rows<kBoxes, kKeys>(k_tile(stage), map_k, heads_inner.k, &k_full[stage], key, head, batch);
+      hopper::mbarrier_arrive_expect_tx(&v_full[stage], kTileBytes);
+      load_key_rows<kBoxes, kKeys>(v_tile(stage), map_v, heads_inner.v, &v_full[stage], key, head, batch);
+    }
+  }
+  __device__ __forceinline__ void wait_keys(int64_t tile) const {
+    hopper::mbarrier_wait(&k_full[tile % kStages], static_cast<unsigned>(tile / kStages) & 1u);
+  }
+  __device__ __forceinline__ void wait_values(int64_t tile) const {
+    hopper::mbarrier_wait(&v_full[tile % kStages], static_cast<unsigned>(tile / kStages) & 1u);
+  }
+  __device__ __forceinline__ void release(int64_t tile) const { hopper::mbarrier_arrive(&kv_empty[tile % kStages]); }
+};
+
+// A consumer lane's two query rows (r = 0, 1: rows `group` and group + 8 of
+// its warp's 16) as offsets from the block's row0, and the keys each sees as
+// offsets from its key_lo in 32 bits (lo == hi: none; rows past the block's
+// rows see none), for a block of kKeys-key tiles.
+struct LaneRows {
+  int offset[2], lo[2], hi[2];
+
+  template <int kBlockRows, int kKeys>
+  __device__ __forceinline__ LaneRows(const tc::QueryBlock<kBlockRows, kKeys>& block, const RowOrder& order,
+                                      const attn::QueryRows& rows, const Mask& mask, int first_row) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      offset[r] = order.group_row_of(first_row + 8 * r);
+      const int64_t row = block.row0 + offset[r], pos = rows.group_pos(row);
+      const bool valid = row < block.rows_total;
+      const int64_t a = valid ? attn::key_begin(mask, pos) - block.key_lo : 0;
+      const int64_t z = valid ? attn::key_end(mask, pos) - block.key_lo : 0;
+      const int64_t span = block.n_tiles * kKeys;
+      lo[r] = static_cast<int>(a < 0 ? 0 : a > span ? span : a);
+      hi[r] = static_cast<int>(z < lo[r] ? lo[r] : z > span ? span : z);
+    }
+  }
+  // The tiles whose every key both rows see, [first, last).
+  template <int kKeys>
+  __device__ __forceinline__ void full_tiles(int& first, int& last) const {
+    const int all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
+    first = all_hi > all_lo ? (all_lo + kKeys - 1) / kKeys : 0;
+    last = all_hi > all_lo ? all_hi / kKeys : 0;
+  }
+};
+
+// Stores lane row r of a 64 x kD accumulator (hopper.cuh's layout) times
+// `factor` into dst_row as T, the head dim's first d elements.
+template <typename T, int kD>
+__device__ __forceinline__ void store_lane_row(T* dst_row, const float (&acc)[kD / 2], int r, int quad, int d,
+                                               float factor) {
+#pragma unroll
+  for (int n = 0; n < kD / 8; ++n) {
+    const int c = n * 8 + 2 * quad;
+    if (c < d) dst_row[c] = T(acc[4 * n + 2 * r] * factor);
+    if (c + 1 < d) dst_row[c + 1] = T(acc[4 * n + 2 * r + 1] * factor);
+  }
+}
+
 // q, k, v, dO or O ([B, H, S, D] with any strides, or packed as [1, H, total, D])
 // as a tensor map: the head dim, then heads and positions in the order of
 // their strides, then the batch, each dimension's stride at least the extent

@@ -79,10 +79,7 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
   unsigned char* do_s = q_s + L::kQBytes;
   unsigned char* o_s = do_s + L::kQBytes;
   unsigned char* kv_s = o_s + L::kQBytes;  // stage s: K at 2 s tiles, V after it
-  auto* q_full = reinterpret_cast<uint64_t*>(kv_s + 2 * hk::kStages * L::kTileBytes);
-  uint64_t* k_full = q_full + 1;
-  uint64_t* v_full = k_full + hk::kStages;
-  uint64_t* kv_empty = v_full + hk::kStages;
+  const hk::KvRing ring(reinterpret_cast<uint64_t*>(kv_s + 2 * hk::kStages * L::kTileBytes));
   const auto k_tile = [&](int stage) { return kv_s + 2 * stage * L::kTileBytes; };
   const auto v_tile = [&](int stage) { return kv_s + (2 * stage + 1) * L::kTileBytes; };
 
@@ -94,15 +91,7 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
   block.find_keys(mask, rows);
 
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    hopper::mbarrier_init(q_full, 1);
-    for (int s = 0; s < hk::kStages; ++s) {
-      hopper::mbarrier_init(&k_full[s], 1);
-      hopper::mbarrier_init(&v_full[s], 1);
-      hopper::mbarrier_init(&kv_empty[s], hk::kConsumers * 128);
-    }
-    hopper::mbarrier_init_fence();
-  }
+  if (tid == 0) ring.init();
   __syncthreads();
   const int warpgroup = __shfl_sync(kFullMask, tid / 128, 0);
 
@@ -112,22 +101,12 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
       const int32_t pos0 = static_cast<int32_t>(seqs.q_start(b) + rows.group_pos(block.row0));
       const auto map_b = static_cast<int32_t>(seqs.packed() ? 0 : b);  // packed: one [1, H, total, D] tensor
       const auto head0 = static_cast<int32_t>(g * rows.group);
-      hopper::mbarrier_arrive_expect_tx(q_full, 3 * L::kQBytes);
-      hk::load_query_rows<kBoxes>(q_s, map_q, heads_inner.q, order, q_full, pos0, head0, map_b);
-      hk::load_query_rows<kBoxes>(do_s, map_do, heads_inner.dout, order, q_full, pos0, head0, map_b);
-      hk::load_query_rows<kBoxes>(o_s, map_o, heads_inner.out, order, q_full, pos0, head0, map_b);
-      const int64_t k_start = seqs.k_start(b);
-      for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
-        const int stage = static_cast<int>(tile % hk::kStages);
-        const unsigned round = static_cast<unsigned>(tile / hk::kStages);
-        hopper::mbarrier_wait(&kv_empty[stage], (round & 1u) ^ 1u);
-        const auto key0 = static_cast<int32_t>(k_start + block.key_lo + tile * kKeys);
-        const auto head = static_cast<int32_t>(g);
-        hopper::mbarrier_arrive_expect_tx(&k_full[stage], L::kTileBytes);
-        hk::load_key_rows<kBoxes, kKeys>(k_tile(stage), map_k, heads_inner.k, &k_full[stage], key0, head, map_b);
-        hopper::mbarrier_arrive_expect_tx(&v_full[stage], L::kTileBytes);
-        hk::load_key_rows<kBoxes, kKeys>(v_tile(stage), map_v, heads_inner.v, &v_full[stage], key0, head, map_b);
-      }
+      hopper::mbarrier_arrive_expect_tx(ring.q_full, 3 * L::kQBytes);
+      hk::load_query_rows<kBoxes>(q_s, map_q, heads_inner.q, order, ring.q_full, pos0, head0, map_b);
+      hk::load_query_rows<kBoxes>(do_s, map_do, heads_inner.dout, order, ring.q_full, pos0, head0, map_b);
+      hk::load_query_rows<kBoxes>(o_s, map_o, heads_inner.out, order, ring.q_full, pos0, head0, map_b);
+      ring.produce<kBoxes, kKeys>(block.n_tiles, seqs.k_start(b) + block.key_lo, static_cast<int32_t>(g), map_b,
+                                  map_k, map_v, heads_inner, k_tile, v_tile);
     }
     return;
   }
@@ -135,34 +114,26 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
   hopper::setmaxnreg<240, true>();
   const int t = tid - 128 * warpgroup, warp = t / 32, group = (t % 32) / 4, quad = t % 4;
   const int consumer = warpgroup - 1;
-  // This lane's rows r = 0, 1 (rows `group` and group + 8 of its warp's 16)
-  // as offsets from row0, the keys each sees as offsets from key_lo (lo ==
-  // hi: none), and its lse.
-  int row_offset[2], lo[2], hi[2];
+  // This lane's rows and the keys each sees (hk::LaneRows), and its lse.
+  const hk::LaneRows lane(block, order, rows, mask, consumer * 64 + warp * 16 + group);
+  const auto lane_row = [&](int r) { return block.row0 + lane.offset[r]; };
   float lse_row[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    row_offset[r] = order.group_row_of(consumer * 64 + warp * 16 + group + 8 * r);
-    const int64_t row = block.row0 + row_offset[r], pos = rows.group_pos(row);
-    const bool valid = row < block.rows_total;
-    const int64_t a = valid ? attn::key_begin(mask, pos) - block.key_lo : 0;
-    const int64_t z = valid ? attn::key_end(mask, pos) - block.key_lo : 0;
-    const int64_t span = block.n_tiles * kKeys;
-    lo[r] = static_cast<int>(a < 0 ? 0 : a > span ? span : a);
-    hi[r] = static_cast<int>(z < lo[r] ? lo[r] : z > span ? span : z);
-    lse_row[r] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[rows.row_of_group_row(b, g, row)]) : 0.f;
+    const int64_t row = lane_row(r);
+    lse_row[r] = row < block.rows_total
+                     ? attn::ScalarOps<float>::finite_or_zero(lse[rows.row_of_group_row(b, g, row)])
+                     : 0.f;
   }
-  const auto lane_row = [&](int r) { return block.row0 + row_offset[r]; };
   const bool unmodified = kPlain || (!extras.mods.any_score_mod() && !extras.mask.present());
   // The tiles whose every key both rows see: a plain call scores them without testing each key.
-  const int all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
-  const int full_lo = kPlain && all_hi > all_lo ? (all_lo + kKeys - 1) / kKeys : 0;
-  const int full_hi = kPlain && all_hi > all_lo ? all_hi / kKeys : 0;
+  int full_lo = 0, full_hi = 0;
+  if (kPlain) lane.full_tiles<kKeys>(full_lo, full_hi);
 
   // delta of this lane's rows (0 where the block sees no key: its rows' outputs are 0).
   float dlt[2] = {0.f, 0.f};
   if (block.n_tiles > 0) {
-    hopper::mbarrier_wait(q_full, 0);
+    hopper::mbarrier_wait(ring.q_full, 0);
     float c[32];  // dO O^T of this consumer's 64 rows
     hopper::fence_operand(c);
     hopper::wgmma_fence();
@@ -201,9 +172,8 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
   // S = Q K^T and dP = dO V^T of a tile, issued and committed once its K and V have landed.
   const auto issue_scores = [&](int64_t tile) {
     const int stage = stage_of(tile);
-    const unsigned parity = static_cast<unsigned>(tile / hk::kStages) & 1u;
-    hopper::mbarrier_wait(&k_full[stage], parity);
-    hopper::mbarrier_wait(&v_full[stage], parity);
+    ring.wait_keys(tile);
+    ring.wait_values(tile);
     hopper::fence_operand(s);
     hopper::fence_operand(dp);
     hopper::wgmma_fence();
@@ -243,7 +213,7 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
         for (int c = 0; c < 2; ++c) {
           const int e = 4 * j + 2 * r + c;
           const int key = static_cast<int>(tile) * kKeys + 8 * j + 2 * quad + c;  // from key_lo
-          const bool visible = key >= lo[r] && key < hi[r];
+          const bool visible = key >= lane.lo[r] && key < lane.hi[r];
           float dcap;
           const float x = tc::score(s[e], visible, unmodified, scale, extras, mask, b, head, pos,
                                     block.key_lo + key, &dcap);
@@ -282,7 +252,7 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
     hopper::fence_operand(dq);
 #pragma unroll
     for (int i = 0; i < kKeys / 16; ++i) hopper::fence_operand(ds[i]);
-    hopper::mbarrier_arrive(&kv_empty[stage_of(tile)]);
+    ring.release(tile);
   };
   if constexpr (kPlain) {
     // Tile j + 1's S and dP are issued before tile j's dQ += dS K, and their
@@ -329,13 +299,7 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
   for (int r = 0; r < 2; ++r) {
     const int64_t row = lane_row(r);
     if (row >= block.rows_total) continue;
-    T* dq_row = grad_q + rows.row_of_group_row(b, g, row) * d;
-#pragma unroll
-    for (int n = 0; n < kD / 8; ++n) {
-      const int c = n * 8 + 2 * quad;
-      if (c < d) dq_row[c] = T(dq[4 * n + 2 * r] * scale);
-      if (c + 1 < d) dq_row[c + 1] = T(dq[4 * n + 2 * r + 1] * scale);
-    }
+    hk::store_lane_row<T, kD>(grad_q + rows.row_of_group_row(b, g, row) * d, dq, r, quad, d, scale);
   }
 }
 
@@ -542,20 +506,8 @@ attention_hopper_dkdv_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_
   for (int r = 0; r < 2; ++r) {
     const int64_t key = warp_j0 + group + 8 * r;
     if (key >= j_end) continue;
-    T* dk_row = grad_k + (kv_row0 + key) * d;
-    T* dv_row = grad_v + (kv_row0 + key) * d;
-#pragma unroll
-    for (int n = 0; n < kD / 8; ++n) {
-      const int c = n * 8 + 2 * quad;
-      if (c < d) {
-        dk_row[c] = T(dk[4 * n + 2 * r] * scale);
-        dv_row[c] = T(dv[4 * n + 2 * r]);
-      }
-      if (c + 1 < d) {
-        dk_row[c + 1] = T(dk[4 * n + 2 * r + 1] * scale);
-        dv_row[c + 1] = T(dv[4 * n + 2 * r + 1]);
-      }
-    }
+    hk::store_lane_row<T, kD>(grad_k + (kv_row0 + key) * d, dk, r, quad, d, scale);
+    hk::store_lane_row<T, kD>(grad_v + (kv_row0 + key) * d, dv, r, quad, d, 1.f);
   }
 }
 

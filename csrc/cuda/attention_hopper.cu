@@ -97,15 +97,16 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   hopper::setmaxnreg<240, true>();
   const int t = tid - 128 * warpgroup, warp = t / 32, group = (t % 32) / 4, quad = t % 4;
   const int consumer = warpgroup - 1;
-  // This lane's rows and the keys each sees (hk::LaneRows); all other row
+  // This lane's rows and the keys each sees (hk::lane_rows); all other row
   // values are worked out where needed: the registers go to the accumulators.
-  const hk::LaneRows lane(block, order, rows, mask, consumer * 64 + warp * 16 + group);
-  const auto lane_row = [&](int r) { return block.row0 + lane.offset[r]; };
+  int row_offset[2], lo[2], hi[2];
+  hk::lane_rows(block, order, rows, mask, consumer * 64 + warp * 16 + group, row_offset, lo, hi);
+  const auto lane_row = [&](int r) { return block.row0 + row_offset[r]; };
   constexpr bool plain = kPlain;
   // The tiles whose every key both rows see, [full_lo, full_hi): a plain call
   // scores them without testing each key.
-  int full_lo = 0, full_hi = 0;
-  if (kPlain) lane.full_tiles<kKeys>(full_lo, full_hi);
+  const int full_lo = kPlain ? hk::first_full_tile<kKeys>(lo, hi) : 0;
+  const int full_hi = kPlain ? hk::end_full_tile<kKeys>(lo, hi) : 0;
 
   // Operand descriptors: Q and K K-major, V read MN-major (its rows are keys).
   const auto q_desc = [&](int ks) { return hk::k_major(q_s, hk::kRows, consumer * 64, ks); };
@@ -165,7 +166,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int key = static_cast<int>(tile) * kKeys + 8 * j + 2 * quad + c;  // from key_lo
-            const bool visible = key >= lane.lo[r] && key < lane.hi[r];
+            const bool visible = key >= lo[r] && key < hi[r];
             float& z = s[4 * j + 2 * r + c];
             z = tc::score(z, visible, plain, scale, extras, mask, b, head, pos, block.key_lo + key, nullptr);
             tile_max[r] = fmaxf(tile_max[r], z);

@@ -178,35 +178,40 @@ struct KvRing {
 };
 
 // A consumer lane's two query rows (r = 0, 1: rows `group` and group + 8 of
-// its warp's 16) as offsets from the block's row0, and the keys each sees as
-// offsets from its key_lo in 32 bits (lo == hi: none; rows past the block's
-// rows see none), for a block of kKeys-key tiles.
-struct LaneRows {
-  int offset[2], lo[2], hi[2];
-
-  template <int kBlockRows, int kKeys>
-  __device__ __forceinline__ LaneRows(const tc::QueryBlock<kBlockRows, kKeys>& block, const RowOrder& order,
-                                      const attn::QueryRows& rows, const Mask& mask, int first_row) {
+// its warp's 16, shared row first_row + 8 r) as offsets from the block's row0,
+// and the keys each sees as offsets from its key_lo in 32 bits (lo == hi:
+// none; rows past the block's rows see none), for a block of kKeys-key tiles.
+// The offsets first, then the ranges: in one loop, ptxas (nvcc 13.0, sm_90a)
+// gave the forward's key-tile loop 64 more instructions (other conversions of P).
+template <int kBlockRows, int kKeys>
+__device__ __forceinline__ void lane_rows(const tc::QueryBlock<kBlockRows, kKeys>& block, const RowOrder& order,
+                                          const attn::QueryRows& rows, const Mask& mask, int first_row,
+                                          int (&offset)[2], int (&lo)[2], int (&hi)[2]) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      offset[r] = order.group_row_of(first_row + 8 * r);
-      const int64_t row = block.row0 + offset[r], pos = rows.group_pos(row);
-      const bool valid = row < block.rows_total;
-      const int64_t a = valid ? attn::key_begin(mask, pos) - block.key_lo : 0;
-      const int64_t z = valid ? attn::key_end(mask, pos) - block.key_lo : 0;
-      const int64_t span = block.n_tiles * kKeys;
-      lo[r] = static_cast<int>(a < 0 ? 0 : a > span ? span : a);
-      hi[r] = static_cast<int>(z < lo[r] ? lo[r] : z > span ? span : z);
-    }
+  for (int r = 0; r < 2; ++r) offset[r] = order.group_row_of(first_row + 8 * r);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = block.row0 + offset[r], pos = rows.group_pos(row);
+    const bool valid = row < block.rows_total;
+    const int64_t a = valid ? attn::key_begin(mask, pos) - block.key_lo : 0;
+    const int64_t z = valid ? attn::key_end(mask, pos) - block.key_lo : 0;
+    const int64_t span = block.n_tiles * kKeys;
+    lo[r] = static_cast<int>(a < 0 ? 0 : a > span ? span : a);
+    hi[r] = static_cast<int>(z < lo[r] ? lo[r] : z > span ? span : z);
   }
-  // The tiles whose every key both rows see, [first, last).
-  template <int kKeys>
-  __device__ __forceinline__ void full_tiles(int& first, int& last) const {
-    const int all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
-    first = all_hi > all_lo ? (all_lo + kKeys - 1) / kKeys : 0;
-    last = all_hi > all_lo ? all_hi / kKeys : 0;
-  }
-};
+}
+
+// The tiles both rows of a lane see every key of, [first, last) (lane_rows' lo and hi).
+template <int kKeys>
+__device__ __forceinline__ int first_full_tile(const int (&lo)[2], const int (&hi)[2]) {
+  const int all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
+  return all_hi > all_lo ? (all_lo + kKeys - 1) / kKeys : 0;
+}
+template <int kKeys>
+__device__ __forceinline__ int end_full_tile(const int (&lo)[2], const int (&hi)[2]) {
+  const int all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
+  return all_hi > all_lo ? all_hi / kKeys : 0;
+}
 
 // Stores lane row r of a 64 x kD accumulator (hopper.cuh's layout) times
 // `factor` into dst_row as T, the head dim's first d elements.

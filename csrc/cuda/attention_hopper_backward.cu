@@ -114,9 +114,10 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
   hopper::setmaxnreg<240, true>();
   const int t = tid - 128 * warpgroup, warp = t / 32, group = (t % 32) / 4, quad = t % 4;
   const int consumer = warpgroup - 1;
-  // This lane's rows and the keys each sees (hk::LaneRows), and its lse.
-  const hk::LaneRows lane(block, order, rows, mask, consumer * 64 + warp * 16 + group);
-  const auto lane_row = [&](int r) { return block.row0 + lane.offset[r]; };
+  // This lane's rows and the keys each sees (hk::lane_rows), and its lse.
+  int row_offset[2], lo[2], hi[2];
+  hk::lane_rows(block, order, rows, mask, consumer * 64 + warp * 16 + group, row_offset, lo, hi);
+  const auto lane_row = [&](int r) { return block.row0 + row_offset[r]; };
   float lse_row[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -127,8 +128,8 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
   }
   const bool unmodified = kPlain || (!extras.mods.any_score_mod() && !extras.mask.present());
   // The tiles whose every key both rows see: a plain call scores them without testing each key.
-  int full_lo = 0, full_hi = 0;
-  if (kPlain) lane.full_tiles<kKeys>(full_lo, full_hi);
+  const int full_lo = kPlain ? hk::first_full_tile<kKeys>(lo, hi) : 0;
+  const int full_hi = kPlain ? hk::end_full_tile<kKeys>(lo, hi) : 0;
 
   // delta of this lane's rows (0 where the block sees no key: its rows' outputs are 0).
   float dlt[2] = {0.f, 0.f};
@@ -213,7 +214,7 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
         for (int c = 0; c < 2; ++c) {
           const int e = 4 * j + 2 * r + c;
           const int key = static_cast<int>(tile) * kKeys + 8 * j + 2 * quad + c;  // from key_lo
-          const bool visible = key >= lane.lo[r] && key < lane.hi[r];
+          const bool visible = key >= lo[r] && key < hi[r];
           float dcap;
           const float x = tc::score(s[e], visible, unmodified, scale, extras, mask, b, head, pos,
                                     block.key_lo + key, &dcap);

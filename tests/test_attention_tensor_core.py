@@ -307,9 +307,9 @@ def test_strided_layouts_match_reference(device, layout):
 
 @pytest.mark.parametrize("q_heads_inner", [True, False], ids=["q_bshd", "q_bhsd"])
 def test_grad_out_layout_keeps_the_gradients(device, q_heads_inner):
-    """dO whose heads and positions are ordered otherwise than q's loads into
-    q's row order (the Hopper backward then loads it a position or a head at
-    a time): the gradients are the same bits as with dO laid out as q."""
+    """dO whose heads and positions are ordered otherwise than q's: the
+    Hopper backward loads the one that differs from its tiles' row order a
+    position or a head at a time; the gradients match the reference either way."""
     b, hq, hkv, s, d = 1, 8, 2, 100, 64
 
     def make(heads):
@@ -325,9 +325,8 @@ def test_grad_out_layout_keeps_the_gradients(device, q_heads_inner):
         first = torch.autograd.grad(out, (q, k, v), like_q, retain_graph=True)
         second = torch.autograd.grad(out, (q, k, v), other)
     check_ran(counts, *backward_kernels(d, hq // hkv)[0])
-    for x, y in zip(first, second):
-        assert torch.equal(x, y)
     check_against_reference(q, k, v, out, like_q, first, torch.bfloat16, causal=True)
+    check_against_reference(q, k, v, out, other, second, torch.bfloat16, causal=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

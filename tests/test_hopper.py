@@ -188,6 +188,8 @@ MISUSE = {
     "tma_bytes_never_arrive": r"deadlock, .* \(its phase 0 waits for 0 of 1 arrivals and 2048 transaction bytes\)",
     "tma_box_past_shared": r"tma_load at csrc/simt/selftest.cpp:\d+: the box of 2048 bytes at shared offset 0x\w+ "
                            r"ends past the block's \d+ bytes of dynamic shared memory",
+    "tma_box_inside_atom": r"tma_load at csrc/simt/selftest.cpp:\d+: the shared destination 0x\w+ of a 128-byte "
+                           r"swizzled box is not aligned to its swizzle atom \(1024 bytes\)",
     "partial_warpgroup": r"wgmma_fence at csrc/simt/selftest.cpp:\d+: warpgroup 0 \(warps 0 to 3\) is not whole: "
                          r"the block has 96 threads",
     "misaligned_warpgroup": r"deadlock, .*in wgmma_wait at csrc/simt/selftest.cpp:\d+ \(warpgroup 0\);.*"

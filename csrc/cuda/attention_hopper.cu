@@ -339,7 +339,8 @@ bool launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream strea
   }
   const attn::QueryRows rows = rows_of(p);
   const int group = static_cast<int>(rows.group);
-  const hk::RowOrder order = hk::row_order(q_map, group, hk::kRows);
+  hk::RowOrder order;
+  hk::row_order({&q_map}, q_map, group, hk::kRows, order);  // q's own: one box per 64 of the head dim
   const hopper::TensorMap map_q = q_map.encode_rows(p.q, order.pos_major, group, hk::kRows / group);
   tc::with_mma_dtype(dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);

@@ -1,15 +1,20 @@
 // What the Hopper attention kernels (sm_90a: attention_hopper.cu, the forward;
 // attention_hopper_backward.cu, dQ and dK/dV) share: the block's shape (a TMA
-// producer warpgroup and two consumer warpgroups), q, k, v and dO as tensor
-// maps, and how a tile of a group's query rows lands in shared memory.
+// producer warpgroup and two consumer warpgroups), q, k, v, dO and O as
+// tensor maps, how a tile of a group's query rows lands in shared memory, the
+// TMA loads, the K/V ring, a consumer lane's rows, the operand descriptors,
+// and the zeroing and storing of rows.
 //
 // Operand tiles are written by TMA with the 128-byte swizzle, in boxes of 64
 // head-dim elements: a tile of R rows is kD / 64 boxes of R rows of 128 bytes.
 // A tile of query rows holds P positions of all G query heads of one kv head
 // (P G rows), landing position-major (row p G + h) or head-major (row h P + p)
-// as q's strides order them (RowOrder); dO and O land in q's order whatever
-// their own strides, in pieces where they differ.
+// (RowOrder): q's order where every operand of the tile can land that way in
+// whole 8-row swizzle atoms, loading a position or a head at a time where its
+// strides order heads and positions otherwise.
 #pragma once
+
+#include <initializer_list>
 
 #include "attention_mma.cuh"
 #include "hopper.cuh"
@@ -280,9 +285,27 @@ inline int log2_of(int n) {
   return k;
 }
 
-// The row order of tiles of `tile_rows` query rows of a group (dividing tile_rows) for q's map.
-inline RowOrder row_order(const AttentionMap& q_map, int group, int tile_rows) {
-  return RowOrder{q_map.heads_inner, log2_of(group), log2_of(tile_rows / group)};
+// Whether `map` loads a tile of `tile_rows` query rows of a group in that
+// order as whole 8-row swizzle atoms: in one box per 64 of the head dim, or
+// in pieces (a position's heads or a head's positions) of a multiple of 8 rows.
+inline bool loads_in_atoms(const AttentionMap& map, bool pos_major, int group, int tile_rows) {
+  return map.heads_inner == pos_major || (pos_major ? group : tile_rows / group) % 8 == 0;
+}
+
+// The order of tiles of `tile_rows` query rows of a group (dividing
+// tile_rows) in which every map loads in whole atoms: q's own if it serves,
+// else the other; false where neither does.
+inline bool row_order(std::initializer_list<const AttentionMap*> maps, const AttentionMap& q_map, int group,
+                      int tile_rows, RowOrder& order) {
+  for (const bool pos_major : {q_map.heads_inner, !q_map.heads_inner}) {
+    bool all = true;
+    for (const AttentionMap* m : maps) all = all && loads_in_atoms(*m, pos_major, group, tile_rows);
+    if (all) {
+      order = RowOrder{pos_major, log2_of(group), log2_of(tile_rows / group)};
+      return true;
+    }
+  }
+  return false;
 }
 
 }  // namespace hk

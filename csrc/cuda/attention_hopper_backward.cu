@@ -531,6 +531,11 @@ bool launch_attention_hopper_backward(const AttentionBackwardPlan& p, const at::
   }
   const attn::QueryRows rows = rows_of(p);
   const int group = static_cast<int>(rows.group);
+  hk::RowOrder dq_order, dkdv_order;  // of dQ's 128-row blocks, of dK/dV's 64-row tiles
+  if (!hk::row_order({&q_map, &do_map, &o_map}, q_map, group, hk::kRows, dq_order) ||
+      !hk::row_order({&q_map, &do_map}, q_map, group, hk::kTileRows, dkdv_order)) {
+    return false;
+  }
   const hk::HeadsInner heads_inner{q_map.heads_inner, k_map.heads_inner, v_map.heads_inner, do_map.heads_inner,
                                    o_map.heads_inner};
   tc::with_mma_dtype(dtype, [&](auto dtype_tag) {
@@ -540,7 +545,7 @@ bool launch_attention_hopper_backward(const AttentionBackwardPlan& p, const at::
       constexpr bool kIsPlain = decltype(kPlain)::value;
       using Dq = hk::DqLayout<kD>;
       {  // dQ: blocks of 128 query rows
-        const hk::RowOrder order = hk::row_order(q_map, group, hk::kRows);
+        const hk::RowOrder& order = dq_order;
         const int positions = hk::kRows / group;
         auto kernel = attention_hopper_dq_kernel<T, kD, kIsPlain>;
         allow_shared_memory(kernel, Dq::smem());
@@ -555,7 +560,7 @@ bool launch_attention_hopper_backward(const AttentionBackwardPlan& p, const at::
                static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras, heads_inner, order);
       }
       {  // dK, dV: blocks of 128 keys, tiles of 64 query rows
-        const hk::RowOrder order = hk::row_order(q_map, group, hk::kTileRows);
+        const hk::RowOrder& order = dkdv_order;
         const int positions = hk::kTileRows / group;
         auto kernel = attention_hopper_dkdv_kernel<T, kD, kIsPlain>;
         const size_t bytes = hk::DkdvLayout<kD>::smem();

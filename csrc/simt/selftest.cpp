@@ -126,7 +126,8 @@ __global__ void wgmma_shared_stores_kernel(float* out, int mode) {
 
 // mbarrier misuse: a wait on a phase nobody completes (mode 0), an expected
 // transaction count that a smaller copy never completes (1), a TMA box past the
-// end of shared memory (2); a copy read before waiting reads NaN (3).
+// end of shared memory (2), a swizzled box starting inside a swizzle atom (4);
+// a copy read before waiting reads NaN (3).
 __global__ void mbarrier_misuse_kernel(const FUSEDLLM_GRID_CONSTANT hp::TensorMap map, float* out, int mode) {
   unsigned char* raw = dynamic_shared<unsigned char>();
   unsigned char* tile = raw + (1024 - hp::shared_address(raw) % 1024) % 1024;
@@ -143,7 +144,9 @@ __global__ void mbarrier_misuse_kernel(const FUSEDLLM_GRID_CONSTANT hp::TensorMa
     }
     hp::mbarrier_wait(bar, 0);
   } else if (mode == 2) {
-    if (threadIdx.x == 0) hp::tma_load(tile + 4096 - 512, map, bar, at);
+    if (threadIdx.x == 0) hp::tma_load(tile + 4096, map, bar, at);
+  } else if (mode == 4) {
+    if (threadIdx.x == 0) hp::tma_load(tile + 512, map, bar, at);
   } else {
     if (threadIdx.x == 0) {
       hp::mbarrier_arrive_expect_tx(bar, 2048);
@@ -214,9 +217,9 @@ std::vector<float> run_selftest(const std::string& name) {
                      : name == "wgmma_without_fence" ? 2 : 3;
     cuda::launch("wgmma_shared_stores_kernel", wgmma_shared_stores_kernel, 1, 128, 1024 + 4096, stream, o, mode);
   } else if (name == "mbarrier_never_completes" || name == "tma_bytes_never_arrive" || name == "tma_box_past_shared" ||
-             name == "tma_read_before_wait") {
+             name == "tma_box_inside_atom" || name == "tma_read_before_wait") {
     const int mode = name == "mbarrier_never_completes" ? 0 : name == "tma_bytes_never_arrive" ? 1
-                     : name == "tma_box_past_shared" ? 2 : 3;
+                     : name == "tma_box_past_shared" ? 2 : name == "tma_box_inside_atom" ? 4 : 3;
     static std::vector<c10::BFloat16> source = [] {
       std::vector<c10::BFloat16> v(64 * 64);
       for (size_t i = 0; i < v.size(); ++i) v[i] = c10::BFloat16(static_cast<float>(i % 64));

@@ -1,11 +1,12 @@
 """The tensor-core attention kernels (bfloat16 / float16 on sm_80+,
-csrc/cuda/attention_mma*.cu, and the Hopper forward of attention_hopper.cu):
+csrc/cuda/attention_mma*.cu, and the Hopper kernels of attention_hopper*.cu):
 which kernel dispatch picks; values, log-sum-exp and gradients against the
 float64 reference over group ratios, lengths, head dims, masks and every
 option; the dropout pattern; packed sequences; and no shared-memory bank
 conflicts. They run under the emulator ("simt", "simt-warp") and on a GPU
-("cuda"), never on the CPU kernels: with the mma.sync forward, and again with
-the Hopper forward (on request) wherever it serves the call and can run."""
+("cuda"), never on the CPU kernels: with the mma.sync kernels, and again with
+the Hopper forward and backward (on request) wherever they serve the call and
+can run."""
 
 import contextlib
 import functools
@@ -76,10 +77,10 @@ def _hopper_runs_here():
 
 @pytest.fixture(autouse=True, params=["mma", "hopper"])
 def forward_kernel(request, device):
-    """The grid runs with the mma.sync forward and again with the Hopper forward
-    (FUSEDLLM_CUDA_ATTENTION=hopper) wherever that can run."""
+    """The grid runs with the mma.sync kernels and again with the Hopper forward
+    and backward (FUSEDLLM_CUDA_ATTENTION=hopper) wherever they can run."""
     if request.param == "hopper" and not _hopper_runs_here():
-        pytest.skip("the Hopper forward needs the emulator or an sm_90 GPU with sm_90a machine code")
+        pytest.skip("the Hopper kernels need the emulator or an sm_90 GPU with sm_90a machine code")
     saved = os.environ.get("FUSEDLLM_CUDA_ATTENTION")
     if request.param == "hopper":
         os.environ["FUSEDLLM_CUDA_ATTENTION"] = "hopper"
@@ -306,7 +307,7 @@ def test_strided_layouts_match_reference(device, layout):
 
 
 @pytest.mark.parametrize("q_heads_inner", [True, False], ids=["q_bshd", "q_bhsd"])
-def test_grad_out_layout_keeps_the_gradients(device, q_heads_inner):
+def test_grad_out_in_another_layout_matches_reference(device, q_heads_inner):
     """dO whose heads and positions are ordered otherwise than q's: the
     Hopper backward loads the one that differs from its tiles' row order a
     position or a head at a time; the gradients match the reference either way."""

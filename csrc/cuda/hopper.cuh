@@ -16,8 +16,9 @@
 //   A from registers (64 x 16): the m16n8k16 A fragment of mma.cuh for rows 16w..16w+15;
 //     float8 (64 x 32): r[i] holds row 16w + g + 8 (i % 2), elements 16 (i / 2) + 4q .. + 3
 //     (the first in the low byte), as mma.sync m16n8k32's A fragment
-// Shared-memory operands: A is 64 x 16 and B is N x 16 (row n holds column n of
-// the product's right operand), each K-major (a row's 16 elements together) or
+// Shared-memory operands: A is 64 x 16 and B is N x 16 (x 32 for float8: the
+// same 32 bytes a row; row n of B holds column n of the product's right
+// operand), each K-major (a row's elements together) or
 // MN-major (consecutive rows' elements together), described by
 // make_descriptor (start, leading and stride byte offsets, swizzle); see
 // operand_offset in csrc/simt/hopper.inc for the canonical layouts. A swizzled

@@ -13,12 +13,13 @@ at::Tensor wgmma_tile(const at::Tensor& a, const at::Tensor& b, int64_t span, bo
                                                    at::cuda::getCurrentCUDAStream());
 }
 
-// The TMA round trip (hopper_check.cuh) over CUDA tensors.
+// The TMA round trip (hopper_check.cuh) over CUDA tensors, the box landing
+// `offset` bytes past a 1024-byte boundary.
 std::tuple<at::Tensor, at::Tensor> tma_box(const at::Tensor& src, std::vector<int64_t> box,
-                                           std::vector<int64_t> coords, int64_t swizzle) {
+                                           std::vector<int64_t> coords, int64_t swizzle, int64_t offset) {
   TORCH_CHECK_VALUE(src.is_cuda(), "tma_box: src must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(src.device());
-  return fusedllm::cuda::hopper::tma_box(src, box, coords, swizzle, at::cuda::getCurrentCUDAStream());
+  return fusedllm::cuda::hopper::tma_box(src, box, coords, swizzle, at::cuda::getCurrentCUDAStream(), offset);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

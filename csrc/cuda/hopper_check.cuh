@@ -258,14 +258,15 @@ at::Tensor wgmma_tile(const at::Tensor& a, const at::Tensor& b, int64_t span, bo
 }
 
 // A TMA round trip: the box of `src_map` at `coords` is loaded into shared
-// memory, its bytes as they landed (swizzled) copied to `image`, and the box
-// stored from there to `dst_map` at the same coordinates.
+// memory `offset` bytes (a multiple of 128) past a 1024-byte boundary, its
+// bytes as they landed (swizzled) copied to `image`, and the box stored from
+// there to `dst_map` at the same coordinates.
 template <int kRank>
 __global__ void __launch_bounds__(128)
     tma_box_kernel(const FUSEDLLM_GRID_CONSTANT TensorMap src_map, const FUSEDLLM_GRID_CONSTANT TensorMap dst_map,
-                   TmaCoords coords, int box_bytes, unsigned char* image) {
+                   TmaCoords coords, int box_bytes, int offset, unsigned char* image) {
   unsigned char* raw = dynamic_shared<unsigned char>();
-  unsigned char* tile = raw + (1024 - shared_address(raw) % 1024) % 1024;
+  unsigned char* tile = raw + (1024 - shared_address(raw) % 1024) % 1024 + offset;
   auto* bar = reinterpret_cast<uint64_t*>(tile + ((box_bytes + 127) / 128) * 128);
   int32_t at[kRank];
   for (int d = 0; d < kRank; ++d) at[d] = coords.c[d];
@@ -313,9 +314,14 @@ struct TmaShape {
 
 // The round trip over a contiguous copy of src at `coords` (innermost
 // first): the box's shared-memory bytes as they landed, and a zero tensor
-// with the box stored. swizzle_bytes: 0, 32, 64 or 128.
+// with the box stored. swizzle_bytes: 0, 32, 64 or 128; offset: where the
+// box lands past a 1024-byte boundary (the emulator refuses a swizzled box
+// inside a swizzle atom; a GPU check asks the hardware).
 inline std::tuple<at::Tensor, at::Tensor> tma_box(const at::Tensor& src, at::IntArrayRef box,
-                                                  at::IntArrayRef coords, int64_t swizzle_bytes, Stream stream) {
+                                                  at::IntArrayRef coords, int64_t swizzle_bytes, Stream stream,
+                                                  int64_t offset = 0) {
+  TORCH_CHECK_VALUE(offset >= 0 && offset < 1024 && offset % 128 == 0,
+                    "tma_box: offset must be a multiple of 128 below 1024, got ", offset);
   const at::Tensor s = src.contiguous();
   const TmaShape shape(s, box, "tma_box");
   TORCH_CHECK_VALUE(shape.rank >= 1 && shape.rank <= 5 && static_cast<int>(coords.size()) == shape.rank,
@@ -328,10 +334,11 @@ inline std::tuple<at::Tensor, at::Tensor> tma_box(const at::Tensor& src, at::Int
   TmaCoords at{};
   for (int d = 0; d < shape.rank; ++d) at.c[d] = static_cast<int32_t>(coords[d]);
   unsigned char* out = image.data_ptr<uint8_t>();
-  const size_t smem = 1024 + ((box_bytes + 127) / 128) * 128 + 8;
+  const size_t smem = 1024 + static_cast<size_t>(offset) + ((box_bytes + 127) / 128) * 128 + 8;
   const auto go = [&](auto kernel) {
     allow_dynamic_shared_memory(kernel, smem);
-    launch("tma_box_kernel", kernel, 1, 128, smem, stream, src_map, dst_map, at, box_bytes, out);
+    launch("tma_box_kernel", kernel, 1, 128, smem, stream, src_map, dst_map, at, box_bytes,
+           static_cast<int>(offset), out);
   };
   switch (shape.rank) {
     case 1: go(tma_box_kernel<1>); break;

@@ -89,7 +89,8 @@ def test_check_product_bad_arguments():
         torch.ops.fusedllm_simt_selftest.wgmma_tile(a8, torch.zeros(64, 64, dtype=torch.float8_e4m3fn), 128, False,
                                                     False)
     a8 = torch.zeros(64, 128, dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="^wgmma_tile: float8 wgmma reads K-major operands only: b must be \\[n, k\\]$"):
+    refused = "^wgmma_tile: float8 wgmma reads K-major operands only: b must be \\[n, k\\]$"
+    with pytest.raises(ValueError, match=refused):
         torch.ops.fusedllm_simt_selftest.wgmma_tile(a8, torch.zeros(128, 128, dtype=torch.float8_e4m3fn), 128, True,
                                                     False)
 

@@ -1,7 +1,7 @@
 // The Hopper attention backward (bfloat16 / float16, head dims up to 64, 128
-// in plain calls; sm_90a): the tensor-core backward's two deterministic kernels (no atomics)
-// on wgmma, with a TMA producer warpgroup and two consumer warpgroups as in
-// the forward (attention_hopper.cuh):
+// in plain calls; sm_90a): the tensor-core backward's two deterministic
+// kernels (no atomics) on wgmma, with a TMA producer warpgroup and two
+// consumer warpgroups as in the forward (attention_hopper.cuh):
 //
 //   dQ: a block holds 128 query rows of one kv head (64 per consumer) with
 //       their Q, dO and O. First delta = rowsum(dO * O), as the diagonal of
@@ -525,8 +525,9 @@ bool launch_attention_hopper_backward(const AttentionBackwardPlan& p, const at::
   // At head dim 128 the general scoring (modifiers, masks, dropout) spilled
   // in dK/dV beside its 128 registers of dK and dV: those calls keep the
   // mma.sync backward.
-  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || s.head_dim > hk::kBwdMaxHeadDim || (s.head_dim > 64 && !plain) ||
-      smem > device_properties().sharedMemPerBlockOptin || hk::kTileRows % p.rows.group != 0 || !q_map.ok || !do_map.ok || !o_map.ok || !k_map.ok || !v_map.ok) {
+  if ((dtype != at::kBFloat16 && dtype != at::kHalf) || s.head_dim > hk::kBwdMaxHeadDim ||
+      (s.head_dim > 64 && !plain) || smem > device_properties().sharedMemPerBlockOptin ||
+      hk::kTileRows % p.rows.group != 0 || !q_map.ok || !do_map.ok || !o_map.ok || !k_map.ok || !v_map.ok) {
     return false;
   }
   const attn::QueryRows rows = rows_of(p);

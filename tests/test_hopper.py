@@ -69,8 +69,9 @@ def test_check_product_under_the_emulator(dtype, span, b_mn_major, a_in_register
 @pytest.mark.simt
 @pytest.mark.parametrize("schedule", ["lockstep", "reverse", "warp-random"])
 @pytest.mark.parametrize("n", [64, 256])
-def test_check_product_shapes_and_schedules(n, schedule):
-    a, b, expected = operands(torch.bfloat16, n, 128, False, exact=False)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_check_product_shapes_and_schedules(dtype, n, schedule):
+    a, b, expected = operands(dtype, n, 128, False, exact=False)
     with simt().kernels(schedule=schedule):
         c = torch.ops.fusedllm_simt_selftest.wgmma_tile(a, b, 128, False, False)
     check(c, expected, exact=False)

@@ -2,8 +2,9 @@
 attention with repeated K/V, F.scaled_dot_product_attention(enable_gqa=True),
 torch.compile of the eager version, and fusedllm.attention; on a GPU also SDPA
 restricted to each of its backends (flash, cuDNN, memory-efficient, math),
-fusedllm held to its SIMT kernels and, on an sm_90 GPU, fusedllm with its
-Hopper kernels (FUSEDLLM_CUDA_ATTENTION=hopper, forward and backward).
+fusedllm held to its SIMT kernels and, on an sm_90 GPU (where fusedllm takes
+its Hopper kernels), fusedllm held to its mma.sync tensor-core kernels
+(FUSEDLLM_CUDA_ATTENTION=mma, forward and backward).
 
     python benchmarks/bench_attention.py            # B=1, Hq=32, Hkv=8, D=128, S in 512/2048/4096
     python benchmarks/bench_attention.py --quick    # small sizes, fewer repetitions
@@ -110,7 +111,7 @@ def attention_request(request):
 def fused_held_core(request):
     """fusedllm.attention under FUSEDLLM_CUDA_ATTENTION=request: "simt" holds it
     to its SIMT kernels (which bfloat16 / float16 calls leave for the tensor
-    cores on sm_80+), "hopper" takes the Hopper kernels where they serve. The
+    cores on sm_80+), "mma" to the mma.sync tensor-core kernels. The
     timed backward runs under the same request (core.request)."""
     def core(q, k, v):
         with attention_request(request):
@@ -119,8 +120,8 @@ def fused_held_core(request):
     return core
 
 
-def hopper_forward_here(device):
-    """An sm_90 GPU and a build with sm_90a machine code: the Hopper kernels can run."""
+def hopper_kernels_here(device):
+    """An sm_90 GPU and a build with sm_90a machine code: fusedllm takes its Hopper kernels."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
             and "90a-real" in fusedllm.build_info().get("cuda_archs", []))
 
@@ -130,8 +131,8 @@ def candidates(with_compile, device):
     if device.type == "cuda":
         c.update({name: sdpa_backend_core(backend) for name, backend in SDPA_BACKENDS.items()})
         c["fusedllm_simt"] = fused_held_core("simt")
-        if hopper_forward_here(device):
-            c["fusedllm_hopper"] = fused_held_core("hopper")
+        if hopper_kernels_here(device):
+            c["fusedllm_mma"] = fused_held_core("mma")
     if with_compile:
         # A fresh compilation per case: each shape and dtype is its own graph.
         torch._dynamo.reset()
@@ -157,8 +158,6 @@ def bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cor
     with torch.no_grad():
         reference = cores["sdpa"](q, k, v).float()
         max_diff = (cores["fusedllm"](q, k, v).float() - reference).abs().max().item()
-        hopper_diff = ((cores["fusedllm_hopper"](q, k, v).float() - reference).abs().max().item()
-                       if "fusedllm_hopper" in cores else None)
         unsupported = {}
         for n in [n for n in names if n in SDPA_BACKENDS]:
             try:  # a backend that cannot run this case (dtype, GQA, GPU) raises; it is listed as skipped
@@ -232,7 +231,6 @@ def bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cor
             gflops={n: flops / t / 1e9 for n, t in times.items()},
             peak_mb={n: b / 2**20 for n, b in peaks.items()},
             max_abs_diff_vs_sdpa=max_diff,
-            hopper_max_abs_diff_vs_sdpa=hopper_diff,
         )
         for n in calls:
             row[f"{n}_ms"] = times[n] * 1e3
@@ -259,7 +257,7 @@ COLUMNS = [
     ("vs_compile", "× compile", ".2f"),
     *((f"vs_{name}", f"× SDPA {name[5:]}", ".2f") for name in SDPA_BACKENDS),
     ("vs_fusedllm_simt", "× fusedllm SIMT kernel", ".2f"),
-    ("vs_fusedllm_hopper", "× fusedllm Hopper kernels", ".2f"),
+    ("vs_fusedllm_mma", "× fusedllm mma.sync kernels", ".2f"),
     ("fused_gflops", "fusedllm GFLOP/s", ".0f"),
     ("matmul_gflops", "matmul GFLOP/s", ".0f"),
     ("pct_matmul", "fusedllm % of matmul", ".0f"),

@@ -4,9 +4,10 @@ which kernel dispatch picks; values, log-sum-exp and gradients against the
 float64 reference over group ratios, lengths, head dims, masks and every
 option; the dropout pattern; packed sequences; and no shared-memory bank
 conflicts. They run under the emulator ("simt", "simt-warp") and on a GPU
-("cuda"), never on the CPU kernels: with the mma.sync kernels, and again with
-the Hopper forward and backward (on request) wherever they serve the call and
-can run."""
+("cuda"), never on the CPU kernels: with the mma.sync kernels
+(FUSEDLLM_CUDA_ATTENTION=mma), and again with the Hopper forward and backward
+(=hopper; the default on an sm_90 GPU) wherever they serve the call and can
+run."""
 
 import contextlib
 import functools
@@ -77,13 +78,12 @@ def _hopper_runs_here():
 
 @pytest.fixture(autouse=True, params=["mma", "hopper"])
 def forward_kernel(request, device):
-    """The grid runs with the mma.sync kernels and again with the Hopper forward
-    and backward (FUSEDLLM_CUDA_ATTENTION=hopper) wherever they can run."""
+    """The grid runs with the mma.sync kernels (FUSEDLLM_CUDA_ATTENTION=mma) and
+    again with the Hopper forward and backward (=hopper) wherever they can run."""
     if request.param == "hopper" and not _hopper_runs_here():
         pytest.skip("the Hopper kernels need the emulator or an sm_90 GPU with sm_90a machine code")
     saved = os.environ.get("FUSEDLLM_CUDA_ATTENTION")
-    if request.param == "hopper":
-        os.environ["FUSEDLLM_CUDA_ATTENTION"] = "hopper"
+    os.environ["FUSEDLLM_CUDA_ATTENTION"] = request.param
     _forward["kernel"] = request.param
     yield request.param
     _forward["kernel"] = "mma"
@@ -230,7 +230,7 @@ def test_simt_kernel_on_request(device, monkeypatch):
     ref, _ = ref_attention(q.double(), k.double(), v.double())
     assert_close(out, ref, FORWARD_TOL[torch.bfloat16], "out")
     monkeypatch.setenv("FUSEDLLM_CUDA_ATTENTION", "tensor-cores")
-    with pytest.raises(ValueError, match="FUSEDLLM_CUDA_ATTENTION must be 'auto', 'simt' or 'hopper'"):
+    with pytest.raises(ValueError, match="FUSEDLLM_CUDA_ATTENTION must be 'auto', 'simt', 'mma' or 'hopper'"):
         fusedllm.attention(q, k, v)
 
 

@@ -130,6 +130,8 @@ def tma_image(src, box, coords, swizzle, offset=0):
 TMA_BOXES = [  # shape (outermost first), box and coords (innermost first), swizzle, dtype
     ((40, 64), [64, 16], [0, 30], 128, torch.bfloat16),       # rows past the end read zero
     ((3, 5, 48), [16, 4, 2], [-8, 3, 2], 32, torch.bfloat16),  # negative and past-the-end coordinates
+    ((3, 5, 48), [16, 4, 2], [-8, 3, 2], 0, torch.bfloat16),   # the same unswizzled
+    ((3, 5, 48), [16, 4, 2], [8, 3, 2], 32, torch.bfloat16),   # the same swizzle, inside
     ((2, 3, 4, 40), [32, 3, 2, 2], [8, 1, 2, 0], 64, torch.bfloat16),
     ((2, 2, 3, 4, 24), [8, 4, 2, 2, 1], [16, 2, 1, 0, 1], 0, torch.float32),
     ((100,), [32], [80], 0, torch.float32),

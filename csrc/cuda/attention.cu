@@ -353,9 +353,11 @@ std::vector<std::string> attention_kernels() {
           "attention_dkdv_kernel (SIMT)",
           "attention_mma_forward_kernel (tensor cores: bfloat16/float16, sm_80+)",
           "attention_hopper_forward_kernel (wgmma and TMA: bfloat16/float16, head dims up to 128, 256 in plain "
-          "calls, sm_90a, on request)",
-          "attention_hopper_dq_kernel (wgmma and TMA: bfloat16/float16, head dims up to 128, sm_90a, on request)",
-          "attention_hopper_dkdv_kernel (wgmma and TMA: bfloat16/float16, head dims up to 128, sm_90a, on request)",
+          "calls, sm_90a)",
+          "attention_hopper_dq_kernel (wgmma and TMA: bfloat16/float16, head dims up to 64, 128 in plain calls, "
+          "sm_90a)",
+          "attention_hopper_dkdv_kernel (wgmma and TMA: bfloat16/float16, head dims up to 64, 128 in plain calls, "
+          "sm_90a)",
           "attention_mma_delta_kernel (tensor cores: bfloat16/float16, sm_80+)",
           "attention_mma_dq_kernel (tensor cores: bfloat16/float16, sm_80+)",
           "attention_mma_dkdv_kernel (tensor cores: bfloat16/float16, sm_80+, head dims up to 128)"};

@@ -97,15 +97,17 @@ struct BlockPlace {
 };
 
 // A block of kBlockRows query rows (position, head) of its kv head's group in
-// sequence b, from row blockIdx.x kBlockRows (empty past the sequence's rows),
-// and the keys any of them sees under `mask`, in tiles of kKeys.
+// sequence b (empty past the sequence's rows), and the keys any of them sees
+// under `mask`, in tiles of kKeys. The grid's first blocks take the last rows:
+// under a causal mask they see the most keys, and starting the longest blocks
+// first leaves short ones, not long ones, for the last wave.
 template <int kBlockRows, int kKeys>
 struct QueryBlock {
   int64_t rows_total, row0;
   int64_t key_lo = 0, key_hi = 0, n_tiles = 0;
 
   __device__ __forceinline__ QueryBlock(const attn::QueryRows& rows, int64_t sq)
-      : rows_total(sq * rows.group), row0(static_cast<int64_t>(blockIdx.x) * kBlockRows) {}
+      : rows_total(sq * rows.group), row0(static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBlockRows) {}
   __device__ __forceinline__ bool empty() const { return row0 >= rows_total; }
   __device__ __forceinline__ void find_keys(const Mask& mask, const attn::QueryRows& rows) {
     const int64_t last_row = (row0 + kBlockRows < rows_total ? row0 + kBlockRows : rows_total) - 1;
@@ -402,32 +404,37 @@ __device__ __forceinline__ float score(float acc, bool visible, bool plain, floa
 
 // FUSEDLLM_CUDA_ATTENTION=simt keeps every call on the SIMT kernels: benchmarks
 // compare the two, and the emulated test suite runs its broad attention grid on
-// the SIMT kernels (the tensor-core kernels have their own grid). "hopper":
-// the Hopper kernels (attention_hopper*.cu) wherever they serve a call and the
-// device runs them (the emulator; an sm_90 GPU with this build's sm_90a machine
-// code); it stays a request until it has been measured on a GPU. Unset or
-// "auto": the choice below.
-enum class AttentionRequest { kAuto, kSimt, kHopper };
+// the SIMT kernels (the tensor-core kernels have their own grid). "mma": the
+// mma.sync tensor-core kernels, never the Hopper ones. "hopper": the Hopper
+// kernels (attention_hopper*.cu) wherever they serve a call, on the emulator
+// too. Unset or "auto": the Hopper kernels on an sm_90 GPU with this build's
+// sm_90a machine code (2-3x the mma.sync kernels' speed there), else the
+// choice below; the emulated device is an sm_80 one.
+enum class AttentionRequest { kAuto, kSimt, kMma, kHopper };
 inline AttentionRequest attention_request() {
   const char* value = std::getenv("FUSEDLLM_CUDA_ATTENTION");
   if (value == nullptr || *value == '\0' || std::string(value) == "auto") return AttentionRequest::kAuto;
   if (std::string(value) == "simt") return AttentionRequest::kSimt;
+  if (std::string(value) == "mma") return AttentionRequest::kMma;
   TORCH_CHECK_VALUE(std::string(value) == "hopper",
-                    "FUSEDLLM_CUDA_ATTENTION must be 'auto', 'simt' or 'hopper', got '", value, "'");
+                    "FUSEDLLM_CUDA_ATTENTION must be 'auto', 'simt', 'mma' or 'hopper', got '", value, "'");
   return AttentionRequest::kHopper;
 }
 inline bool simt_attention_requested() { return attention_request() == AttentionRequest::kSimt; }
 
-// Whether the Hopper kernels run here: requested, and on the emulator or an
-// sm_90 GPU with this build's sm_90a machine code.
+// Whether the Hopper kernels run here: on the emulator when requested; on an
+// sm_90 GPU with this build's sm_90a machine code unless another kernel family
+// is requested.
 inline bool hopper_attention_available() {
-  if (attention_request() != AttentionRequest::kHopper) return false;
+  const AttentionRequest request = attention_request();
 #if defined(FUSEDLLM_SIMT)
-  return true;
+  return request == AttentionRequest::kHopper;
 #elif defined(FUSEDLLM_SM90A_IMAGE)
+  if (request != AttentionRequest::kAuto && request != AttentionRequest::kHopper) return false;
   const auto& props = device_properties();
   return props.major == 9 && props.minor == 0;
 #else
+  (void)request;
   return false;
 #endif
 }

@@ -3,7 +3,8 @@
 // holds 128 query rows (position, head) of one kv head and sequence, in
 // QueryRows' group order, so every K/V tile serves all query heads of the
 // group. Warpgroup 0 is the producer: one thread issues TMA loads of Q and of K
-// and V tiles into a two-stage ring (full and empty mbarriers) and the
+// and V tiles into a two-stage ring (full and empty mbarriers, K's and V's
+// apart: K is freed once S is done, so the next K load overlaps P V) and the
 // warpgroup gives its registers up. Warpgroups 1 and 2 are consumers, 64 rows
 // each: S = Q K^T on wgmma from shared memory, the online softmax on S's
 // accumulators in registers (the m16n8 accumulator layout of the mma.sync
@@ -38,7 +39,7 @@ struct Layout {
   static constexpr int kQBytes = kRows * kD * 2;
   static constexpr int kTileBytes = kKeys * kD * 2;  // one K or V tile
   // Q, then each stage's K and V, then the mbarriers; 1024 bytes to align the tiles.
-  static constexpr size_t smem() { return 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * (1 + 3 * kStages); }
+  static constexpr size_t smem() { return 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * hk::KvRing::kBarriers; }
 };
 
 }  // namespace hk
@@ -253,6 +254,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       your_turn();
       hopper::wgmma_wait<0>();
       scores_done();
+      ring.release_keys(0);
       softmax(s, 0, alpha);
       hk::accumulators_to_frags<T, kKeys>(s, pa);  // O is zero: nothing to rescale
     }
@@ -265,10 +267,11 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       your_turn();
       hopper::wgmma_wait<1>();  // the scores, not P V
       scores_done();
+      ring.release_keys(tile + 1);
       softmax(s, tile + 1, alpha);
       hopper::wgmma_wait<0>();
       values_done();
-      ring.release(tile);
+      ring.release_values(tile);
       rescale(alpha);
       hk::accumulators_to_frags<T, kKeys>(s, pa);
     }
@@ -279,7 +282,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       your_turn();
       hopper::wgmma_wait<0>();
       values_done();
-      ring.release(block.n_tiles - 1);
+      ring.release_values(block.n_tiles - 1);
     }
   } else {
     // Score modifiers, masks and dropout need the registers that overlapping
@@ -289,6 +292,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       issue_scores(s, tile);
       hopper::wgmma_wait<0>();
       scores_done();
+      ring.release_keys(tile);
       softmax(s, tile, alpha);
       rescale(alpha);
       hk::accumulators_to_frags<T, kKeys>(s, pa);
@@ -296,7 +300,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       issue_values(tile);
       hopper::wgmma_wait<0>();
       values_done();
-      ring.release(tile);
+      ring.release_values(tile);
     }
   }
 

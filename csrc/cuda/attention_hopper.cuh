@@ -139,24 +139,27 @@ __device__ __forceinline__ uint64_t mn_major(const unsigned char* tile, int rows
 // forward, dQ): the query-side tiles' full barrier, and per stage the K and V
 // tiles' full barriers and their empty one, which all consumer threads arrive at.
 struct KvRing {
-  static constexpr int kBarriers = 1 + 3 * kStages;
-  uint64_t *q_full, *k_full, *v_full, *kv_empty;
+  static constexpr int kBarriers = 1 + 4 * kStages;
+  uint64_t *q_full, *k_full, *v_full, *k_empty, *v_empty;
 
   __device__ __forceinline__ explicit KvRing(uint64_t* bars)
-      : q_full(bars), k_full(bars + 1), v_full(bars + 1 + kStages), kv_empty(bars + 1 + 2 * kStages) {}
+      : q_full(bars), k_full(bars + 1), v_full(bars + 1 + kStages), k_empty(bars + 1 + 2 * kStages),
+        v_empty(bars + 1 + 3 * kStages) {}
   // By thread 0, before the block's __syncthreads.
   __device__ __forceinline__ void init() const {
     hopper::mbarrier_init(q_full, 1);
     for (int s = 0; s < kStages; ++s) {
       hopper::mbarrier_init(&k_full[s], 1);
       hopper::mbarrier_init(&v_full[s], 1);
-      hopper::mbarrier_init(&kv_empty[s], kConsumers * 128);
+      hopper::mbarrier_init(&k_empty[s], kConsumers * 128);
+      hopper::mbarrier_init(&v_empty[s], kConsumers * 128);
     }
     hopper::mbarrier_init_fence();
   }
   // The producer's thread: n_tiles tiles of kKeys keys from map key key0 of
-  // kv head `head` into k_tile(stage) and v_tile(stage), each stage once
-  // its consumers freed it.
+  // kv head `head` into k_tile(stage) and v_tile(stage), each tile once its
+  // consumers freed it. K and V are freed apart: a consumer done with a K tile
+  // before its V tile (the forward) lets the next K load start a product early.
   template <int kBoxes, int kKeys, typename KTile, typename VTile>
   __device__ __forceinline__ void produce(int64_t n_tiles, int64_t key0, int32_t head, int32_t batch,
                                           const hopper::TensorMap& map_k, const hopper::TensorMap& map_v,
@@ -164,11 +167,12 @@ struct KvRing {
     constexpr uint32_t kTileBytes = kKeys * kBoxes * 128;
     for (int64_t tile = 0; tile < n_tiles; ++tile) {
       const int stage = static_cast<int>(tile % kStages);
-      const unsigned round = static_cast<unsigned>(tile / kStages);
-      hopper::mbarrier_wait(&kv_empty[stage], (round & 1u) ^ 1u);
+      const unsigned free_parity = (static_cast<unsigned>(tile / kStages) & 1u) ^ 1u;
       const auto key = static_cast<int32_t>(key0 + tile * kKeys);
+      hopper::mbarrier_wait(&k_empty[stage], free_parity);
       hopper::mbarrier_arrive_expect_tx(&k_full[stage], kTileBytes);
       load_key_rows<kBoxes, kKeys>(k_tile(stage), map_k, heads_inner.k, &k_full[stage], key, head, batch);
+      hopper::mbarrier_wait(&v_empty[stage], free_parity);
       hopper::mbarrier_arrive_expect_tx(&v_full[stage], kTileBytes);
       load_key_rows<kBoxes, kKeys>(v_tile(stage), map_v, heads_inner.v, &v_full[stage], key, head, batch);
     }
@@ -179,7 +183,17 @@ struct KvRing {
   __device__ __forceinline__ void wait_values(int64_t tile) const {
     hopper::mbarrier_wait(&v_full[tile % kStages], static_cast<unsigned>(tile / kStages) & 1u);
   }
-  __device__ __forceinline__ void release(int64_t tile) const { hopper::mbarrier_arrive(&kv_empty[tile % kStages]); }
+  // Each consumer thread, once the products reading the tile completed.
+  __device__ __forceinline__ void release_keys(int64_t tile) const {
+    hopper::mbarrier_arrive(&k_empty[tile % kStages]);
+  }
+  __device__ __forceinline__ void release_values(int64_t tile) const {
+    hopper::mbarrier_arrive(&v_empty[tile % kStages]);
+  }
+  __device__ __forceinline__ void release(int64_t tile) const {
+    release_keys(tile);
+    release_values(tile);
+  }
 };
 
 // A consumer lane's two query rows (r = 0, 1: rows `group` and group + 8 of

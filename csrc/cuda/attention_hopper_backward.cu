@@ -42,7 +42,7 @@ struct DqLayout {
   static constexpr int kQBytes = kRows * kD * 2;     // Q, dO, and O
   static constexpr int kTileBytes = kKeys * kD * 2;  // one K or V tile
   // Q, dO, O, each stage's K and V, the mbarriers; 1024 bytes to align the tiles.
-  static constexpr size_t smem() { return 1024 + 3 * kQBytes + 2 * kStages * kTileBytes + 8 * (1 + 3 * kStages); }
+  static constexpr size_t smem() { return 1024 + 3 * kQBytes + 2 * kStages * kTileBytes + 8 * hk::KvRing::kBarriers; }
 };
 
 template <int kD>

@@ -194,12 +194,6 @@ __device__ __forceinline__ acc_t smem_dot(const acc_t* a, const acc_t* b, int n)
   return out[0];
 }
 
-// tanh of a capped score: in float as 1 - 2 / (exp(2x) + 1) on the fast exp
-// and reciprocal, a few instructions where tanhf takes about twenty; its
-// absolute error (about 1e-7) is what a softmax logit cares about.
-__device__ __forceinline__ float capped_tanh(float x) { return 1.f - __fdividef(2.f, __expf(2.f * x) + 1.f); }
-__device__ __forceinline__ double capped_tanh(double x) { return ::tanh(x); }
-
 // What a score sees besides causal/window: soft-capping and ALiBi, the
 // caller's mask (added, or -inf where a bool mask is False) and the dropout of
 // its probability.
@@ -217,9 +211,9 @@ struct ScoreExtras {
   __device__ __forceinline__ acc_t modified(acc_t s, int64_t b, int64_t h, int64_t p, int64_t key,
                                             acc_t* dcap) const {
     if (mods.softcap > 0) {
-      const acc_t cap = static_cast<acc_t>(mods.softcap), inv_cap = acc_t(1) / cap;
-      s = cap * capped_tanh(s * inv_cap);
-      if (dcap != nullptr) *dcap = act::cap_slope(s, inv_cap);
+      const acc_t cap = static_cast<acc_t>(mods.softcap);
+      s = act::capped<act::ScalarMath>(s, cap);
+      if (dcap != nullptr) *dcap = act::cap_slope(s, acc_t(1) / cap);
     }
     if (mods.alibi != nullptr) s += mods.slope<acc_t>(b, h) * attn::alibi_distance<acc_t>(p, key);
     return s;

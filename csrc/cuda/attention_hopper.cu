@@ -103,7 +103,6 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   int row_offset[2], lo[2], hi[2];
   hk::lane_rows(block, order, rows, mask, consumer * 64 + warp * 16 + group, row_offset, lo, hi);
   const auto lane_row = [&](int r) { return block.row0 + row_offset[r]; };
-  constexpr bool plain = kPlain;
   // The tiles whose every key both rows see, [full_lo, full_hi): a plain call
   // scores them without testing each key.
   const int full_lo = kPlain ? hk::first_full_tile<kKeys>(lo, hi) : 0;
@@ -159,21 +158,14 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
         tile_max[(e / 2) % 2] = fmaxf(tile_max[(e / 2) % 2], s[e]);
       }
     } else {
+      const auto head_pos = [&](int r, int64_t& head, int64_t& pos) {
+        head = rows.group_head(g, lane_row(r));
+        pos = rows.group_pos(lane_row(r));
+      };
+      hk::tile_scores<kKeys, kPlain>(s, scale, extras, mask, b, head_pos, block.key_lo,
+                                     static_cast<int>(tile) * kKeys, quad, lo, hi);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t row = lane_row(r), head = rows.group_head(g, row), pos = rows.group_pos(row);
-#pragma unroll
-        for (int j = 0; j < kKeys / 8; ++j) {
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const int key = static_cast<int>(tile) * kKeys + 8 * j + 2 * quad + c;  // from key_lo
-            const bool visible = key >= lo[r] && key < hi[r];
-            float& z = s[4 * j + 2 * r + c];
-            z = tc::score(z, visible, plain, scale, extras, mask, b, head, pos, block.key_lo + key, nullptr);
-            tile_max[r] = fmaxf(tile_max[r], z);
-          }
-        }
-      }
+      for (int e = 0; e < kKeys / 2; ++e) tile_max[(e / 2) % 2] = fmaxf(tile_max[(e / 2) % 2], s[e]);
     }
     float shift[2];
 #pragma unroll

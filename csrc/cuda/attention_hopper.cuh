@@ -137,7 +137,7 @@ __device__ __forceinline__ uint64_t mn_major(const unsigned char* tile, int rows
 
 // The mbarriers of a block that streams K/V tiles past its query rows (the
 // forward, dQ): the query-side tiles' full barrier, and per stage the K and V
-// tiles' full barriers and their empty one, which all consumer threads arrive at.
+// tiles' full barriers and their empty ones, which all consumer threads arrive at.
 struct KvRing {
   static constexpr int kBarriers = 1 + 4 * kStages;
   uint64_t *q_full, *k_full, *v_full, *k_empty, *v_empty;
@@ -230,6 +230,76 @@ template <int kKeys>
 __device__ __forceinline__ int end_full_tile(const int (&lo)[2], const int (&hi)[2]) {
   const int all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
   return all_hi > all_lo ? all_hi / kKeys : 0;
+}
+
+// The scores of a tile's accumulators s[4 j + 2 r + c] (lane row r, key
+// tile_key + 8 j + 2 quad + c counted from the block's key_lo, which is key
+// `key_lo` of the sequence): scaled, -inf where the row does not see the key
+// (lane_rows' lo and hi); then, unless kPlain, each score modifier and the
+// tensor mask as its own pass over all of them behind one uniform branch, in
+// tc::score's order and arithmetic (soft cap, ALiBi, mask), so that the
+// backward's recomputed scores are these. Passes keep the executed loop short
+// and nearly branch-free; every option tested per score was about four
+// branches a score. head_pos(r, head, pos) gives lane row r's query head and
+// position, worked out in the passes that need them, not held through the tile.
+template <int kKeys, bool kPlain, typename HeadPos>
+__device__ __forceinline__ void tile_scores(float (&s)[kKeys / 2], float scale, const ScoreExtras& extras,
+                                            const Mask& mask, int64_t b, HeadPos&& head_pos, int64_t key_lo,
+                                            int tile_key, int quad, const int (&lo)[2], const int (&hi)[2]) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const auto key_of = [&](int j, int c) { return tile_key + 8 * j + 2 * quad + c; };
+#pragma unroll
+  for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int key = key_of(j, c);
+        float& z = s[4 * j + 2 * r + c];
+        z = key >= lo[r] && key < hi[r] ? z * scale : -kInf;
+      }
+    }
+  }
+  if constexpr (!kPlain) {
+    if (extras.mods.softcap > 0) {
+      const float cap = static_cast<float>(extras.mods.softcap);
+#pragma unroll
+      for (float& z : s) {
+        const float x = act::capped<act::ScalarMath>(z, cap);  // finite at -inf: -cap
+        z = z == -kInf ? z : x;
+      }
+    }
+    if (extras.mods.alibi != nullptr) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        int64_t head, pos;
+        head_pos(r, head, pos);
+        const float slope = extras.mods.slope<float>(b, head);
+#pragma unroll
+        for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            s[4 * j + 2 * r + c] += slope * attn::alibi_distance<float>(pos + mask.offset, key_lo + key_of(j, c));
+          }
+        }
+      }
+    }
+    if (extras.mask.present()) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        int64_t head, pos;
+        head_pos(r, head, pos);
+#pragma unroll
+        for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float& z = s[4 * j + 2 * r + c];
+            if (z != -kInf) z = extras.masked(z, b, head, pos, key_lo + key_of(j, c));
+          }
+        }
+      }
+    }
+  }
 }
 
 // Stores lane row r of a 64 x kD accumulator (hopper.cuh's layout) times

@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_amx.h"
 #include "attention_gemm.h"
 #include "attention_lanes.h"
 #include "attention_pair_words.h"
@@ -306,6 +307,7 @@ struct ForwardTask {
   const bool decoding;  // at most kNarrowRows rows, on the pair or float lanes
   const int64_t sr_ld;  // of the rows x keys scores of a decoding tile in w.sr
   bool int_k = false, int_v = false;  // decoding over int8 codes on int16 pairs
+  bool amx = false;  // a prefill tile's products on the AMX tiles (the AMX variant)
 
   ForwardTask(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w, int64_t b,
               int64_t g, int64_t p0, int64_t npos)
@@ -323,9 +325,21 @@ struct ForwardTask {
       int_v = decoding && v.quantized() && !v.float8;
     }
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    // Whole tiles of 32 head dims (16 pair words), key tiles of whole 16-row
+    // tiles, and P's row-major pair words fit where K's were (kbuf): other
+    // shapes stay on vdpbf16ps.
+    if constexpr (kPairs) {
+      const int64_t p16 = round_up(ceil_div(t.block_k, 2), 16);
+      amx = !decoding && d % 32 == 0 && t.block_k % 32 == 0 && ld * p16 <= t.block_k * d_pad;
+    }
+#endif
   }
 
   void run(int64_t split, int64_t splits) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx) configure_tiles();
+#endif
     stage_queries();
     std::fill(w.o, w.o + ld * d_pad, acc_t(0));
     std::fill(w.row_max, w.row_max + ld, kNegInf<acc_t>);
@@ -353,6 +367,9 @@ struct ForwardTask {
         prefill_values(j0, nk, next);
       }
     }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx) release_tiles();
+#endif
   }
 
   void finish(acc_t* o_out, int64_t o_ld, acc_t* lse_out) const {
@@ -408,6 +425,12 @@ struct ForwardTask {
         k.runs(j0, nk, [&](int64_t i, int64_t n) { pack_rows_along(row(i), k.seq_stride, n, d, kp + i * dp, dp); });
       });
       next.part(1);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (amx) {  // rows [nk, round_up(nk, 16)) of S^T are computed from stale kbuf rows, never read
+        gemm_amx<false>(round_up(nk, 16), ld, dp, kp, dp, q_words(), ld, w.s, ld);
+        scale_tile(w.s, ld, nk, scale);
+      } else
+#endif
       gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp, dp, q_words(), ld, w.s, ld, nullptr, scale);
       if (k.quantized()) k.scale_rows(w.s, ld, j0, nk);
 #endif
@@ -516,6 +539,17 @@ struct ForwardTask {
       uint32_t* const vp = reinterpret_cast<uint32_t*>(w.vbuf);
       v.with_rows(j0, nk, [&](const auto& row) { pack_rows_across(row, nk, d, vp, d_pad); });
       next.part(4);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (amx) {  // O = diag(alpha) O, then O += P V over whole 16-word tiles, zero past the keys
+        const int64_t np = (nk + 1) / 2, np16 = round_up(np, 16);
+        std::fill(vp + np * d_pad, vp + np16 * d_pad, 0u);
+        uint32_t* const pr = reinterpret_cast<uint32_t*>(w.kbuf);  // K's pair words are spent
+        pack_tile_rows_amx(w.s, ld, nk, pr, np16);
+        scale_rows_by(w.o, d_pad, ld, d_pad, w.alpha);
+        gemm_amx<true>(ld, d_pad, np16, pr, np16, vp, d_pad, w.o, d_pad);
+        return;
+      }
+#endif
       const uint32_t* pp = pack_tile_pairs(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s));
       gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, pp, ld, vp, d_pad, w.o, d_pad, w.alpha);
 #endif

@@ -145,12 +145,19 @@ inline void scale_tile(float* s, int64_t ld, int64_t nk, float scale) {
 }
 
 // Row i of o (n floats, n a multiple of 16, leading dimension ldo) times
-// alpha[i], for i < rows.
+// alpha[i], for i < rows (a multiple of 16). Rows whose alpha is 1 (their
+// running max unchanged by the tile: most rows after the first tiles) are
+// left as they are, which is exact.
 inline void scale_rows_by(float* o, int64_t ldo, int64_t rows, int64_t n, const float* alpha) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const __m512 f = _mm512_set1_ps(alpha[i]);
-    float* r = o + i * ldo;
-    for (int64_t c = 0; c < n; c += 16) _mm512_storeu_ps(r + c, _mm512_mul_ps(_mm512_loadu_ps(r + c), f));
+  for (int64_t i0 = 0; i0 < rows; i0 += 16) {
+    uint32_t todo = _mm512_cmp_ps_mask(_mm512_loadu_ps(alpha + i0), _mm512_set1_ps(1.0f), _CMP_NEQ_UQ);
+    while (todo != 0) {
+      const int64_t i = i0 + __builtin_ctz(todo);
+      todo &= todo - 1;
+      const __m512 f = _mm512_set1_ps(alpha[i]);
+      float* r = o + i * ldo;
+      for (int64_t c = 0; c < n; c += 16) _mm512_storeu_ps(r + c, _mm512_mul_ps(_mm512_loadu_ps(r + c), f));
+    }
   }
 }
 

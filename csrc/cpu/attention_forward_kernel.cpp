@@ -119,31 +119,53 @@ struct ForwardWorkspace {
 
 // Online softmax over one transposed score tile s[j * ld + col] (nk keys,
 // ld columns): turns scores into exp(score - shift) in place and updates the
-// per-row running max and sum; alpha[col] rescales the output rows.
-template <typename acc_t>
-void softmax_tile(acc_t* s, int64_t ld, int64_t nk, acc_t* row_max, acc_t* row_sum, acc_t* alpha) {
+// per-row running max and sum; alpha[col] rescales the output rows. kScaled:
+// the tile holds the products unscaled, the scores being scale (> 0) times
+// them (one rounding less, and no pass over the tile to scale it).
+template <typename acc_t, bool kScaled = false>
+void softmax_tile(acc_t* s, int64_t ld, int64_t nk, acc_t* row_max, acc_t* row_sum, acc_t* alpha,
+                  acc_t scale = acc_t(1)) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
   const VecOps<acc_t> ops;
+  const V sv(scale);
   for (int64_t c = 0; c < ld; c += W) {
     acc_t* col = s + c;
-    V tile_max(kNegInf<acc_t>);
-    for (int64_t j = 0; j < nk; ++j) tile_max = ops.max(tile_max, V::loadu(col + j * ld));
+    // four running maxima: one chain of NaN-propagating maxima (compare,
+    // max, or) was bound by its latency (measured on a Sapphire Rapids)
+    V m0(kNegInf<acc_t>), m1(kNegInf<acc_t>), m2(kNegInf<acc_t>), m3(kNegInf<acc_t>);
+    int64_t j4 = 0;
+    for (; j4 + 4 <= nk; j4 += 4) {
+      m0 = ops.max(m0, V::loadu(col + j4 * ld));
+      m1 = ops.max(m1, V::loadu(col + (j4 + 1) * ld));
+      m2 = ops.max(m2, V::loadu(col + (j4 + 2) * ld));
+      m3 = ops.max(m3, V::loadu(col + (j4 + 3) * ld));
+    }
+    for (; j4 < nk; ++j4) m0 = ops.max(m0, V::loadu(col + j4 * ld));
+    V tile_max = ops.max(ops.max(m0, m1), ops.max(m2, m3));
+    if constexpr (kScaled) tile_max = tile_max * sv;
     V running_max = V::loadu(row_max + c);
     V shift;
     const V a = attn::online_softmax_step(running_max, tile_max, shift, ops);
+    const auto arg = [&](int64_t j) {
+      if constexpr (kScaled) {
+        return at::vec::fmadd(V::loadu(col + j * ld), sv, V(acc_t(0)) - shift);
+      } else {
+        return V::loadu(col + j * ld) - shift;
+      }
+    };
     V sum0(acc_t(0)), sum1(acc_t(0));
     int64_t j = 0;
     for (; j + 2 <= nk; j += 2) {
-      const V p0 = ops.exp(V::loadu(col + j * ld) - shift);
-      const V p1 = ops.exp(V::loadu(col + (j + 1) * ld) - shift);
+      const V p0 = ops.exp(arg(j));
+      const V p1 = ops.exp(arg(j + 1));
       p0.store(col + j * ld);
       p1.store(col + (j + 1) * ld);
       sum0 = sum0 + p0;
       sum1 = sum1 + p1;
     }
     if (j < nk) {
-      const V p0 = ops.exp(V::loadu(col + j * ld) - shift);
+      const V p0 = ops.exp(arg(j));
       p0.store(col + j * ld);
       sum0 = sum0 + p0;
     }
@@ -308,6 +330,7 @@ struct ForwardTask {
   const int64_t sr_ld;  // of the rows x keys scores of a decoding tile in w.sr
   bool int_k = false, int_v = false;  // decoding over int8 codes on int16 pairs
   bool amx = false;  // a prefill tile's products on the AMX tiles (the AMX variant)
+  bool scale_in_softmax = false;  // S^T left unscaled, softmax_tile<kScaled> applies the scale
 
   ForwardTask(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w, int64_t b,
               int64_t g, int64_t p0, int64_t npos)
@@ -332,6 +355,9 @@ struct ForwardTask {
     if constexpr (kPairs) {
       const int64_t p16 = round_up(ceil_div(t.block_k, 2), 16);
       amx = !decoding && d % 32 == 0 && t.block_k % 32 == 0 && ld * p16 <= t.block_k * d_pad;
+      // nothing reads the scores between the product and the softmax but the
+      // masks' -inf, which a positive scale keeps
+      scale_in_softmax = amx && scale > 0 && !k.quantized() && !a.mods.any_score_mod() && !a.tensor_mask.present();
     }
 #endif
   }
@@ -421,6 +447,9 @@ struct ForwardTask {
 #if defined(__AVX512BF16__)
       const int64_t dp = (d + 1) / 2;
       uint32_t* const kp = reinterpret_cast<uint32_t*>(w.kbuf);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (amx && !k.quantized() && k_in_place(j0, nk, next)) return;
+#endif
       k.with_rows(j0, nk, [&](const auto& row) {
         k.runs(j0, nk, [&](int64_t i, int64_t n) { pack_rows_along(row(i), k.seq_stride, n, d, kp + i * dp, dp); });
       });
@@ -428,7 +457,7 @@ struct ForwardTask {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
       if (amx) {  // rows [nk, round_up(nk, 16)) of S^T are computed from stale kbuf rows, never read
         gemm_amx<false>(round_up(nk, 16), ld, dp, kp, dp, q_words(), ld, w.s, ld);
-        scale_tile(w.s, ld, nk, scale);
+        if (!scale_in_softmax) scale_tile(w.s, ld, nk, scale);
       } else
 #endif
       gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp, dp, q_words(), ld, w.s, ld, nullptr, scale);
@@ -442,6 +471,35 @@ struct ForwardTask {
       gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
     }
   }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // S^T = K Q^T on the tiles with K's whole 16-row blocks read where they lie
+  // (bfloat16 rows are K's pair words already), the last partial block packed:
+  // false (nothing done) where the tile's rows are not one run, seq_stride
+  // apart, at an even stride from a 4-byte aligned start.
+  bool k_in_place(int64_t j0, int64_t nk, const NextTile& next) {
+    const int64_t dp = d / 2, full = nk / 16 * 16;
+    bool done = false;
+    k.with_rows(j0, nk, [&](const auto& row) {
+      if constexpr (std::is_same_v<decltype(row(0)), const T*>) {
+        const T* first = row(0);
+        if (row(nk - 1) != first + (nk - 1) * k.seq_stride || k.seq_stride % 2 != 0 ||
+            reinterpret_cast<uintptr_t>(first) % 4 != 0) {
+          return;
+        }
+        uint32_t* const kp = reinterpret_cast<uint32_t*>(w.kbuf);
+        if (full < nk) pack_rows_along(row(full), k.seq_stride, nk - full, d, kp, dp);
+        next.part(1);
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(first);
+        gemm_amx<false>(full, ld, dp, words, k.seq_stride / 2, q_words(), ld, w.s, ld);
+        if (full < nk) gemm_amx<false>(16, ld, dp, kp, dp, q_words(), ld, w.s + full * ld, ld);
+        if (!scale_in_softmax) scale_tile(w.s, ld, nk, scale);
+        done = true;
+      }
+    });
+    return done;
+  }
+#endif
 
   // The scores of a decoding tile, K read where it lies: S = Q K^T (rows x
   // keys) in w.sr, transposed into w.s as the prefill path leaves them. With
@@ -520,7 +578,11 @@ struct ForwardTask {
       eight = decoding;
     }
 #endif
-    if (!eight) softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
+    if (scale_in_softmax) {
+      softmax_tile<acc_t, true>(w.s, ld, nk, w.row_max, w.row_sum, w.alpha, scale);
+    } else if (!eight) {
+      softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
+    }
     if (a.dropout.enabled) {
       // P = P z in place, z = 1 / (1 - p) where kept, else 0.
       const acc_t kept = static_cast<acc_t>(a.dropout.scale);

@@ -164,7 +164,7 @@ def test_forward_kernels_prefetch_the_next_tile():
 def test_float16_variants_convert_with_f16c():
     """float16 rows convert with vcvtph2ps / vcvtps2ph (F16C, AVX-512F)
     wherever the variant has them."""
-    for isa in [i for i in compiled_cpu_isas() if i != "DEFAULT"]:
+    for isa in [i for i in compiled_cpu_isas() if i != "DEFAULT" and variant_run(i, "rms_norm_forward") == i]:
         funcs = _disassembly(rf"fusedllm::cpu::{isa}::.*RmsNorm")
         body = [ins for b in funcs.values() for ins in b]
         assert any(ins.startswith("vcvtph2ps") for ins in body), isa

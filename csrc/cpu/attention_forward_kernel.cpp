@@ -175,6 +175,69 @@ void softmax_tile(acc_t* s, int64_t ld, int64_t nk, acc_t* row_max, acc_t* row_s
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// softmax_tile<float, true> fused with pack_tile_rows_amx: the probabilities
+// of the unscaled tile s (nk keys x ld columns) rounded to bfloat16 and
+// written as P's row-major pair words, word (col, p) at out[col * ldo + p]
+// for p < round_up(ceil(nk / 2), 16) (zero past the keys), without storing
+// them in s. The statistics, the probabilities and their sums are
+// softmax_tile's, term for term.
+inline void softmax_rows_amx(const float* s, int64_t ld, int64_t nk, float* row_max, float* row_sum, float* alpha,
+                             float scale, uint32_t* out, int64_t ldo) {
+  using V = Vectorized<float>;
+  const VecOps<float> ops;
+  const int64_t np16 = round_up(ceil_div(nk, 2), 16);
+  alignas(64) static constexpr int16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                          21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                          11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t c = 0; c < ld; c += 16) {
+    const float* col = s + c;
+    V m0(-INFINITY), m1(-INFINITY), m2(-INFINITY), m3(-INFINITY);
+    int64_t j4 = 0;
+    for (; j4 + 4 <= nk; j4 += 4) {
+      m0 = ops.max(m0, V::loadu(col + j4 * ld));
+      m1 = ops.max(m1, V::loadu(col + (j4 + 1) * ld));
+      m2 = ops.max(m2, V::loadu(col + (j4 + 2) * ld));
+      m3 = ops.max(m3, V::loadu(col + (j4 + 3) * ld));
+    }
+    for (; j4 < nk; ++j4) m0 = ops.max(m0, V::loadu(col + j4 * ld));
+    const V tile_max = ops.max(ops.max(m0, m1), ops.max(m2, m3)) * V(scale);
+    V running_max = V::loadu(row_max + c);
+    V shift;
+    const V a = attn::online_softmax_step(running_max, tile_max, shift, ops);
+    const __m512 neg_shift = _mm512_sub_ps(_mm512_setzero_ps(), __m512(shift));
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < np16; p0 += 16) {
+      __m512i r[16];
+#pragma GCC unroll 16
+      for (int q = 0; q < 16; ++q) {
+        const int64_t j = 2 * (p0 + q);
+        if (j >= nk) {
+          r[q] = _mm512_setzero_si512();
+          continue;
+        }
+        const __m512 e0 = exp_fast(_mm512_fmadd_ps(_mm512_loadu_ps(col + j * ld), sv, neg_shift));
+        sum0 = _mm512_add_ps(sum0, e0);
+        __m512 e1 = _mm512_setzero_ps();
+        if (j + 1 < nk) {
+          e1 = exp_fast(_mm512_fmadd_ps(_mm512_loadu_ps(col + (j + 1) * ld), sv, neg_shift));
+          sum1 = _mm512_add_ps(sum1, e1);
+        }
+        r[q] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      }
+      transpose_16x16_words(r);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (c + i) * ldo + p0, r[i]);
+    }
+    (V::loadu(row_sum + c) * a + (V(sum0) + V(sum1))).store(row_sum + c);
+    running_max.store(row_max + c);
+    a.store(alpha + c);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // softmax_tile for the first 8 columns only (a decoding tile's rows): 256-bit
 // vectors, twice the throughput of 512-bit ones on CPUs that split the latter.
@@ -331,6 +394,7 @@ struct ForwardTask {
   bool int_k = false, int_v = false;  // decoding over int8 codes on int16 pairs
   bool amx = false;  // a prefill tile's products on the AMX tiles (the AMX variant)
   bool scale_in_softmax = false;  // S^T left unscaled, softmax_tile<kScaled> applies the scale
+  bool packed_in_softmax = false;  // P's pair words written by softmax_rows_amx, not s
 
   ForwardTask(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w, int64_t b,
               int64_t g, int64_t p0, int64_t npos)
@@ -358,6 +422,8 @@ struct ForwardTask {
       // nothing reads the scores between the product and the softmax but the
       // masks' -inf, which a positive scale keeps
       scale_in_softmax = amx && scale > 0 && !k.quantized() && !a.mods.any_score_mod() && !a.tensor_mask.present();
+      // and nothing changes P between the softmax and P V
+      packed_in_softmax = scale_in_softmax && !a.dropout.enabled && !v.quantized();
     }
 #endif
   }
@@ -578,7 +644,15 @@ struct ForwardTask {
       eight = decoding;
     }
 #endif
-    if (scale_in_softmax) {
+    if (packed_in_softmax) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      // into kbuf (K's pair words are spent), as prefill_values reads them
+      if constexpr (kPairs) {
+        softmax_rows_amx(w.s, ld, nk, w.row_max, w.row_sum, w.alpha, scale, reinterpret_cast<uint32_t*>(w.kbuf),
+                         round_up(ceil_div(nk, 2), 16));
+      }
+#endif
+    } else if (scale_in_softmax) {
       softmax_tile<acc_t, true>(w.s, ld, nk, w.row_max, w.row_sum, w.alpha, scale);
     } else if (!eight) {
       softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
@@ -606,7 +680,7 @@ struct ForwardTask {
         const int64_t np = (nk + 1) / 2, np16 = round_up(np, 16);
         std::fill(vp + np * d_pad, vp + np16 * d_pad, 0u);
         uint32_t* const pr = reinterpret_cast<uint32_t*>(w.kbuf);  // K's pair words are spent
-        pack_tile_rows_amx(w.s, ld, nk, pr, np16);
+        if (!packed_in_softmax) pack_tile_rows_amx(w.s, ld, nk, pr, np16);
         scale_rows_by(w.o, d_pad, ld, d_pad, w.alpha);
         gemm_amx<true>(ld, d_pad, np16, pr, np16, vp, d_pad, w.o, d_pad);
         return;

@@ -210,6 +210,30 @@ def test_window_smaller_than_the_gap_leaves_keys_unseen(device):
         assert torch.equal(gk[:, :, :54], torch.zeros_like(gk[:, :, :54]))
 
 
+def test_bfloat16_beside_torchs_own_cpu_kernels():
+    """bfloat16 attention between calls of torch's own bfloat16 kernels on
+    the same threads (SDPA and matmul, which run on the AMX tiles where the
+    CPU has them, as fusedllm's AMX variant does): each gives the result it
+    gives alone, whatever tile configuration the other left behind. Under the
+    best variant only: torch's bfloat16 SDPA refuses to run under
+    ATEN_CPU_CAPABILITY=default or avx2 on a CPU with AVX-512 (pack_vnni2)."""
+    torch.manual_seed(0)
+    q, k, v = make_qkv(1, 8, 2, 200, 200, 64, torch.bfloat16, "cpu")
+    x, w = torch.randn(256, 512).bfloat16(), torch.randn(512, 512).bfloat16()
+
+    def torch_ops():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), x @ w
+
+    sdpa_alone, mm_alone = torch_ops()
+    ours_alone = fusedllm.attention(q, k, v, causal=True)
+    for _ in range(3):
+        ours = fusedllm.attention(q, k, v, causal=True)
+        sdpa, mm = torch_ops()
+        assert torch.equal(ours, ours_alone)
+        assert torch.equal(sdpa, sdpa_alone)
+        assert torch.equal(mm, mm_alone)
+
+
 @pytest.mark.cpu_variants
 @pytest.mark.parametrize("layout", ["bshd_transposed", "strided_head_dim", "sliced_sequence"])
 def test_strided_inputs(device, layout):

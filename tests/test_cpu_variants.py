@@ -135,11 +135,12 @@ def test_bf16_variant_uses_the_bf16_instructions(kernel, instruction):
 
 
 @pytest.mark.skipif("AMX" not in compiled_cpu_isas(), reason="no AMX variant built")
-@pytest.mark.parametrize("instruction", ["tdpbf16ps", "ldtilecfg", "tilerelease"])
+@pytest.mark.parametrize("instruction", ["tdpbf16ps", "ldtilecfg", "sttilecfg", "tilerelease"])
 def test_amx_variant_uses_the_tiles(instruction):
     """The AMX variant's attention forward runs its prefill products on the
-    tiles (tdpbf16ps), after configuring them and releasing them after;
-    the AVX512_BF16 variant's code has no tile instruction."""
+    tiles (tdpbf16ps), after configuring them (ldtilecfg, the thread's
+    configuration saved first with sttilecfg) and releasing or restoring
+    them after; the AVX512_BF16 variant's code has no tile instruction."""
     def uses(isa):
         funcs = _disassembly(rf"fusedllm::cpu::{isa}::.*flash::")
         assert funcs, f"no {isa} attention function"

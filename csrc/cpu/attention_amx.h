@@ -31,22 +31,38 @@ namespace fusedllm::cpu {
 inline namespace CPU_CAPABILITY {
 namespace flash {
 
+struct alignas(64) TileConfig {
+  uint8_t palette = 0, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
 // Palette 1, every tile 16 rows of 64 bytes: C in tmm0-3 (2 x 2 blocks of
-// 16 x 16), A in tmm4-5, B in tmm6-7.
-inline void configure_tiles() {
-  struct alignas(64) Config {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } cfg;
+// 16 x 16), A in tmm4-5, B in tmm6-7. Returns the thread's configuration
+// before (palette 0: none), for release_tiles.
+inline TileConfig configure_tiles() {
+  TileConfig before, cfg;
+  _tile_storeconfig(&before);
+  cfg.palette = 1;
   for (int i = 0; i < 8; ++i) {
     cfg.colsb[i] = 64;
     cfg.rows[i] = 16;
   }
   _tile_loadconfig(&cfg);
+  return before;
 }
 
-inline void release_tiles() { _tile_release(); }
+// Puts back the configuration configure_tiles found (their data is zero):
+// a library that configures the tiles once per thread and skips it while
+// it believes them still configured (torch's cpublas brgemm keeps the last
+// kernel per thread until brgemm_release) finds its own again.
+inline void release_tiles(const TileConfig& before) {
+  if (before.palette != 0) {
+    _tile_loadconfig(&before);
+  } else {
+    _tile_release();
+  }
+}
 
 // C[MI*16 x NJ*16] (+)= A B over kp pair words (kp a multiple of 16): A's word
 // (i, p) at a[i * lda + p], B's word (p, n) at b[p * ldb + n], C's float (i,

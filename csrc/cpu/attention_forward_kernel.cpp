@@ -430,7 +430,8 @@ struct ForwardTask {
 
   void run(int64_t split, int64_t splits) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (amx) configure_tiles();
+    TileConfig tiles_before;
+    if (amx) tiles_before = configure_tiles();
 #endif
     stage_queries();
     std::fill(w.o, w.o + ld * d_pad, acc_t(0));
@@ -460,7 +461,7 @@ struct ForwardTask {
       }
     }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (amx) release_tiles();
+    if (amx) release_tiles(tiles_before);
 #endif
   }
 

@@ -63,15 +63,29 @@ _ISA_FLAGS = {
     "AVX512": {"avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
     "AVX512_BF16": {"avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
                     "avx512_vnni"},
+    # dispatch.cpp also asks Linux for the tile data state: where that is
+    # refused, the AMX cases fail, naming the variant that ran instead
+    "AMX": {"avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+            "avx512_vnni", "amx_tile", "amx_bf16"},
 }
 
-# ATEN_CPU_CAPABILITY for each variant: torch has no AVX512-BF16 level, so that
-# variant runs under torch's AVX512 with FUSEDLLM_CPU_ISA naming it.
-ATEN_CAPABILITY = {"DEFAULT": "default", "AVX2": "avx2", "AVX512": "avx512", "AVX512_BF16": "avx512"}
+# ATEN_CPU_CAPABILITY for each variant: torch has no AVX512-BF16 or AMX level, so
+# those variants run under torch's AVX512 with FUSEDLLM_CPU_ISA naming them.
+ATEN_CAPABILITY = {"DEFAULT": "default", "AVX2": "avx2", "AVX512": "avx512", "AVX512_BF16": "avx512",
+                   "AMX": "avx512"}
+
+# The kernel tables a variant has a kernel in, where not every table: on the
+# others it runs the variant below it (KernelTable::get).
+VARIANT_TABLES = {"AMX": {"attention_forward"}}
+
+
+def variant_run(isa: str, table: str) -> str:
+    """The variant whose kernel of `table` runs when `isa` is the active one."""
+    return isa if isa not in VARIANT_TABLES or table in VARIANT_TABLES[isa] else "AVX512_BF16"
 
 
 def compiled_cpu_isas():
-    """The CPU variants the extension was built with (DEFAULT, AVX2, AVX512, AVX512_BF16)."""
+    """The CPU variants the extension was built with (DEFAULT, AVX2, AVX512, AVX512_BF16, AMX)."""
     import fusedllm
 
     return list(fusedllm.build_info().get("cpu_isas", []))

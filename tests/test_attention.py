@@ -23,7 +23,8 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 # (1, 2, 4, 8 and MQA), prefill (q_len == kv_len), decoding (q_len 1), chunked
 # prefill (q_len < kv_len), lengths that are not tile multiples, every head_dim
 # class (1, 16, 64, 80, 128, 256), and an odd head_dim with up to 8 rows per kv
-# head (the bfloat16 kernel's decoding path).
+# head (the bfloat16 kernel's decoding path); head dim 96 over several key
+# tiles and an odd last one (the AMX tiles' 32-term steps, their key tails).
 SHAPES = [
     (2, 4, 4, 17, 17, 64),
     (1, 4, 2, 257, 257, 16),
@@ -32,6 +33,7 @@ SHAPES = [
     (1, 4, 1, 33, 33, 1),
     (1, 2, 1, 64, 64, 256),
     (1, 4, 1, 2, 300, 33),
+    (1, 4, 2, 150, 301, 96),
 ]
 # (causal, window)
 MASKS = [(False, None), (True, None), (True, 7), (False, 33)]
@@ -206,6 +208,30 @@ def test_window_smaller_than_the_gap_leaves_keys_unseen(device):
         for got, ref in zip((gq, gk, gv), ref_grads):
             assert_close(got, ref, GRAD_TOL[torch.float32])
         assert torch.equal(gk[:, :, :54], torch.zeros_like(gk[:, :, :54]))
+
+
+def test_bfloat16_beside_torchs_own_cpu_kernels():
+    """bfloat16 attention between calls of torch's own bfloat16 kernels on
+    the same threads (SDPA and matmul, which run on the AMX tiles where the
+    CPU has them, as fusedllm's AMX variant does): each gives the result it
+    gives alone, whatever tile configuration the other left behind. Under the
+    best variant only: torch's bfloat16 SDPA refuses to run under
+    ATEN_CPU_CAPABILITY=default or avx2 on a CPU with AVX-512 (pack_vnni2)."""
+    torch.manual_seed(0)
+    q, k, v = make_qkv(1, 8, 2, 200, 200, 64, torch.bfloat16, "cpu")
+    x, w = torch.randn(256, 512).bfloat16(), torch.randn(512, 512).bfloat16()
+
+    def torch_ops():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), x @ w
+
+    sdpa_alone, mm_alone = torch_ops()
+    ours_alone = fusedllm.attention(q, k, v, causal=True)
+    for _ in range(3):
+        ours = fusedllm.attention(q, k, v, causal=True)
+        sdpa, mm = torch_ops()
+        assert torch.equal(ours, ours_alone)
+        assert torch.equal(sdpa, sdpa_alone)
+        assert torch.equal(mm, mm_alone)
 
 
 @pytest.mark.cpu_variants

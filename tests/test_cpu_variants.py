@@ -1,12 +1,13 @@
 """Each op's correctness tests under each compiled CPU variant (DEFAULT, AVX2,
-AVX512, AVX512_BF16) this machine can execute, and the instructions the
+AVX512, AVX512_BF16, AMX) this machine can execute, and the instructions the
 variants were built to use.
 
 A case runs the op's own tests marked cpu_variants in a fresh interpreter with
 ATEN_CPU_CAPABILITY and FUSEDLLM_CPU_ISA set (fusedllm follows torch's choice,
 capped by its own variable), then asks that same
 interpreter which variant every CPU kernel of the op ran, so a case cannot pass
-on another variant than the one it names.
+on another variant than the one it names (the AMX variant has the attention
+forward only: the op's other kernels run AVX512_BF16 there).
 """
 
 import json
@@ -19,7 +20,7 @@ import re
 import shutil
 import subprocess
 
-from checks import ATEN_CAPABILITY, compiled_cpu_isas, run_python, runnable_cpu_isas
+from checks import ATEN_CAPABILITY, compiled_cpu_isas, run_python, runnable_cpu_isas, variant_run
 
 # op: (its test file, its CPU kernel tables); the tests run are the file's
 # cases marked cpu_variants (its core correctness tests).
@@ -87,7 +88,8 @@ def test_op_under_every_cpu_variant(op, isa):
     assert " passed" in res.stdout, output
     assert ran is not None, output
     for table in OPS[op][1]:
-        assert ran.get(table) == isa, f"kernel {table} ran {ran.get(table)}, not {isa}: {ran}"
+        want = variant_run(isa, table)
+        assert ran.get(table) == want, f"kernel {table} ran {ran.get(table)}, not {want}: {ran}"
 
 
 def _disassembly(symbol_pattern):
@@ -132,6 +134,22 @@ def test_bf16_variant_uses_the_bf16_instructions(kernel, instruction):
     assert not uses("AVX512")
 
 
+@pytest.mark.skipif("AMX" not in compiled_cpu_isas(), reason="no AMX variant built")
+@pytest.mark.parametrize("instruction", ["tdpbf16ps", "ldtilecfg", "sttilecfg", "tilerelease"])
+def test_amx_variant_uses_the_tiles(instruction):
+    """The AMX variant's attention forward runs its prefill products on the
+    tiles (tdpbf16ps), after configuring them (ldtilecfg, the thread's
+    configuration saved first with sttilecfg) and releasing or restoring
+    them after; the AVX512_BF16 variant's code has no tile instruction."""
+    def uses(isa):
+        funcs = _disassembly(rf"fusedllm::cpu::{isa}::.*flash::")
+        assert funcs, f"no {isa} attention function"
+        return any(ins.startswith(instruction) for body in funcs.values() for ins in body)
+
+    assert uses("AMX")
+    assert not uses("AVX512_BF16")
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 prefetch instructions")
 def test_forward_kernels_prefetch_the_next_tile():
     """Every variant's forward kernel asks for the next K/V tile ahead of use
@@ -147,7 +165,7 @@ def test_forward_kernels_prefetch_the_next_tile():
 def test_float16_variants_convert_with_f16c():
     """float16 rows convert with vcvtph2ps / vcvtps2ph (F16C, AVX-512F)
     wherever the variant has them."""
-    for isa in [i for i in compiled_cpu_isas() if i != "DEFAULT"]:
+    for isa in [i for i in compiled_cpu_isas() if i != "DEFAULT" and variant_run(i, "rms_norm_forward") == i]:
         funcs = _disassembly(rf"fusedllm::cpu::{isa}::.*RmsNorm")
         body = [ins for b in funcs.values() for ins in b]
         assert any(ins.startswith("vcvtph2ps") for ins in body), isa
@@ -162,7 +180,7 @@ def test_unknown_cpu_isa_is_refused():
         except Exception as e:
             print("ERROR", e)
     """, FUSEDLLM_CPU_ISA="avx1024", FUSEDLLM_REQUIRE_EXTENSION="1")
-    assert "FUSEDLLM_CPU_ISA=avx1024 is not one of default, avx2, avx512, avx512_bf16" in res.stdout, \
+    assert "FUSEDLLM_CPU_ISA=avx1024 is not one of default, avx2, avx512, avx512_bf16, amx" in res.stdout, \
         res.stdout + res.stderr
 
 
@@ -186,4 +204,4 @@ def test_bfloat16_rounding_equals_torch_under_every_variant(isa):
         if not same:
             print(out.float().tolist()); print(ref.float().tolist())
     """, ATEN_CPU_CAPABILITY=ATEN_CAPABILITY[isa], FUSEDLLM_CPU_ISA=isa.lower(), FUSEDLLM_REQUIRE_EXTENSION="1")
-    assert f"SAME True {isa}" in res.stdout, res.stdout + res.stderr
+    assert f"SAME True {variant_run(isa, 'swiglu_forward')}" in res.stdout, res.stdout + res.stderr

@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_amx.h"
 #include "attention_gemm.h"
 #include "attention_lanes.h"
 #include "attention_pair_words.h"
@@ -118,31 +119,53 @@ struct ForwardWorkspace {
 
 // Online softmax over one transposed score tile s[j * ld + col] (nk keys,
 // ld columns): turns scores into exp(score - shift) in place and updates the
-// per-row running max and sum; alpha[col] rescales the output rows.
-template <typename acc_t>
-void softmax_tile(acc_t* s, int64_t ld, int64_t nk, acc_t* row_max, acc_t* row_sum, acc_t* alpha) {
+// per-row running max and sum; alpha[col] rescales the output rows. kScaled:
+// the tile holds the products unscaled, the scores being scale (> 0) times
+// them (one rounding less, and no pass over the tile to scale it).
+template <typename acc_t, bool kScaled = false>
+void softmax_tile(acc_t* s, int64_t ld, int64_t nk, acc_t* row_max, acc_t* row_sum, acc_t* alpha,
+                  acc_t scale = acc_t(1)) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
   const VecOps<acc_t> ops;
+  const V sv(scale);
   for (int64_t c = 0; c < ld; c += W) {
     acc_t* col = s + c;
-    V tile_max(kNegInf<acc_t>);
-    for (int64_t j = 0; j < nk; ++j) tile_max = ops.max(tile_max, V::loadu(col + j * ld));
+    // four running maxima: one chain of NaN-propagating maxima (compare,
+    // max, or) was bound by its latency (measured on a Sapphire Rapids)
+    V m0(kNegInf<acc_t>), m1(kNegInf<acc_t>), m2(kNegInf<acc_t>), m3(kNegInf<acc_t>);
+    int64_t j4 = 0;
+    for (; j4 + 4 <= nk; j4 += 4) {
+      m0 = ops.max(m0, V::loadu(col + j4 * ld));
+      m1 = ops.max(m1, V::loadu(col + (j4 + 1) * ld));
+      m2 = ops.max(m2, V::loadu(col + (j4 + 2) * ld));
+      m3 = ops.max(m3, V::loadu(col + (j4 + 3) * ld));
+    }
+    for (; j4 < nk; ++j4) m0 = ops.max(m0, V::loadu(col + j4 * ld));
+    V tile_max = ops.max(ops.max(m0, m1), ops.max(m2, m3));
+    if constexpr (kScaled) tile_max = tile_max * sv;
     V running_max = V::loadu(row_max + c);
     V shift;
     const V a = attn::online_softmax_step(running_max, tile_max, shift, ops);
+    const auto arg = [&](int64_t j) {
+      if constexpr (kScaled) {
+        return at::vec::fmadd(V::loadu(col + j * ld), sv, V(acc_t(0)) - shift);
+      } else {
+        return V::loadu(col + j * ld) - shift;
+      }
+    };
     V sum0(acc_t(0)), sum1(acc_t(0));
     int64_t j = 0;
     for (; j + 2 <= nk; j += 2) {
-      const V p0 = ops.exp(V::loadu(col + j * ld) - shift);
-      const V p1 = ops.exp(V::loadu(col + (j + 1) * ld) - shift);
+      const V p0 = ops.exp(arg(j));
+      const V p1 = ops.exp(arg(j + 1));
       p0.store(col + j * ld);
       p1.store(col + (j + 1) * ld);
       sum0 = sum0 + p0;
       sum1 = sum1 + p1;
     }
     if (j < nk) {
-      const V p0 = ops.exp(V::loadu(col + j * ld) - shift);
+      const V p0 = ops.exp(arg(j));
       p0.store(col + j * ld);
       sum0 = sum0 + p0;
     }
@@ -151,6 +174,69 @@ void softmax_tile(acc_t* s, int64_t ld, int64_t nk, acc_t* row_max, acc_t* row_s
     a.store(alpha + c);
   }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// softmax_tile<float, true> fused with pack_tile_rows_amx: the probabilities
+// of the unscaled tile s (nk keys x ld columns) rounded to bfloat16 and
+// written as P's row-major pair words, word (col, p) at out[col * ldo + p]
+// for p < round_up(ceil(nk / 2), 16) (zero past the keys), without storing
+// them in s. The statistics, the probabilities and their sums are
+// softmax_tile's, term for term.
+inline void softmax_rows_amx(const float* s, int64_t ld, int64_t nk, float* row_max, float* row_sum, float* alpha,
+                             float scale, uint32_t* out, int64_t ldo) {
+  using V = Vectorized<float>;
+  const VecOps<float> ops;
+  const int64_t np16 = round_up(ceil_div(nk, 2), 16);
+  alignas(64) static constexpr int16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                          21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                          11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t c = 0; c < ld; c += 16) {
+    const float* col = s + c;
+    V m0(-INFINITY), m1(-INFINITY), m2(-INFINITY), m3(-INFINITY);
+    int64_t j4 = 0;
+    for (; j4 + 4 <= nk; j4 += 4) {
+      m0 = ops.max(m0, V::loadu(col + j4 * ld));
+      m1 = ops.max(m1, V::loadu(col + (j4 + 1) * ld));
+      m2 = ops.max(m2, V::loadu(col + (j4 + 2) * ld));
+      m3 = ops.max(m3, V::loadu(col + (j4 + 3) * ld));
+    }
+    for (; j4 < nk; ++j4) m0 = ops.max(m0, V::loadu(col + j4 * ld));
+    const V tile_max = ops.max(ops.max(m0, m1), ops.max(m2, m3)) * V(scale);
+    V running_max = V::loadu(row_max + c);
+    V shift;
+    const V a = attn::online_softmax_step(running_max, tile_max, shift, ops);
+    const __m512 neg_shift = _mm512_sub_ps(_mm512_setzero_ps(), __m512(shift));
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < np16; p0 += 16) {
+      __m512i r[16];
+#pragma GCC unroll 16
+      for (int q = 0; q < 16; ++q) {
+        const int64_t j = 2 * (p0 + q);
+        if (j >= nk) {
+          r[q] = _mm512_setzero_si512();
+          continue;
+        }
+        const __m512 e0 = exp_fast(_mm512_fmadd_ps(_mm512_loadu_ps(col + j * ld), sv, neg_shift));
+        sum0 = _mm512_add_ps(sum0, e0);
+        __m512 e1 = _mm512_setzero_ps();
+        if (j + 1 < nk) {
+          e1 = exp_fast(_mm512_fmadd_ps(_mm512_loadu_ps(col + (j + 1) * ld), sv, neg_shift));
+          sum1 = _mm512_add_ps(sum1, e1);
+        }
+        r[q] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      }
+      transpose_16x16_words(r);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (c + i) * ldo + p0, r[i]);
+    }
+    (V::loadu(row_sum + c) * a + (V(sum0) + V(sum1))).store(row_sum + c);
+    running_max.store(row_max + c);
+    a.store(alpha + c);
+  }
+}
+#endif
 
 #if defined(__AVX512BF16__)
 // softmax_tile for the first 8 columns only (a decoding tile's rows): 256-bit
@@ -306,6 +392,9 @@ struct ForwardTask {
   const bool decoding;  // at most kNarrowRows rows, on the pair or float lanes
   const int64_t sr_ld;  // of the rows x keys scores of a decoding tile in w.sr
   bool int_k = false, int_v = false;  // decoding over int8 codes on int16 pairs
+  bool amx = false;  // a prefill tile's products on the AMX tiles (the AMX variant)
+  bool scale_in_softmax = false;  // S^T left unscaled, softmax_tile<kScaled> applies the scale
+  bool packed_in_softmax = false;  // P's pair words written by softmax_rows_amx, not s
 
   ForwardTask(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w, int64_t b,
               int64_t g, int64_t p0, int64_t npos)
@@ -323,9 +412,27 @@ struct ForwardTask {
       int_v = decoding && v.quantized() && !v.float8;
     }
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    // Whole tiles of 32 head dims (16 pair words), key tiles of whole 16-row
+    // tiles, and P's row-major pair words fit where K's were (kbuf): other
+    // shapes stay on vdpbf16ps.
+    if constexpr (kPairs) {
+      const int64_t p16 = round_up(ceil_div(t.block_k, 2), 16);
+      amx = !decoding && d % 32 == 0 && t.block_k % 32 == 0 && ld * p16 <= t.block_k * d_pad;
+      // nothing reads the scores between the product and the softmax but the
+      // masks' -inf, which a positive scale keeps
+      scale_in_softmax = amx && scale > 0 && !k.quantized() && !a.mods.any_score_mod() && !a.tensor_mask.present();
+      // and nothing changes P between the softmax and P V
+      packed_in_softmax = scale_in_softmax && !a.dropout.enabled && !v.quantized();
+    }
+#endif
   }
 
   void run(int64_t split, int64_t splits) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    TileConfig tiles_before;
+    if (amx) tiles_before = configure_tiles();
+#endif
     stage_queries();
     std::fill(w.o, w.o + ld * d_pad, acc_t(0));
     std::fill(w.row_max, w.row_max + ld, kNegInf<acc_t>);
@@ -353,6 +460,9 @@ struct ForwardTask {
         prefill_values(j0, nk, next);
       }
     }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx) release_tiles(tiles_before);
+#endif
   }
 
   void finish(acc_t* o_out, int64_t o_ld, acc_t* lse_out) const {
@@ -404,10 +514,19 @@ struct ForwardTask {
 #if defined(__AVX512BF16__)
       const int64_t dp = (d + 1) / 2;
       uint32_t* const kp = reinterpret_cast<uint32_t*>(w.kbuf);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (amx && !k.quantized() && k_in_place(j0, nk, next)) return;
+#endif
       k.with_rows(j0, nk, [&](const auto& row) {
         k.runs(j0, nk, [&](int64_t i, int64_t n) { pack_rows_along(row(i), k.seq_stride, n, d, kp + i * dp, dp); });
       });
       next.part(1);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (amx) {  // rows [nk, round_up(nk, 16)) of S^T are computed from stale kbuf rows, never read
+        gemm_amx<false>(round_up(nk, 16), ld, dp, kp, dp, q_words(), ld, w.s, ld);
+        if (!scale_in_softmax) scale_tile(w.s, ld, nk, scale);
+      } else
+#endif
       gemm_pairs<ALayout::kRowMajor, false>(nk, ld, dp, kp, dp, q_words(), ld, w.s, ld, nullptr, scale);
       if (k.quantized()) k.scale_rows(w.s, ld, j0, nk);
 #endif
@@ -419,6 +538,35 @@ struct ForwardTask {
       gemm<acc_t, ALayout::kRowMajor, false>(nk, ld, d, kp, k_ld, w.qt, ld, w.s, ld);
     }
   }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // S^T = K Q^T on the tiles with K's whole 16-row blocks read where they lie
+  // (bfloat16 rows are K's pair words already), the last partial block packed:
+  // false (nothing done) where the tile's rows are not one run, seq_stride
+  // apart, at an even stride from a 4-byte aligned start.
+  bool k_in_place(int64_t j0, int64_t nk, const NextTile& next) {
+    const int64_t dp = d / 2, full = nk / 16 * 16;
+    bool done = false;
+    k.with_rows(j0, nk, [&](const auto& row) {
+      if constexpr (std::is_same_v<decltype(row(0)), const T*>) {
+        const T* first = row(0);
+        if (row(nk - 1) != first + (nk - 1) * k.seq_stride || k.seq_stride % 2 != 0 ||
+            reinterpret_cast<uintptr_t>(first) % 4 != 0) {
+          return;
+        }
+        uint32_t* const kp = reinterpret_cast<uint32_t*>(w.kbuf);
+        if (full < nk) pack_rows_along(row(full), k.seq_stride, nk - full, d, kp, dp);
+        next.part(1);
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(first);
+        gemm_amx<false>(full, ld, dp, words, k.seq_stride / 2, q_words(), ld, w.s, ld);
+        if (full < nk) gemm_amx<false>(16, ld, dp, kp, dp, q_words(), ld, w.s + full * ld, ld);
+        if (!scale_in_softmax) scale_tile(w.s, ld, nk, scale);
+        done = true;
+      }
+    });
+    return done;
+  }
+#endif
 
   // The scores of a decoding tile, K read where it lies: S = Q K^T (rows x
   // keys) in w.sr, transposed into w.s as the prefill path leaves them. With
@@ -497,7 +645,19 @@ struct ForwardTask {
       eight = decoding;
     }
 #endif
-    if (!eight) softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
+    if (packed_in_softmax) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      // into kbuf (K's pair words are spent), as prefill_values reads them
+      if constexpr (kPairs) {
+        softmax_rows_amx(w.s, ld, nk, w.row_max, w.row_sum, w.alpha, scale, reinterpret_cast<uint32_t*>(w.kbuf),
+                         round_up(ceil_div(nk, 2), 16));
+      }
+#endif
+    } else if (scale_in_softmax) {
+      softmax_tile<acc_t, true>(w.s, ld, nk, w.row_max, w.row_sum, w.alpha, scale);
+    } else if (!eight) {
+      softmax_tile(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
+    }
     if (a.dropout.enabled) {
       // P = P z in place, z = 1 / (1 - p) where kept, else 0.
       const acc_t kept = static_cast<acc_t>(a.dropout.scale);
@@ -516,6 +676,17 @@ struct ForwardTask {
       uint32_t* const vp = reinterpret_cast<uint32_t*>(w.vbuf);
       v.with_rows(j0, nk, [&](const auto& row) { pack_rows_across(row, nk, d, vp, d_pad); });
       next.part(4);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (amx) {  // O = diag(alpha) O, then O += P V over whole 16-word tiles, zero past the keys
+        const int64_t np = (nk + 1) / 2, np16 = round_up(np, 16);
+        std::fill(vp + np * d_pad, vp + np16 * d_pad, 0u);
+        uint32_t* const pr = reinterpret_cast<uint32_t*>(w.kbuf);  // K's pair words are spent
+        if (!packed_in_softmax) pack_tile_rows_amx(w.s, ld, nk, pr, np16);
+        scale_rows_by(w.o, d_pad, ld, d_pad, w.alpha);
+        gemm_amx<true>(ld, d_pad, np16, pr, np16, vp, d_pad, w.o, d_pad);
+        return;
+      }
+#endif
       const uint32_t* pp = pack_tile_pairs(w.s, ld, nk, reinterpret_cast<uint32_t*>(w.s));
       gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, pp, ld, vp, d_pad, w.o, d_pad, w.alpha);
 #endif

@@ -7,7 +7,42 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace fusedllm::cpu {
+
+namespace {
+
+// Whether this process may run AMX tile instructions: the CPU has AMX-TILE
+// and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22), the OS saves the tile
+// state (XCR0 bits 17 and 18), and Linux granted the process the tile data
+// state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), which must
+// precede the first tile instruction: without it that instruction faults).
+// Asked once, by active_isa(); the grant holds for every thread of the process.
+bool amx_usable() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__linux__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+  const bool amx_bf16 = (edx >> 22) & 1u, amx_tile = (edx >> 24) & 1u;
+  if (!amx_bf16 || !amx_tile) return false;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0 || ((ecx >> 27) & 1u) == 0) return false;  // OSXSAVE
+  unsigned xcr0_lo = 0, xcr0_hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  constexpr unsigned kTileCfg = 1u << 17, kTileData = 1u << 18;
+  if ((xcr0_lo & (kTileCfg | kTileData)) != (kTileCfg | kTileData)) return false;
+  constexpr long kArchReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM (asm/prctl.h)
+  constexpr long kXfeatureXtiledata = 18;     // XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
 
 Isa active_isa() {
   static const Isa isa = [] {
@@ -22,7 +57,9 @@ Isa active_isa() {
                         __builtin_cpu_supports("avx512dq");
     const bool avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16") &&
                              __builtin_cpu_supports("avx512vnni");
-    if (avx512_bf16 && torch_choice == "AVX512") {
+    if (avx512_bf16 && torch_choice == "AVX512" && amx_usable()) {
+      best = Isa::kAmx;
+    } else if (avx512_bf16 && torch_choice == "AVX512") {
       best = Isa::kAvx512Bf16;
     } else if (avx512 && torch_choice == "AVX512") {
       best = Isa::kAvx512;
@@ -40,7 +77,7 @@ Isa active_isa() {
       }
       if (limit < 0) {
         throw std::invalid_argument("FUSEDLLM_CPU_ISA=" + want +
-                                    " is not one of default, avx2, avx512, avx512_bf16");
+                                    " is not one of default, avx2, avx512, avx512_bf16, amx");
       }
       best = static_cast<Isa>(std::min(limit, static_cast<int>(best)));
     }
@@ -79,6 +116,7 @@ std::vector<std::pair<std::string, std::string>> kernels_ran() {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::kAmx: return "AMX";
     case Isa::kAvx512Bf16: return "AVX512_BF16";
     case Isa::kAvx512: return "AVX512";
     case Isa::kAvx2: return "AVX2";

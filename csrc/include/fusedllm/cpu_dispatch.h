@@ -11,12 +11,16 @@ namespace fusedllm::cpu {
 
 // kAvx512Bf16 is the AVX-512 variant built with AVX512-BF16 as well: native
 // float32 -> bfloat16 conversions and bfloat16 dot products (vdpbf16ps).
-enum class Isa : int { kDefault = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
-constexpr int kNumIsas = 4;
+// kAmx is kAvx512Bf16 plus the AMX tiles (AMX-TILE, AMX-BF16: tdpbf16ps),
+// chosen only where the CPU has them and Linux granted this process the tile
+// data state; only the attention forward is compiled for it, every other
+// table runs its AVX512_BF16 kernel there.
+enum class Isa : int { kDefault = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
+constexpr int kNumIsas = 5;
 
 // The best variant this CPU runs, capped by torch's own choice (so
 // ATEN_CPU_CAPABILITY=default or =avx2 also limits fusedllm) and by
-// FUSEDLLM_CPU_ISA (default, avx2, avx512 or avx512_bf16) when it is set.
+// FUSEDLLM_CPU_ISA (default, avx2, avx512, avx512_bf16 or amx) when it is set.
 Isa active_isa();
 const char* isa_name(Isa isa);
 
@@ -49,7 +53,9 @@ std::vector<std::pair<std::string, std::string>> kernels_ran();
 
 }  // namespace fusedllm::cpu
 
-#if defined(FUSEDLLM_ISA_AVX512_BF16)
+#if defined(FUSEDLLM_ISA_AMX)
+#define FUSEDLLM_ISA_INDEX 4
+#elif defined(FUSEDLLM_ISA_AVX512_BF16)
 #define FUSEDLLM_ISA_INDEX 3
 #elif defined(FUSEDLLM_ISA_AVX512)
 #define FUSEDLLM_ISA_INDEX 2

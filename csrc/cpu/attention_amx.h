@@ -1,0 +1,184 @@
+// Products on the AMX tiles (AMX-TILE, AMX-BF16) for the AMX variant's
+// bfloat16 attention forward: the prefill tiles' S^T = K Q^T and O += P V on
+// tdpbf16ps, over the same pair words the AVX512_BF16 variant's vdpbf16ps
+// kernels read (attention_pair_words.h), float32 accumulators.
+//
+// A tile register holds 16 rows of 64 bytes: 16 pair words of A (a row's
+// terms 2p, 2p + 1 in word p), 16 pair words of B per row (row p: column n's
+// terms 2p, 2p + 1 in word n, the layout pack_rows_transposed and
+// pack_rows_across leave), 16 float32 of C. tdpbf16ps adds A B over 32 terms
+// to C: 16 x 16 x 32 multiply-adds per instruction, against 16 x 2 for
+// vdpbf16ps. S^T's operands are the pair words as packed for vdpbf16ps; P V
+// takes P's rows as A, so P is packed row-major (pack_tile_rows_amx, one
+// 16 x 16 word transpose per 16 rows and 32 keys) and O stays rows x d.
+//
+// The caller runs configure_tiles() on the thread before the products (the
+// tile configuration is per thread) and release_tiles() after them; the
+// process must hold the tile data permission (dispatch.cpp asks for it
+// before it chooses the AMX variant).
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "attention_lanes.h"  // transpose_16x16_words
+
+namespace fusedllm::cpu {
+inline namespace CPU_CAPABILITY {
+namespace flash {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 0, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Palette 1, every tile 16 rows of 64 bytes: C in tmm0-3 (2 x 2 blocks of
+// 16 x 16), A in tmm4-5, B in tmm6-7. Returns the thread's configuration
+// before (palette 0: none), for release_tiles.
+inline TileConfig configure_tiles() {
+  TileConfig before, cfg;
+  _tile_storeconfig(&before);
+  cfg.palette = 1;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  return before;
+}
+
+// Puts back the configuration configure_tiles found (their data is zero):
+// a library that configures the tiles once per thread and skips it while
+// it believes them still configured (torch's cpublas brgemm keeps the last
+// kernel per thread until brgemm_release) finds its own again.
+inline void release_tiles(const TileConfig& before) {
+  if (before.palette != 0) {
+    _tile_loadconfig(&before);
+  } else {
+    _tile_release();
+  }
+}
+
+// C[MI*16 x NJ*16] (+)= A B over kp pair words (kp a multiple of 16): A's word
+// (i, p) at a[i * lda + p], B's word (p, n) at b[p * ldb + n], C's float (i,
+// n) at c[i * ldc + n].
+template <int MI, int NJ, bool kLoadC>
+inline void amx_block(int64_t kp, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c,
+                      int64_t ldc) {
+  const int64_t sa = lda * 4, sb = ldb * 4, sc = ldc * 4;
+  if constexpr (kLoadC) {
+    _tile_loadd(0, c, sc);
+    if constexpr (NJ > 1) _tile_loadd(1, c + 16, sc);
+    if constexpr (MI > 1) _tile_loadd(2, c + 16 * ldc, sc);
+    if constexpr (MI > 1 && NJ > 1) _tile_loadd(3, c + 16 * ldc + 16, sc);
+  } else {
+    _tile_zero(0);
+    if constexpr (NJ > 1) _tile_zero(1);
+    if constexpr (MI > 1) _tile_zero(2);
+    if constexpr (MI > 1 && NJ > 1) _tile_zero(3);
+  }
+  for (int64_t p = 0; p < kp; p += 16) {
+    _tile_loadd(4, a + p, sa);
+    _tile_loadd(6, b + p * ldb, sb);
+    if constexpr (NJ > 1) _tile_loadd(7, b + p * ldb + 16, sb);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NJ > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MI > 1) {
+      _tile_loadd(5, a + 16 * lda + p, sa);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NJ > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, sc);
+  if constexpr (NJ > 1) _tile_stored(1, c + 16, sc);
+  if constexpr (MI > 1) _tile_stored(2, c + 16 * ldc, sc);
+  if constexpr (MI > 1 && NJ > 1) _tile_stored(3, c + 16 * ldc + 16, sc);
+}
+
+// C[m x n] (+)= A B (m, n and kp multiples of 16; layouts as amx_block's), in
+// blocks of 32 x 32 and their edges.
+template <bool kLoadC>
+inline void gemm_amx(int64_t m, int64_t n, int64_t kp, const uint32_t* a, int64_t lda, const uint32_t* b,
+                     int64_t ldb, float* c, int64_t ldc) {
+  int64_t i = 0;
+  for (; i + 32 <= m; i += 32) {
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) amx_block<2, 2, kLoadC>(kp, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc);
+    if (j < n) amx_block<2, 1, kLoadC>(kp, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc);
+  }
+  if (i < m) {
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) amx_block<1, 2, kLoadC>(kp, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc);
+    if (j < n) amx_block<1, 1, kLoadC>(kp, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc);
+  }
+}
+
+// A transposed float32 tile s[j * ld + col] (j < nk, ld a multiple of 16)
+// rounded to bfloat16 and packed row-major as pair words along j: word (col,
+// p) at out[col * ldo + p] for col < ld and p < round_up(ceil(nk / 2), 16)
+// <= ldo, zero for p >= ceil(nk / 2) and for the missing key of an odd nk:
+// the A operand of P V. The words are pack_tile_pairs's, transposed.
+inline void pack_tile_rows_amx(const float* s, int64_t ld, int64_t nk, uint32_t* out, int64_t ldo) {
+  const int64_t np = (nk + 1) / 2, np16 = (np + 15) / 16 * 16;
+  // word w of a pair vector: x0's value w / 2 (even w) or x1's (odd w)
+  alignas(64) static constexpr int16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                          21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                          11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  for (int64_t c = 0; c < ld; c += 16) {
+    for (int64_t p0 = 0; p0 < np16; p0 += 16) {
+      __m512i r[16];
+#pragma GCC unroll 16
+      for (int q = 0; q < 16; ++q) {
+        const int64_t j = 2 * (p0 + q);
+        if (j >= nk) {
+          r[q] = _mm512_setzero_si512();
+          continue;
+        }
+        const __m512 x0 = _mm512_loadu_ps(s + j * ld + c);
+        const __m512 x1 = j + 1 < nk ? _mm512_loadu_ps(s + (j + 1) * ld + c) : _mm512_setzero_ps();
+        // x0's 16 values in the low half, x1's in the high, then paired per column
+        r[q] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+      }
+      transpose_16x16_words(r);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (c + i) * ldo + p0, r[i]);
+    }
+  }
+}
+
+// s[j * ld + col] *= scale for j < nk and col < ld (a multiple of 16).
+inline void scale_tile(float* s, int64_t ld, int64_t nk, float scale) {
+  const __m512 f = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < nk; ++j) {
+    for (int64_t c = 0; c < ld; c += 16) _mm512_storeu_ps(s + j * ld + c, _mm512_mul_ps(_mm512_loadu_ps(s + j * ld + c), f));
+  }
+}
+
+// Row i of o (n floats, n a multiple of 16, leading dimension ldo) times
+// alpha[i], for i < rows (a multiple of 16). Rows whose alpha is 1 (their
+// running max unchanged by the tile: most rows after the first tiles) are
+// left as they are, which is exact.
+inline void scale_rows_by(float* o, int64_t ldo, int64_t rows, int64_t n, const float* alpha) {
+  for (int64_t i0 = 0; i0 < rows; i0 += 16) {
+    uint32_t todo = _mm512_cmp_ps_mask(_mm512_loadu_ps(alpha + i0), _mm512_set1_ps(1.0f), _CMP_NEQ_UQ);
+    while (todo != 0) {
+      const int64_t i = i0 + __builtin_ctz(todo);
+      todo &= todo - 1;
+      const __m512 f = _mm512_set1_ps(alpha[i]);
+      float* r = o + i * ldo;
+      for (int64_t c = 0; c < n; c += 16) _mm512_storeu_ps(r + c, _mm512_mul_ps(_mm512_loadu_ps(r + c), f));
+    }
+  }
+}
+
+}  // namespace flash
+}  // namespace CPU_CAPABILITY
+}  // namespace fusedllm::cpu
+
+#endif  // __AMX_TILE__ && __AMX_BF16__

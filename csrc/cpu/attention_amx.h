@@ -118,6 +118,12 @@ inline void gemm_amx(int64_t m, int64_t n, int64_t kp, const uint32_t* a, int64_
   }
 }
 
+// The 16-bit words of a pair vector from two rows' bfloat16 halves: word w is
+// the first row's value w / 2 (even w) or the second's (odd w).
+alignas(64) inline constexpr int16_t kPairInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                           21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                           11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
 // A transposed float32 tile s[j * ld + col] (j < nk, ld a multiple of 16)
 // rounded to bfloat16 and packed row-major as pair words along j: word (col,
 // p) at out[col * ldo + p] for col < ld and p < round_up(ceil(nk / 2), 16)
@@ -125,11 +131,7 @@ inline void gemm_amx(int64_t m, int64_t n, int64_t kp, const uint32_t* a, int64_
 // the A operand of P V. The words are pack_tile_pairs's, transposed.
 inline void pack_tile_rows_amx(const float* s, int64_t ld, int64_t nk, uint32_t* out, int64_t ldo) {
   const int64_t np = (nk + 1) / 2, np16 = (np + 15) / 16 * 16;
-  // word w of a pair vector: x0's value w / 2 (even w) or x1's (odd w)
-  alignas(64) static constexpr int16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
-                                                          21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
-                                                          11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512i interleave = _mm512_load_si512(kPairInterleave);
   for (int64_t c = 0; c < ld; c += 16) {
     for (int64_t p0 = 0; p0 < np16; p0 += 16) {
       __m512i r[16];

@@ -117,6 +117,24 @@ struct ForwardWorkspace {
   }
 };
 
+// The maximum over nk rows of the W columns at col (rows ld apart), on four
+// running maxima: one chain of NaN-propagating maxima (compare, max, or) was
+// bound by its latency (measured on a Sapphire Rapids).
+template <typename acc_t>
+Vectorized<acc_t> column_max(const acc_t* col, int64_t ld, int64_t nk, const VecOps<acc_t>& ops) {
+  using V = Vectorized<acc_t>;
+  V m0(kNegInf<acc_t>), m1(kNegInf<acc_t>), m2(kNegInf<acc_t>), m3(kNegInf<acc_t>);
+  int64_t j4 = 0;
+  for (; j4 + 4 <= nk; j4 += 4) {
+    m0 = ops.max(m0, V::loadu(col + j4 * ld));
+    m1 = ops.max(m1, V::loadu(col + (j4 + 1) * ld));
+    m2 = ops.max(m2, V::loadu(col + (j4 + 2) * ld));
+    m3 = ops.max(m3, V::loadu(col + (j4 + 3) * ld));
+  }
+  for (; j4 < nk; ++j4) m0 = ops.max(m0, V::loadu(col + j4 * ld));
+  return ops.max(ops.max(m0, m1), ops.max(m2, m3));
+}
+
 // Online softmax over one transposed score tile s[j * ld + col] (nk keys,
 // ld columns): turns scores into exp(score - shift) in place and updates the
 // per-row running max and sum; alpha[col] rescales the output rows. kScaled:
@@ -131,18 +149,7 @@ void softmax_tile(acc_t* s, int64_t ld, int64_t nk, acc_t* row_max, acc_t* row_s
   const V sv(scale);
   for (int64_t c = 0; c < ld; c += W) {
     acc_t* col = s + c;
-    // four running maxima: one chain of NaN-propagating maxima (compare,
-    // max, or) was bound by its latency (measured on a Sapphire Rapids)
-    V m0(kNegInf<acc_t>), m1(kNegInf<acc_t>), m2(kNegInf<acc_t>), m3(kNegInf<acc_t>);
-    int64_t j4 = 0;
-    for (; j4 + 4 <= nk; j4 += 4) {
-      m0 = ops.max(m0, V::loadu(col + j4 * ld));
-      m1 = ops.max(m1, V::loadu(col + (j4 + 1) * ld));
-      m2 = ops.max(m2, V::loadu(col + (j4 + 2) * ld));
-      m3 = ops.max(m3, V::loadu(col + (j4 + 3) * ld));
-    }
-    for (; j4 < nk; ++j4) m0 = ops.max(m0, V::loadu(col + j4 * ld));
-    V tile_max = ops.max(ops.max(m0, m1), ops.max(m2, m3));
+    V tile_max = column_max(col, ld, nk, ops);
     if constexpr (kScaled) tile_max = tile_max * sv;
     V running_max = V::loadu(row_max + c);
     V shift;
@@ -187,23 +194,11 @@ inline void softmax_rows_amx(const float* s, int64_t ld, int64_t nk, float* row_
   using V = Vectorized<float>;
   const VecOps<float> ops;
   const int64_t np16 = round_up(ceil_div(nk, 2), 16);
-  alignas(64) static constexpr int16_t kInterleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
-                                                          21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
-                                                          11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512i interleave = _mm512_load_si512(kPairInterleave);
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t c = 0; c < ld; c += 16) {
     const float* col = s + c;
-    V m0(-INFINITY), m1(-INFINITY), m2(-INFINITY), m3(-INFINITY);
-    int64_t j4 = 0;
-    for (; j4 + 4 <= nk; j4 += 4) {
-      m0 = ops.max(m0, V::loadu(col + j4 * ld));
-      m1 = ops.max(m1, V::loadu(col + (j4 + 1) * ld));
-      m2 = ops.max(m2, V::loadu(col + (j4 + 2) * ld));
-      m3 = ops.max(m3, V::loadu(col + (j4 + 3) * ld));
-    }
-    for (; j4 < nk; ++j4) m0 = ops.max(m0, V::loadu(col + j4 * ld));
-    const V tile_max = ops.max(ops.max(m0, m1), ops.max(m2, m3)) * V(scale);
+    const V tile_max = column_max(col, ld, nk, ops) * V(scale);
     V running_max = V::loadu(row_max + c);
     V shift;
     const V a = attn::online_softmax_step(running_max, tile_max, shift, ops);

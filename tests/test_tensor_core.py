@@ -117,6 +117,29 @@ def _functions_sass(cuobjdump, library, arch, pattern):
 ATTENTION_KERNELS = r"attention_mma_(forward|dq|dkdv)_kernel"
 
 
+def _registers_after_dealloc(body):
+    """The highest general register that code reachable from the function's
+    USETMAXREG.DEALLOC reads or writes (the producer warpgroup's code once it
+    gave its registers up), following branches to EXIT; -1 where none."""
+    code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", body)]
+    index = {address: i for i, (address, _) in enumerate(code)}
+    todo = [i for i, (_, text) in enumerate(code) if "USETMAXREG.DEALLOC" in text]
+    seen, top = set(), -1
+    while todo:
+        i = todo.pop()
+        while i < len(code) and i not in seen:
+            seen.add(i)
+            text = code[i][1]
+            top = max([top] + [int(r) for r in re.findall(r"\bR(\d+)\b", text)])
+            branch = re.search(r"\bBRA(?:\.\S+)? (?:!?U?P[T\d], )?0x([0-9a-f]+)", text)
+            if branch and int(branch.group(1), 16) in index:
+                todo.append(index[int(branch.group(1), 16)])
+            if re.match(r"(EXIT|BRA|RET)\b", text):  # unpredicated: the path ends or went to its target
+                break
+            i += 1
+    return top
+
+
 @pytest.mark.slow
 def test_built_tensor_core_kernels_hold_tensor_core_instructions():
     """Evidence from the installed build itself, without a GPU, where it holds
@@ -146,6 +169,8 @@ def test_built_tensor_core_kernels_hold_tensor_core_instructions():
     for name, body in hopper.items():
         hgmma = r"HGMMA\.64x\d+x16\.F32\.BF16" if "BFloat16" in name else r"HGMMA\.64x\d+x16\.F32 "
         assert re.search(hgmma, body) and "UTMALDG.4D" in body and "USETMAXREG" in body, name
+        # The producer gives its registers up to 24 (setmaxnreg): its code must stay below R24.
+        assert "USETMAXREG.DEALLOC" in body and 0 <= _registers_after_dealloc(body) < 24, name
     for arch in ("sm_80", "sm_90a"):
         attention = _functions_sass(cuobjdump, library, arch, ATTENTION_KERNELS)
         grouped = _functions_sass(cuobjdump, library, arch, "grouped_mm_tc_kernel")

@@ -135,19 +135,48 @@ __device__ __forceinline__ uint64_t mn_major(const unsigned char* tile, int rows
                                     step * 16 * 128);
 }
 
+// The work of a persistent grid (one block a multiprocessor, each taking
+// several items): (row block, kv head, sequence) items, the last row blocks
+// first (under a causal mask they see the most keys), dealt to the blocks in
+// a snake: round r gives block k item r P + k when r is even and
+// r P + P - 1 - k when odd (P blocks), so each block's sum of decreasing
+// costs evens out.
+struct WorkItems {
+  int32_t row_blocks, kv_heads, batch;
+
+  __host__ __device__ __forceinline__ int64_t count() const {
+    return static_cast<int64_t>(row_blocks) * kv_heads * batch;
+  }
+  // This block's item of round `round`; past the last once count() or more.
+  __device__ __forceinline__ int64_t item(int32_t round) const {
+    const int32_t p = static_cast<int32_t>(gridDim.x), k = static_cast<int32_t>(blockIdx.x);
+    return static_cast<int64_t>(round) * p + ((round & 1) ? p - 1 - k : k);
+  }
+  __device__ __forceinline__ void decode(int64_t item, int64_t& row_block, int64_t& g, int64_t& b) const {
+    const auto heads = static_cast<int32_t>(kv_heads * batch);  // the host checked count() fits 32 bits
+    const auto i = static_cast<int32_t>(item) / heads, rem = static_cast<int32_t>(item) - i * heads;
+    row_block = row_blocks - 1 - i;
+    b = rem / kv_heads;
+    g = rem - static_cast<int32_t>(b) * kv_heads;
+  }
+};
+
 // The mbarriers of a block that streams K/V tiles past its query rows (the
-// forward, dQ): the query-side tiles' full barrier, and per stage the K and V
-// tiles' full barriers and their empty ones, which all consumer threads arrive at.
+// forward, dQ): the query-side tiles' full and empty barriers, and per stage
+// the K and V tiles' full barriers and their empty ones, which all consumer
+// threads arrive at. Tiles are numbered by their place in the ring's stream,
+// which runs on across the work items of a persistent block.
 struct KvRing {
-  static constexpr int kBarriers = 1 + 4 * kStages;
-  uint64_t *q_full, *k_full, *v_full, *k_empty, *v_empty;
+  static constexpr int kBarriers = 2 + 4 * kStages;
+  uint64_t *q_full, *q_empty, *k_full, *v_full, *k_empty, *v_empty;
 
   __device__ __forceinline__ explicit KvRing(uint64_t* bars)
-      : q_full(bars), k_full(bars + 1), v_full(bars + 1 + kStages), k_empty(bars + 1 + 2 * kStages),
-        v_empty(bars + 1 + 3 * kStages) {}
+      : q_full(bars), q_empty(bars + 1), k_full(bars + 2), v_full(bars + 2 + kStages),
+        k_empty(bars + 2 + 2 * kStages), v_empty(bars + 2 + 3 * kStages) {}
   // By thread 0, before the block's __syncthreads.
   __device__ __forceinline__ void init() const {
     hopper::mbarrier_init(q_full, 1);
+    hopper::mbarrier_init(q_empty, kConsumers * 128);
     for (int s = 0; s < kStages; ++s) {
       hopper::mbarrier_init(&k_full[s], 1);
       hopper::mbarrier_init(&v_full[s], 1);
@@ -157,17 +186,19 @@ struct KvRing {
     hopper::mbarrier_init_fence();
   }
   // The producer's thread: n_tiles tiles of kKeys keys from map key key0 of
-  // kv head `head` into k_tile(stage) and v_tile(stage), each tile once its
-  // consumers freed it. K and V are freed apart: a consumer done with a K tile
-  // before its V tile (the forward) lets the next K load start a product early.
+  // kv head `head` into k_tile(stage) and v_tile(stage), the first at stream
+  // place `first`, each tile once its consumers freed it. K and V are freed
+  // apart: a consumer done with a K tile before its V tile (the forward) lets
+  // the next K load start a product early.
   template <int kBoxes, int kKeys, typename KTile, typename VTile>
-  __device__ __forceinline__ void produce(int64_t n_tiles, int64_t key0, int32_t head, int32_t batch,
+  __device__ __forceinline__ void produce(int64_t first, int64_t n_tiles, int64_t key0, int32_t head, int32_t batch,
                                           const hopper::TensorMap& map_k, const hopper::TensorMap& map_v,
                                           const HeadsInner& heads_inner, KTile&& k_tile, VTile&& v_tile) const {
     constexpr uint32_t kTileBytes = kKeys * kBoxes * 128;
     for (int64_t tile = 0; tile < n_tiles; ++tile) {
-      const int stage = static_cast<int>(tile % kStages);
-      const unsigned free_parity = (static_cast<unsigned>(tile / kStages) & 1u) ^ 1u;
+      const int64_t place = first + tile;
+      const int stage = static_cast<int>(place % kStages);
+      const unsigned free_parity = (static_cast<unsigned>(place / kStages) & 1u) ^ 1u;
       const auto key = static_cast<int32_t>(key0 + tile * kKeys);
       hopper::mbarrier_wait(&k_empty[stage], free_parity);
       hopper::mbarrier_arrive_expect_tx(&k_full[stage], kTileBytes);

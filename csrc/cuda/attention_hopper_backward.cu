@@ -105,7 +105,7 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
       hk::load_query_rows<kBoxes>(q_s, map_q, heads_inner.q, order, ring.q_full, pos0, head0, map_b);
       hk::load_query_rows<kBoxes>(do_s, map_do, heads_inner.dout, order, ring.q_full, pos0, head0, map_b);
       hk::load_query_rows<kBoxes>(o_s, map_o, heads_inner.out, order, ring.q_full, pos0, head0, map_b);
-      ring.produce<kBoxes, kKeys>(block.n_tiles, seqs.k_start(b) + block.key_lo, static_cast<int32_t>(g), map_b,
+      ring.produce<kBoxes, kKeys>(0, block.n_tiles, seqs.k_start(b) + block.key_lo, static_cast<int32_t>(g), map_b,
                                   map_k, map_v, heads_inner, k_tile, v_tile);
     }
     return;

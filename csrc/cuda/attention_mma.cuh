@@ -107,7 +107,10 @@ struct QueryBlock {
   int64_t key_lo = 0, key_hi = 0, n_tiles = 0;
 
   __device__ __forceinline__ QueryBlock(const attn::QueryRows& rows, int64_t sq)
-      : rows_total(sq * rows.group), row0(static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBlockRows) {}
+      : QueryBlock(rows, sq, static_cast<int64_t>(gridDim.x - 1 - blockIdx.x)) {}
+  // Row block `index` (its rows from index kBlockRows), for a block that takes several.
+  __device__ __forceinline__ QueryBlock(const attn::QueryRows& rows, int64_t sq, int64_t index)
+      : rows_total(sq * rows.group), row0(index * kBlockRows) {}
   __device__ __forceinline__ bool empty() const { return row0 >= rows_total; }
   __device__ __forceinline__ void find_keys(const Mask& mask, const attn::QueryRows& rows) {
     const int64_t last_row = (row0 + kBlockRows < rows_total ? row0 + kBlockRows : rows_total) - 1;

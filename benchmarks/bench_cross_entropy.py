@@ -60,6 +60,7 @@ def bench_case(tokens, hidden, vocab, dtype, device, reps, with_compile, lk):
     t[::7] = -100
     fns = {"eager": eager_loss, "fusedllm": fused_loss}
     if with_compile:
+        torch._dynamo.reset()  # a fresh compilation per case: each shape and dtype is its own graph
         fns["compile"] = torch.compile(eager_loss, fullgraph=True)
     if lk is not None:
         liger_module = lk.transformers.LigerFusedLinearCrossEntropyLoss()  # ignore_index -100, mean

@@ -124,6 +124,7 @@ def build(family, shape, dtype, device, with_compile, tokens):
         block._modules["experts"] = experts
         modules[name] = block
     if with_compile:
+        torch._dynamo.reset()  # a fresh compilation per case: each shape and dtype is its own graph
         modules["compile"] = torch.compile(base)
     fused = MoE.from_config(config, device="meta")
     fused.gate.weight = base.gate.weight

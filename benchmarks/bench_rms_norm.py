@@ -79,6 +79,9 @@ def make_candidates(dim, dtype, device, with_compile, lk, add):
     else:
         modules = {"eager": eager, "F.rms_norm": torch_norm, "fusedllm": fused}
     if with_compile:
+        # A fresh compilation per case: past 8 shapes and dtypes of one module,
+        # dynamo refuses to recompile (a hard error under fullgraph=True).
+        torch._dynamo.reset()
         compiled_src = NotebookRMSNorm(dim).to(device=device, dtype=dtype)
         compiled_src.load_state_dict(eager.state_dict())
         modules["compile"] = torch.compile(AddThenNorm(compiled_src) if add else compiled_src, fullgraph=True)

@@ -8,7 +8,7 @@ no virtual environment of the project's. It builds fusedllm for the visible
 GPU's architecture into DIR/build (the source tree and the environment are
 left as they are), runs every ``cuda`` test on all cores against that build,
 then the GPU benchmarks with their peers (Liger-Kernel where it imports), and
-writes everything to DIR: environment.txt, build.log, tests.log, tests.xml,
+writes everything to DIR: environment.txt, build.log, test_extensions.log, tests.log, tests.xml,
 bench/*.{json,md,png}, bench/*.log and summary.md, which is printed last.
 Each part's time is in the summary. Missing prerequisites stop it before
 anything is built.
@@ -120,6 +120,25 @@ def build(out: str, arch: str, jobs: int, nvcc: str) -> tuple[int, float, str]:
     return rc, seconds, site
 
 
+def start_test_extensions(out: str):
+    log = open(os.path.join(out, "test_extensions.log"), "w")
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "gpu_extensions.py")], stdout=log,
+                               stderr=subprocess.STDOUT, cwd=ROOT)
+    return process, log, time.perf_counter()
+
+
+def finish_test_extensions(process, log, start) -> tuple:
+    """The part's summary row once the tests' extensions are built: its seconds
+    are the wait past the build's end."""
+    waited = time.perf_counter()
+    rc = process.wait()
+    log.close()
+    status = "ok" if rc == 0 else f"failed ({rc}): the tests build them again"
+    end = time.perf_counter()
+    return ("test extensions (beside the build)", status, end - waited,
+            f"{end - start:.0f} s from the build's start; test_extensions.log")
+
+
 def run_tests(out: str, site: str, jobs: int, marker: str, has_xdist: bool, timeout=None) -> tuple[int, float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                FUSEDLLM_REQUIRE_EXTENSION="1", OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="1")
@@ -227,8 +246,12 @@ def main(argv=None) -> int:
         rc = 0 if os.path.isdir(os.path.join(site, "fusedllm")) else 2
         parts.append(("build", "given" if rc == 0 else "failed (no fusedllm in --site)", 0.0, site))
     else:
+        # The tests' own extensions (check kernels over the same device code) build beside fusedllm's build.
+        extensions = start_test_extensions(out) if args.tests != "none" else None
         rc, seconds, site = build(out, info["arch"], args.jobs, info["nvcc path"])
         parts.append(("build", "ok" if rc == 0 else f"failed ({rc})", seconds, f"sm_{info['arch'].replace('.', '')}"))
+        if extensions is not None:
+            parts.append(finish_test_extensions(*extensions))
     if rc != 0:
         if not args.site:
             print(_tail(os.path.join(out, "build.log")), file=sys.stderr)

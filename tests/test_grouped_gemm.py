@@ -12,8 +12,9 @@ import subprocess
 import pytest
 import torch
 
+import gpu_extensions
 from checks import assert_close, whole
-from test_tensor_core import _cuda_include_dirs, _cuobjdump
+from test_tensor_core import _cuobjdump
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = {"rows_times_weight_t": 0, "rows_times_weight": 1, "weight_gradient": 2}
@@ -206,34 +207,12 @@ def test_bad_arguments_name_the_argument():
 
 
 # The header on CUDA tensors: the same entry point as the self-test op.
-GPU_SOURCE = r"""
-#include <torch/extension.h>
-#include "grouped_gemm.cuh"
 
-at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets, int64_t kind,
-                      bool tensor_cores) {
-  const auto product = static_cast<fusedllm::cuda::GroupedProduct>(kind);
-  at::Tensor out = kind == 2 ? at::empty({offsets.size(0) - 1, a.size(1), b.size(-1)}, a.options())
-                             : at::empty({a.size(0), b.size(kind == 0 ? 1 : 2)}, a.options());
-  fusedllm::cuda::grouped::grouped_mm(out, a, b, offsets, product, tensor_cores);
-  return out;
-}
-"""
 
 
 @pytest.fixture(scope="module")
 def gpu_grouped_mm():
-    from torch.utils.cpp_extension import load_inline
-
-    declaration = ("at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, "
-                   "const at::Tensor& offsets, int64_t kind, bool tensor_cores);")
-    sources = [os.path.join(ROOT, "csrc", "cuda"), os.path.join(ROOT, "csrc", "include")]
-    return load_inline(name="fusedllm_grouped_gemm_check", cpp_sources=declaration, cuda_sources=GPU_SOURCE,
-                       functions=["grouped_mm"], extra_include_paths=sources,
-                       # The CUDA library headers of torch's nvidia-* wheels, where the toolkit lacks them.
-                       extra_cuda_cflags=["-O3", "-std=c++20", "--expt-relaxed-constexpr",
-                                          *(f for f in _cuda_include_dirs() if f.startswith("-Xcompiler"))],
-                       extra_cflags=["-std=c++20"], verbose=False).grouped_mm
+    return gpu_extensions.grouped_gemm_check().grouped_mm
 
 
 @pytest.mark.cuda
@@ -271,7 +250,7 @@ def test_kernels_compile_to_tensor_core_instructions_without_spills(tmp_path):
     probe.write_text('#include "grouped_gemm.cuh"\n')
     cubin = tmp_path / "probe.cubin"
     build = subprocess.run(["nvcc", "-std=c++20", "-arch=sm_80", "--expt-relaxed-constexpr", "-cubin",
-                            "-Xptxas=-v", *_cuda_include_dirs(), str(probe), "-o", str(cubin)],
+                            "-Xptxas=-v", *gpu_extensions.cuda_include_dirs(), str(probe), "-o", str(cubin)],
                            check=True, capture_output=True, text=True)
     spills = [(int(s), int(l)) for s, l in SPILLS.findall(build.stderr)]
     assert len(spills) >= 18 and all(s == l == 0 for s, l in spills), build.stderr

@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 
-from test_tensor_core import _cuda_include_dirs, _cuobjdump, check
+import gpu_extensions
+from test_tensor_core import _cuobjdump, check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPANS = {"none": 16, "32B": 32, "64B": 64, "128B": 128}
@@ -286,6 +287,45 @@ def test_hopper_forward_at_head_dim_256_on_an_sm90_sized_device():
     assert softcap["ran"] == 0 and softcap["err"] < 2e-2, softcap
 
 
+DQ_THREE_STAGES = r"""
+import json, torch, fusedllm, fusedllm.simt as simt
+from reference import attention as ref_attention
+out = []
+for d, s, schedule in ((128, 300, "lockstep"), (128, 300, "warp-random"), (64, 600, "warp-random")):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 8, s, d, generator=g).to(torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(1, 2, s, d, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    go = torch.randn(1, 8, s, d, generator=g).to(torch.bfloat16)
+    with simt.kernels(schedule=schedule):
+        before = dict(simt.stats()["kernel_launches"])
+        fusedllm.attention(q, k, v, causal=True).backward(go)
+        ran = simt.stats()["kernel_launches"].get("attention_hopper_dq_kernel", 0) - before.get(
+            "attention_hopper_dq_kernel", 0)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want, _ = ref_attention(*leaves, causal=True)
+    want.backward(go.double())
+    err = max(((t.grad.double() - r.grad).abs().max() / r.grad.abs().max()).item() for t, r in zip((q, k, v), leaves))
+    out.append(dict(d=d, ran=ran, err=err))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.simt
+def test_hopper_dq_with_three_stages_on_an_sm90_sized_device():
+    """dQ keeps three K/V tiles in flight where they fit: 197 KB at head dim
+    128, an sm_90's shared memory (the emulated device gets its 227 KiB in a
+    process of its own), and at head dim 64 everywhere; over 5 tiles, so the
+    ring wraps, in both kinds of schedule, the gradients match the reference."""
+    simt()
+    env = dict(os.environ, FUSEDLLM_SIMT_SMEM_OPTIN=str(227 * 1024), FUSEDLLM_CUDA_ATTENTION="hopper",
+               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", DQ_THREE_STAGES], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr
+    for case in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert case["ran"] == 1 and case["err"] < 2e-2, case
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_units_compile_to_hopper_instructions(tmp_path):
@@ -308,7 +348,7 @@ def test_units_compile_to_hopper_instructions(tmp_path):
     probe.write_text('#include "hopper_check.cuh"\n' + "\n".join(instances) + "\n")
     cubin = tmp_path / "probe.cubin"
     built = subprocess.run(["nvcc", "-std=c++20", "-arch=sm_90a", "--expt-relaxed-constexpr", "-cubin",
-                            "-Xptxas", "-v", *_cuda_include_dirs(), str(probe), "-o", str(cubin)],
+                            "-Xptxas", "-v", *gpu_extensions.cuda_include_dirs(), str(probe), "-o", str(cubin)],
                            check=True, capture_output=True, text=True)
     assert "serialized" not in built.stderr and "setmaxnreg' ignored" not in built.stderr, built.stderr
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
@@ -321,13 +361,7 @@ def test_units_compile_to_hopper_instructions(tmp_path):
 
 @pytest.fixture(scope="module")
 def gpu_check_product():
-    from torch.utils.cpp_extension import load
-
-    return load(name="fusedllm_hopper_check", sources=[os.path.join(ROOT, "tests", "hopper_check.cu")],
-                extra_include_paths=[os.path.join(ROOT, "csrc", "cuda"), os.path.join(ROOT, "csrc", "include")],
-                extra_cuda_cflags=["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-gencode",
-                                   "arch=compute_90a,code=sm_90a"],
-                extra_cflags=["-std=c++20"], verbose=False)
+    return gpu_extensions.hopper_check()
 
 
 @pytest.mark.cuda

@@ -6,7 +6,6 @@ sm_80 and sm_90 (the instructions they become), and on a GPU (the hardware
 instructions and the portable forms on the same inputs); and the machine code of
 the built extension's tensor-core kernels (attention forward, grouped products)."""
 
-import glob
 import os
 import re
 import shutil
@@ -15,10 +14,10 @@ import subprocess
 import pytest
 import torch
 
+import gpu_extensions
 from checks import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CUDA_SOURCES = os.path.join(ROOT, "csrc", "cuda")
 DTYPES = [torch.bfloat16, torch.float16]
 LAYOUTS = {"b_is_n_by_k": True, "b_is_k_by_n": False}
 
@@ -57,15 +56,6 @@ def test_check_tile_under_the_emulator(dtype, layout, exact, schedule):
     check(c, expected, exact)
 
 
-def _cuda_include_dirs():
-    """torch's headers, and the CUDA library headers its nvidia-* wheels ship
-    (searched after the toolkit's, as the build does)."""
-    torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
-    wheels = glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "*", "include"))
-    return ["-I", CUDA_SOURCES, "-I", os.path.join(ROOT, "csrc", "include"), "-isystem", torch_include,
-            *(f"-Xcompiler=-idirafter,{d}" for d in wheels)]
-
-
 def _cuobjdump():
     found = shutil.which("cuobjdump")
     if found:
@@ -93,7 +83,7 @@ def test_primitives_compile_to_tensor_core_instructions(tmp_path, arch):
     probe.write_text('#include "mma_check.cuh"\n' + "\n".join(instances) + "\n")
     cubin = tmp_path / "probe.cubin"
     subprocess.run(["nvcc", "-std=c++20", f"-arch={arch}", "--expt-relaxed-constexpr", "-cubin",
-                    *_cuda_include_dirs(), str(probe), "-o", str(cubin)], check=True, capture_output=True)
+                    *gpu_extensions.cuda_include_dirs(), str(probe), "-o", str(cubin)], check=True, capture_output=True)
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True,
                           text=True).stdout
     for instruction in ("HMMA.16816.F32.BF16", "HMMA.16816.F32 ", "LDSM.16.M88.4", "LDSM.16.MT88.4",
@@ -144,7 +134,7 @@ def _registers_after_dealloc(body):
 def test_built_tensor_core_kernels_hold_tensor_core_instructions():
     """Evidence from the installed build itself, without a GPU, where it holds
     machine code for sm_75, sm_80 and sm_90a (FUSEDLLM_CUDA=1, as CI builds):
-    the Hopper forward's 10 instantiations and the Hopper backward's 12 hold
+    the Hopper forward's 10 instantiations and the Hopper backward's 14 hold
     HGMMA, UTMALDG and USETMAXREG on sm_90a; on sm_80
     and sm_90a every instantiation of the tensor-core attention kernels (the
     forward and dQ for two dtypes x four head dims, dK/dV for three) and of the
@@ -164,7 +154,8 @@ def test_built_tensor_core_kernels_hold_tensor_core_instructions():
     assert len(hopper) == 10, list(hopper)  # two dtypes x (head dims 64, 128 x plain or not, 256 plain)
     backward = {**_functions_sass(cuobjdump, library, "sm_90a", "attention_hopper_dq_kernel"),
                 **_functions_sass(cuobjdump, library, "sm_90a", "attention_hopper_dkdv_kernel")}
-    assert len(backward) == 12, list(backward)  # two kernels x two dtypes x (head dim 64 x plain or not, 128 plain)
+    # two kernels x two dtypes x (head dim 64 x plain or not, 128 plain), and dQ at 128 with two K/V stages
+    assert len(backward) == 14, list(backward)
     hopper.update(backward)
     for name, body in hopper.items():
         hgmma = r"HGMMA\.64x\d+x16\.F32\.BF16" if "BFloat16" in name else r"HGMMA\.64x\d+x16\.F32 "
@@ -188,12 +179,7 @@ def test_built_tensor_core_kernels_hold_tensor_core_instructions():
 
 @pytest.fixture(scope="module")
 def gpu_check_tile():
-    from torch.utils.cpp_extension import load
-
-    return load(name="fusedllm_tensor_core_check", sources=[os.path.join(ROOT, "tests", "tensor_core_check.cu")],
-                extra_include_paths=[CUDA_SOURCES, os.path.join(ROOT, "csrc", "include")],
-                extra_cuda_cflags=["-O3", "-std=c++20", "--expt-relaxed-constexpr"],
-                extra_cflags=["-std=c++20"], verbose=False)
+    return gpu_extensions.tensor_core_check()
 
 
 @pytest.mark.cuda

@@ -42,7 +42,7 @@ struct Layout {
   static constexpr int kQBytes = kRows * kD * 2;
   static constexpr int kTileBytes = kKeys * kD * 2;  // one K or V tile
   // Q, then each stage's K and V, then the mbarriers; 1024 bytes to align the tiles.
-  static constexpr size_t smem() { return 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * hk::KvRing::kBarriers; }
+  static constexpr size_t smem() { return 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * hk::KvRing<>::kBarriers; }
 };
 
 }  // namespace hk
@@ -65,7 +65,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   unsigned char* raw = dynamic_shared<unsigned char>();
   unsigned char* q_s = raw + (1024 - hopper::shared_address(raw) % 1024) % 1024;
   unsigned char* kv_s = q_s + L::kQBytes;  // stage s: K at 2 s tiles, V after it
-  const hk::KvRing ring(reinterpret_cast<uint64_t*>(kv_s + 2 * hk::kStages * L::kTileBytes));
+  const hk::KvRing<> ring(reinterpret_cast<uint64_t*>(kv_s + 2 * hk::kStages * L::kTileBytes));
   const auto k_tile = [&](int stage) { return kv_s + 2 * stage * L::kTileBytes; };
   const auto v_tile = [&](int stage) { return kv_s + (2 * stage + 1) * L::kTileBytes; };
 

@@ -165,19 +165,21 @@ struct WorkItems {
 // forward, dQ): the query-side tiles' full and empty barriers, and per stage
 // the K and V tiles' full barriers and their empty ones, which all consumer
 // threads arrive at. Tiles are numbered by their place in the ring's stream,
-// which runs on across the work items of a persistent block.
+// which runs on across the work items of a persistent block. kRingStages
+// tiles are in flight at most.
+template <int kRingStages = kStages>
 struct KvRing {
-  static constexpr int kBarriers = 2 + 4 * kStages;
+  static constexpr int kBarriers = 2 + 4 * kRingStages;
   uint64_t *q_full, *q_empty, *k_full, *v_full, *k_empty, *v_empty;
 
   __device__ __forceinline__ explicit KvRing(uint64_t* bars)
-      : q_full(bars), q_empty(bars + 1), k_full(bars + 2), v_full(bars + 2 + kStages),
-        k_empty(bars + 2 + 2 * kStages), v_empty(bars + 2 + 3 * kStages) {}
+      : q_full(bars), q_empty(bars + 1), k_full(bars + 2), v_full(bars + 2 + kRingStages),
+        k_empty(bars + 2 + 2 * kRingStages), v_empty(bars + 2 + 3 * kRingStages) {}
   // By thread 0, before the block's __syncthreads.
   __device__ __forceinline__ void init() const {
     hopper::mbarrier_init(q_full, 1);
     hopper::mbarrier_init(q_empty, kConsumers * 128);
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kRingStages; ++s) {
       hopper::mbarrier_init(&k_full[s], 1);
       hopper::mbarrier_init(&v_full[s], 1);
       hopper::mbarrier_init(&k_empty[s], kConsumers * 128);
@@ -197,8 +199,8 @@ struct KvRing {
     constexpr uint32_t kTileBytes = kKeys * kBoxes * 128;
     for (int64_t tile = 0; tile < n_tiles; ++tile) {
       const int64_t place = first + tile;
-      const int stage = static_cast<int>(place % kStages);
-      const unsigned free_parity = (static_cast<unsigned>(place / kStages) & 1u) ^ 1u;
+      const int stage = static_cast<int>(place % kRingStages);
+      const unsigned free_parity = (static_cast<unsigned>(place / kRingStages) & 1u) ^ 1u;
       const auto key = static_cast<int32_t>(key0 + tile * kKeys);
       hopper::mbarrier_wait(&k_empty[stage], free_parity);
       hopper::mbarrier_arrive_expect_tx(&k_full[stage], kTileBytes);
@@ -209,17 +211,17 @@ struct KvRing {
     }
   }
   __device__ __forceinline__ void wait_keys(int64_t tile) const {
-    hopper::mbarrier_wait(&k_full[tile % kStages], static_cast<unsigned>(tile / kStages) & 1u);
+    hopper::mbarrier_wait(&k_full[tile % kRingStages], static_cast<unsigned>(tile / kRingStages) & 1u);
   }
   __device__ __forceinline__ void wait_values(int64_t tile) const {
-    hopper::mbarrier_wait(&v_full[tile % kStages], static_cast<unsigned>(tile / kStages) & 1u);
+    hopper::mbarrier_wait(&v_full[tile % kRingStages], static_cast<unsigned>(tile / kRingStages) & 1u);
   }
   // Each consumer thread, once the products reading the tile completed.
   __device__ __forceinline__ void release_keys(int64_t tile) const {
-    hopper::mbarrier_arrive(&k_empty[tile % kStages]);
+    hopper::mbarrier_arrive(&k_empty[tile % kRingStages]);
   }
   __device__ __forceinline__ void release_values(int64_t tile) const {
-    hopper::mbarrier_arrive(&v_empty[tile % kStages]);
+    hopper::mbarrier_arrive(&v_empty[tile % kRingStages]);
   }
   __device__ __forceinline__ void release(int64_t tile) const {
     release_keys(tile);

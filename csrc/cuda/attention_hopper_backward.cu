@@ -35,14 +35,22 @@ namespace hk {
 constexpr int kBwdMaxHeadDim = 128;
 constexpr int kTileRows = 64;  // query rows of a dK/dV tile
 
-template <int kD>
+// kStages K/V tiles in flight: tile j + 1's S and dP are issued before tile
+// j's dQ += dS K, which holds tile j's K; with two stages, tile j + 1's loads
+// could start only once tile j - 1's dQ ended, just before they were needed.
+// Three give them a tile's lead: 197 KB at head dim 128 (an sm_90's shared
+// memory; the emulated sm_80-class device's takes the two-stage form).
+template <int kD, int kRingStages>
 struct DqLayout {
+  static constexpr int kStages = kRingStages;
   // Keys of a K / V tile: S, dP and dQ share a consumer's registers.
   static constexpr int kKeys = kD <= 64 ? 128 : 64;
   static constexpr int kQBytes = kRows * kD * 2;     // Q, dO, and O
   static constexpr int kTileBytes = kKeys * kD * 2;  // one K or V tile
   // Q, dO, O, each stage's K and V, the mbarriers; 1024 bytes to align the tiles.
-  static constexpr size_t smem() { return 1024 + 3 * kQBytes + 2 * kStages * kTileBytes + 8 * hk::KvRing::kBarriers; }
+  static constexpr size_t smem() {
+    return 1024 + 3 * kQBytes + 2 * kStages * kTileBytes + 8 * KvRing<kStages>::kBarriers;
+  }
 };
 
 template <int kD>
@@ -60,7 +68,7 @@ struct DkdvLayout {
 }  // namespace hk
 
 // kPlain: no score modifier, no tensor mask, no dropout.
-template <typename T, int kD, bool kPlain>
+template <typename T, int kD, bool kPlain, int kStages>
 __global__ void __launch_bounds__(hk::kThreads, 1)
 attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
                            const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_do,
@@ -71,7 +79,7 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
                            attn::Seqs seqs, int d, float scale, Mask mask_all, ScoreExtras extras,
                            hk::HeadsInner heads_inner, hk::RowOrder order) {
   using hopper::Major;
-  using L = hk::DqLayout<kD>;
+  using L = hk::DqLayout<kD, kStages>;
   constexpr int kBoxes = kD / hk::kBox;
   constexpr int kKeys = L::kKeys;
   unsigned char* raw = dynamic_shared<unsigned char>();
@@ -79,7 +87,7 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
   unsigned char* do_s = q_s + L::kQBytes;
   unsigned char* o_s = do_s + L::kQBytes;
   unsigned char* kv_s = o_s + L::kQBytes;  // stage s: K at 2 s tiles, V after it
-  const hk::KvRing ring(reinterpret_cast<uint64_t*>(kv_s + 2 * hk::kStages * L::kTileBytes));
+  const hk::KvRing<kStages> ring(reinterpret_cast<uint64_t*>(kv_s + 2 * kStages * L::kTileBytes));
   const auto k_tile = [&](int stage) { return kv_s + 2 * stage * L::kTileBytes; };
   const auto v_tile = [&](int stage) { return kv_s + (2 * stage + 1) * L::kTileBytes; };
 
@@ -105,8 +113,8 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
       hk::load_query_rows<kBoxes>(q_s, map_q, heads_inner.q, order, ring.q_full, pos0, head0, map_b);
       hk::load_query_rows<kBoxes>(do_s, map_do, heads_inner.dout, order, ring.q_full, pos0, head0, map_b);
       hk::load_query_rows<kBoxes>(o_s, map_o, heads_inner.out, order, ring.q_full, pos0, head0, map_b);
-      ring.produce<kBoxes, kKeys>(0, block.n_tiles, seqs.k_start(b) + block.key_lo, static_cast<int32_t>(g), map_b,
-                                  map_k, map_v, heads_inner, k_tile, v_tile);
+      ring.template produce<kBoxes, kKeys>(0, block.n_tiles, seqs.k_start(b) + block.key_lo, static_cast<int32_t>(g),
+                                           map_b, map_k, map_v, heads_inner, k_tile, v_tile);
     }
     return;
   }
@@ -169,7 +177,7 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
   mma::FragA ds[kKeys / 16];
 #pragma unroll
   for (float& x : dq) x = 0.f;
-  const auto stage_of = [](int64_t tile) { return static_cast<int>(tile % hk::kStages); };
+  const auto stage_of = [](int64_t tile) { return static_cast<int>(tile % kStages); };
   // S = Q K^T and dP = dO V^T of a tile, issued and committed once its K and V have landed.
   const auto issue_scores = [&](int64_t tile) {
     const int stage = stage_of(tile);
@@ -190,9 +198,12 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
     }
     hopper::wgmma_commit();
   };
-  const auto scores_done = [&] {
+  // After the wait for a tile's S and dP: their registers are read from here
+  // on, and its V is free (dQ reads K alone).
+  const auto scores_done = [&](int64_t tile) {
     hopper::fence_operand(s);
     hopper::fence_operand(dp);
+    ring.release_values(tile);
   };
   // s becomes dS = P (dP - delta) (through the cap's slope).
   const auto score_gradients = [&](int64_t tile) {
@@ -248,12 +259,12 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
     }
     hopper::wgmma_commit();
   };
-  // After dQ's wait: its registers are read from here on, its K/V stage is free.
+  // After dQ's wait: its registers are read from here on, its K is free.
   const auto dq_done = [&](int64_t tile) {
     hopper::fence_operand(dq);
 #pragma unroll
     for (int i = 0; i < kKeys / 16; ++i) hopper::fence_operand(ds[i]);
-    ring.release(tile);
+    ring.release_keys(tile);
   };
   if constexpr (kPlain) {
     // Tile j + 1's S and dP are issued before tile j's dQ += dS K, and their
@@ -263,7 +274,7 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
     if (block.n_tiles > 0) {
       issue_scores(0);
       hopper::wgmma_wait<0>();
-      scores_done();
+      scores_done(0);
       score_gradients(0);
       hk::accumulators_to_frags<T, kKeys>(s, ds);
     }
@@ -271,7 +282,7 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
       issue_scores(tile + 1);
       issue_dq(tile);
       hopper::wgmma_wait<1>();  // S and dP, not dQ
-      scores_done();
+      scores_done(tile + 1);
       score_gradients(tile + 1);
       hopper::wgmma_wait<0>();
       dq_done(tile);
@@ -287,7 +298,7 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
     for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
       issue_scores(tile);
       hopper::wgmma_wait<0>();
-      scores_done();
+      scores_done(tile);
       score_gradients(tile);
       hk::accumulators_to_frags<T, kKeys>(s, ds);
       issue_dq(tile);
@@ -520,13 +531,16 @@ bool launch_attention_hopper_backward(const AttentionBackwardPlan& p, const at::
   const ScoreExtras extras = extras_of(p);
   const bool plain = !extras.mods.any_score_mod() && !extras.mask.present() && !extras.drop.enabled;
   const hk::AttentionMap q_map(p.q), do_map(p.grad_out), o_map(p.out), k_map(p.k), v_map(p.v);
-  const size_t smem = s.head_dim <= 64 ? std::max(hk::DqLayout<64>::smem(), hk::DkdvLayout<64>::smem())
-                                       : std::max(hk::DqLayout<128>::smem(), hk::DkdvLayout<128>::smem());
+  // dQ takes three K/V stages where they fit (head dim 64 everywhere, 128 on an sm_90), else two.
+  const size_t optin = device_properties().sharedMemPerBlockOptin;
+  const bool dq_three = s.head_dim <= 64 || hk::DqLayout<128, 3>::smem() <= optin;
+  const size_t smem = s.head_dim <= 64 ? std::max(hk::DqLayout<64, 3>::smem(), hk::DkdvLayout<64>::smem())
+                                       : std::max(hk::DqLayout<128, 2>::smem(), hk::DkdvLayout<128>::smem());
   // At head dim 128 the general scoring (modifiers, masks, dropout) spilled
   // in dK/dV beside its 128 registers of dK and dV: those calls keep the
   // mma.sync backward.
   if ((dtype != at::kBFloat16 && dtype != at::kHalf) || s.head_dim > hk::kBwdMaxHeadDim ||
-      (s.head_dim > 64 && !plain) || smem > device_properties().sharedMemPerBlockOptin ||
+      (s.head_dim > 64 && !plain) || smem > optin ||
       hk::kTileRows % p.rows.group != 0 || !q_map.ok || !do_map.ok || !o_map.ok || !k_map.ok || !v_map.ok) {
     return false;
   }
@@ -541,14 +555,14 @@ bool launch_attention_hopper_backward(const AttentionBackwardPlan& p, const at::
                                    o_map.heads_inner};
   tc::with_mma_dtype(dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
-    const auto run = [&](auto D, auto kPlain) {
+    const auto run = [&](auto D, auto kPlain, auto kDqStages) {
       constexpr int kD = decltype(D)::value;
       constexpr bool kIsPlain = decltype(kPlain)::value;
-      using Dq = hk::DqLayout<kD>;
+      using Dq = hk::DqLayout<kD, decltype(kDqStages)::value>;
       {  // dQ: blocks of 128 query rows
         const hk::RowOrder& order = dq_order;
         const int positions = hk::kRows / group;
-        auto kernel = attention_hopper_dq_kernel<T, kD, kIsPlain>;
+        auto kernel = attention_hopper_dq_kernel<T, kD, kIsPlain, Dq::kStages>;
         allow_shared_memory(kernel, Dq::smem());
         const dim3 grid(static_cast<unsigned>((rows.group_rows() + hk::kRows - 1) / hk::kRows),
                         static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
@@ -577,11 +591,14 @@ bool launch_attention_hopper_backward(const AttentionBackwardPlan& p, const at::
                static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras, heads_inner, order);
       }
     };
+    using Three = std::integral_constant<int, 3>;
     if (s.head_dim <= 64) {
-      plain ? run(std::integral_constant<int, 64>{}, std::true_type{})
-            : run(std::integral_constant<int, 64>{}, std::false_type{});
+      plain ? run(std::integral_constant<int, 64>{}, std::true_type{}, Three{})
+            : run(std::integral_constant<int, 64>{}, std::false_type{}, Three{});
+    } else if (dq_three) {  // plain, as checked above
+      run(std::integral_constant<int, 128>{}, std::true_type{}, Three{});
     } else {
-      run(std::integral_constant<int, 128>{}, std::true_type{});  // plain, as checked above
+      run(std::integral_constant<int, 128>{}, std::true_type{}, std::integral_constant<int, 2>{});
     }
   });
   return true;

@@ -121,22 +121,36 @@ def build(out: str, arch: str, jobs: int, nvcc: str) -> tuple[int, float, str]:
 
 
 def start_test_extensions(out: str):
+    """Builds the tests' check extensions, each in a process of its own (one
+    nvcc each), while fusedllm builds."""
+    names = subprocess.run([sys.executable, "-c", "import gpu_extensions as g; "
+                            "print(' '.join(f.__name__ for f in g.for_visible_gpu()))"],
+                           cwd=os.path.join(ROOT, "tests"), capture_output=True, text=True).stdout.split()
     log = open(os.path.join(out, "test_extensions.log"), "w")
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "gpu_extensions.py")], stdout=log,
-                               stderr=subprocess.STDOUT, cwd=ROOT)
-    return process, log, time.perf_counter()
+    processes = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "gpu_extensions.py"), name],
+                                  stdout=log, stderr=subprocess.STDOUT, cwd=ROOT) for name in names]
+    return processes, log, time.perf_counter()
 
 
-def finish_test_extensions(process, log, start) -> tuple:
+def finish_test_extensions(processes, log, start, deadline) -> tuple:
     """The part's summary row once the tests' extensions are built: its seconds
-    are the wait past the build's end."""
+    are the wait past the build's end (at most until the deadline)."""
     waited = time.perf_counter()
-    rc = process.wait()
+    failed = []
+    for process in processes:
+        try:
+            rc = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            rc = "stopped (--time-limit)"
+        if rc != 0:
+            failed.append(str(rc))
     log.close()
-    status = "ok" if rc == 0 else f"failed ({rc}): the tests build them again"
+    status = "ok" if not failed else f"failed ({', '.join(failed)}): the tests build them again"
     end = time.perf_counter()
     return ("test extensions (beside the build)", status, end - waited,
-            f"{end - start:.0f} s from the build's start; test_extensions.log")
+            f"{len(processes)} built in {end - start:.0f} s from the build's start; test_extensions.log")
 
 
 def run_tests(out: str, site: str, jobs: int, marker: str, has_xdist: bool, timeout=None) -> tuple[int, float]:
@@ -251,7 +265,7 @@ def main(argv=None) -> int:
         rc, seconds, site = build(out, info["arch"], args.jobs, info["nvcc path"])
         parts.append(("build", "ok" if rc == 0 else f"failed ({rc})", seconds, f"sm_{info['arch'].replace('.', '')}"))
         if extensions is not None:
-            parts.append(finish_test_extensions(*extensions))
+            parts.append(finish_test_extensions(*extensions, deadline))
     if rc != 0:
         if not args.site:
             print(_tail(os.path.join(out, "build.log")), file=sys.stderr)

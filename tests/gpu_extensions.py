@@ -69,13 +69,15 @@ def grouped_gemm_check():
                        extra_cflags=["-std=c++20"], verbose=False)
 
 
-def build_for_visible_gpu():
-    """Builds the extensions the visible GPU's tests load (the Hopper one on sm_90 only)."""
-    tensor_core_check()
-    grouped_gemm_check()
+def for_visible_gpu():
+    """The builders of the extensions the visible GPU's tests load (the Hopper one on sm_90 only)."""
+    builders = [tensor_core_check, grouped_gemm_check]
     if torch.cuda.get_device_capability() == (9, 0):
-        hopper_check()
+        builders.append(hopper_check)
+    return builders
 
 
-if __name__ == "__main__":
-    build_for_visible_gpu()
+if __name__ == "__main__":  # python3 tests/gpu_extensions.py NAME: builds that one
+    import sys
+
+    globals()[sys.argv[1]]()

@@ -3,6 +3,9 @@ parts are replaced by stand-ins that write what the real ones write."""
 
 import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -16,7 +19,7 @@ name="test_bad"><failure message="x"/></testcase><testcase classname="tests.test
 
 @pytest.fixture
 def stand_ins(monkeypatch, tmp_path):
-    calls = {"build": 0, "tests": [], "bench": []}
+    calls = {"build": 0, "tests": [], "bench": [], "extensions": 0}
     info = {"python": "python3", "GPU": "a stand-in", "arch": "9.0", "nvcc path": "nvcc", "date": "2000-01-01"}
     monkeypatch.setattr(gpu_check, "prerequisites", lambda: (dict(info), []))
 
@@ -40,6 +43,11 @@ def stand_ins(monkeypatch, tmp_path):
             json.dump({"meta": {"benchmark": name}, "rows": [{"case": "c1", "fused_ms": 0.5, "vs_liger": 1.25}]}, f)
         return 0, 3.0
 
+    def start_test_extensions(out):
+        calls["extensions"] += 1
+        return [], open(os.path.join(out, "test_extensions.log"), "w"), time.perf_counter()
+
+    monkeypatch.setattr(gpu_check, "start_test_extensions", start_test_extensions)
     monkeypatch.setattr(gpu_check, "build", build)
     monkeypatch.setattr(gpu_check, "run_tests", run_tests)
     monkeypatch.setattr(gpu_check, "_run", run)
@@ -55,7 +63,8 @@ def test_the_whole_flow_writes_a_summary_of_every_part(stand_ins, capsys):
     assert calls["bench"][1][-2:] == ["--dtype", "bfloat16"]
     summary = (tmp / "out" / "summary.md").read_text()
     assert capsys.readouterr().out.strip() == summary.strip()  # printed last
-    assert "| build | ok | 1 | sm_90 |" in summary
+    assert "| build | ok | 1 | sm_90 |" in summary and calls["extensions"] == 1
+    assert "| test extensions (beside the build) | ok | 0 |" in summary
     assert "| tests (cuda) | failed (1) | 2 | 1 passed, 1 failures, 1 skipped |" in summary
     assert "| bench rms_norm | ok | 3 |" in summary and "| total | | 9 | |" in summary
     assert "- tests.test_a::test_bad" in summary
@@ -67,7 +76,7 @@ def test_a_given_build_is_not_rebuilt_and_none_skips_a_part(stand_ins):
     site = tmp / "site"
     (site / "fusedllm").mkdir(parents=True)
     rc = gpu_check.main(["--out", str(tmp / "out"), "--site", str(site), "--tests", "none", "--bench", "rope"])
-    assert rc == 0 and calls["build"] == 0 and calls["tests"] == []
+    assert rc == 0 and calls["build"] == 0 and calls["tests"] == [] and calls["extensions"] == 0
     assert len(calls["bench"]) == 1
     assert "| build | given | 0 |" in (tmp / "out" / "summary.md").read_text()
     assert gpu_check.main(["--out", str(tmp / "out2"), "--site", str(tmp / "nothing"), "--bench", "none"]) == 1
@@ -79,3 +88,14 @@ def test_no_benchmark_starts_past_the_time_limit(stand_ins):
     gpu_check.main(["--out", str(tmp / "out"), "--bench", "rms_norm,rope", "--time-limit", "10"])
     assert calls["bench"] == []  # under 20 s left: each is skipped, the summary still written
     assert "| bench rope | skipped | 0 | no time left (--time-limit) |" in (tmp / "out" / "summary.md").read_text()
+
+
+def test_extension_builds_past_the_time_limit_are_stopped(tmp_path):
+    """The wait for the tests' extensions ends at the deadline: what is still
+    building is stopped (the tests would build it again) and the row says so."""
+    log = open(tmp_path / "log", "w")
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    start = time.perf_counter()
+    part, status, seconds, detail = gpu_check.finish_test_extensions([slow], log, start, time.monotonic() + 1)
+    assert slow.poll() is not None and seconds < 30
+    assert part == "test extensions (beside the build)" and status.startswith("failed (stopped (--time-limit))")

@@ -16,9 +16,9 @@
 //       K and V; tiles of 64 query rows (every head of the group at 64 / G
 //       positions) that see them stream through the ring with dO. Per tile:
 //       S^T = K Q^T and dP^T = V dO^T, P^T and dS^T on the accumulators, then
-//       dV += P^T dO and dK += dS^T Q (dO and Q read MN-major). Each consumer
-//       loads its tile's lse, delta and positions into shared memory while
-//       its products run.
+//       dV += P^T dO and dK += dS^T Q (dO and Q read MN-major). A producer
+//       warp loads the tiles' lse, delta and positions into two shared
+//       buffers ahead of the consumers (mbarriers full and empty).
 //
 // Scores follow the forward exactly (scale, soft-capping with its slope dcap,
 // ALiBi, masks, the dropout draws of the same Philox stream). Operand rows
@@ -57,11 +57,13 @@ template <int kD>
 struct DkdvLayout {
   static constexpr int kKeyBytes = kRows * kD * 2;       // the block's K, and V
   static constexpr int kTileBytes = kTileRows * kD * 2;  // one Q or dO tile
-  // A consumer's copy of a tile's lse, delta and positions, double-buffered.
-  static constexpr int kStatsBytes = kConsumers * 2 * kTileRows * 12;
+  // A tile's lse, delta and positions, double-buffered.
+  static constexpr int kStatsBytes = 2 * kTileRows * 12;
+  // K and V's full barrier, each stage's full and empty, each statistics buffer's full and empty.
+  static constexpr int kBarriers = 1 + 2 * kStages + 4;
   // K, V, each stage's Q and dO, the statistics, the mbarriers.
   static constexpr size_t smem() {
-    return 1024 + 2 * kKeyBytes + 2 * kStages * kTileBytes + kStatsBytes + 8 * (1 + 2 * kStages);
+    return 1024 + 2 * kKeyBytes + 2 * kStages * kTileBytes + kStatsBytes + 8 * kBarriers;
   }
 };
 
@@ -336,6 +338,13 @@ attention_hopper_dkdv_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_
   auto* kv_full = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(stats_s) + L::kStatsBytes);
   uint64_t* full = kv_full + 1;
   uint64_t* empty = full + hk::kStages;
+  uint64_t* stats_full = empty + hk::kStages;
+  uint64_t* stats_empty = stats_full + 2;
+  // Statistics buffer `buf`: lse, delta, and the position of each shared row
+  // of its tile (-1 past the positions that see a key).
+  const auto lse_s = [&](int buf) { return stats_s + buf * 3 * kTile; };
+  const auto delta_s = [&](int buf) { return lse_s(buf) + kTile; };
+  const auto pos_s = [&](int buf) { return reinterpret_cast<int*>(lse_s(buf) + 2 * kTile); };
   const auto q_tile = [&](int stage) { return rows_s + 2 * stage * L::kTileBytes; };
   const auto do_tile = [&](int stage) { return rows_s + (2 * stage + 1) * L::kTileBytes; };
 
@@ -357,12 +366,16 @@ attention_hopper_dkdv_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_
       hopper::mbarrier_init(&full[s], 1);
       hopper::mbarrier_init(&empty[s], hk::kConsumers * 128);
     }
+    for (int buf = 0; buf < 2; ++buf) {
+      hopper::mbarrier_init(&stats_full[buf], 32);
+      hopper::mbarrier_init(&stats_empty[buf], hk::kConsumers * 128);
+    }
     hopper::mbarrier_init_fence();
   }
   __syncthreads();
   const int warpgroup = __shfl_sync(kFullMask, tid / 128, 0);
 
-  if (warpgroup == 0) {  // producer
+  if (warpgroup == 0) {  // producer: thread 0 the TMA loads, warp 1 the tiles' statistics
     hopper::setmaxnreg<24, false>();
     if (tid == 0 && n_tiles > 0) {
       const auto map_b = static_cast<int32_t>(seqs.packed() ? 0 : b);  // packed: one [1, H, total, D] tensor
@@ -382,6 +395,36 @@ attention_hopper_dkdv_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_
         hk::load_query_rows<kBoxes>(do_tile(stage), map_do, heads_inner.dout, order, &full[stage], pos0, head0,
                                     map_b);
       }
+    } else if (tid / 32 == 1 && n_tiles > 0) {
+      // The tiles' statistics a buffer ahead, read from global memory here so
+      // that no consumer waits on the loads (they were the consumers' longest
+      // wait): both consumers read a buffer, then free it. Each lane takes two
+      // rows of a tile, their offsets worked out once: this code has 24
+      // registers (setmaxnreg).
+      static_assert(kTile == 64, "two rows a lane");
+      const int lane = tid % 32;
+      const auto span = static_cast<int32_t>(pos_end - pos_begin), first = static_cast<int32_t>(pos_begin);
+      int64_t row_at[2];  // the lse / delta row of the lane's rows at the tile's first position pos_begin
+      int32_t offset[2];  // their positions from the tile's first
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        offset[r] = order.pos_of(lane + 32 * r);
+        row_at[r] = rows.row(b, g * rows.group + order.head_of(lane + 32 * r), pos_begin);
+      }
+      for (int32_t tile = 0; tile < static_cast<int32_t>(n_tiles); ++tile) {
+        const int buf = tile % 2;
+        hopper::mbarrier_wait(&stats_empty[buf], (static_cast<unsigned>(tile / 2) & 1u) ^ 1u);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int32_t at = tile * positions + offset[r];  // from pos_begin
+          const bool valid = at < span;
+          const int i = lane + 32 * r;
+          lse_s(buf)[i] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[row_at[r] + at]) : 0.f;
+          delta_s(buf)[i] = valid ? delta[row_at[r] + at] : 0.f;
+          pos_s(buf)[i] = valid ? first + at : -1;
+        }
+        hopper::mbarrier_arrive(&stats_full[buf]);
+      }
     }
     return;
   }
@@ -389,11 +432,6 @@ attention_hopper_dkdv_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_
   hopper::setmaxnreg<240, true>();
   const int t = tid - 128 * warpgroup, warp = t / 32, group = (t % 32) / 4, quad = t % 4;
   const int consumer = warpgroup - 1;
-  // This consumer's statistics of buffer `buf`: lse, delta, and the position
-  // of each shared row of the tile (-1 past the positions that see a key).
-  const auto lse_s = [&](int buf) { return stats_s + (consumer * 2 + buf) * 3 * kTile; };
-  const auto delta_s = [&](int buf) { return lse_s(buf) + kTile; };
-  const auto pos_s = [&](int buf) { return reinterpret_cast<int*>(lse_s(buf) + 2 * kTile); };
   const bool unmodified = kPlain || (!extras.mods.any_score_mod() && !extras.mask.present());
   // This lane's keys (r = 0, 1: keys `group` and group + 8 of its warp's 16)
   // and its warp's 16.
@@ -408,6 +446,8 @@ attention_hopper_dkdv_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_
     const int64_t p0 = pos_begin + tile * positions;  // the tile's first position
     float s[kTile / 2], dp[kTile / 2];                 // S^T and dP^T: this lane's keys x the tile's rows
     hopper::mbarrier_wait(&full[stage], static_cast<unsigned>(tile / hk::kStages) & 1u);
+    // (a wait between the products' issue and their completion spilled their accumulators)
+    hopper::mbarrier_wait(&stats_full[buf], static_cast<unsigned>(tile / 2) & 1u);
     hopper::fence_operand(s);
     hopper::fence_operand(dp);
     hopper::wgmma_fence();
@@ -422,16 +462,6 @@ attention_hopper_dkdv_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_
                                                     hk::k_major(do_tile(stage), kTile, 0, ks), ks > 0);
     }
     hopper::wgmma_commit();
-    // While the products run: the tile's statistics, one row a thread.
-    if (t < kTile) {
-      const int64_t pos = p0 + order.pos_of(t);
-      const bool valid = pos < pos_end;
-      const int64_t lrow = valid ? rows.row(b, g * rows.group + order.head_of(t), pos) : 0;
-      lse_s(buf)[t] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[lrow]) : 0.f;
-      delta_s(buf)[t] = valid ? delta[lrow] : 0.f;
-      pos_s(buf)[t] = valid ? static_cast<int>(pos) : -1;
-    }
-    hopper::named_barrier_sync(1 + consumer, 128);
     hopper::wgmma_wait<0>();
     hopper::fence_operand(s);
     hopper::fence_operand(dp);
@@ -469,6 +499,7 @@ attention_hopper_dkdv_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_
         s[e] = p * keep;  // dV sees the probabilities after dropout
       }
     }
+    hopper::mbarrier_arrive(&stats_empty[buf]);  // the statistics' last reader
     // Rows past the positions that see a key (the last tile's, a packed
     // neighbour's): dV and dK sum over dO's and Q's rows.
     if (p_last >= pos_end) {

@@ -268,19 +268,24 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.simt
-def test_hopper_forward_at_head_dim_256_on_an_sm90_sized_device():
-    """At head dim 256 the Hopper forward takes 197 KiB of shared memory: the
-    emulated device gets an sm_90's 227 KiB (FUSEDLLM_SIMT_SMEM_OPTIN, read
-    once, hence a process of its own) and runs it in plain calls; with
-    soft-capping the call keeps the mma.sync forward."""
+def _on_an_sm90_sized_device(script):
+    """What `script` prints last (JSON), run on the Hopper kernels in a process
+    whose emulated device has an sm_90's 227 KiB of shared memory
+    (FUSEDLLM_SIMT_SMEM_OPTIN is read once, hence a process of its own)."""
     simt()
     env = dict(os.environ, FUSEDLLM_SIMT_SMEM_OPTIN=str(227 * 1024), FUSEDLLM_CUDA_ATTENTION="hopper",
                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", HEAD_DIM_256], env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
-    plain, plain_fp16, softcap = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.simt
+def test_hopper_forward_at_head_dim_256_on_an_sm90_sized_device():
+    """At head dim 256 the Hopper forward takes 197 KiB of shared memory: the
+    emulated device gets an sm_90's 227 KiB and runs it in plain calls; with
+    soft-capping the call keeps the mma.sync forward."""
+    plain, plain_fp16, softcap = _on_an_sm90_sized_device(HEAD_DIM_256)
     for case in (plain, plain_fp16):
         assert case["ran"] == 1 and case["err"] < 2e-2, case
     # With a score modifier at head dim 256 the mma.sync forward serves.
@@ -313,16 +318,10 @@ print(json.dumps(out))
 @pytest.mark.simt
 def test_hopper_dq_with_three_stages_on_an_sm90_sized_device():
     """dQ keeps three K/V tiles in flight where they fit: 197 KB at head dim
-    128, an sm_90's shared memory (the emulated device gets its 227 KiB in a
-    process of its own), and at head dim 64 everywhere; over 5 tiles, so the
-    ring wraps, in both kinds of schedule, the gradients match the reference."""
-    simt()
-    env = dict(os.environ, FUSEDLLM_SIMT_SMEM_OPTIN=str(227 * 1024), FUSEDLLM_CUDA_ATTENTION="hopper",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", DQ_THREE_STAGES], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr
-    for case in json.loads(done.stdout.strip().splitlines()[-1]):
+    128 (an sm_90's shared memory), and at head dim 64 everywhere. Over 5
+    tiles, so that the ring wraps, in both kinds of schedule, the gradients
+    match the reference."""
+    for case in _on_an_sm90_sized_device(DQ_THREE_STAGES):
         assert case["ran"] == 1 and case["err"] < 2e-2, case
 
 

@@ -156,9 +156,9 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     // Accumulators in the layout of hopper.cuh: s[4 j + 2 r + c] is lane row r,
     // column 8 j + 2 quad + c (O's likewise).
     float o[kD / 2], m[2], l[2];
-  #pragma unroll
+#pragma unroll
     for (float& x : o) x = 0.f;
-  #pragma unroll
+#pragma unroll
     for (int r = 0; r < 2; ++r) m[r] = -kInf, l[r] = 0.f;
     const auto stage_of = [&](int64_t tile) { return static_cast<int>((first + tile) % hk::kStages); };
     const auto wait_keys = [&](int64_t tile) { ring.wait_keys(first + tile); };
@@ -182,7 +182,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       const int stage = stage_of(tile);
       hopper::fence_operand(s);
       hopper::wgmma_fence();
-  #pragma unroll
+#pragma unroll
       for (int ks = 0; ks < kD / 16; ++ks) {
         hopper::wgmma<T, kKeys, Major::kK, Major::kK>(s, q_desc(ks), k_desc(stage, ks), ks > 0);
       }
@@ -193,7 +193,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     const auto softmax = [&](float (&s)[kKeys / 2], int64_t tile, float (&alpha)[2]) {
       float tile_max[2] = {-kInf, -kInf};
       if (tile >= full_lo && tile < full_hi) {
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < kKeys / 2; ++e) {
           s[e] *= scale;
           tile_max[(e / 2) % 2] = fmaxf(tile_max[(e / 2) % 2], s[e]);
@@ -205,16 +205,16 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
         };
         hk::tile_scores<kKeys, kPlain>(s, scale, extras, mask, b, head_pos, block.key_lo,
                                        static_cast<int>(tile) * kKeys, quad, lo, hi);
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < kKeys / 2; ++e) tile_max[(e / 2) % 2] = fmaxf(tile_max[(e / 2) % 2], s[e]);
       }
       float shift[2];
-  #pragma unroll
+#pragma unroll
       for (int r = 0; r < 2; ++r) {
         alpha[r] = attn::online_softmax_step(m[r], quad_reduce_max(tile_max[r]), shift[r], attn::ScalarOps<float>{});
         l[r] *= alpha[r];
       }
-  #pragma unroll
+#pragma unroll
       for (int e = 0; e < kKeys / 2; ++e) {
         const int r = (e / 2) % 2;
         const float p = tc::exp_of_difference(s[e], shift[r]);
@@ -223,12 +223,12 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       }
       if (!kPlain && extras.drop.enabled) {
         const int64_t j0 = block.key_lo + tile * kKeys;
-  #pragma unroll
+#pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int64_t row = lane_row(r), head = rows.group_head(g, row), pos = rows.group_pos(row);
-  #pragma unroll
+#pragma unroll
           for (int j = 0; j < kKeys / 8; ++j) {
-  #pragma unroll
+#pragma unroll
             for (int c = 0; c < 2; ++c) {
               float& p = s[4 * j + 2 * r + c];
               if (p > 0.f) p *= extras.keep_factor<float>(b, head, pos, j0 + 8 * j + 2 * quad + c);
@@ -238,9 +238,9 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       }
     };
     const auto rescale = [&](const float (&alpha)[2]) {
-  #pragma unroll
+#pragma unroll
       for (int n = 0; n < kD / 8; ++n) {
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) o[4 * n + e] *= alpha[e / 2];
       }
     };
@@ -252,10 +252,10 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     const auto issue_values = [&](int64_t tile) {
       const int stage = stage_of(tile);
       hopper::fence_operand(o);
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kKeys / 16; ++i) hopper::fence_operand(pa[i]);
       hopper::wgmma_fence();
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kKeys / 16; ++i) {
         hopper::wgmma<T, kD, Major::kMN>(o, pa[i], v_desc(stage, i), true);
       }
@@ -267,7 +267,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
     const auto release_query = [&] { hopper::mbarrier_arrive(ring.q_empty); };
     const auto values_done = [&] {
       hopper::fence_operand(o);
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < kKeys / 16; ++i) hopper::fence_operand(pa[i]);
     };
     if constexpr (kPlain) {
@@ -335,7 +335,7 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
       release_query();
     }
 
-  #pragma unroll
+#pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float sum = quad_reduce_sum(l[r]);
       const int64_t row = lane_row(r);

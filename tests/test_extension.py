@@ -81,6 +81,7 @@ def test_disable_extension_selects_reference_path_quietly():
 # defining it (whichever op or error path would call it), and the configure-time
 # check finds and fixes, or refuses, a toolchain that copies the runtime in.
 
+import glob  # noqa: E402
 import importlib.util  # noqa: E402
 import subprocess  # noqa: E402
 import os  # noqa: E402
@@ -131,9 +132,14 @@ def _compiler_that_links_libstdcxx_statically(tmp_path, drops_shared_runtime=Fal
     return str(script)
 
 
+# The system's g++ and every versioned one beside it (Debian's g++-11, g++-12...).
+SYSTEM_COMPILERS = sorted({"g++", *(os.path.basename(p) for p in glob.glob("/usr/bin/g++-[0-9]*"))})
+
+
 @needs_gnu_toolchain
-def test_build_check_passes_the_system_compiler(tmp_path):
-    result = _runtime_check().check("g++", str(tmp_path), abi=int(torch._C._GLIBCXX_USE_CXX11_ABI))
+@pytest.mark.parametrize("compiler", SYSTEM_COMPILERS)
+def test_build_check_passes_the_system_compiler(tmp_path, compiler):
+    result = _runtime_check().check(compiler, str(tmp_path), abi=int(torch._C._GLIBCXX_USE_CXX11_ABI))
     assert result["status"] == "ok", result["message"]
 
 

@@ -206,10 +206,6 @@ def test_bad_arguments_name_the_argument():
         run(a.T.contiguous().T, b, offsets, 0, "lockstep")
 
 
-# The header on CUDA tensors: the same entry point as the self-test op.
-
-
-
 @pytest.fixture(scope="module")
 def gpu_grouped_mm():
     return gpu_extensions.grouped_gemm_check().grouped_mm

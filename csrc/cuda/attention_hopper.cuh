@@ -223,10 +223,6 @@ struct KvRing {
   __device__ __forceinline__ void release_values(int64_t tile) const {
     hopper::mbarrier_arrive(&v_empty[tile % kRingStages]);
   }
-  __device__ __forceinline__ void release(int64_t tile) const {
-    release_keys(tile);
-    release_values(tile);
-  }
 };
 
 // A consumer lane's two query rows (r = 0, 1: rows `group` and group + 8 of

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from benchmarks import gpu_check
+from benchmarks import gpu_check, gpu_profile
 
 REPORT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="3" failures="1"
 errors="0" skipped="1"><testcase classname="tests.test_a" name="test_ok"/><testcase classname="tests.test_a"
@@ -99,3 +99,34 @@ def test_extension_builds_past_the_time_limit_are_stopped(tmp_path):
     part, status, seconds, detail = gpu_check.finish_test_extensions([slow], log, start, time.monotonic() + 1)
     assert slow.poll() is not None and seconds < 30
     assert part == "test extensions (beside the build)" and status.startswith("failed (stopped (--time-limit))")
+
+
+# An excerpt of ncu's text report as Nsight Compute printed it for the Hopper forward (H200).
+NCU_REPORT = "\n".join([
+    '==PROF== Profiling "attention_hopper_forward_kernel": 0%....50%....100% - 17 passes',
+    "  void unnamed>::attention_hopper_forward_kernel<BFloat16, 128, 1>(TensorMap, TensorMap, TensorMap, T1 *, "
+    "float *, QueryRows, Seqs, int, float, Mask, unnamed>::WorkItems) (132, 1, 1)x(384, 1, 1), Context 1, Stream 7",
+    "    Section: Command line profiler metrics",
+    "    smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio                   inst         0.39",
+    "    smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio           inst         0.99",
+    "    smsp__average_warps_issue_stalled_selected_per_issue_active.ratio                  inst         1.00",
+    "    smsp__average_warps_issue_stalled_wait_per_issue_active.ratio                      inst         0.92",
+    "    Duration                         ms         1.07",
+    "    Eligible Warps Per Scheduler        warp         0.65",
+    "    Warp Cycles Per Issued Instruction             cycle         5.18",
+])
+
+
+def test_the_profile_table_reads_ncu_reports():
+    kernels = gpu_profile.parse_report(NCU_REPORT)
+    assert kernels == [{"kernel": "attention_hopper_forward_kernel", "duration_us": 1070.0, "eligible": 0.65,
+                        "cycles_per_issue": 5.18,
+                        "stalls": {"barrier": 0.39, "long_scoreboard": 0.99, "selected": 1.0, "wait": 0.92}}]
+    row = gpu_profile.stall_table(kernels).splitlines()[2]
+    assert row == "| attention_hopper_forward_kernel | 1070 | 5.18 | 0.65 | long_scoreboard 0.99, wait 0.92, barrier 0.39 |"
+
+
+def test_the_profile_refuses_an_unknown_workload(capsys):
+    with pytest.raises(SystemExit):
+        gpu_profile.main(["--out", "unused", "--ncu", "ncu", "--workloads", "train,nothing"])
+    assert "unknown nothing" in capsys.readouterr().err

@@ -113,6 +113,13 @@ def _disassembly(symbol_pattern):
     return functions
 
 
+def _variant_uses(isa, pattern, instruction):
+    """Whether a function of CPU variant `isa` whose name matches `pattern` holds `instruction`."""
+    funcs = _disassembly(rf"fusedllm::cpu::{isa}::.*{pattern}")
+    assert funcs, f"no {isa} function matches {pattern}"
+    return any(ins.startswith(instruction) for body in funcs.values() for ins in body)
+
+
 @pytest.mark.skipif("AVX512_BF16" not in compiled_cpu_isas(), reason="no AVX512-BF16 variant built")
 @pytest.mark.parametrize("kernel, instruction", [
     ("flash::", "vdpbf16ps"),  # the attention kernels' products (their micro-kernels may be out of line)
@@ -125,13 +132,9 @@ def test_bf16_variant_uses_the_bf16_instructions(kernel, instruction):
     vdpbf16ps (over int8 keys and values when decoding, vpdpwssd) and the
     other ops narrow float32 to bfloat16 with vcvtne2ps2bf16; the AVX512
     variant's code uses none of them."""
-    def uses(isa):
-        funcs = _disassembly(rf"fusedllm::cpu::{isa}::.*{re.escape(kernel)}")
-        assert funcs, f"no {isa} function matches {kernel}"
-        return any(ins.startswith(instruction) for body in funcs.values() for ins in body)
-
-    assert uses("AVX512_BF16")
-    assert not uses("AVX512")
+    pattern = re.escape(kernel)
+    assert _variant_uses("AVX512_BF16", pattern, instruction)
+    assert not _variant_uses("AVX512", pattern, instruction)
 
 
 @pytest.mark.skipif("AMX" not in compiled_cpu_isas(), reason="no AMX variant built")
@@ -141,13 +144,8 @@ def test_amx_variant_uses_the_tiles(instruction):
     tiles (tdpbf16ps), after configuring them (ldtilecfg, the thread's
     configuration saved first with sttilecfg) and releasing or restoring
     them after; the AVX512_BF16 variant's code has no tile instruction."""
-    def uses(isa):
-        funcs = _disassembly(rf"fusedllm::cpu::{isa}::.*flash::")
-        assert funcs, f"no {isa} attention function"
-        return any(ins.startswith(instruction) for body in funcs.values() for ins in body)
-
-    assert uses("AMX")
-    assert not uses("AVX512_BF16")
+    assert _variant_uses("AMX", "flash::", instruction)
+    assert not _variant_uses("AVX512_BF16", "flash::", instruction)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 prefetch instructions")

@@ -124,32 +124,39 @@ alignas(64) inline constexpr int16_t kPairInterleave[32] = {0,  16, 1,  17, 2,  
                                                            21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
                                                            11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
-// A transposed float32 tile s[j * ld + col] (j < nk, ld a multiple of 16)
-// rounded to bfloat16 and packed row-major as pair words along j: word (col,
-// p) at out[col * ldo + p] for col < ld and p < round_up(ceil(nk / 2), 16)
-// <= ldo, zero for p >= ceil(nk / 2) and for the missing key of an odd nk:
-// the A operand of P V. The words are pack_tile_pairs's, transposed.
-inline void pack_tile_rows_amx(const float* s, int64_t ld, int64_t nk, uint32_t* out, int64_t ldo) {
-  const int64_t np = (nk + 1) / 2, np16 = (np + 15) / 16 * 16;
+// Pair words p0 .. p0 + 15 of P's rows c .. c + 15, rounded to bfloat16 and
+// stored row-major at out[(c + i) * ldo + p0 + q]: key j's 16 values (one
+// per row) are value(j, j % 2) for j < nk; words past the keys, and the
+// missing key of an odd nk, are zero. The words are pack_tile_pairs's, transposed.
+template <typename Value>
+inline void store_pair_rows_amx(Value&& value, int64_t nk, int64_t p0, int64_t c, uint32_t* out, int64_t ldo) {
   const __m512i interleave = _mm512_load_si512(kPairInterleave);
+  __m512i r[16];
+#pragma GCC unroll 16
+  for (int q = 0; q < 16; ++q) {
+    const int64_t j = 2 * (p0 + q);
+    if (j >= nk) {
+      r[q] = _mm512_setzero_si512();
+      continue;
+    }
+    const __m512 x0 = value(j, 0);
+    const __m512 x1 = j + 1 < nk ? value(j + 1, 1) : _mm512_setzero_ps();
+    // x0's 16 values in the low half, x1's in the high, then paired per row
+    r[q] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+  }
+  transpose_16x16_words(r);
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (c + i) * ldo + p0, r[i]);
+}
+
+// A transposed float32 tile s[j * ld + col] (j < nk, ld a multiple of 16)
+// as P's row-major pair words, word (col, p) at out[col * ldo + p] for
+// p < round_up(ceil(nk / 2), 16) <= ldo: the A operand of P V.
+inline void pack_tile_rows_amx(const float* s, int64_t ld, int64_t nk, uint32_t* out, int64_t ldo) {
+  const int64_t np16 = ((nk + 1) / 2 + 15) / 16 * 16;
   for (int64_t c = 0; c < ld; c += 16) {
     for (int64_t p0 = 0; p0 < np16; p0 += 16) {
-      __m512i r[16];
-#pragma GCC unroll 16
-      for (int q = 0; q < 16; ++q) {
-        const int64_t j = 2 * (p0 + q);
-        if (j >= nk) {
-          r[q] = _mm512_setzero_si512();
-          continue;
-        }
-        const __m512 x0 = _mm512_loadu_ps(s + j * ld + c);
-        const __m512 x1 = j + 1 < nk ? _mm512_loadu_ps(s + (j + 1) * ld + c) : _mm512_setzero_ps();
-        // x0's 16 values in the low half, x1's in the high, then paired per column
-        r[q] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
-      }
-      transpose_16x16_words(r);
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (c + i) * ldo + p0, r[i]);
+      store_pair_rows_amx([&](int64_t j, int) { return _mm512_loadu_ps(s + j * ld + c); }, nk, p0, c, out, ldo);
     }
   }
 }

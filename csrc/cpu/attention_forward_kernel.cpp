@@ -194,7 +194,6 @@ inline void softmax_rows_amx(const float* s, int64_t ld, int64_t nk, float* row_
   using V = Vectorized<float>;
   const VecOps<float> ops;
   const int64_t np16 = round_up(ceil_div(nk, 2), 16);
-  const __m512i interleave = _mm512_load_si512(kPairInterleave);
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t c = 0; c < ld; c += 16) {
     const float* col = s + c;
@@ -203,30 +202,14 @@ inline void softmax_rows_amx(const float* s, int64_t ld, int64_t nk, float* row_
     V shift;
     const V a = attn::online_softmax_step(running_max, tile_max, shift, ops);
     const __m512 neg_shift = _mm512_sub_ps(_mm512_setzero_ps(), __m512(shift));
-    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-    for (int64_t p0 = 0; p0 < np16; p0 += 16) {
-      __m512i r[16];
-#pragma GCC unroll 16
-      for (int q = 0; q < 16; ++q) {
-        const int64_t j = 2 * (p0 + q);
-        if (j >= nk) {
-          r[q] = _mm512_setzero_si512();
-          continue;
-        }
-        const __m512 e0 = exp_fast(_mm512_fmadd_ps(_mm512_loadu_ps(col + j * ld), sv, neg_shift));
-        sum0 = _mm512_add_ps(sum0, e0);
-        __m512 e1 = _mm512_setzero_ps();
-        if (j + 1 < nk) {
-          e1 = exp_fast(_mm512_fmadd_ps(_mm512_loadu_ps(col + (j + 1) * ld), sv, neg_shift));
-          sum1 = _mm512_add_ps(sum1, e1);
-        }
-        r[q] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-      }
-      transpose_16x16_words(r);
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (c + i) * ldo + p0, r[i]);
-    }
-    (V::loadu(row_sum + c) * a + (V(sum0) + V(sum1))).store(row_sum + c);
+    __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // even and odd keys
+    const auto probability = [&](int64_t j, int odd) {
+      const __m512 e = exp_fast(_mm512_fmadd_ps(_mm512_loadu_ps(col + j * ld), sv, neg_shift));
+      sums[odd] = _mm512_add_ps(sums[odd], e);
+      return e;
+    };
+    for (int64_t p0 = 0; p0 < np16; p0 += 16) store_pair_rows_amx(probability, nk, p0, c, out, ldo);
+    (V::loadu(row_sum + c) * a + (V(sums[0]) + V(sums[1]))).store(row_sum + c);
     running_max.store(row_max + c);
     a.store(alpha + c);
   }

@@ -76,7 +76,7 @@ ATEN_CAPABILITY = {"DEFAULT": "default", "AVX2": "avx2", "AVX512": "avx512", "AV
 
 # The kernel tables a variant has a kernel in, where not every table: on the
 # others it runs the variant below it (KernelTable::get).
-VARIANT_TABLES = {"AMX": {"attention_forward"}}
+VARIANT_TABLES = {"AMX": {"attention_forward", "attention_backward"}}
 
 
 def variant_run(isa: str, table: str) -> str:

@@ -1,6 +1,6 @@
 // Products on the AMX tiles (AMX-TILE, AMX-BF16) for the AMX variant's
-// bfloat16 attention forward: the prefill tiles' S^T = K Q^T and O += P V on
-// tdpbf16ps, over the same pair words the AVX512_BF16 variant's vdpbf16ps
+// bfloat16 attention: the forward's prefill tiles' S^T = K Q^T and O += P V,
+// the backward's five products, on tdpbf16ps, over the same pair words the AVX512_BF16 variant's vdpbf16ps
 // kernels read (attention_pair_words.h), float32 accumulators.
 //
 // A tile register holds 16 rows of 64 bytes: 16 pair words of A (a row's
@@ -157,6 +157,36 @@ inline void pack_tile_rows_amx(const float* s, int64_t ld, int64_t nk, uint32_t*
   for (int64_t c = 0; c < ld; c += 16) {
     for (int64_t p0 = 0; p0 < np16; p0 += 16) {
       store_pair_rows_amx([&](int64_t j, int) { return _mm512_loadu_ps(s + j * ld + c); }, nk, p0, c, out, ldo);
+    }
+  }
+}
+
+// out[i] = A's row i times B's column i for i < m (a multiple of 16): the
+// diagonal of A B, each element summed as amx_block sums it (so equal to
+// the same element of another product of the same row and column);
+// scratch holds 256 floats.
+inline void diagonal_amx(int64_t m, int64_t kp, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
+                         float* out, float* scratch) {
+  for (int64_t i0 = 0; i0 < m; i0 += 16) {
+    amx_block<1, 1, false>(kp, a + i0 * lda, lda, b + i0, ldb, scratch, 16);
+    for (int i = 0; i < 16; ++i) out[i0 + i] = scratch[i * 17];
+  }
+}
+
+// C[nk x n] += A B with A's rows past nk (up to the next multiple of 16)
+// anything, even NaN: whole 16-row blocks accumulate in place, the last
+// partial one in `edge` (16 x n floats) and is added from there, so no row
+// of C past nk is read or written (another thread may own it).
+inline void accumulate_rows_amx(int64_t nk, int64_t n, int64_t kp, const uint32_t* a, int64_t lda, const uint32_t* b,
+                                int64_t ldb, float* c, int64_t ldc, float* edge) {
+  const int64_t full = nk / 16 * 16;
+  if (full > 0) gemm_amx<true>(full, n, kp, a, lda, b, ldb, c, ldc);
+  if (full == nk) return;
+  gemm_amx<false>(16, n, kp, a + full * lda, lda, b, ldb, edge, n);
+  for (int64_t r = 0; r < nk - full; ++r) {
+    float* row = c + (full + r) * ldc;
+    for (int64_t x = 0; x < n; x += 16) {
+      _mm512_storeu_ps(row + x, _mm512_add_ps(_mm512_loadu_ps(row + x), _mm512_loadu_ps(edge + r * n + x)));
     }
   }
 }

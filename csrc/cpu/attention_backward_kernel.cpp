@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_amx.h"
 #include "attention_gemm.h"
 #include "attention_lanes.h"
 #include "attention_pair_words.h"
@@ -24,7 +25,7 @@ namespace {
 template <typename acc_t>
 struct BackwardScratch {
   acc_t *qt, *dot, *ot, *qs, *dor, *orows, *q_along, *dq, *s, *sr, *dp, *kbuf, *vbuf, *shift, *delta, *z,
-      *cap_slope, *cols;
+      *cap_slope, *cols, *edge;
   BackwardScratch(const Tiling<acc_t>& t, Arena& m)
       : qt(m.take<acc_t>(t.d * t.rows_pad)),
         dot(m.take<acc_t>(t.d * t.rows_pad)),
@@ -43,13 +44,28 @@ struct BackwardScratch {
         delta(m.take<acc_t>(t.rows_pad)),
         z(m.take<acc_t>(t.block_k * t.rows_pad)),
         cap_slope(m.take<acc_t>(t.block_k * t.rows_pad)),
-        cols(m.take<acc_t>(2 * t.rows_pad)) {}
+        cols(m.take<acc_t>(2 * t.rows_pad)),
+        edge(m.take<acc_t>(16 * t.d_pad)) {}
   static int64_t bytes(const Tiling<acc_t>& t) {
     Arena m;
     static_cast<void>(BackwardScratch(t, m));
     return m.bytes();
   }
 };
+
+// Whether a call's products run on the AMX tiles (the AMX variant, bfloat16):
+// whole 16-word steps along the head dim, and key tiles of whole 32 keys so
+// that dQ's steps over a tile's key pairs stay in the buffers. Query tiles
+// then pad their rows to 32: dK's and dV's sums over rows in 16-word steps.
+template <typename T, typename acc_t>
+bool amx_products(const Tiling<acc_t>& t) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return kPairProducts<T> && t.d % 32 == 0 && t.block_k % 32 == 0;
+#else
+  static_cast<void>(t);
+  return false;
+#endif
+}
 
 // How a call is cut into tasks: a function of the shape and thread count.
 template <typename T>
@@ -60,8 +76,12 @@ struct BackwardPlan {
   // dK/dV accumulate in the accumulator type with rows padded to d_pad;
   // when that is exactly the output layout they accumulate in place.
   bool in_place;
+  // dK accumulates without the scale (the AMX products), applied at its store
+  bool dk_unscaled;
 
   explicit BackwardPlan(const AttentionBackwardArgs& a) : t(a) {
+    dk_unscaled = amx_products<T>(t);
+    if (dk_unscaled) t.rows_pad = round_up(t.rows, 32);
     pairs = t.batch * t.kv_heads;
     n_q_rows = a.rows.count(t.batch);
     kv_rows = a.key_rows.count(t.batch);
@@ -73,7 +93,7 @@ struct BackwardPlan {
       const int64_t per_chunk = n_q_rows * t.d_pad * int64_t(sizeof(acc_t));
       chunks = std::max<int64_t>(1, std::min(chunks, kMaxPartialBytes / std::max<int64_t>(per_chunk, 1)));
     }
-    in_place = std::is_same_v<T, acc_t> && t.d == t.d_pad;
+    in_place = std::is_same_v<T, acc_t> && t.d == t.d_pad && !dk_unscaled;
     n_tasks = pairs * chunks;
     slots = work_slots(n_tasks, work);
   }
@@ -155,6 +175,7 @@ struct BackwardTask {
   const Mask mask;
   const acc_t scale;
   const int64_t d, d_pad, group, sr_ld;
+  const bool amx;  // the wide tiles' products on the AMX tiles (amx_products)
 
   BackwardTask(const AttentionBackwardArgs& a, const Tiling<acc_t>& t, BackwardScratch<acc_t> w, int64_t b,
                int64_t g)
@@ -166,13 +187,17 @@ struct BackwardTask {
         k(static_cast<const T*>(a.k.data) + b * a.k.batch_stride + g * a.k.head_stride + a.seqs.k_start(b) * kss),
         v(static_cast<const T*>(a.v.data) + b * a.v.batch_stride + g * a.v.head_stride + a.seqs.k_start(b) * vss),
         sq(a.seqs.q_len(b)), mask(a.mask.of_lengths(sq, a.seqs.k_len(b))), scale(static_cast<acc_t>(a.scale)),
-        d(t.d), d_pad(t.d_pad), group(t.group), sr_ld(round_up(t.block_k, 16)) {}
+        d(t.d), d_pad(t.d_pad), group(t.group), sr_ld(round_up(t.block_k, 16)), amx(amx_products<T>(t)) {}
 
   void run(int64_t chunk, int64_t chunks, acc_t* dk, acc_t* dv, acc_t* dq_partial) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    TileConfig tiles_before;
+    if (amx) tiles_before = configure_tiles();
+#endif
     for (int64_t p0 = 0; p0 < sq; p0 += t.block_q) {
       const int64_t npos = std::min(t.block_q, sq - p0), rows = npos * group;
-      const QueryTile qt{p0, npos, rows, round_up(rows, Vectorized<acc_t>::size()),
-                         (kPairs || kFloatLanes) && rows <= kNarrowRows};
+      const bool narrow = (kPairs || kFloatLanes) && rows <= kNarrowRows;
+      const QueryTile qt{p0, npos, rows, round_up(rows, amx && !narrow ? 32 : Vectorized<acc_t>::size()), narrow};
       if (qt.narrow) std::fill(w.sr + rows * sr_ld, w.sr + qt.ld * sr_ld, acc_t(0));  // rows past `rows` transpose to 0
       // With several chunks each owns the global key tiles chunk, chunk + chunks, ...
       const KeyTiles tiles(mask, p0, p0 + npos, t.block_k, chunks > 1);
@@ -198,6 +223,9 @@ struct BackwardTask {
         }
       }
     }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx) release_tiles(tiles_before);
+#endif
   }
 
  private:
@@ -206,6 +234,23 @@ struct BackwardTask {
   int64_t dp() const { return (d + 1) / 2; }
   uint32_t* words(acc_t* buffer) const { return reinterpret_cast<uint32_t*>(buffer); }
   uint32_t* k_across() const { return words(w.kbuf) + t.block_k * d_pad / 2; }
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // C = A B for S^T = K Q^T and dP^T = V dO^T: A's nk rows (K's or V's,
+  // stride elements apart) are their pair words as they lie, read in place
+  // in whole 16-row blocks where the stride is even and the start 4-byte
+  // aligned; the rest packed into buf. C's rows past nk come from stale
+  // rows of buf and are never read as scores.
+  void rows_times_amx(const T* rows, int64_t stride, int64_t nk, const uint32_t* b, int64_t ld, float* c,
+                      uint32_t* buf) const {
+    const bool in_place = stride % 2 == 0 && reinterpret_cast<uintptr_t>(rows) % 4 == 0;
+    const int64_t full = in_place ? nk / 16 * 16 : 0;
+    if (full > 0) gemm_amx<false>(full, ld, dp(), reinterpret_cast<const uint32_t*>(rows), stride / 2, b, ld, c, ld);
+    if (full < nk) {
+      pack_rows_along(rows + full * stride, stride, nk - full, d, buf, dp());
+      gemm_amx<false>(round_up(nk - full, 16), ld, dp(), buf, dp(), b, ld, c + full * ld, ld);
+    }
+  }
 #endif
 
   // Q (times scale), dO and O of the query tile staged for the products,
@@ -234,10 +279,21 @@ struct BackwardTask {
       if (qt.narrow) {
         for (int64_t i = 0; i < rows; ++i) pack_rows_along(q_row(i), 0, 1, d, words(w.q_along) + i * dp(), dp());
       }
-      pack_rows_transposed(
-          [&](int64_t i) { return t.row_in(out, a.out.head_stride, a.out.seq_stride, g, p0, i); }, rows, ld, d,
-          words(w.ot));
-      column_dots_pairs(dp(), words(w.ot), words(w.dot), ld, w.delta);
+      const auto o_row = [&](int64_t i) { return t.row_in(out, a.out.head_stride, a.out.seq_stride, g, p0, i); };
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (amx && !qt.narrow) {
+        // delta as the diagonal of O dO^T, each summed as dP^T = V dO^T sums
+        // its element of the same row of values and column of dO
+        uint32_t* const o_words = words(w.orows);
+        for (int64_t i = 0; i < rows; ++i) pack_rows_along(o_row(i), 0, 1, d, o_words + i * dp(), dp());
+        std::fill(o_words + rows * dp(), o_words + ld * dp(), 0u);
+        diagonal_amx(ld, dp(), o_words, dp(), words(w.dot), ld, w.delta, w.edge);
+      } else
+#endif
+      {
+        pack_rows_transposed(o_row, rows, ld, d, words(w.ot));
+        column_dots_pairs(dp(), words(w.ot), words(w.dot), ld, w.delta);
+      }
 #endif
     } else {
       gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, scale, w.qs, w.qt);
@@ -257,6 +313,18 @@ struct BackwardTask {
     const int64_t rows = qt.rows, ld = qt.ld;
     if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (amx && !qt.narrow) {
+        rows_times_amx(k + j0 * kss, kss, nk, words(w.qt), ld, w.s, words(w.kbuf));
+        scale_tile(w.s, ld, nk, scale);
+        rows_times_amx(v + j0 * vss, vss, nk, words(w.dot), ld, w.dp, words(w.vbuf));
+        // K across keys for dQ, its pairs zero up to the product's whole 16
+        const int64_t kp = (nk + 1) / 2;
+        pack_rows_across([&](int64_t j) { return key_row(j0 + j); }, nk, d, k_across(), d_pad);
+        std::fill(k_across() + kp * d_pad, k_across() + round_up(kp, 16) * d_pad, 0u);
+        return nullptr;
+      }
+#endif
       uint32_t* const k_pairs = words(w.kbuf);
       uint32_t* const v_pairs = words(w.vbuf);
       pack_rows_along(k + j0 * kss, kss, nk, d, k_pairs, dp());
@@ -340,6 +408,22 @@ struct BackwardTask {
     acc_t* dk_rows = dk + j0 * d_pad;
     if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if (amx && !qt.narrow) {
+        // dS as rows of key pairs (dQ's left operand, zero past the keys)
+        // into z, then P and dS as rows of query-row pairs in place: their
+        // pairs past `rows` meet the zero rows of dO and Q across
+        const int64_t np16 = round_up((nk + 1) / 2, 16);
+        uint32_t* const ds_keys = words(w.z);
+        pack_tile_rows_amx(w.dp, ld, nk, ds_keys, np16);
+        const uint32_t* p_rows = pack_tile_rows_in_place(w.s, ld, nk);
+        const uint32_t* ds_rows = pack_tile_rows_in_place(w.dp, ld, nk);
+        accumulate_rows_amx(nk, d_pad, ld / 2, p_rows, ld / 2, words(w.dor), d_pad, dv_rows, d_pad, w.edge);
+        accumulate_rows_amx(nk, d_pad, ld / 2, ds_rows, ld / 2, words(w.qs), d_pad, dk_rows, d_pad, w.edge);
+        gemm_amx<true>(ld, d_pad, np16, ds_keys, np16, k_across(), d_pad, w.dq, d_pad);
+        return;
+      }
+#endif
       // dS as column pairs (dQ's left operand) into z, then P and dS as row
       // pairs in place; the rows' pairs run to ceil(rows / 2), the right
       // operands' rows past `rows` being zero.
@@ -349,7 +433,7 @@ struct BackwardTask {
       const int64_t rp = (rows + 1) / 2;
       gemm_pairs<ALayout::kRowMajor, true>(nk, d_pad, rp, p_rows, ld / 2, words(w.dor), d_pad, dv_rows, d_pad);
       gemm_pairs<ALayout::kRowMajor, true>(nk, d_pad, rp, ds_rows, ld / 2, words(w.qs), d_pad, dk_rows, d_pad,
-                                           nullptr, scale);
+                                           nullptr, amx ? acc_t(1) : scale);
       gemm_pairs<ALayout::kColMajor, true>(rows, d_pad, (nk + 1) / 2, ds_cols, ld, k_across(), d_pad, w.dq, d_pad);
 #endif
     } else {
@@ -405,11 +489,12 @@ struct BackwardKernel {
     });
 
     if (!in_place) {
+      const acc_t dk_scale = p.dk_unscaled ? static_cast<acc_t>(a.scale) : acc_t(1);
       at::parallel_for(0, kv_rows, std::max<int64_t>(1, 4096 / t.d_pad), [&](int64_t begin, int64_t end) {
         T* gk = static_cast<T*>(a.grad_k);
         T* gv = static_cast<T*>(a.grad_v);
         for (int64_t r = begin; r < end; ++r) {
-          store_row<T>(dk + r * t.d_pad, t.d, acc_t(1), gk + r * t.d);
+          store_row<T>(dk + r * t.d_pad, t.d, dk_scale, gk + r * t.d);
           store_row<T>(dv + r * t.d_pad, t.d, acc_t(1), gv + r * t.d);
         }
       });

@@ -153,7 +153,7 @@ def test_forward_kernels_prefetch_the_next_tile():
     """Every variant's forward kernel asks for the next K/V tile ahead of use
     (a compiler once dropped those requests without a word)."""
     for isa in compiled_cpu_isas():
-        funcs = _disassembly(rf"fusedllm::cpu::{isa}::.*ForwardKernel<")
+        funcs = _disassembly(rf"fusedllm::cpu::{isa}::.*Forward(Kernel|Task)<")
         assert funcs, f"no {isa} forward kernel"
         assert any(ins.startswith("prefetch") for body in funcs.values() for ins in body), isa
 

@@ -111,6 +111,7 @@ inline void store_row(const typename VecIO<T>::acc_t* src, int64_t n,
 
 constexpr int64_t kRowsPerTile = 96;  // query rows (positions x group heads) per tile
 constexpr int64_t kKeysPerTile = 96;
+constexpr int64_t kMaxKeysPerTile = 2 * kKeysPerTile;  // the AMX forward's prefill tiles
 // Query rows up to which a tile's scores are computed with the keys along the
 // vector lanes (S = Q K^T, scores_along_keys; transposed only for the score
 // modifications and masks): the S^T = K Q^T product puts the rows along the
@@ -153,8 +154,8 @@ struct Tiling {
     q_tiles = ceil_div(sq, block_q);
     k_tiles = ceil_div(sk, block_k);
   }
-  void cap_keys_per_tile(int64_t n) {
-    block_k = std::min(block_k, n);
+  void set_keys_per_tile(int64_t n) {
+    block_k = n;
     k_tiles = ceil_div(sk, block_k);
   }
 
@@ -396,13 +397,13 @@ struct KvRows {
   const char* row_bytes(int64_t j) const {
     return data + pages.row_offset(b, j, page_stride, seq_stride) * elem_size;
   }
-  // f(rows) with rows(i) giving row j0 + i (i < nk <= kKeysPerTile) typed as
+  // f(rows) with rows(i) giving row j0 + i (i < nk <= kMaxKeysPerTile) typed as
   // stored: const T*, const int8_t* or const c10::Float8_e4m3fn* (the packers
   // take each). The tile's row addresses are worked out once, here: the
   // packers read a row several times, and a paged row's address takes a division.
   template <typename F>
   void with_rows(int64_t j0, int64_t nk, const F& f) const {
-    const char* at[kKeysPerTile];
+    const char* at[kMaxKeysPerTile];
     const int64_t step = seq_stride * elem_size;
     runs(j0, nk, [&](int64_t i, int64_t n) {
       const char* first = row_bytes(j0 + i);

@@ -21,12 +21,13 @@ inline namespace CPU_CAPABILITY {
 namespace flash {
 namespace {
 
-// Per-slot scratch of the backward pass.
+// Per-slot scratch of the backward pass; key_words: room for a sequence's K
+// across keys (BackwardPlan::key_words).
 template <typename acc_t>
 struct BackwardScratch {
   acc_t *qt, *dot, *ot, *qs, *dor, *orows, *q_along, *dq, *s, *sr, *dp, *kbuf, *vbuf, *shift, *delta, *z,
-      *cap_slope, *cols, *edge;
-  BackwardScratch(const Tiling<acc_t>& t, Arena& m)
+      *cap_slope, *cols, *edge, *k_keys;
+  BackwardScratch(const Tiling<acc_t>& t, int64_t key_words, Arena& m)
       : qt(m.take<acc_t>(t.d * t.rows_pad)),
         dot(m.take<acc_t>(t.d * t.rows_pad)),
         ot(m.take<acc_t>(t.d_pad * t.rows_pad)),
@@ -45,10 +46,11 @@ struct BackwardScratch {
         z(m.take<acc_t>(t.block_k * t.rows_pad)),
         cap_slope(m.take<acc_t>(t.block_k * t.rows_pad)),
         cols(m.take<acc_t>(2 * t.rows_pad)),
-        edge(m.take<acc_t>(16 * t.d_pad)) {}
-  static int64_t bytes(const Tiling<acc_t>& t) {
+        edge(m.take<acc_t>(16 * t.d_pad)),
+        k_keys(m.take<acc_t>(key_words)) {}
+  static int64_t bytes(const Tiling<acc_t>& t, int64_t key_words) {
     Arena m;
-    static_cast<void>(BackwardScratch(t, m));
+    static_cast<void>(BackwardScratch(t, key_words, m));
     return m.bytes();
   }
 };
@@ -78,10 +80,17 @@ struct BackwardPlan {
   bool in_place;
   // dK accumulates without the scale (the AMX products), applied at its store
   bool dk_unscaled;
+  // On the AMX tiles, a task packs its sequence's K across keys (dQ's right
+  // operand) once, not once per query and key tile, where that takes at most
+  // kMaxKeyWordsBytes a slot: words for round_up(sk, 32) keys, else 0.
+  int64_t key_words = 0;
+  static constexpr int64_t kMaxKeyWordsBytes = int64_t(8) << 20;
 
   explicit BackwardPlan(const AttentionBackwardArgs& a) : t(a) {
     dk_unscaled = amx_products<T>(t);
     if (dk_unscaled) t.rows_pad = round_up(t.rows, 32);
+    const int64_t words = round_up(t.sk, 32) / 2 * t.d_pad;
+    if (dk_unscaled && t.q_tiles > 1 && words * int64_t(sizeof(uint32_t)) <= kMaxKeyWordsBytes) key_words = words;
     pairs = t.batch * t.kv_heads;
     n_q_rows = a.rows.count(t.batch);
     kv_rows = a.key_rows.count(t.batch);
@@ -105,34 +114,38 @@ template <typename T>
 struct BackwardWorkspace {
   using acc_t = typename VecIO<T>::acc_t;
   acc_t *dk, *dv, *dq_partial;
-  int64_t scratch_stride;  // bytes
+  int64_t key_words, scratch_stride;  // scratch_stride in bytes
   char* scratch;
 
   BackwardWorkspace(const BackwardPlan<T>& p, Arena& zeroed, Arena& /*plain*/)
       : dk(p.in_place ? nullptr : zeroed.take<acc_t>(p.kv_rows * p.t.d_pad)),
         dv(p.in_place ? nullptr : zeroed.take<acc_t>(p.kv_rows * p.t.d_pad)),
         dq_partial(p.chunks > 1 ? zeroed.take<acc_t>(p.chunks * p.n_q_rows * p.t.d_pad) : nullptr),
-        scratch_stride(BackwardScratch<acc_t>::bytes(p.t)),
+        key_words(p.key_words),
+        scratch_stride(BackwardScratch<acc_t>::bytes(p.t, p.key_words)),
         scratch(zeroed.take<char>(p.slots * scratch_stride)) {}
 
   BackwardScratch<acc_t> slot(const Tiling<acc_t>& t, int64_t i) const {
     Arena m(scratch + i * scratch_stride);
-    return BackwardScratch<acc_t>(t, m);
+    return BackwardScratch<acc_t>(t, key_words, m);
   }
 };
 
+// P = exp(s * scale - shift) (scale 1 where s is scaled already: the same
+// bits as scaling first) and dS = P (dP - delta), in place of s and dp.
 template <bool kDropout, typename acc_t>
 void probs_and_score_grads(acc_t* s, acc_t* dp, const acc_t* z, int64_t ld, int64_t nk,
-                           const acc_t* shift, const acc_t* delta) {
+                           const acc_t* shift, const acc_t* delta, acc_t scale) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
   const VecOps<acc_t> ops;
+  const V sc(scale);
   for (int64_t c = 0; c < ld; c += W) {
     const V sh = V::loadu(shift + c);
     const V de = V::loadu(delta + c);
     for (int64_t j = 0; j < nk; ++j) {
       const int64_t e = j * ld + c;
-      const V p = ops.exp(V::loadu(s + e) - sh);
+      const V p = ops.exp(V::loadu(s + e) * sc - sh);
       if constexpr (kDropout) {
         const V zz = V::loadu(z + e);
         attn::score_grad(p, V::loadu(dp + e) * zz, de).store(dp + e);
@@ -176,9 +189,15 @@ struct BackwardTask {
   const acc_t scale;
   const int64_t d, d_pad, group, sr_ld;
   const bool amx;  // the wide tiles' products on the AMX tiles (amx_products)
+  const bool keys_packed;  // K across keys for the whole sequence in w.k_keys
+  // the AMX products leave S^T unscaled where nothing reads it before the
+  // probabilities but the masks' -inf (which a positive scale keeps)
+  const bool defer_scale;
+  acc_t pending_scale = 1;  // the scale the probabilities apply (1: applied)
+  const uint32_t* k_cols = nullptr;  // the key tile's K across keys (AMX)
 
   BackwardTask(const AttentionBackwardArgs& a, const Tiling<acc_t>& t, BackwardScratch<acc_t> w, int64_t b,
-               int64_t g)
+               int64_t g, bool keys_packed)
       : a(a), t(t), w(w), b(b), g(g), kss(a.k.seq_stride), vss(a.v.seq_stride),
         q(static_cast<const T*>(a.q.data) + b * a.q.batch_stride + a.seqs.q_start(b) * a.q.seq_stride),
         go(static_cast<const T*>(a.grad_out.data) + b * a.grad_out.batch_stride +
@@ -187,12 +206,17 @@ struct BackwardTask {
         k(static_cast<const T*>(a.k.data) + b * a.k.batch_stride + g * a.k.head_stride + a.seqs.k_start(b) * kss),
         v(static_cast<const T*>(a.v.data) + b * a.v.batch_stride + g * a.v.head_stride + a.seqs.k_start(b) * vss),
         sq(a.seqs.q_len(b)), mask(a.mask.of_lengths(sq, a.seqs.k_len(b))), scale(static_cast<acc_t>(a.scale)),
-        d(t.d), d_pad(t.d_pad), group(t.group), sr_ld(round_up(t.block_k, 16)), amx(amx_products<T>(t)) {}
+        d(t.d), d_pad(t.d_pad), group(t.group), sr_ld(round_up(t.block_k, 16)), amx(amx_products<T>(t)),
+        keys_packed(amx && keys_packed),
+        defer_scale(amx && scale > 0 && !a.mods.any_score_mod() && !a.tensor_mask.present()) {}
 
   void run(int64_t chunk, int64_t chunks, acc_t* dk, acc_t* dv, acc_t* dq_partial) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     TileConfig tiles_before;
     if (amx) tiles_before = configure_tiles();
+    if constexpr (kPairs) {
+      if (keys_packed) pack_rows_across([&](int64_t j) { return key_row(j); }, a.seqs.k_len(b), d, words(w.k_keys), d_pad);
+    }
 #endif
     for (int64_t p0 = 0; p0 < sq; p0 += t.block_q) {
       const int64_t npos = std::min(t.block_q, sq - p0), rows = npos * group;
@@ -311,17 +335,26 @@ struct BackwardTask {
   // dQ's right operand on the float path (k_ld its leading dimension).
   const acc_t* scores(const QueryTile& qt, int64_t j0, int64_t nk, int64_t& k_ld) {
     const int64_t rows = qt.rows, ld = qt.ld;
+    pending_scale = acc_t(1);
     if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
       if (amx && !qt.narrow) {
         rows_times_amx(k + j0 * kss, kss, nk, words(w.qt), ld, w.s, words(w.kbuf));
-        scale_tile(w.s, ld, nk, scale);
+        pending_scale = defer_scale ? scale : acc_t(1);
+        if (!defer_scale) scale_tile(w.s, ld, nk, scale);
         rows_times_amx(v + j0 * vss, vss, nk, words(w.dot), ld, w.dp, words(w.vbuf));
-        // K across keys for dQ, its pairs zero up to the product's whole 16
-        const int64_t kp = (nk + 1) / 2;
-        pack_rows_across([&](int64_t j) { return key_row(j0 + j); }, nk, d, k_across(), d_pad);
-        std::fill(k_across() + kp * d_pad, k_across() + round_up(kp, 16) * d_pad, 0u);
+        // K across keys for dQ: the sequence's where the tile's pairs are its
+        // pairs and its whole 16-word steps (nk a multiple of 32), else packed
+        // with zero pairs up to the whole 16
+        if (keys_packed && j0 % 2 == 0 && nk % 32 == 0) {
+          k_cols = words(w.k_keys) + j0 / 2 * d_pad;
+        } else {
+          const int64_t kp = (nk + 1) / 2;
+          pack_rows_across([&](int64_t j) { return key_row(j0 + j); }, nk, d, k_across(), d_pad);
+          std::fill(k_across() + kp * d_pad, k_across() + round_up(kp, 16) * d_pad, 0u);
+          k_cols = k_across();
+        }
         return nullptr;
       }
 #endif
@@ -388,9 +421,9 @@ struct BackwardTask {
         w.z[j * ld + col] = keep ? kept : acc_t(0);
       });
       for (int64_t j = 0; j < nk; ++j) std::fill(w.z + j * ld + tile.cols(), w.z + (j + 1) * ld, acc_t(0));
-      probs_and_score_grads<true>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
+      probs_and_score_grads<true>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta, pending_scale);
     } else {
-      probs_and_score_grads<false>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta);
+      probs_and_score_grads<false>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta, pending_scale);
     }
     if (capped) {
       // Through the cap: dz = ds * (1 - (s / cap)^2).
@@ -420,7 +453,7 @@ struct BackwardTask {
         const uint32_t* ds_rows = pack_tile_rows_in_place(w.dp, ld, nk);
         accumulate_rows_amx(nk, d_pad, ld / 2, p_rows, ld / 2, words(w.dor), d_pad, dv_rows, d_pad, w.edge);
         accumulate_rows_amx(nk, d_pad, ld / 2, ds_rows, ld / 2, words(w.qs), d_pad, dk_rows, d_pad, w.edge);
-        gemm_amx<true>(ld, d_pad, np16, ds_keys, np16, k_across(), d_pad, w.dq, d_pad);
+        gemm_amx<true>(ld, d_pad, np16, ds_keys, np16, k_cols, d_pad, w.dq, d_pad);
         return;
       }
 #endif
@@ -451,8 +484,8 @@ struct BackwardKernel {
 
   static void task(const AttentionBackwardArgs& a, const Tiling<acc_t>& t, BackwardScratch<acc_t> w,
                    int64_t b, int64_t g, int64_t chunk, int64_t chunks, acc_t* dk, acc_t* dv,
-                   acc_t* dq_partial) {
-    BackwardTask<T>(a, t, w, b, g).run(chunk, chunks, dk, dv, dq_partial);
+                   acc_t* dq_partial, bool keys_packed) {
+    BackwardTask<T>(a, t, w, b, g, keys_packed).run(chunk, chunks, dk, dv, dq_partial);
   }
 
   static AttentionWorkspace workspace(const AttentionBackwardArgs& a) {
@@ -485,7 +518,7 @@ struct BackwardKernel {
       const BackwardScratch<acc_t> w = ws.slot(t, slot);
       acc_t* dq_rows = dq_p != nullptr ? dq_p + chunk * n_q_rows * t.d_pad : nullptr;
       const int64_t kv_row0 = a.key_rows.row(b, g, 0);
-      task(a, t, w, b, g, chunk, chunks, dk + kv_row0 * t.d_pad, dv + kv_row0 * t.d_pad, dq_rows);
+      task(a, t, w, b, g, chunk, chunks, dk + kv_row0 * t.d_pad, dv + kv_row0 * t.d_pad, dq_rows, p.key_words > 0);
     });
 
     if (!in_place) {

@@ -25,7 +25,9 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 # class (1, 16, 64, 80, 128, 256), and an odd head_dim with up to 8 rows per kv
 # head (the bfloat16 kernel's decoding path); head dim 96 over several key
 # tiles and an odd last one (the AMX tiles' 32-term steps, their key tails);
-# a group of 5 (query tiles of 19 positions: key tiles starting at odd keys).
+# a group of 5 over 420 keys (query tiles of 19 positions: key tiles of
+# whole 32s starting at odd and even keys, where the AMX kernels read K and V
+# packed once a call or pack them per tile).
 SHAPES = [
     (2, 4, 4, 17, 17, 64),
     (1, 4, 2, 257, 257, 16),
@@ -35,7 +37,7 @@ SHAPES = [
     (1, 2, 1, 64, 64, 256),
     (1, 4, 1, 2, 300, 33),
     (1, 4, 2, 150, 301, 96),
-    (1, 10, 2, 130, 130, 64),
+    (1, 10, 2, 100, 420, 64),
 ]
 # (causal, window)
 MASKS = [(False, None), (True, None), (True, 7), (False, 33)]

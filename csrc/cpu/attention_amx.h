@@ -26,6 +26,7 @@
 #include <cstring>
 
 #include "attention_lanes.h"  // transpose_16x16_words
+#include "attention_pair_words.h"  // pack_rows_along
 
 namespace fusedllm::cpu {
 inline namespace CPU_CAPABILITY {
@@ -160,6 +161,27 @@ inline void pack_tile_rows_amx(const float* s, int64_t ld, int64_t nk, uint32_t*
     }
   }
 }
+
+// C[round_up(nk, 16) x n] = A B, A's nk rows bfloat16 rows `stride` elements
+// apart from `rows` (kp pair words each, as they lie: S^T = K Q^T and dP^T =
+// V dO^T): read in place in whole 16-row blocks where the stride is even and
+// the start 4-byte aligned, the rest packed into buf (nk x kp words). C's rows
+// past nk come from stale rows of buf: never read as scores.
+inline void rows_times_amx(const c10::BFloat16* rows, int64_t stride, int64_t nk, int64_t kp, const uint32_t* b,
+                           int64_t n, float* c, uint32_t* buf) {
+  const bool in_place = stride % 2 == 0 && reinterpret_cast<uintptr_t>(rows) % 4 == 0;
+  const int64_t full = in_place ? nk / 16 * 16 : 0;
+  if (full > 0) gemm_amx<false>(full, n, kp, reinterpret_cast<const uint32_t*>(rows), stride / 2, b, n, c, n);
+  if (full < nk) {
+    pack_rows_along(rows + full * stride, stride, nk - full, 2 * kp, buf, kp);
+    gemm_amx<false>(round_up(nk - full, 16), n, kp, buf, kp, b, n, c + full * n, n);
+  }
+}
+
+// Whether a key tile [j0, j0 + nk) reads its pair words across keys out of
+// its whole sequence's, packed once: its pairs are the sequence's (j0 even)
+// and its 16-word steps end with it (nk a multiple of 32).
+inline bool tile_in_sequence_pairs(int64_t j0, int64_t nk) { return j0 % 2 == 0 && nk % 32 == 0; }
 
 // out[i] = A's row i times B's column i for i < m (a multiple of 16): the
 // diagonal of A B, each element summed as amx_block sums it (so equal to

@@ -190,11 +190,7 @@ struct BackwardTask {
   const int64_t d, d_pad, group, sr_ld;
   const bool amx;  // the wide tiles' products on the AMX tiles (amx_products)
   const bool keys_packed;  // K across keys for the whole sequence in w.k_keys
-  // the AMX products leave S^T unscaled where nothing reads it before the
-  // probabilities but the masks' -inf (which a positive scale keeps)
-  const bool defer_scale;
-  acc_t pending_scale = 1;  // the scale the probabilities apply (1: applied)
-  const uint32_t* k_cols = nullptr;  // the key tile's K across keys (AMX)
+  const bool defer_scale;  // the AMX products leave S^T unscaled (scale_can_wait)
 
   BackwardTask(const AttentionBackwardArgs& a, const Tiling<acc_t>& t, BackwardScratch<acc_t> w, int64_t b,
                int64_t g, bool keys_packed)
@@ -208,7 +204,7 @@ struct BackwardTask {
         sq(a.seqs.q_len(b)), mask(a.mask.of_lengths(sq, a.seqs.k_len(b))), scale(static_cast<acc_t>(a.scale)),
         d(t.d), d_pad(t.d_pad), group(t.group), sr_ld(round_up(t.block_k, 16)), amx(amx_products<T>(t)),
         keys_packed(amx && keys_packed),
-        defer_scale(amx && scale > 0 && !a.mods.any_score_mod() && !a.tensor_mask.present()) {}
+        defer_scale(amx && scale_can_wait(a)) {}
 
   void run(int64_t chunk, int64_t chunks, acc_t* dk, acc_t* dv, acc_t* dq_partial) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -259,22 +255,11 @@ struct BackwardTask {
   uint32_t* words(acc_t* buffer) const { return reinterpret_cast<uint32_t*>(buffer); }
   uint32_t* k_across() const { return words(w.kbuf) + t.block_k * d_pad / 2; }
 #endif
+  // The scale the probabilities apply: S^T's, where its product left it out.
+  acc_t pending_scale(const QueryTile& qt) const { return defer_scale && !qt.narrow ? scale : acc_t(1); }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  // C = A B for S^T = K Q^T and dP^T = V dO^T: A's nk rows (K's or V's,
-  // stride elements apart) are their pair words as they lie, read in place
-  // in whole 16-row blocks where the stride is even and the start 4-byte
-  // aligned; the rest packed into buf. C's rows past nk come from stale
-  // rows of buf and are never read as scores.
-  void rows_times_amx(const T* rows, int64_t stride, int64_t nk, const uint32_t* b, int64_t ld, float* c,
-                      uint32_t* buf) const {
-    const bool in_place = stride % 2 == 0 && reinterpret_cast<uintptr_t>(rows) % 4 == 0;
-    const int64_t full = in_place ? nk / 16 * 16 : 0;
-    if (full > 0) gemm_amx<false>(full, ld, dp(), reinterpret_cast<const uint32_t*>(rows), stride / 2, b, ld, c, ld);
-    if (full < nk) {
-      pack_rows_along(rows + full * stride, stride, nk - full, d, buf, dp());
-      gemm_amx<false>(round_up(nk - full, 16), ld, dp(), buf, dp(), b, ld, c + full * ld, ld);
-    }
-  }
+  // Whether the key tile's K across keys is the sequence's, packed once.
+  bool keys_from_sequence(int64_t j0, int64_t nk) const { return keys_packed && tile_in_sequence_pairs(j0, nk); }
 #endif
 
   // Q (times scale), dO and O of the query tile staged for the products,
@@ -335,25 +320,19 @@ struct BackwardTask {
   // dQ's right operand on the float path (k_ld its leading dimension).
   const acc_t* scores(const QueryTile& qt, int64_t j0, int64_t nk, int64_t& k_ld) {
     const int64_t rows = qt.rows, ld = qt.ld;
-    pending_scale = acc_t(1);
     if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
       if (amx && !qt.narrow) {
-        rows_times_amx(k + j0 * kss, kss, nk, words(w.qt), ld, w.s, words(w.kbuf));
-        pending_scale = defer_scale ? scale : acc_t(1);
+        rows_times_amx(k + j0 * kss, kss, nk, dp(), words(w.qt), ld, w.s, words(w.kbuf));
         if (!defer_scale) scale_tile(w.s, ld, nk, scale);
-        rows_times_amx(v + j0 * vss, vss, nk, words(w.dot), ld, w.dp, words(w.vbuf));
-        // K across keys for dQ: the sequence's where the tile's pairs are its
-        // pairs and its whole 16-word steps (nk a multiple of 32), else packed
-        // with zero pairs up to the whole 16
-        if (keys_packed && j0 % 2 == 0 && nk % 32 == 0) {
-          k_cols = words(w.k_keys) + j0 / 2 * d_pad;
-        } else {
+        rows_times_amx(v + j0 * vss, vss, nk, dp(), words(w.dot), ld, w.dp, words(w.vbuf));
+        // K across keys for dQ where the tile cannot read the sequence's:
+        // packed with zero pairs up to the whole 16
+        if (!keys_from_sequence(j0, nk)) {
           const int64_t kp = (nk + 1) / 2;
           pack_rows_across([&](int64_t j) { return key_row(j0 + j); }, nk, d, k_across(), d_pad);
           std::fill(k_across() + kp * d_pad, k_across() + round_up(kp, 16) * d_pad, 0u);
-          k_cols = k_across();
         }
         return nullptr;
       }
@@ -421,9 +400,9 @@ struct BackwardTask {
         w.z[j * ld + col] = keep ? kept : acc_t(0);
       });
       for (int64_t j = 0; j < nk; ++j) std::fill(w.z + j * ld + tile.cols(), w.z + (j + 1) * ld, acc_t(0));
-      probs_and_score_grads<true>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta, pending_scale);
+      probs_and_score_grads<true>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta, pending_scale(qt));
     } else {
-      probs_and_score_grads<false>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta, pending_scale);
+      probs_and_score_grads<false>(w.s, w.dp, w.z, ld, nk, w.shift, w.delta, pending_scale(qt));
     }
     if (capped) {
       // Through the cap: dz = ds * (1 - (s / cap)^2).
@@ -453,6 +432,7 @@ struct BackwardTask {
         const uint32_t* ds_rows = pack_tile_rows_in_place(w.dp, ld, nk);
         accumulate_rows_amx(nk, d_pad, ld / 2, p_rows, ld / 2, words(w.dor), d_pad, dv_rows, d_pad, w.edge);
         accumulate_rows_amx(nk, d_pad, ld / 2, ds_rows, ld / 2, words(w.qs), d_pad, dk_rows, d_pad, w.edge);
+        const uint32_t* k_cols = keys_from_sequence(j0, nk) ? words(w.k_keys) + j0 / 2 * d_pad : k_across();
         gemm_amx<true>(ld, d_pad, np16, ds_keys, np16, k_cols, d_pad, w.dq, d_pad);
         return;
       }

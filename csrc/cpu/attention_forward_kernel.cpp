@@ -437,7 +437,7 @@ struct ForwardTask {
       amx = !decoding && d % 32 == 0 && t.block_k % 32 == 0 && ld * p16 <= t.block_k * d_pad;
       // nothing reads the scores between the product and the softmax but the
       // masks' -inf, which a positive scale keeps
-      scale_in_softmax = amx && scale > 0 && !k.quantized() && !a.mods.any_score_mod() && !a.tensor_mask.present();
+      scale_in_softmax = amx && !k.quantized() && scale_can_wait(a);
       // and nothing changes P between the softmax and P V
       packed_in_softmax = scale_in_softmax && !a.dropout.enabled && !v.quantized();
     }
@@ -531,7 +531,7 @@ struct ForwardTask {
       const int64_t dp = (d + 1) / 2;
       uint32_t* const kp = reinterpret_cast<uint32_t*>(w.kbuf);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-      if (amx && !k.quantized() && k_in_place(j0, nk, next)) return;
+      if (amx && !k.quantized() && k_in_one_run(j0, nk)) return;
 #endif
       k.with_rows(j0, nk, [&](const auto& row) {
         k.runs(j0, nk, [&](int64_t i, int64_t n) { pack_rows_along(row(i), k.seq_stride, n, d, kp + i * dp, dp); });
@@ -556,26 +556,15 @@ struct ForwardTask {
   }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  // S^T = K Q^T on the tiles with K's whole 16-row blocks read where they lie
-  // (bfloat16 rows are K's pair words already), the last partial block packed:
-  // false (nothing done) where the tile's rows are not one run, seq_stride
-  // apart, at an even stride from a 4-byte aligned start.
-  bool k_in_place(int64_t j0, int64_t nk, const NextTile& next) {
-    const int64_t dp = d / 2, full = nk / 16 * 16;
+  // S^T = K Q^T on the tiles where the tile's rows are one run seq_stride
+  // apart (K's whole 16-row blocks read where they lie where they can be,
+  // rows_times_amx); false (nothing done) where they are not (pages).
+  bool k_in_one_run(int64_t j0, int64_t nk) {
     bool done = false;
     k.with_rows(j0, nk, [&](const auto& row) {
       if constexpr (std::is_same_v<decltype(row(0)), const T*>) {
-        const T* first = row(0);
-        if (row(nk - 1) != first + (nk - 1) * k.seq_stride || k.seq_stride % 2 != 0 ||
-            reinterpret_cast<uintptr_t>(first) % 4 != 0) {
-          return;
-        }
-        uint32_t* const kp = reinterpret_cast<uint32_t*>(w.kbuf);
-        if (full < nk) pack_rows_along(row(full), k.seq_stride, nk - full, d, kp, dp);
-        next.part(1);
-        const uint32_t* words = reinterpret_cast<const uint32_t*>(first);
-        gemm_amx<false>(full, ld, dp, words, k.seq_stride / 2, q_words(), ld, w.s, ld);
-        if (full < nk) gemm_amx<false>(16, ld, dp, kp, dp, q_words(), ld, w.s + full * ld, ld);
+        if (row(nk - 1) != row(0) + (nk - 1) * k.seq_stride) return;
+        rows_times_amx(row(0), k.seq_stride, nk, d / 2, q_words(), ld, w.s, reinterpret_cast<uint32_t*>(w.kbuf));
         if (!scale_in_softmax) scale_tile(w.s, ld, nk, scale);
         done = true;
       }
@@ -691,9 +680,8 @@ struct ForwardTask {
       if (v.quantized()) v.scale_rows(w.s, ld, j0, nk);  // P diag(v_scale) V8 = P V
       uint32_t* const vp = reinterpret_cast<uint32_t*>(w.vbuf);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-      // the call's V across keys where the tile's pairs are its pairs and
-      // its whole 16-word steps (nk a multiple of 32)
-      const bool packed = amx && v_words != nullptr && j0 % 2 == 0 && nk % 32 == 0;
+      // the call's V across keys where the tile reads them there
+      const bool packed = amx && v_words != nullptr && tile_in_sequence_pairs(j0, nk);
 #else
       const bool packed = false;
 #endif

@@ -194,6 +194,14 @@ template <typename acc_t>
 void mask_tile(acc_t* s, int64_t ld, int64_t nk, int64_t j0, int64_t p0, int64_t npos,
                int64_t group, const Mask mask);
 
+// Whether nothing reads a tile's scores between their product and the
+// softmax but the masks' -inf, which a positive scale keeps: then the scale
+// can wait for the exponent's argument.
+template <typename Args>
+bool scale_can_wait(const Args& a) {
+  return a.scale > 0 && !a.mods.any_score_mod() && !a.tensor_mask.present();
+}
+
 // Position p0 + [0, npos) and its group's heads as the columns of a
 // transposed tile: where the caller's mask and the dropout pattern are read.
 struct TileRows {

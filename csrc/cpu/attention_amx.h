@@ -1,7 +1,10 @@
 // Products on the AMX tiles (AMX-TILE, AMX-BF16) for the AMX variant's
-// bfloat16 attention: the forward's prefill tiles' S^T = K Q^T and O += P V,
-// the backward's five products, on tdpbf16ps, over the same pair words the AVX512_BF16 variant's vdpbf16ps
-// kernels read (attention_pair_words.h), float32 accumulators.
+// attention: the forward's prefill tiles' S^T = K Q^T and O += P V, the
+// backward's five products, on tdpbf16ps, over the same pair words the
+// AVX512_BF16 variant's vdpbf16ps kernels read (attention_pair_words.h),
+// float32 accumulators. bfloat16 operands as they are; float16 ones (the
+// forward) as two bfloat16 parts each, three products of parts per product
+// (split_row).
 //
 // A tile register holds 16 rows of 64 bytes: 16 pair words of A (a row's
 // terms 2p, 2p + 1 in word p), 16 pair words of B per row (row p: column n's
@@ -22,8 +25,11 @@
 
 #include <immintrin.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
+
+#include <c10/util/Half.h>
 
 #include "attention_lanes.h"  // transpose_16x16_words
 #include "attention_pair_words.h"  // pack_rows_along
@@ -65,12 +71,25 @@ inline void release_tiles(const TileConfig& before) {
   }
 }
 
-// C[MI*16 x NJ*16] (+)= A B over kp pair words (kp a multiple of 16): A's word
-// (i, p) at a[i * lda + p], B's word (p, n) at b[p * ldb + n], C's float (i,
-// n) at c[i * ldc + n].
-template <int MI, int NJ, bool kLoadC>
-inline void amx_block(int64_t kp, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, float* c,
-                      int64_t ldc) {
+// The operands of a product on the tiles: C (+)= sum over t < kTerms of
+// a[t] b[t], every a[t] (b[t]) in the same layout. More than one term: the
+// float16 products (split_bfloat16).
+template <int kTerms>
+using AmxOperands = std::array<const uint32_t*, kTerms>;
+
+template <int kTerms>
+inline AmxOperands<kTerms> offset_by(const AmxOperands<kTerms>& x, int64_t by) {
+  AmxOperands<kTerms> out;
+  for (int t = 0; t < kTerms; ++t) out[t] = x[t] + by;
+  return out;
+}
+
+// C[MI*16 x NJ*16] (+)= sum_t A_t B_t over kp pair words (kp a multiple of
+// 16): A_t's word (i, p) at a[t][i * lda + p], B_t's word (p, n) at
+// b[t][p * ldb + n], C's float (i, n) at c[i * ldc + n].
+template <int MI, int NJ, bool kLoadC, int kTerms>
+inline void amx_block(int64_t kp, const AmxOperands<kTerms>& a, int64_t lda, const AmxOperands<kTerms>& b,
+                      int64_t ldb, float* c, int64_t ldc) {
   const int64_t sa = lda * 4, sb = ldb * 4, sc = ldc * 4;
   if constexpr (kLoadC) {
     _tile_loadd(0, c, sc);
@@ -84,15 +103,18 @@ inline void amx_block(int64_t kp, const uint32_t* a, int64_t lda, const uint32_t
     if constexpr (MI > 1 && NJ > 1) _tile_zero(3);
   }
   for (int64_t p = 0; p < kp; p += 16) {
-    _tile_loadd(4, a + p, sa);
-    _tile_loadd(6, b + p * ldb, sb);
-    if constexpr (NJ > 1) _tile_loadd(7, b + p * ldb + 16, sb);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NJ > 1) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (MI > 1) {
-      _tile_loadd(5, a + 16 * lda + p, sa);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (NJ > 1) _tile_dpbf16ps(3, 5, 7);
+#pragma GCC unroll 3
+    for (int t = 0; t < kTerms; ++t) {
+      _tile_loadd(4, a[t] + p, sa);
+      _tile_loadd(6, b[t] + p * ldb, sb);
+      if constexpr (NJ > 1) _tile_loadd(7, b[t] + p * ldb + 16, sb);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (NJ > 1) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (MI > 1) {
+        _tile_loadd(5, a[t] + 16 * lda + p, sa);
+        _tile_dpbf16ps(2, 5, 6);
+        if constexpr (NJ > 1) _tile_dpbf16ps(3, 5, 7);
+      }
     }
   }
   _tile_stored(0, c, sc);
@@ -101,22 +123,31 @@ inline void amx_block(int64_t kp, const uint32_t* a, int64_t lda, const uint32_t
   if constexpr (MI > 1 && NJ > 1) _tile_stored(3, c + 16 * ldc + 16, sc);
 }
 
-// C[m x n] (+)= A B (m, n and kp multiples of 16; layouts as amx_block's), in
-// blocks of 32 x 32 and their edges.
+// C[m x n] (+)= sum_t A_t B_t (m, n and kp multiples of 16; layouts as
+// amx_block's), in blocks of 32 x 32 and their edges.
+template <bool kLoadC, int kTerms>
+inline void gemm_amx(int64_t m, int64_t n, int64_t kp, const AmxOperands<kTerms>& a, int64_t lda,
+                     const AmxOperands<kTerms>& b, int64_t ldb, float* c, int64_t ldc) {
+  int64_t i = 0;
+  for (; i + 32 <= m; i += 32) {
+    const AmxOperands<kTerms> ai = offset_by<kTerms>(a, i * lda);
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) amx_block<2, 2, kLoadC, kTerms>(kp, ai, lda, offset_by<kTerms>(b, j), ldb, c + i * ldc + j, ldc);
+    if (j < n) amx_block<2, 1, kLoadC, kTerms>(kp, ai, lda, offset_by<kTerms>(b, j), ldb, c + i * ldc + j, ldc);
+  }
+  if (i < m) {
+    const AmxOperands<kTerms> ai = offset_by<kTerms>(a, i * lda);
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) amx_block<1, 2, kLoadC, kTerms>(kp, ai, lda, offset_by<kTerms>(b, j), ldb, c + i * ldc + j, ldc);
+    if (j < n) amx_block<1, 1, kLoadC, kTerms>(kp, ai, lda, offset_by<kTerms>(b, j), ldb, c + i * ldc + j, ldc);
+  }
+}
+
+// The one-term product C[m x n] (+)= A B.
 template <bool kLoadC>
 inline void gemm_amx(int64_t m, int64_t n, int64_t kp, const uint32_t* a, int64_t lda, const uint32_t* b,
                      int64_t ldb, float* c, int64_t ldc) {
-  int64_t i = 0;
-  for (; i + 32 <= m; i += 32) {
-    int64_t j = 0;
-    for (; j + 32 <= n; j += 32) amx_block<2, 2, kLoadC>(kp, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc);
-    if (j < n) amx_block<2, 1, kLoadC>(kp, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc);
-  }
-  if (i < m) {
-    int64_t j = 0;
-    for (; j + 32 <= n; j += 32) amx_block<1, 2, kLoadC>(kp, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc);
-    if (j < n) amx_block<1, 1, kLoadC>(kp, a + i * lda, lda, b + j, ldb, c + i * ldc + j, ldc);
-  }
+  gemm_amx<kLoadC, 1>(m, n, kp, {a}, lda, {b}, ldb, c, ldc);
 }
 
 // The 16-bit words of a pair vector from two rows' bfloat16 halves: word w is
@@ -150,16 +181,97 @@ inline void store_pair_rows_amx(Value&& value, int64_t nk, int64_t p0, int64_t c
   for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (c + i) * ldo + p0, r[i]);
 }
 
+// Float16 on the bfloat16 tiles: x = hi + lo, hi the bfloat16 nearest x, lo
+// the bfloat16 nearest x - hi (0 where x is infinite). For float16 x (11
+// significant bits) both are exact; |lo| <= 2^-8 |x|. A product x y is
+// taken as hi_x hi_y + hi_x lo_y + lo_x hi_y, three exact bfloat16 products
+// summed in float32: the term left out, lo_x lo_y, is at most 2^-16 |x y|
+// (float16's own rounding is 2^-11). A float32 x (the probabilities) keeps
+// 16 significant bits this way, within 2^-16 of x.
+inline __m512 bfloat16_part(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+inline __m512 low_part(__m512 x) {
+  const __mmask16 finite = static_cast<__mmask16>(~_mm512_fpclass_ps_mask(x, 0x18));  // not +-inf
+  return _mm512_maskz_sub_ps(finite, x, bfloat16_part(x));
+}
+
 // A transposed float32 tile s[j * ld + col] (j < nk, ld a multiple of 16)
 // as P's row-major pair words, word (col, p) at out[col * ldo + p] for
-// p < round_up(ceil(nk / 2), 16) <= ldo: the A operand of P V.
+// p < round_up(ceil(nk / 2), 16) <= ldo: the A operand of P V. kLow: the
+// words of the values' low parts (low_part) instead.
+template <bool kLow = false>
 inline void pack_tile_rows_amx(const float* s, int64_t ld, int64_t nk, uint32_t* out, int64_t ldo) {
   const int64_t np16 = ((nk + 1) / 2 + 15) / 16 * 16;
   for (int64_t c = 0; c < ld; c += 16) {
     for (int64_t p0 = 0; p0 < np16; p0 += 16) {
-      store_pair_rows_amx([&](int64_t j, int) { return _mm512_loadu_ps(s + j * ld + c); }, nk, p0, c, out, ldo);
+      store_pair_rows_amx(
+          [&](int64_t j, int) {
+            const __m512 x = _mm512_loadu_ps(s + j * ld + c);
+            if constexpr (kLow) {
+              return low_part(x);
+            } else {
+              return x;
+            }
+          },
+          nk, p0, c, out, ldo);
     }
   }
+}
+
+// A float16 row of n terms (a multiple of 16) as the bfloat16 rows hi and lo
+// (low_part): as pair words along the row, each part of a row is its
+// bfloat16 row.
+inline void split_row(const c10::Half* src, int64_t n, c10::BFloat16* hi, c10::BFloat16* lo) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + c), (__m256i)_mm512_cvtneps_pbh(x));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c), (__m256i)_mm512_cvtneps_pbh(low_part(x)));
+  }
+}
+
+// Float16 rows interleaved as pack_rows_across leaves bfloat16 ones, the
+// high parts' words at hi[p * ldp + c], the low parts' at lo[p * ldp + c]
+// (zero for c in [n, ldp) and for the missing row of an odd count; ldp a
+// multiple of 16).
+template <typename Row>
+inline void pack_split_rows_across(const Row& row, int64_t rows, int64_t n, uint32_t* hi, uint32_t* lo,
+                                   int64_t ldp) {
+  const auto words = [](__m512 x0, __m512 x1) {  // (x0, x1) pairs, rounded to bfloat16
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+    const __m512i first = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(both));
+    const __m512i second = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(both, 1));
+    return _mm512_or_si512(first, _mm512_slli_epi32(second, 16));
+  };
+  for (int64_t p = 0; p * 2 < rows; ++p) {
+    const c10::Half* r0 = row(2 * p);
+    const c10::Half* r1 = 2 * p + 1 < rows ? row(2 * p + 1) : nullptr;
+    for (int64_t c = 0; c < ldp; c += 16) {
+      const __mmask16 live = static_cast<__mmask16>(c + 16 <= n ? 0xFFFF : c < n ? (1u << (n - c)) - 1 : 0);
+      const __m512 x0 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, r0 + c));
+      const __m512 x1 = r1 != nullptr ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, r1 + c)) : _mm512_setzero_ps();
+      _mm512_storeu_si512(hi + p * ldp + c, words(x0, x1));
+      _mm512_storeu_si512(lo + p * ldp + c, words(low_part(x0), low_part(x1)));
+    }
+  }
+}
+
+// pack_tile_rows_in_place for the parts of a float32 tile s[j * ld + col]
+// (j < nk, ld a multiple of 32): the high parts' words in place, word (j, p)
+// at reinterpret_cast<uint32_t*>(s)[j * ld / 2 + p], the low parts' at
+// low[j * ld / 2 + p]. Returns the high parts' words.
+inline uint32_t* pack_tile_rows_split_in_place(float* s, int64_t ld, int64_t nk, uint32_t* low) {
+  uint16_t* high = reinterpret_cast<uint16_t*>(s);
+  uint16_t* rest = reinterpret_cast<uint16_t*>(low);
+  for (int64_t j = 0; j < nk; ++j) {
+    const float* r = s + j * ld;
+    for (int64_t c = 0; c < ld; c += 32) {  // row j's words lie in float rows <= j, read already
+      const __m512 x0 = _mm512_loadu_ps(r + c), x1 = _mm512_loadu_ps(r + c + 16);
+      _mm512_storeu_si512(rest + j * ld + c, (__m512i)_mm512_cvtne2ps_pbh(low_part(x1), low_part(x0)));
+      _mm512_storeu_si512(high + j * ld + c, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+    }
+  }
+  return reinterpret_cast<uint32_t*>(s);
 }
 
 // C[round_up(nk, 16) x n] = A B, A's nk rows bfloat16 rows `stride` elements
@@ -183,28 +295,31 @@ inline void rows_times_amx(const c10::BFloat16* rows, int64_t stride, int64_t nk
 // and its 16-word steps end with it (nk a multiple of 32).
 inline bool tile_in_sequence_pairs(int64_t j0, int64_t nk) { return j0 % 2 == 0 && nk % 32 == 0; }
 
-// out[i] = A's row i times B's column i for i < m (a multiple of 16): the
-// diagonal of A B, each element summed as amx_block sums it (so equal to
-// the same element of another product of the same row and column);
-// scratch holds 256 floats.
-inline void diagonal_amx(int64_t m, int64_t kp, const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
-                         float* out, float* scratch) {
+// out[i] = sum_t A_t's row i times B_t's column i for i < m (a multiple of
+// 16): the diagonal of sum_t A_t B_t, each element summed as amx_block sums
+// it (so equal to the same element of another product of the same rows and
+// columns); scratch holds 256 floats.
+template <int kTerms>
+inline void diagonal_amx(int64_t m, int64_t kp, const AmxOperands<kTerms>& a, int64_t lda,
+                         const AmxOperands<kTerms>& b, int64_t ldb, float* out, float* scratch) {
   for (int64_t i0 = 0; i0 < m; i0 += 16) {
-    amx_block<1, 1, false>(kp, a + i0 * lda, lda, b + i0, ldb, scratch, 16);
+    amx_block<1, 1, false, kTerms>(kp, offset_by<kTerms>(a, i0 * lda), lda, offset_by<kTerms>(b, i0), ldb, scratch, 16);
     for (int i = 0; i < 16; ++i) out[i0 + i] = scratch[i * 17];
   }
 }
 
-// C[nk x n] += A B with A's rows past nk (up to the next multiple of 16)
-// anything, even NaN: whole 16-row blocks accumulate in place, the last
-// partial one in `edge` (16 x n floats) and is added from there, so no row
-// of C past nk is read or written (another thread may own it).
-inline void accumulate_rows_amx(int64_t nk, int64_t n, int64_t kp, const uint32_t* a, int64_t lda, const uint32_t* b,
-                                int64_t ldb, float* c, int64_t ldc, float* edge) {
+// C[nk x n] += sum_t A_t B_t with the A_t's rows past nk (up to the next
+// multiple of 16) anything, even NaN: whole 16-row blocks accumulate in
+// place, the last partial one in `edge` (16 x n floats) and is added from
+// there, so no row of C past nk is read or written (another thread may own
+// it).
+template <int kTerms>
+inline void accumulate_rows_amx(int64_t nk, int64_t n, int64_t kp, const AmxOperands<kTerms>& a, int64_t lda,
+                                const AmxOperands<kTerms>& b, int64_t ldb, float* c, int64_t ldc, float* edge) {
   const int64_t full = nk / 16 * 16;
-  if (full > 0) gemm_amx<true>(full, n, kp, a, lda, b, ldb, c, ldc);
+  if (full > 0) gemm_amx<true, kTerms>(full, n, kp, a, lda, b, ldb, c, ldc);
   if (full == nk) return;
-  gemm_amx<false>(16, n, kp, a + full * lda, lda, b, ldb, edge, n);
+  gemm_amx<false, kTerms>(16, n, kp, offset_by<kTerms>(a, full * lda), lda, b, ldb, edge, n);
   for (int64_t r = 0; r < nk - full; ++r) {
     float* row = c + (full + r) * ldc;
     for (int64_t x = 0; x < n; x += 16) {

@@ -22,11 +22,12 @@ namespace flash {
 namespace {
 
 // Per-slot scratch of the backward pass; key_words: room for a sequence's K
-// across keys (BackwardPlan::key_words).
+// across keys (BackwardPlan::key_words). parts: a float16 query tile's rows
+// split into bfloat16 parts (stage_split_rows).
 template <typename acc_t>
 struct BackwardScratch {
   acc_t *qt, *dot, *ot, *qs, *dor, *orows, *q_along, *dq, *s, *sr, *dp, *kbuf, *vbuf, *shift, *delta, *z,
-      *cap_slope, *cols, *edge, *k_keys;
+      *cap_slope, *cols, *edge, *parts, *k_keys;
   BackwardScratch(const Tiling<acc_t>& t, int64_t key_words, Arena& m)
       : qt(m.take<acc_t>(t.d * t.rows_pad)),
         dot(m.take<acc_t>(t.d * t.rows_pad)),
@@ -47,6 +48,7 @@ struct BackwardScratch {
         cap_slope(m.take<acc_t>(t.block_k * t.rows_pad)),
         cols(m.take<acc_t>(2 * t.rows_pad)),
         edge(m.take<acc_t>(16 * t.d_pad)),
+        parts(m.take<acc_t>(t.rows_pad * t.d_pad)),
         k_keys(m.take<acc_t>(key_words)) {}
   static int64_t bytes(const Tiling<acc_t>& t, int64_t key_words) {
     Arena m;
@@ -55,18 +57,25 @@ struct BackwardScratch {
   }
 };
 
-// Whether a call's products run on the AMX tiles (the AMX variant, bfloat16):
-// whole 16-word steps along the head dim, and key tiles of whole 32 keys so
-// that dQ's steps over a tile's key pairs stay in the buffers. Query tiles
-// then pad their rows to 32: dK's and dV's sums over rows in 16-word steps.
+// Whether a call's products run on the AMX tiles (the AMX variant, bfloat16
+// and float16): whole 16-word steps along the head dim, and key tiles of
+// whole 32 keys so that dQ's steps over a tile's key pairs stay in the
+// buffers. Query tiles then pad their rows to 32: dK's and dV's sums over
+// rows in 16-word steps.
 template <typename T, typename acc_t>
 bool amx_products(const Tiling<acc_t>& t) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return kPairProducts<T> && t.d % 32 == 0 && t.block_k % 32 == 0;
+  return (kPairProducts<T> || kSplitProducts<T>) && t.d % 32 == 0 && t.block_k % 32 == 0;
 #else
   static_cast<void>(t);
   return false;
 #endif
+}
+
+// The words of a sequence's K across keys, packed once (BackwardPlan::key_words).
+template <typename acc_t>
+int64_t sequence_key_words(const Tiling<acc_t>& t) {
+  return round_up(t.sk, 32) / 2 * t.d_pad;
 }
 
 // How a call is cut into tasks: a function of the shape and thread count.
@@ -82,14 +91,15 @@ struct BackwardPlan {
   bool dk_unscaled;
   // On the AMX tiles, a task packs its sequence's K across keys (dQ's right
   // operand) once, not once per query and key tile, where that takes at most
-  // kMaxKeyWordsBytes a slot: words for round_up(sk, 32) keys, else 0.
+  // kMaxKeyWordsBytes a slot: words for round_up(sk, 32) keys (float16: for
+  // its high, then its low parts, sequence_key_words each), else 0.
   int64_t key_words = 0;
   static constexpr int64_t kMaxKeyWordsBytes = int64_t(8) << 20;
 
   explicit BackwardPlan(const AttentionBackwardArgs& a) : t(a) {
     dk_unscaled = amx_products<T>(t);
     if (dk_unscaled) t.rows_pad = round_up(t.rows, 32);
-    const int64_t words = round_up(t.sk, 32) / 2 * t.d_pad;
+    const int64_t words = (kSplitProducts<T> ? 2 : 1) * sequence_key_words(t);
     if (dk_unscaled && t.q_tiles > 1 && words * int64_t(sizeof(uint32_t)) <= kMaxKeyWordsBytes) key_words = words;
     pairs = t.batch * t.kv_heads;
     n_q_rows = a.rows.count(t.batch);
@@ -169,6 +179,9 @@ struct BackwardTask {
   using acc_t = typename VecIO<T>::acc_t;
   static constexpr bool kPairs = kPairProducts<T>;
   static constexpr bool kFloatLanes = kFloatKeyLanes<T>;
+  // float16's wide tiles on the AMX tiles: every operand split into two
+  // bfloat16 parts (split_row), each product three products of parts.
+  static constexpr bool kSplit = kSplitProducts<T>;
 
   // A tile of query positions [p0, p0 + npos) and its rows (positions x the
   // group's heads). Tiles the forward scored with the keys along the lanes
@@ -212,6 +225,12 @@ struct BackwardTask {
     if (amx) tiles_before = configure_tiles();
     if constexpr (kPairs) {
       if (keys_packed) pack_rows_across([&](int64_t j) { return key_row(j); }, a.seqs.k_len(b), d, words(w.k_keys), d_pad);
+    }
+    if constexpr (kSplit) {
+      if (keys_packed) {
+        pack_split_rows_across([&](int64_t j) { return key_row(j); }, a.seqs.k_len(b), d, words(w.k_keys),
+                               words(w.k_keys) + sequence_key_words(t), d_pad);
+      }
     }
 #endif
     for (int64_t p0 = 0; p0 < sq; p0 += t.block_q) {
@@ -261,6 +280,100 @@ struct BackwardTask {
   // Whether the key tile's K across keys is the sequence's, packed once.
   bool keys_from_sequence(int64_t j0, int64_t nk) const { return keys_packed && tile_in_sequence_pairs(j0, nk); }
 #endif
+  // Whether a query tile's products are float16's on the AMX tiles.
+  bool split_tile(const QueryTile& qt) const { return kSplit && amx && !qt.narrow; }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // The high and low parts of rows [0, rows) of a float16 operand (row(i)),
+  // split into w.parts: bfloat16 rows of d terms, the high parts' at hi(),
+  // the low parts' at lo(); rows [rows, ld) zero.
+  c10::BFloat16* hi() const { return reinterpret_cast<c10::BFloat16*>(w.parts); }
+  c10::BFloat16* lo(const QueryTile& qt) const { return hi() + qt.ld * d; }
+  template <typename Row>
+  void split_rows(const QueryTile& qt, const Row& row) {
+    for (int64_t i = 0; i < qt.rows; ++i) split_row(row(i), d, hi() + i * d, lo(qt) + i * d);
+    std::fill(hi() + qt.rows * d, hi() + qt.ld * d, c10::BFloat16(0.0f));
+    std::fill(lo(qt) + qt.rows * d, lo(qt) + qt.ld * d, c10::BFloat16(0.0f));
+  }
+
+  // stage_rows for a float16 tile on the AMX tiles: Q's and dO's parts as
+  // pair words along the head dim, transposed (S^T's and dP^T's right
+  // operands: high parts, then low parts dp() * ld words on), and across
+  // rows (dK's and dV's: ld / 2 * d_pad words a part); delta the diagonal of
+  // O dO^T taken as dP^T = V dO^T takes its products, so summed as dP^T
+  // sums its element of the same row of values and column of dO.
+  void stage_split_rows(const QueryTile& qt) {
+    const int64_t ld = qt.ld, part = ld / 2 * d_pad;
+    const auto high = [&](int64_t i) -> const c10::BFloat16* { return hi() + i * d; };
+    const auto low = [&](int64_t i) -> const c10::BFloat16* { return lo(qt) + i * d; };
+    const auto stage = [&](const T* base, int64_t head_stride, int64_t seq_stride, acc_t* transposed, acc_t* across) {
+      split_rows(qt, [&](int64_t i) { return t.row_in(base, head_stride, seq_stride, g, qt.p0, i); });
+      pack_rows_transposed(high, ld, ld, d, words(transposed));
+      pack_rows_transposed(low, ld, ld, d, words(transposed) + dp() * ld);
+      pack_rows_across(high, ld, d, words(across), d_pad);
+      pack_rows_across(low, ld, d, words(across) + part, d_pad);
+    };
+    stage(q, a.q.head_stride, a.q.seq_stride, w.qt, w.qs);
+    stage(go, a.grad_out.head_stride, a.grad_out.seq_stride, w.dot, w.dor);
+    split_rows(qt, [&](int64_t i) { return t.row_in(out, a.out.head_stride, a.out.seq_stride, g, qt.p0, i); });
+    const uint32_t* doh = words(w.dot);
+    const uint32_t* oh = reinterpret_cast<const uint32_t*>(hi());
+    const uint32_t* ol = reinterpret_cast<const uint32_t*>(lo(qt));
+    diagonal_amx<3>(ld, dp(), {oh, ol, oh}, dp(), {doh, doh, doh + dp() * ld}, ld, w.delta, w.edge);
+  }
+
+  // S^T = K Q^T and dP^T = V dO^T of a float16 tile from the parts (K's and
+  // V's rows split in turn into vbuf; rows past nk stale, never read as
+  // scores), and K across keys for dQ where the tile cannot read the
+  // sequence's: both parts in kbuf, zero pairs up to the whole 16.
+  void split_scores(const QueryTile& qt, int64_t j0, int64_t nk) {
+    const int64_t ld = qt.ld, n16 = round_up(nk, 16);
+    auto* high = reinterpret_cast<c10::BFloat16*>(w.vbuf);
+    c10::BFloat16* low = high + n16 * d;
+    const uint32_t* h = reinterpret_cast<const uint32_t*>(high);
+    const uint32_t* l = reinterpret_cast<const uint32_t*>(low);
+    const auto split = [&](const T* rows, int64_t stride) {
+      for (int64_t j = 0; j < nk; ++j) split_row(rows + j * stride, d, high + j * d, low + j * d);
+    };
+    const uint32_t* qh = words(w.qt);
+    const uint32_t* doh = words(w.dot);
+    split(k + j0 * kss, kss);
+    gemm_amx<false, 3>(n16, ld, dp(), {h, l, h}, dp(), {qh, qh, qh + dp() * ld}, ld, w.s, ld);
+    if (!defer_scale) scale_tile(w.s, ld, nk, scale);
+    split(v + j0 * vss, vss);
+    gemm_amx<false, 3>(n16, ld, dp(), {h, l, h}, dp(), {doh, doh, doh + dp() * ld}, ld, w.dp, ld);
+    if (!keys_from_sequence(j0, nk)) {
+      const int64_t kp = (nk + 1) / 2, kp16 = round_up(kp, 16);
+      uint32_t* const kh = words(w.kbuf);
+      uint32_t* const kl = kh + kp16 * d_pad;
+      pack_split_rows_across([&](int64_t j) { return key_row(j0 + j); }, nk, d, kh, kl, d_pad);
+      std::fill(kh + kp * d_pad, kh + kp16 * d_pad, 0u);
+      std::fill(kl + kp * d_pad, kl + kp16 * d_pad, 0u);
+    }
+  }
+
+  // accumulate for a float16 tile on the AMX tiles: dS's parts as rows of key
+  // pairs into z (high, then low parts ld * np16 words on), then P's and dS's
+  // as rows of query-row pairs, high parts in place, low parts in cap_slope
+  // (spent: the soft-cap's slope was applied), each product three of parts.
+  void split_accumulate(const QueryTile& qt, int64_t j0, int64_t nk, acc_t* dk_rows, acc_t* dv_rows) {
+    const int64_t ld = qt.ld, rp = ld / 2, part = rp * d_pad, np16 = round_up((nk + 1) / 2, 16);
+    uint32_t* const dsk = words(w.z);
+    pack_tile_rows_amx(w.dp, ld, nk, dsk, np16);
+    pack_tile_rows_amx<true>(w.dp, ld, nk, dsk + ld * np16, np16);
+    uint32_t* const p_low = words(w.cap_slope);
+    uint32_t* const ds_low = p_low + round_up(nk, 16) * rp;
+    const uint32_t* ph = pack_tile_rows_split_in_place(w.s, ld, nk, p_low);
+    const uint32_t* dsh = pack_tile_rows_split_in_place(w.dp, ld, nk, ds_low);
+    const uint32_t* doh = words(w.dor);
+    const uint32_t* qh = words(w.qs);
+    accumulate_rows_amx<3>(nk, d_pad, rp, {ph, ph, p_low}, rp, {doh, doh + part, doh}, d_pad, dv_rows, d_pad, w.edge);
+    accumulate_rows_amx<3>(nk, d_pad, rp, {dsh, dsh, ds_low}, rp, {qh, qh + part, qh}, d_pad, dk_rows, d_pad, w.edge);
+    const uint32_t* kh = keys_from_sequence(j0, nk) ? words(w.k_keys) + j0 / 2 * d_pad : words(w.kbuf);
+    const uint32_t* kl = keys_from_sequence(j0, nk) ? kh + sequence_key_words(t) : kh + np16 * d_pad;
+    gemm_amx<true, 3>(ld, d_pad, np16, {dsk, dsk, dsk + ld * np16}, np16, {kh, kl, kh}, d_pad, w.dq, d_pad);
+  }
+#endif
 
   // Q (times scale), dO and O of the query tile staged for the products,
   // delta = rowsum(dO * O) summed as dP sums dO . v (a row whose output is
@@ -296,7 +409,7 @@ struct BackwardTask {
         uint32_t* const o_words = words(w.orows);
         for (int64_t i = 0; i < rows; ++i) pack_rows_along(o_row(i), 0, 1, d, o_words + i * dp(), dp());
         std::fill(o_words + rows * dp(), o_words + ld * dp(), 0u);
-        diagonal_amx(ld, dp(), o_words, dp(), words(w.dot), ld, w.delta, w.edge);
+        diagonal_amx<1>(ld, dp(), {o_words}, dp(), {words(w.dot)}, ld, w.delta, w.edge);
       } else
 #endif
       {
@@ -304,8 +417,14 @@ struct BackwardTask {
         column_dots_pairs(dp(), words(w.ot), words(w.dot), ld, w.delta);
       }
 #endif
+    } else if (split_tile(qt)) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if constexpr (kSplit) stage_split_rows(qt);
+#endif
     } else {
       gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, scale, w.qs, w.qt);
+      // dK's right operand unscaled where dK takes the scale at its store
+      if (amx) gather_rows(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, acc_t(1), w.q_along);
       gather_both(go, a.grad_out.head_stride, a.grad_out.seq_stride, t, g, p0, rows, ld, acc_t(1), w.dor, w.dot);
       gather_both(out, a.out.head_stride, a.out.seq_stride, t, g, p0, rows, ld, acc_t(1), w.orows, w.ot);
       column_dots(d, w.ot, w.dot, ld, w.delta);
@@ -320,6 +439,14 @@ struct BackwardTask {
   // dQ's right operand on the float path (k_ld its leading dimension).
   const acc_t* scores(const QueryTile& qt, int64_t j0, int64_t nk, int64_t& k_ld) {
     const int64_t rows = qt.rows, ld = qt.ld;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if constexpr (kSplit) {
+      if (split_tile(qt)) {
+        split_scores(qt, j0, nk);
+        return nullptr;
+      }
+    }
+#endif
     if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -418,6 +545,11 @@ struct BackwardTask {
     const int64_t rows = qt.rows, ld = qt.ld;
     acc_t* dv_rows = dv + j0 * d_pad;
     acc_t* dk_rows = dk + j0 * d_pad;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if constexpr (kSplit) {
+      if (split_tile(qt)) return split_accumulate(qt, j0, nk, dk_rows, dv_rows);
+    }
+#endif
     if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -430,8 +562,8 @@ struct BackwardTask {
         pack_tile_rows_amx(w.dp, ld, nk, ds_keys, np16);
         const uint32_t* p_rows = pack_tile_rows_in_place(w.s, ld, nk);
         const uint32_t* ds_rows = pack_tile_rows_in_place(w.dp, ld, nk);
-        accumulate_rows_amx(nk, d_pad, ld / 2, p_rows, ld / 2, words(w.dor), d_pad, dv_rows, d_pad, w.edge);
-        accumulate_rows_amx(nk, d_pad, ld / 2, ds_rows, ld / 2, words(w.qs), d_pad, dk_rows, d_pad, w.edge);
+        accumulate_rows_amx<1>(nk, d_pad, ld / 2, {p_rows}, ld / 2, {words(w.dor)}, d_pad, dv_rows, d_pad, w.edge);
+        accumulate_rows_amx<1>(nk, d_pad, ld / 2, {ds_rows}, ld / 2, {words(w.qs)}, d_pad, dk_rows, d_pad, w.edge);
         const uint32_t* k_cols = keys_from_sequence(j0, nk) ? words(w.k_keys) + j0 / 2 * d_pad : k_across();
         gemm_amx<true>(ld, d_pad, np16, ds_keys, np16, k_cols, d_pad, w.dq, d_pad);
         return;
@@ -451,7 +583,7 @@ struct BackwardTask {
 #endif
     } else {
       gemm<acc_t, ALayout::kRowMajor, true>(nk, d_pad, rows, w.s, ld, w.dor, d_pad, dv_rows, d_pad);
-      gemm<acc_t, ALayout::kRowMajor, true>(nk, d_pad, rows, w.dp, ld, w.qs, d_pad, dk_rows, d_pad);
+      gemm<acc_t, ALayout::kRowMajor, true>(nk, d_pad, rows, w.dp, ld, amx ? w.q_along : w.qs, d_pad, dk_rows, d_pad);
       // dS read column-major out of the transposed tile.
       gemm<acc_t, ALayout::kColMajor, true>(rows, d_pad, nk, w.dp, ld, kp, k_ld, w.dq, d_pad);
     }

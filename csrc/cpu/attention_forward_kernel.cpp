@@ -40,8 +40,9 @@ int64_t decoding_keys_per_tile(const AttentionForwardArgs& a) {
   return std::clamp<int64_t>(budget / std::max<int64_t>(a.head_dim, 1) / 16 * 16, 16, kKeysPerTile);
 }
 
-// Keys per prefill tile on the AMX tiles (bfloat16, head dims that are
-// multiples of 32 up to 128), 0 elsewhere (the Tiling's): twice the default,
+// Keys per prefill tile on the AMX tiles (bfloat16, and float16 K and V
+// that are not codes; head dims that are multiples of 32 up to 128), 0
+// elsewhere (the Tiling's): twice the default,
 // so that P V loads and stores its accumulators once per 192 keys and the
 // per-tile steps (the softmax's running statistics, the rescale) run half as
 // often. Measured on a Xeon (family 6 model 207, AMX), B1, 32/8 heads, D128,
@@ -50,7 +51,10 @@ int64_t decoding_keys_per_tile(const AttentionForwardArgs& a) {
 template <typename T>
 int64_t prefill_keys_per_tile(const AttentionForwardArgs& a) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (kPairProducts<T> && a.head_dim % 32 == 0 && a.head_dim <= 128) return kMaxKeysPerTile;
+  const bool codes = a.k_scale.data != nullptr || a.v_scale.data != nullptr;
+  if ((kPairProducts<T> || (kSplitProducts<T> && !codes)) && a.head_dim % 32 == 0 && a.head_dim <= 128) {
+    return kMaxKeysPerTile;
+  }
 #endif
   static_cast<void>(a);
   return 0;
@@ -69,6 +73,7 @@ constexpr int kPrefetchParts = 5;
 template <typename acc_t>
 struct ForwardScratch {
   acc_t *qt, *s, *sr, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha, *cols, *q_scale, *p_scale;
+  acc_t* p_low;  // the low parts' pair words of P (float16 on the AMX tiles)
   ForwardScratch(const Tiling<acc_t>& t, Arena& m)
       : qt(m.take<acc_t>(t.d * t.rows_pad)),
         s(m.take<acc_t>(t.block_k * t.rows_pad)),
@@ -81,7 +86,8 @@ struct ForwardScratch {
         alpha(m.take<acc_t>(t.rows_pad)),
         cols(m.take<acc_t>(2 * t.rows_pad)),
         q_scale(m.take<acc_t>(t.rows_pad)),
-        p_scale(m.take<acc_t>(t.rows_pad)) {}
+        p_scale(m.take<acc_t>(t.rows_pad)),
+        p_low(m.take<acc_t>(t.rows_pad * round_up(ceil_div(t.block_k, 2), 16))) {}
   static int64_t bytes(const Tiling<acc_t>& t) {
     Arena m;
     static_cast<void>(ForwardScratch(t, m));
@@ -89,20 +95,35 @@ struct ForwardScratch {
   }
 };
 
+// One (batch, kv head) pair's operands packed once a call
+// (ForwardPlan::pair_words words, pack_once): V's pair words across keys,
+// values_pair_words of them; for float16 V's high then low parts, followed
+// by K's high and low parts along the head dim, key_part_words each.
+template <typename acc_t>
+int64_t values_pair_words(const Tiling<acc_t>& t) {
+  return round_up(t.sk, t.block_k) / 2 * t.d_pad;
+}
+template <typename acc_t>
+int64_t key_part_words(const Tiling<acc_t>& t) {
+  return round_up(t.sk, t.block_k) * t.d / 2;
+}
+
 // How a call is cut into tasks: a function of the shape and thread count.
 template <typename acc_t>
 struct ForwardPlan {
   Tiling<acc_t> t;
   int64_t pairs, n_rows, splits = 1, n_tasks, slots;
   // On the AMX tiles with several query tiles: each (batch, kv head) pair's V
-  // across keys (P V's right operand) packed once a call, v_pair_words words
-  // a pair, not once per query and key tile; 0: packed per tile. Measured on
-  // a Xeon (family 6 model 207), B1, 32/8, D128, causal: 1.05-1.12x as fast
-  // as packing per tile in four of five interleaved runs at S = 2048-8192
-  // (0.98x in the fifth).
-  int64_t v_pair_words = 0;
+  // across keys (P V's right operand; with float16, K too) packed once a
+  // call, pair_words words a pair (values_pair_words), not once per query
+  // and key tile; 0: packed per tile. Measured on a Xeon (family 6 model
+  // 207), B1, 32/8, D128, causal, bfloat16: 1.05-1.12x as fast as packing
+  // per tile in four of five interleaved runs at S = 2048-8192 (0.98x in the
+  // fifth).
+  int64_t pair_words = 0;
 
-  ForwardPlan(const AttentionForwardArgs& a, int64_t decoding_keys, int64_t prefill_keys) : t(a) {
+  // split: float16 on the AMX tiles (kSplitProducts)
+  ForwardPlan(const AttentionForwardArgs& a, int64_t decoding_keys, int64_t prefill_keys, bool split) : t(a) {
     if (t.rows <= kNarrowRows) {
       t.set_keys_per_tile(std::min(t.block_k, decoding_keys));
     } else if (prefill_keys > 0) {
@@ -122,8 +143,8 @@ struct ForwardPlan {
     n_tasks = base_tasks * splits;
     slots = work_slots(n_tasks, work);
     if (prefill_keys > 0 && t.rows > kNarrowRows && t.q_tiles > 1) {
-      const int64_t words = round_up(t.sk, t.block_k) / 2 * t.d_pad;
-      if (pairs * words * int64_t(sizeof(uint32_t)) <= kMaxPartialBytes) v_pair_words = words;
+      const int64_t words = split ? 2 * values_pair_words(t) + 2 * key_part_words(t) : values_pair_words(t);
+      if (pairs * words * int64_t(sizeof(uint32_t)) <= kMaxPartialBytes) pair_words = words;
     }
   }
 };
@@ -136,7 +157,7 @@ struct ForwardWorkspace {
   int64_t scratch_stride, rows_stride;  // bytes, elements
   char* scratch;
   acc_t *rows, *partial_o, *partial_lse;
-  uint32_t* v_words;  // ForwardPlan::v_pair_words a pair, or null
+  uint32_t* once;  // ForwardPlan::pair_words a pair, or null
 
   ForwardWorkspace(const ForwardPlan<acc_t>& p, Arena& zeroed, Arena& plain)
       : scratch_stride(ForwardScratch<acc_t>::bytes(p.t)),
@@ -145,7 +166,7 @@ struct ForwardWorkspace {
         rows(plain.take<acc_t>(p.slots * rows_stride)),
         partial_o(p.splits > 1 ? plain.take<acc_t>(p.splits * p.n_rows * p.t.d_pad) : nullptr),
         partial_lse(p.splits > 1 ? plain.take<acc_t>(p.splits * p.n_rows) : nullptr),
-        v_words(p.v_pair_words > 0 ? plain.take<uint32_t>(p.pairs * p.v_pair_words) : nullptr) {}
+        once(p.pair_words > 0 ? plain.take<uint32_t>(p.pairs * p.pair_words) : nullptr) {}
 
   ForwardScratch<acc_t> slot(const Tiling<acc_t>& t, int64_t i) const {
     Arena m(scratch + i * scratch_stride);
@@ -372,6 +393,10 @@ template <typename T>
 struct ForwardTask {
   using acc_t = typename VecIO<T>::acc_t;
   static constexpr bool kPairs = kPairProducts<T>;
+  // float16 prefill tiles' products on the AMX tiles as bfloat16 high and
+  // low parts (split_row): Q's parts staged once a task, K's and V's split
+  // once a call (or per tile), P's packed from the tile.
+  static constexpr bool kSplit = kSplitProducts<T>;
   // float32 products of a decoding tile (float32, or 16-bit without
   // vdpbf16ps): the scores along the keys too (FloatKeyLanes), against the
   // scaled Q rows in kbuf (K is read where it lies), then transposed into
@@ -408,13 +433,13 @@ struct ForwardTask {
   const int64_t sr_ld;  // of the rows x keys scores of a decoding tile in w.sr
   bool int_k = false, int_v = false;  // decoding over int8 codes on int16 pairs
   bool amx = false;  // a prefill tile's products on the AMX tiles (the AMX variant)
-  const uint32_t* v_words;  // the pair's V across keys, packed once a call (or null)
+  const uint32_t* once;  // the pair's operands packed once a call (values_pair_words), or null
   bool scale_in_softmax = false;  // S^T left unscaled, softmax_tile<kScaled> applies the scale
   bool packed_in_softmax = false;  // P's pair words written by softmax_rows_amx, not s
 
   ForwardTask(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w, int64_t b,
-              int64_t g, int64_t p0, int64_t npos, const uint32_t* v_words)
-      : a(a), t(t), w(w), b(b), g(g), p0(p0), npos(npos), v_words(v_words),
+              int64_t g, int64_t p0, int64_t npos, const uint32_t* once)
+      : a(a), t(t), w(w), b(b), g(g), p0(p0), npos(npos), once(once),
         q(static_cast<const T*>(a.q.data) + b * a.q.batch_stride + a.seqs.q_start(b) * a.q.seq_stride),
         k(a.k, a.k_scale, a.pages, b, g, a.seqs.k_start(b)),
         v(a.v, a.v_scale, a.pages, b, g, a.seqs.k_start(b)),
@@ -440,6 +465,12 @@ struct ForwardTask {
       scale_in_softmax = amx && !k.quantized() && scale_can_wait(a);
       // and nothing changes P between the softmax and P V
       packed_in_softmax = scale_in_softmax && !a.dropout.enabled && !v.quantized();
+    }
+    if constexpr (kSplit) {
+      const int64_t p16 = round_up(ceil_div(t.block_k, 2), 16);
+      amx = !decoding && d % 32 == 0 && t.block_k % 32 == 0 && !k.quantized() && !v.quantized() &&
+            ld * p16 <= t.block_k * d_pad;
+      scale_in_softmax = amx && scale_can_wait(a);
     }
 #endif
   }
@@ -502,6 +533,11 @@ struct ForwardTask {
 #endif
 
   void stage_queries() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if constexpr (kSplit) {
+      if (amx) return stage_split_queries();
+    }
+#endif
     if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
       const int64_t dp = (d + 1) / 2;
@@ -526,6 +562,11 @@ struct ForwardTask {
 
   // S^T = K (Q * scale)^T, keys x rows.
   void prefill_scores(int64_t j0, int64_t nk, const NextTile& next) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if constexpr (kSplit) {
+      if (amx) return split_scores(j0, nk);
+    }
+#endif
     if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
       const int64_t dp = (d + 1) / 2;
@@ -556,6 +597,69 @@ struct ForwardTask {
   }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // Q's rows split into bfloat16 rows in w.o (free until the first tile),
+  // then each part's Q^T as pair words: the high parts' at q_words(), the
+  // low parts' d / 2 * ld words on.
+  void stage_split_queries() {
+    auto* hi = reinterpret_cast<c10::BFloat16*>(w.o);
+    c10::BFloat16* lo = hi + rows * d;
+    for (int64_t i = 0; i < rows; ++i) split_row(q_row(i), d, hi + i * d, lo + i * d);
+    pack_rows_transposed([&](int64_t i) { return hi + i * d; }, rows, ld, d, q_words());
+    pack_rows_transposed([&](int64_t i) { return lo + i * d; }, rows, ld, d, q_words() + d / 2 * ld);
+  }
+
+  // S^T = K Q^T of float16 operands, each product as three of their parts'.
+  void split_scores(int64_t j0, int64_t nk) {
+    const int64_t n16 = round_up(nk, 16), dp = d / 2;
+    const uint32_t *kh, *kl;
+    if (once != nullptr) {  // K split once a call; rows past the keys are stale, as below
+      kh = once + 2 * values_pair_words(t) + j0 * dp;
+      kl = kh + key_part_words(t);
+    } else {
+      auto* hi = reinterpret_cast<c10::BFloat16*>(w.kbuf);
+      c10::BFloat16* lo = hi + n16 * d;
+      k.with_rows(j0, nk, [&](const auto& row) {
+        if constexpr (std::is_same_v<decltype(row(0)), const T*>) {
+          for (int64_t i = 0; i < nk; ++i) split_row(row(i), d, hi + i * d, lo + i * d);
+        }
+      });
+      kh = reinterpret_cast<const uint32_t*>(hi);
+      kl = reinterpret_cast<const uint32_t*>(lo);
+    }
+    const uint32_t* qh = q_words();
+    const uint32_t* ql = qh + dp * ld;
+    // rows [nk, n16) of S^T come from stale rows of kbuf, never read as scores
+    gemm_amx<false, 3>(n16, ld, dp, {kh, kl, kh}, dp, {qh, qh, ql}, ld, w.s, ld);
+    if (!scale_in_softmax) scale_tile(w.s, ld, nk, scale);
+  }
+
+  // O = diag(alpha) O + P V of float16 V, each product as three of the
+  // parts' of P and V.
+  void split_values(int64_t j0, int64_t nk) {
+    const int64_t np = (nk + 1) / 2, np16 = round_up(np, 16);
+    const uint32_t *vh, *vl;
+    if (once != nullptr && tile_in_sequence_pairs(j0, nk)) {
+      vh = once + j0 / 2 * d_pad;
+      vl = vh + values_pair_words(t);
+    } else {
+      uint32_t* const h = reinterpret_cast<uint32_t*>(w.vbuf);
+      uint32_t* const l = h + np16 * d_pad;
+      v.with_rows(j0, nk, [&](const auto& row) {
+        if constexpr (std::is_same_v<decltype(row(0)), const T*>) pack_split_rows_across(row, nk, d, h, l, d_pad);
+      });
+      std::fill(h + np * d_pad, h + np16 * d_pad, 0u);
+      std::fill(l + np * d_pad, l + np16 * d_pad, 0u);
+      vh = h;
+      vl = l;
+    }
+    uint32_t* const ph = reinterpret_cast<uint32_t*>(w.kbuf);  // K's words are spent
+    uint32_t* const pl = reinterpret_cast<uint32_t*>(w.p_low);
+    pack_tile_rows_amx(w.s, ld, nk, ph, np16);
+    pack_tile_rows_amx<true>(w.s, ld, nk, pl, np16);
+    scale_rows_by(w.o, d_pad, ld, d_pad, w.alpha);
+    gemm_amx<true, 3>(ld, d_pad, np16, {ph, ph, pl}, np16, {vh, vl, vh}, d_pad, w.o, d_pad);
+  }
+
   // S^T = K Q^T on the tiles where the tile's rows are one run seq_stride
   // apart (K's whole 16-row blocks read where they lie where they can be,
   // rows_times_amx); false (nothing done) where they are not (pages).
@@ -675,13 +779,18 @@ struct ForwardTask {
 
   // O = diag(alpha) O + P V, P read column-major out of the transposed tile.
   void prefill_values(int64_t j0, int64_t nk, const NextTile& next) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if constexpr (kSplit) {
+      if (amx) return split_values(j0, nk);
+    }
+#endif
     if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
       if (v.quantized()) v.scale_rows(w.s, ld, j0, nk);  // P diag(v_scale) V8 = P V
       uint32_t* const vp = reinterpret_cast<uint32_t*>(w.vbuf);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
       // the call's V across keys where the tile reads them there
-      const bool packed = amx && v_words != nullptr && tile_in_sequence_pairs(j0, nk);
+      const bool packed = amx && once != nullptr && tile_in_sequence_pairs(j0, nk);
 #else
       const bool packed = false;
 #endif
@@ -694,7 +803,7 @@ struct ForwardTask {
         uint32_t* const pr = reinterpret_cast<uint32_t*>(w.kbuf);  // K's pair words are spent
         if (!packed_in_softmax) pack_tile_rows_amx(w.s, ld, nk, pr, np16);
         scale_rows_by(w.o, d_pad, ld, d_pad, w.alpha);
-        gemm_amx<true>(ld, d_pad, np16, pr, np16, packed ? v_words + j0 / 2 * d_pad : vp, d_pad, w.o, d_pad);
+        gemm_amx<true>(ld, d_pad, np16, pr, np16, packed ? once + j0 / 2 * d_pad : vp, d_pad, w.o, d_pad);
         return;
       }
 #endif
@@ -786,43 +895,70 @@ struct ForwardKernel {
 
   static void task(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w,
                    int64_t b, int64_t g, int64_t p0, int64_t npos, int64_t split, int64_t splits,
-                   acc_t* o_out, int64_t o_ld, acc_t* lse_out, const uint32_t* v_words) {
-    ForwardTask<T> task(a, t, w, b, g, p0, npos, v_words);
+                   acc_t* o_out, int64_t o_ld, acc_t* lse_out, const uint32_t* once) {
+    ForwardTask<T> task(a, t, w, b, g, p0, npos, once);
     task.run(split, splits);
     task.finish(o_out, o_ld, lse_out);
   }
 
-  // Every pair's V across keys (pack_rows_across, a block_k of keys at a
-  // time: pairs line up as the tiles' where those start at even keys).
-  static void pack_values(const AttentionForwardArgs& a, const ForwardPlan<acc_t>& p, uint32_t* words) {
-    if constexpr (kPairProducts<T>) {
+  // Every pair's operands packed once (values_pair_words): V across keys
+  // (pack_rows_across, a block_k of keys at a time, so that pairs line up as
+  // the tiles' where those start at even keys); float16 V's parts
+  // (pack_split_rows_across) and K's (split_row).
+  static void pack_once(const AttentionForwardArgs& a, const ForwardPlan<acc_t>& p, uint32_t* words) {
+    if constexpr (kPairProducts<T> || kSplitProducts<T>) {
       const Tiling<acc_t>& t = p.t;
       at::parallel_for(0, p.pairs, 1, [&](int64_t begin, int64_t end) {
         for (int64_t pair = begin; pair < end; ++pair) {
           const int64_t b = pair / t.kv_heads, g = pair % t.kv_heads, n = a.seqs.k_len(b);
+          const KvRows<T> k(a.k, a.k_scale, a.pages, b, g, a.seqs.k_start(b));
           const KvRows<T> v(a.v, a.v_scale, a.pages, b, g, a.seqs.k_start(b));
-          uint32_t* dst = words + pair * p.v_pair_words;
+          uint32_t* const dst = words + pair * p.pair_words;
           for (int64_t j0 = 0; j0 < n; j0 += t.block_k) {
             const int64_t nk = std::min(t.block_k, n - j0);
-            v.with_rows(j0, nk, [&](const auto& row) { pack_rows_across(row, nk, t.d, dst + j0 / 2 * t.d_pad, t.d_pad); });
+            uint32_t* at = dst + j0 / 2 * t.d_pad;
+            v.with_rows(j0, nk, [&](const auto& row) {
+              if constexpr (kPairProducts<T>) {
+                pack_rows_across(row, nk, t.d, at, t.d_pad);
+              } else if constexpr (std::is_same_v<decltype(row(0)), const T*>) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+                pack_split_rows_across(row, nk, t.d, at, at + values_pair_words(t), t.d_pad);
+#endif
+              }
+            });
+            if constexpr (kSplitProducts<T>) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+              auto* hi = reinterpret_cast<c10::BFloat16*>(dst + 2 * values_pair_words(t)) + j0 * t.d;
+              c10::BFloat16* lo = hi + 2 * key_part_words(t);
+              k.with_rows(j0, nk, [&](const auto& row) {
+                if constexpr (std::is_same_v<decltype(row(0)), const T*>) {
+                  for (int64_t j = 0; j < nk; ++j) split_row(row(j), t.d, hi + j * t.d, lo + j * t.d);
+                }
+              });
+#endif
+            }
           }
         }
       });
     }
   }
 
+  static ForwardPlan<acc_t> plan(const AttentionForwardArgs& a) {
+    return ForwardPlan<acc_t>(a, decoding_keys_per_tile<T>(a), prefill_keys_per_tile<T>(a), kSplitProducts<T>);
+  }
+
   static AttentionWorkspace workspace(const AttentionForwardArgs& a) {
-    return measure<ForwardWorkspace<acc_t>>(ForwardPlan<acc_t>(a, decoding_keys_per_tile<T>(a), prefill_keys_per_tile<T>(a)));
+    return measure<ForwardWorkspace<acc_t>>(plan(a));
   }
 
   static void run(const AttentionForwardArgs& a) {
-    const ForwardPlan<acc_t> p(a, decoding_keys_per_tile<T>(a), prefill_keys_per_tile<T>(a));
+    const ForwardPlan<acc_t> p = plan(a);
     const auto ws = place<ForwardWorkspace<acc_t>>(a.workspace, measure<ForwardWorkspace<acc_t>>(p), p);
     const Tiling<acc_t>& t = p.t;
     const int64_t pairs = p.pairs, splits = p.splits;
     acc_t* po = ws.partial_o;
     acc_t* pl = ws.partial_lse;
-    if (ws.v_words != nullptr) pack_values(a, p, ws.v_words);
+    if (ws.once != nullptr) pack_once(a, p, ws.once);
 
     run_tasks(p.n_tasks, p.slots, [&](int64_t index, int64_t slot) {
       // Latest query tiles first: under a causal mask they see the most keys.
@@ -839,7 +975,7 @@ struct ForwardKernel {
       acc_t* o_rows = ws.rows + slot * ws.rows_stride;
       acc_t* lse_rows = o_rows + t.rows_pad * t.d_pad;
       task(a, t, w, b, g, p0, npos, split, splits, o_rows, t.d_pad, lse_rows,
-           ws.v_words != nullptr ? ws.v_words + pair * p.v_pair_words : nullptr);
+           ws.once != nullptr ? ws.once + pair * p.pair_words : nullptr);
       // Scatter the (position, head) rows to [B, Hq, Sq, ...].
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t row = t.row_of(b, g, p0, i);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -23,6 +24,16 @@ template <typename T>
 constexpr bool kPairProducts =
 #if defined(__AVX512BF16__)
     std::is_same_v<T, c10::BFloat16>;
+#else
+    false;
+#endif
+
+// Whether a T operand's prefill products run on the AMX tiles in bfloat16
+// high and low parts (split_row, attention_amx.h) in this variant: float16.
+template <typename T>
+constexpr bool kSplitProducts =
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    std::is_same_v<T, c10::Half>;
 #else
     false;
 #endif

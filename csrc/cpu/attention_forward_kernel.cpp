@@ -95,17 +95,12 @@ struct ForwardScratch {
   }
 };
 
-// One (batch, kv head) pair's operands packed once a call
-// (ForwardPlan::pair_words words, pack_once): V's pair words across keys,
-// values_pair_words of them; for float16 V's high then low parts, followed
-// by K's high and low parts along the head dim, key_part_words each.
+// The pair words of one (batch, kv head) pair's V across keys packed once a
+// call (pack_values), a block_k of keys at a time; float16's high parts,
+// then its low parts, this many each.
 template <typename acc_t>
 int64_t values_pair_words(const Tiling<acc_t>& t) {
   return round_up(t.sk, t.block_k) / 2 * t.d_pad;
-}
-template <typename acc_t>
-int64_t key_part_words(const Tiling<acc_t>& t) {
-  return round_up(t.sk, t.block_k) * t.d / 2;
 }
 
 // How a call is cut into tasks: a function of the shape and thread count.
@@ -114,15 +109,16 @@ struct ForwardPlan {
   Tiling<acc_t> t;
   int64_t pairs, n_rows, splits = 1, n_tasks, slots;
   // On the AMX tiles with several query tiles: each (batch, kv head) pair's V
-  // across keys (P V's right operand; with float16, K too) packed once a
-  // call, pair_words words a pair (values_pair_words), not once per query
-  // and key tile; 0: packed per tile. Measured on a Xeon (family 6 model
-  // 207), B1, 32/8, D128, causal, bfloat16: 1.05-1.12x as fast as packing
-  // per tile in four of five interleaved runs at S = 2048-8192 (0.98x in the
-  // fifth).
-  int64_t pair_words = 0;
+  // across keys (P V's right operand) packed once a call, v_pair_words words
+  // a pair, not once per query and key tile; 0: packed per tile. Measured on
+  // a Xeon (family 6 model 207), B1, 32/8, D128, causal, bfloat16:
+  // 1.05-1.12x as fast as packing per tile in four of five interleaved runs
+  // at S = 2048-8192 (0.98x in the fifth). (float16's K split once a call
+  // as well measured 1.01-1.05x, for K's size twice over in memory: not
+  // kept.)
+  int64_t v_pair_words = 0;
 
-  // split: float16 on the AMX tiles (kSplitProducts)
+  // split: float16 on the AMX tiles (kSplitProducts), V in two parts
   ForwardPlan(const AttentionForwardArgs& a, int64_t decoding_keys, int64_t prefill_keys, bool split) : t(a) {
     if (t.rows <= kNarrowRows) {
       t.set_keys_per_tile(std::min(t.block_k, decoding_keys));
@@ -143,8 +139,8 @@ struct ForwardPlan {
     n_tasks = base_tasks * splits;
     slots = work_slots(n_tasks, work);
     if (prefill_keys > 0 && t.rows > kNarrowRows && t.q_tiles > 1) {
-      const int64_t words = split ? 2 * values_pair_words(t) + 2 * key_part_words(t) : values_pair_words(t);
-      if (pairs * words * int64_t(sizeof(uint32_t)) <= kMaxPartialBytes) pair_words = words;
+      const int64_t words = (split ? 2 : 1) * values_pair_words(t);
+      if (pairs * words * int64_t(sizeof(uint32_t)) <= kMaxPartialBytes) v_pair_words = words;
     }
   }
 };
@@ -157,7 +153,7 @@ struct ForwardWorkspace {
   int64_t scratch_stride, rows_stride;  // bytes, elements
   char* scratch;
   acc_t *rows, *partial_o, *partial_lse;
-  uint32_t* once;  // ForwardPlan::pair_words a pair, or null
+  uint32_t* v_words;  // ForwardPlan::v_pair_words a pair, or null
 
   ForwardWorkspace(const ForwardPlan<acc_t>& p, Arena& zeroed, Arena& plain)
       : scratch_stride(ForwardScratch<acc_t>::bytes(p.t)),
@@ -166,7 +162,7 @@ struct ForwardWorkspace {
         rows(plain.take<acc_t>(p.slots * rows_stride)),
         partial_o(p.splits > 1 ? plain.take<acc_t>(p.splits * p.n_rows * p.t.d_pad) : nullptr),
         partial_lse(p.splits > 1 ? plain.take<acc_t>(p.splits * p.n_rows) : nullptr),
-        once(p.pair_words > 0 ? plain.take<uint32_t>(p.pairs * p.pair_words) : nullptr) {}
+        v_words(p.v_pair_words > 0 ? plain.take<uint32_t>(p.pairs * p.v_pair_words) : nullptr) {}
 
   ForwardScratch<acc_t> slot(const Tiling<acc_t>& t, int64_t i) const {
     Arena m(scratch + i * scratch_stride);
@@ -394,8 +390,8 @@ struct ForwardTask {
   using acc_t = typename VecIO<T>::acc_t;
   static constexpr bool kPairs = kPairProducts<T>;
   // float16 prefill tiles' products on the AMX tiles as bfloat16 high and
-  // low parts (split_row): Q's parts staged once a task, K's and V's split
-  // once a call (or per tile), P's packed from the tile.
+  // low parts (split_row): Q's parts staged once a task, K's split per tile,
+  // V's once a call (or per tile), P's packed from the tile.
   static constexpr bool kSplit = kSplitProducts<T>;
   // float32 products of a decoding tile (float32, or 16-bit without
   // vdpbf16ps): the scores along the keys too (FloatKeyLanes), against the
@@ -433,13 +429,13 @@ struct ForwardTask {
   const int64_t sr_ld;  // of the rows x keys scores of a decoding tile in w.sr
   bool int_k = false, int_v = false;  // decoding over int8 codes on int16 pairs
   bool amx = false;  // a prefill tile's products on the AMX tiles (the AMX variant)
-  const uint32_t* once;  // the pair's operands packed once a call (values_pair_words), or null
+  const uint32_t* v_words;  // the pair's V across keys, packed once a call (or null)
   bool scale_in_softmax = false;  // S^T left unscaled, softmax_tile<kScaled> applies the scale
   bool packed_in_softmax = false;  // P's pair words written by softmax_rows_amx, not s
 
   ForwardTask(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w, int64_t b,
-              int64_t g, int64_t p0, int64_t npos, const uint32_t* once)
-      : a(a), t(t), w(w), b(b), g(g), p0(p0), npos(npos), once(once),
+              int64_t g, int64_t p0, int64_t npos, const uint32_t* v_words)
+      : a(a), t(t), w(w), b(b), g(g), p0(p0), npos(npos), v_words(v_words),
         q(static_cast<const T*>(a.q.data) + b * a.q.batch_stride + a.seqs.q_start(b) * a.q.seq_stride),
         k(a.k, a.k_scale, a.pages, b, g, a.seqs.k_start(b)),
         v(a.v, a.v_scale, a.pages, b, g, a.seqs.k_start(b)),
@@ -611,21 +607,15 @@ struct ForwardTask {
   // S^T = K Q^T of float16 operands, each product as three of their parts'.
   void split_scores(int64_t j0, int64_t nk) {
     const int64_t n16 = round_up(nk, 16), dp = d / 2;
-    const uint32_t *kh, *kl;
-    if (once != nullptr) {  // K split once a call; rows past the keys are stale, as below
-      kh = once + 2 * values_pair_words(t) + j0 * dp;
-      kl = kh + key_part_words(t);
-    } else {
-      auto* hi = reinterpret_cast<c10::BFloat16*>(w.kbuf);
-      c10::BFloat16* lo = hi + n16 * d;
-      k.with_rows(j0, nk, [&](const auto& row) {
-        if constexpr (std::is_same_v<decltype(row(0)), const T*>) {
-          for (int64_t i = 0; i < nk; ++i) split_row(row(i), d, hi + i * d, lo + i * d);
-        }
-      });
-      kh = reinterpret_cast<const uint32_t*>(hi);
-      kl = reinterpret_cast<const uint32_t*>(lo);
-    }
+    auto* hi = reinterpret_cast<c10::BFloat16*>(w.kbuf);
+    c10::BFloat16* lo = hi + n16 * d;
+    k.with_rows(j0, nk, [&](const auto& row) {
+      if constexpr (std::is_same_v<decltype(row(0)), const T*>) {
+        for (int64_t i = 0; i < nk; ++i) split_row(row(i), d, hi + i * d, lo + i * d);
+      }
+    });
+    const auto* kh = reinterpret_cast<const uint32_t*>(hi);
+    const auto* kl = reinterpret_cast<const uint32_t*>(lo);
     const uint32_t* qh = q_words();
     const uint32_t* ql = qh + dp * ld;
     // rows [nk, n16) of S^T come from stale rows of kbuf, never read as scores
@@ -638,8 +628,8 @@ struct ForwardTask {
   void split_values(int64_t j0, int64_t nk) {
     const int64_t np = (nk + 1) / 2, np16 = round_up(np, 16);
     const uint32_t *vh, *vl;
-    if (once != nullptr && tile_in_sequence_pairs(j0, nk)) {
-      vh = once + j0 / 2 * d_pad;
+    if (v_words != nullptr && tile_in_sequence_pairs(j0, nk)) {
+      vh = v_words + j0 / 2 * d_pad;
       vl = vh + values_pair_words(t);
     } else {
       uint32_t* const h = reinterpret_cast<uint32_t*>(w.vbuf);
@@ -790,7 +780,7 @@ struct ForwardTask {
       uint32_t* const vp = reinterpret_cast<uint32_t*>(w.vbuf);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
       // the call's V across keys where the tile reads them there
-      const bool packed = amx && once != nullptr && tile_in_sequence_pairs(j0, nk);
+      const bool packed = amx && v_words != nullptr && tile_in_sequence_pairs(j0, nk);
 #else
       const bool packed = false;
 #endif
@@ -803,7 +793,7 @@ struct ForwardTask {
         uint32_t* const pr = reinterpret_cast<uint32_t*>(w.kbuf);  // K's pair words are spent
         if (!packed_in_softmax) pack_tile_rows_amx(w.s, ld, nk, pr, np16);
         scale_rows_by(w.o, d_pad, ld, d_pad, w.alpha);
-        gemm_amx<true>(ld, d_pad, np16, pr, np16, packed ? once + j0 / 2 * d_pad : vp, d_pad, w.o, d_pad);
+        gemm_amx<true>(ld, d_pad, np16, pr, np16, packed ? v_words + j0 / 2 * d_pad : vp, d_pad, w.o, d_pad);
         return;
       }
 #endif
@@ -895,25 +885,23 @@ struct ForwardKernel {
 
   static void task(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w,
                    int64_t b, int64_t g, int64_t p0, int64_t npos, int64_t split, int64_t splits,
-                   acc_t* o_out, int64_t o_ld, acc_t* lse_out, const uint32_t* once) {
-    ForwardTask<T> task(a, t, w, b, g, p0, npos, once);
+                   acc_t* o_out, int64_t o_ld, acc_t* lse_out, const uint32_t* v_words) {
+    ForwardTask<T> task(a, t, w, b, g, p0, npos, v_words);
     task.run(split, splits);
     task.finish(o_out, o_ld, lse_out);
   }
 
-  // Every pair's operands packed once (values_pair_words): V across keys
-  // (pack_rows_across, a block_k of keys at a time, so that pairs line up as
-  // the tiles' where those start at even keys); float16 V's parts
-  // (pack_split_rows_across) and K's (split_row).
-  static void pack_once(const AttentionForwardArgs& a, const ForwardPlan<acc_t>& p, uint32_t* words) {
+  // Every pair's V across keys (pack_rows_across, a block_k of keys at a
+  // time: pairs line up as the tiles' where those start at even keys);
+  // float16's parts (pack_split_rows_across).
+  static void pack_values(const AttentionForwardArgs& a, const ForwardPlan<acc_t>& p, uint32_t* words) {
     if constexpr (kPairProducts<T> || kSplitProducts<T>) {
       const Tiling<acc_t>& t = p.t;
       at::parallel_for(0, p.pairs, 1, [&](int64_t begin, int64_t end) {
         for (int64_t pair = begin; pair < end; ++pair) {
           const int64_t b = pair / t.kv_heads, g = pair % t.kv_heads, n = a.seqs.k_len(b);
-          const KvRows<T> k(a.k, a.k_scale, a.pages, b, g, a.seqs.k_start(b));
           const KvRows<T> v(a.v, a.v_scale, a.pages, b, g, a.seqs.k_start(b));
-          uint32_t* const dst = words + pair * p.pair_words;
+          uint32_t* const dst = words + pair * p.v_pair_words;
           for (int64_t j0 = 0; j0 < n; j0 += t.block_k) {
             const int64_t nk = std::min(t.block_k, n - j0);
             uint32_t* at = dst + j0 / 2 * t.d_pad;
@@ -926,17 +914,6 @@ struct ForwardKernel {
 #endif
               }
             });
-            if constexpr (kSplitProducts<T>) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-              auto* hi = reinterpret_cast<c10::BFloat16*>(dst + 2 * values_pair_words(t)) + j0 * t.d;
-              c10::BFloat16* lo = hi + 2 * key_part_words(t);
-              k.with_rows(j0, nk, [&](const auto& row) {
-                if constexpr (std::is_same_v<decltype(row(0)), const T*>) {
-                  for (int64_t j = 0; j < nk; ++j) split_row(row(j), t.d, hi + j * t.d, lo + j * t.d);
-                }
-              });
-#endif
-            }
           }
         }
       });
@@ -958,7 +935,7 @@ struct ForwardKernel {
     const int64_t pairs = p.pairs, splits = p.splits;
     acc_t* po = ws.partial_o;
     acc_t* pl = ws.partial_lse;
-    if (ws.once != nullptr) pack_once(a, p, ws.once);
+    if (ws.v_words != nullptr) pack_values(a, p, ws.v_words);
 
     run_tasks(p.n_tasks, p.slots, [&](int64_t index, int64_t slot) {
       // Latest query tiles first: under a causal mask they see the most keys.
@@ -975,7 +952,7 @@ struct ForwardKernel {
       acc_t* o_rows = ws.rows + slot * ws.rows_stride;
       acc_t* lse_rows = o_rows + t.rows_pad * t.d_pad;
       task(a, t, w, b, g, p0, npos, split, splits, o_rows, t.d_pad, lse_rows,
-           ws.once != nullptr ? ws.once + pair * p.pair_words : nullptr);
+           ws.v_words != nullptr ? ws.v_words + pair * p.v_pair_words : nullptr);
       // Scatter the (position, head) rows to [B, Hq, Sq, ...].
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t row = t.row_of(b, g, p0, i);

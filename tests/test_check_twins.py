@@ -712,6 +712,8 @@ UNREACHABLE = {
     ("_plain.py", "quantize_kv", "is on"): DEVICE,
     ("_limits.py", "check_rotary_dim", "rotary_dim must be an int"):
         "the op's schema takes an int: a float is refused by the dispatcher (RuntimeError) before any check",
+    ("_limits.py", "check_positive_int", "must be a positive int"):
+        "the modules' and caches' constructors' check, no op's: their own tests reach it",
 }
 
 

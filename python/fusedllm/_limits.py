@@ -15,6 +15,13 @@ MAX_HEAD_DIM = 256  # the attention kernels' largest head dim
 KV_CODES = (torch.int8, torch.float8_e4m3fn)  # what a quantized KV cache stores (kv_code)
 
 
+def check_positive_int(owner: str, name: str, value) -> int:
+    """value, an int (not a bool) of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+    return value
+
+
 def check_rotary_dim(op: str, rotary_dim, head_dim: int) -> int:
     """None means the whole head, else a positive even int at most head_dim."""
     if rotary_dim is None:

@@ -40,6 +40,7 @@ import functools
 import torch
 
 from . import functional as FF
+from ._limits import check_positive_int
 
 try:
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
@@ -449,8 +450,7 @@ class FusedCache(DynamicCache):
 
     def __init__(self, config=None, capacity: int = 256, dtype: torch.dtype | None = None,
                  window: int | None = None, sink: int = 0):
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"{OWNER}: capacity must be a positive int, got {capacity!r}")
+        check_positive_int(OWNER, "capacity", capacity)
         if dtype not in (None, torch.int8, torch.float8_e4m3fn):
             raise ValueError(f"{OWNER}: dtype must be None (keys and values as the model makes them), "
                              f"torch.int8 or torch.float8_e4m3fn, got {dtype!r}")

@@ -6,16 +6,11 @@ from __future__ import annotations
 import torch
 
 from . import functional as FF
+from ._limits import check_positive_int
 
 _OWNER = "fusedllm.nn.PagedKVCache"
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _CODES = (torch.int8, torch.float8_e4m3fn)  # quantized storage
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{_OWNER}: {name} must be a positive int, got {value!r}")
-    return value
 
 
 class PagedKVCache:
@@ -55,11 +50,11 @@ class PagedKVCache:
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device=None, num_layers: int = 1):
-        self.num_pages = _positive_int("num_pages", num_pages)
-        self.page_size = _positive_int("page_size", page_size)
-        self.kv_heads = _positive_int("kv_heads", kv_heads)
-        self.head_dim = _positive_int("head_dim", head_dim)
-        self.num_layers = _positive_int("num_layers", num_layers)
+        self.num_pages = check_positive_int(_OWNER, "num_pages", num_pages)
+        self.page_size = check_positive_int(_OWNER, "page_size", page_size)
+        self.kv_heads = check_positive_int(_OWNER, "kv_heads", kv_heads)
+        self.head_dim = check_positive_int(_OWNER, "head_dim", head_dim)
+        self.num_layers = check_positive_int(_OWNER, "num_layers", num_layers)
         if dtype not in _FLOATS + _CODES:
             raise ValueError(f"{_OWNER}: dtype must be float32, float64, bfloat16, float16, int8 or "
                              f"float8_e4m3fn, got {dtype!r}")

@@ -13,6 +13,8 @@ from numbers import Real
 
 import torch
 
+from ._limits import check_positive_int
+
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -118,8 +120,7 @@ def rope_tables(dim: int, max_positions: int, base: float = 10000.0, scaling: di
     by the scaling's attention factor (as transformers does)."""
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
         raise ValueError(f"fusedllm.rope_tables: dim must be a positive even int, got {dim!r}")
-    if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
-        raise ValueError(f"fusedllm.rope_tables: max_positions must be a positive int, got {max_positions!r}")
+    check_positive_int("fusedllm.rope_tables", "max_positions", max_positions)
     if isinstance(base, bool) or not isinstance(base, Real) or not base > 1:
         raise ValueError(f"fusedllm.rope_tables: base must be a number > 1, got {base!r}")
     inv_freq, attention_scaling = inverse_frequencies(dim, max_positions, float(base), scaling)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .._limits import check_positive_int
 from .kv_cache import KVCache
 
 # Hugging Face `hidden_act` names and the gated activation they mean.
@@ -17,17 +18,11 @@ _HF_ACTIVATIONS = {
 }
 
 
-def _positive_int(owner: str, name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
-    return value
-
-
 def _head_layout(owner: str, d_model, n_heads, n_kv_heads, head_dim) -> tuple[int, int]:
     """Checked ``(n_kv_heads, head_dim)``; by default ``n_heads`` and ``d_model // n_heads``."""
-    _positive_int(owner, "d_model", d_model)
-    _positive_int(owner, "n_heads", n_heads)
-    n_kv_heads = n_heads if n_kv_heads is None else _positive_int(owner, "n_kv_heads", n_kv_heads)
+    check_positive_int(owner, "d_model", d_model)
+    check_positive_int(owner, "n_heads", n_heads)
+    n_kv_heads = n_heads if n_kv_heads is None else check_positive_int(owner, "n_kv_heads", n_kv_heads)
     if n_heads % n_kv_heads:
         raise ValueError(f"{owner}: n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
     if head_dim is None:
@@ -35,7 +30,7 @@ def _head_layout(owner: str, d_model, n_heads, n_kv_heads, head_dim) -> tuple[in
             raise ValueError(f"{owner}: d_model ({d_model}) must be divisible by n_heads ({n_heads}), "
                              f"or pass head_dim")
         head_dim = d_model // n_heads
-    _positive_int(owner, "head_dim", head_dim)
+    check_positive_int(owner, "head_dim", head_dim)
     return n_kv_heads, head_dim
 
 
@@ -44,7 +39,7 @@ def _attention_options(owner: str, dropout, window) -> float:
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
         raise ValueError(f"{owner}: dropout must be a number in [0, 1), got {dropout!r}")
     if window is not None:
-        _positive_int(owner, "window", window)
+        check_positive_int(owner, "window", window)
     return float(dropout)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import functional as FF
+from .._limits import check_positive_int
 
 
 class KVCache:
@@ -58,8 +59,7 @@ class KVCache:
     def __init__(self, capacity: int = 256, window: int | None = None, sink: int = 0,
                  dtype: torch.dtype | None = None):
         owner = "fusedllm.nn.KVCache"
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"{owner}: capacity must be a positive int, got {capacity!r}")
+        check_positive_int(owner, "capacity", capacity)
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"{owner}: window must be None or a positive int, got {window!r}")
         if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:

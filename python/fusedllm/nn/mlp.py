@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import functional as FF
-from .._limits import ACTIVATIONS
+from .._limits import ACTIVATIONS, check_positive_int
 from ._common import _HF_ACTIVATIONS
 
 
@@ -28,8 +28,7 @@ class GatedMLP(nn.Module):
                  activation: str = "silu", device=None, dtype=None):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"fusedllm.nn.{type(self).__name__}: {name} must be a positive int, got {value!r}")
+            check_positive_int(f"fusedllm.nn.{type(self).__name__}", name, value)
         if activation not in ACTIVATIONS:
             raise ValueError(
                 f"fusedllm.nn.{type(self).__name__}: activation must be one of {ACTIVATIONS}, got {activation!r}")

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import functional as FF
-from .._limits import ACTIVATIONS
-from ._common import _HF_ACTIVATIONS, _positive_int
+from .._limits import ACTIVATIONS, check_positive_int
+from ._common import _HF_ACTIVATIONS
 from .mlp import GatedMLP
 
 _MOE_SCORINGS = ("softmax", "sigmoid")
@@ -98,10 +98,10 @@ class MoE(nn.Module):
                  shared_gate: bool = False, shared_name: str = "shared_expert", device=None, dtype=None):
         super().__init__()
         owner = "fusedllm.nn.MoE"
-        _positive_int(owner, "hidden_size", hidden_size)
-        _positive_int(owner, "intermediate_size", intermediate_size)
-        _positive_int(owner, "num_experts", num_experts)
-        _positive_int(owner, "top_k", top_k)
+        check_positive_int(owner, "hidden_size", hidden_size)
+        check_positive_int(owner, "intermediate_size", intermediate_size)
+        check_positive_int(owner, "num_experts", num_experts)
+        check_positive_int(owner, "top_k", top_k)
         if top_k > num_experts:
             raise ValueError(f"{owner}: top_k ({top_k}) must be at most num_experts ({num_experts})")
         if activation not in ACTIVATIONS:
@@ -112,10 +112,10 @@ class MoE(nn.Module):
                             ("shared_gate", shared_gate)):
             if not isinstance(value, bool):
                 raise ValueError(f"{owner}: {name} must be True or False, got {value!r}")
-        _positive_int(owner, "num_groups", num_groups)
+        check_positive_int(owner, "num_groups", num_groups)
         if num_experts % num_groups:
             raise ValueError(f"{owner}: num_groups ({num_groups}) must divide num_experts ({num_experts})")
-        top_groups = num_groups if top_groups is None else _positive_int(owner, "top_groups", top_groups)
+        top_groups = num_groups if top_groups is None else check_positive_int(owner, "top_groups", top_groups)
         if top_groups > num_groups:
             raise ValueError(f"{owner}: top_groups ({top_groups}) must be at most num_groups ({num_groups})")
         if top_k > top_groups * (num_experts // num_groups):
@@ -124,7 +124,7 @@ class MoE(nn.Module):
         if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
             raise ValueError(f"{owner}: scaling must be a finite number, got {scaling!r}")
         if shared_intermediate_size is not None:
-            _positive_int(owner, "shared_intermediate_size", shared_intermediate_size)
+            check_positive_int(owner, "shared_intermediate_size", shared_intermediate_size)
         elif shared_gate:
             raise ValueError(f"{owner}: shared_gate=True needs a shared expert (shared_intermediate_size)")
         if not isinstance(shared_name, str) or not shared_name.isidentifier() or \

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .. import functional as FF
-from .._limits import CASTINGS
+from .._limits import CASTINGS, check_positive_int
 
 
 class RMSNorm(nn.Module):
@@ -24,8 +24,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0, casting: str = "llama",
                  elementwise_affine: bool = True, device=None, dtype=None):
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"fusedllm.nn.RMSNorm: dim must be a positive int, got {dim!r}")
+        check_positive_int("fusedllm.nn.RMSNorm", "dim", dim)
         if casting not in CASTINGS:
             raise ValueError(f"fusedllm.nn.RMSNorm: casting must be one of {CASTINGS}, got {casting!r}")
         if offset != 0.0 and not elementwise_affine:

@@ -7,9 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import functional as FF
-from .._limits import ACTIVATIONS, check_rotary_dim
-from ._common import (_attends_in_cache, _attention_options, _attention_repr, _head_layout, _positive_int,
-                      _sequence_input)
+from .._limits import ACTIVATIONS, check_positive_int, check_rotary_dim
+from ._common import _attends_in_cache, _attention_options, _attention_repr, _head_layout, _sequence_input
 from .attention import GQAttention
 from .kv_cache import KVCache
 from .mlp import GatedMLP
@@ -77,7 +76,7 @@ class ParallelBlock(nn.Module):
         n_kv_heads, head_dim = _head_layout(owner, d_model, n_heads, n_kv_heads, head_dim)
         if intermediate_size is None:
             raise ValueError(f"{owner}: intermediate_size must be given (the gated hidden width)")
-        _positive_int(owner, "intermediate_size", intermediate_size)
+        check_positive_int(owner, "intermediate_size", intermediate_size)
         if norm not in _PARALLEL_NORMS:
             raise ValueError(f"{owner}: norm must be one of {_PARALLEL_NORMS}, got {norm!r}")
         if activation not in ACTIVATIONS:

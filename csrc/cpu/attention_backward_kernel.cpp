@@ -22,13 +22,13 @@ namespace flash {
 namespace {
 
 // Per-slot scratch of the backward pass; key_words: room for a sequence's K
-// across keys (BackwardPlan::key_words). parts: a float16 query tile's rows
-// split into bfloat16 parts (stage_split_rows).
+// across keys (BackwardPlan::key_words). split (float16 on the AMX tiles):
+// parts, a query tile's rows split into bfloat16 parts (stage_split_rows).
 template <typename acc_t>
 struct BackwardScratch {
   acc_t *qt, *dot, *ot, *qs, *dor, *orows, *q_along, *dq, *s, *sr, *dp, *kbuf, *vbuf, *shift, *delta, *z,
       *cap_slope, *cols, *edge, *parts, *k_keys;
-  BackwardScratch(const Tiling<acc_t>& t, int64_t key_words, Arena& m)
+  BackwardScratch(const Tiling<acc_t>& t, int64_t key_words, bool split, Arena& m)
       : qt(m.take<acc_t>(t.d * t.rows_pad)),
         dot(m.take<acc_t>(t.d * t.rows_pad)),
         ot(m.take<acc_t>(t.d_pad * t.rows_pad)),
@@ -48,11 +48,11 @@ struct BackwardScratch {
         cap_slope(m.take<acc_t>(t.block_k * t.rows_pad)),
         cols(m.take<acc_t>(2 * t.rows_pad)),
         edge(m.take<acc_t>(16 * t.d_pad)),
-        parts(m.take<acc_t>(t.rows_pad * t.d_pad)),
+        parts(m.take<acc_t>(split ? t.rows_pad * t.d_pad : 0)),
         k_keys(m.take<acc_t>(key_words)) {}
-  static int64_t bytes(const Tiling<acc_t>& t, int64_t key_words) {
+  static int64_t bytes(const Tiling<acc_t>& t, int64_t key_words, bool split) {
     Arena m;
-    static_cast<void>(BackwardScratch(t, key_words, m));
+    static_cast<void>(BackwardScratch(t, key_words, split, m));
     return m.bytes();
   }
 };
@@ -89,6 +89,7 @@ struct BackwardPlan {
   bool in_place;
   // dK accumulates without the scale (the AMX products), applied at its store
   bool dk_unscaled;
+  bool split;  // float16 on the AMX tiles (kSplitProducts)
   // On the AMX tiles, a task packs its sequence's K across keys (dQ's right
   // operand) once, not once per query and key tile, where that takes at most
   // kMaxKeyWordsBytes a slot: words for round_up(sk, 32) keys (float16: for
@@ -98,6 +99,7 @@ struct BackwardPlan {
 
   explicit BackwardPlan(const AttentionBackwardArgs& a) : t(a) {
     dk_unscaled = amx_products<T>(t);
+    split = kSplitProducts<T> && dk_unscaled;
     if (dk_unscaled) t.rows_pad = round_up(t.rows, 32);
     const int64_t words = (kSplitProducts<T> ? 2 : 1) * sequence_key_words(t);
     if (dk_unscaled && t.q_tiles > 1 && words * int64_t(sizeof(uint32_t)) <= kMaxKeyWordsBytes) key_words = words;
@@ -125,6 +127,7 @@ struct BackwardWorkspace {
   using acc_t = typename VecIO<T>::acc_t;
   acc_t *dk, *dv, *dq_partial;
   int64_t key_words, scratch_stride;  // scratch_stride in bytes
+  bool split;
   char* scratch;
 
   BackwardWorkspace(const BackwardPlan<T>& p, Arena& zeroed, Arena& /*plain*/)
@@ -132,12 +135,13 @@ struct BackwardWorkspace {
         dv(p.in_place ? nullptr : zeroed.take<acc_t>(p.kv_rows * p.t.d_pad)),
         dq_partial(p.chunks > 1 ? zeroed.take<acc_t>(p.chunks * p.n_q_rows * p.t.d_pad) : nullptr),
         key_words(p.key_words),
-        scratch_stride(BackwardScratch<acc_t>::bytes(p.t, p.key_words)),
+        scratch_stride(BackwardScratch<acc_t>::bytes(p.t, p.key_words, p.split)),
+        split(p.split),
         scratch(zeroed.take<char>(p.slots * scratch_stride)) {}
 
   BackwardScratch<acc_t> slot(const Tiling<acc_t>& t, int64_t i) const {
     Arena m(scratch + i * scratch_stride);
-    return BackwardScratch<acc_t>(t, key_words, m);
+    return BackwardScratch<acc_t>(t, key_words, split, m);
   }
 };
 

@@ -69,12 +69,12 @@ int64_t prefill_keys_per_tile(const AttentionForwardArgs& a) {
 // V's rows.
 constexpr int kPrefetchParts = 5;
 
-// Per-slot scratch of the forward pass.
+// Per-slot scratch of the forward pass; split: float16 on the AMX tiles.
 template <typename acc_t>
 struct ForwardScratch {
   acc_t *qt, *s, *sr, *o, *kbuf, *vbuf, *row_max, *row_sum, *alpha, *cols, *q_scale, *p_scale;
-  acc_t* p_low;  // the low parts' pair words of P (float16 on the AMX tiles)
-  ForwardScratch(const Tiling<acc_t>& t, Arena& m)
+  acc_t* p_low;  // the low parts' pair words of P (split only)
+  ForwardScratch(const Tiling<acc_t>& t, bool split, Arena& m)
       : qt(m.take<acc_t>(t.d * t.rows_pad)),
         s(m.take<acc_t>(t.block_k * t.rows_pad)),
         sr(m.take<acc_t>(16 * round_up(t.block_k, 16))),
@@ -87,10 +87,10 @@ struct ForwardScratch {
         cols(m.take<acc_t>(2 * t.rows_pad)),
         q_scale(m.take<acc_t>(t.rows_pad)),
         p_scale(m.take<acc_t>(t.rows_pad)),
-        p_low(m.take<acc_t>(t.rows_pad * round_up(ceil_div(t.block_k, 2), 16))) {}
-  static int64_t bytes(const Tiling<acc_t>& t) {
+        p_low(m.take<acc_t>(split ? t.rows_pad * round_up(ceil_div(t.block_k, 2), 16) : 0)) {}
+  static int64_t bytes(const Tiling<acc_t>& t, bool split) {
     Arena m;
-    static_cast<void>(ForwardScratch(t, m));
+    static_cast<void>(ForwardScratch(t, split, m));
     return m.bytes();
   }
 };
@@ -108,6 +108,7 @@ template <typename acc_t>
 struct ForwardPlan {
   Tiling<acc_t> t;
   int64_t pairs, n_rows, splits = 1, n_tasks, slots;
+  bool split;  // float16 on the AMX tiles (kSplitProducts)
   // On the AMX tiles with several query tiles: each (batch, kv head) pair's V
   // across keys (P V's right operand) packed once a call, v_pair_words words
   // a pair, not once per query and key tile; 0: packed per tile. Measured on
@@ -118,8 +119,8 @@ struct ForwardPlan {
   // kept.)
   int64_t v_pair_words = 0;
 
-  // split: float16 on the AMX tiles (kSplitProducts), V in two parts
-  ForwardPlan(const AttentionForwardArgs& a, int64_t decoding_keys, int64_t prefill_keys, bool split) : t(a) {
+  ForwardPlan(const AttentionForwardArgs& a, int64_t decoding_keys, int64_t prefill_keys, bool split)
+      : t(a), split(split) {
     if (t.rows <= kNarrowRows) {
       t.set_keys_per_tile(std::min(t.block_k, decoding_keys));
     } else if (prefill_keys > 0) {
@@ -151,13 +152,15 @@ struct ForwardPlan {
 template <typename acc_t>
 struct ForwardWorkspace {
   int64_t scratch_stride, rows_stride;  // bytes, elements
+  bool split;
   char* scratch;
   acc_t *rows, *partial_o, *partial_lse;
   uint32_t* v_words;  // ForwardPlan::v_pair_words a pair, or null
 
   ForwardWorkspace(const ForwardPlan<acc_t>& p, Arena& zeroed, Arena& plain)
-      : scratch_stride(ForwardScratch<acc_t>::bytes(p.t)),
+      : scratch_stride(ForwardScratch<acc_t>::bytes(p.t, p.split)),
         rows_stride(p.t.rows_pad * p.t.d_pad + p.t.rows_pad),
+        split(p.split),
         scratch(zeroed.take<char>(p.slots * scratch_stride)),
         rows(plain.take<acc_t>(p.slots * rows_stride)),
         partial_o(p.splits > 1 ? plain.take<acc_t>(p.splits * p.n_rows * p.t.d_pad) : nullptr),
@@ -166,7 +169,7 @@ struct ForwardWorkspace {
 
   ForwardScratch<acc_t> slot(const Tiling<acc_t>& t, int64_t i) const {
     Arena m(scratch + i * scratch_stride);
-    return ForwardScratch<acc_t>(t, m);
+    return ForwardScratch<acc_t>(t, split, m);
   }
 };
 

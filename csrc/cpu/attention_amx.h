@@ -2,9 +2,8 @@
 // attention: the forward's prefill tiles' S^T = K Q^T and O += P V, the
 // backward's five products, on tdpbf16ps, over the same pair words the
 // AVX512_BF16 variant's vdpbf16ps kernels read (attention_pair_words.h),
-// float32 accumulators. bfloat16 operands as they are; float16 ones (the
-// forward) as two bfloat16 parts each, three products of parts per product
-// (split_row).
+// float32 accumulators. bfloat16 operands as they are; float16 ones as two
+// bfloat16 parts each, three products of parts per product (split_row).
 //
 // A tile register holds 16 rows of 64 bytes: 16 pair words of A (a row's
 // terms 2p, 2p + 1 in word p), 16 pair words of B per row (row p: column n's
@@ -73,7 +72,7 @@ inline void release_tiles(const TileConfig& before) {
 
 // The operands of a product on the tiles: C (+)= sum over t < kTerms of
 // a[t] b[t], every a[t] (b[t]) in the same layout. More than one term: the
-// float16 products (split_bfloat16).
+// float16 products (split_row).
 template <int kTerms>
 using AmxOperands = std::array<const uint32_t*, kTerms>;
 

@@ -180,21 +180,6 @@ inline void store_pair_rows_amx(Value&& value, int64_t nk, int64_t p0, int64_t c
   for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + (c + i) * ldo + p0, r[i]);
 }
 
-// Float16 on the bfloat16 tiles: x = hi + lo, hi the bfloat16 nearest x, lo
-// the bfloat16 nearest x - hi (0 where x is infinite). For float16 x (11
-// significant bits) both are exact; |lo| <= 2^-8 |x|. A product x y is
-// taken as hi_x hi_y + hi_x lo_y + lo_x hi_y, three exact bfloat16 products
-// summed in float32: the term left out, lo_x lo_y, is at most 2^-16 |x y|
-// (float16's own rounding is 2^-11). A float32 x (the probabilities) keeps
-// 16 significant bits this way, within 2^-16 of x.
-inline __m512 bfloat16_part(__m512 x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
-inline __m512 low_part(__m512 x) {
-  const __mmask16 finite = static_cast<__mmask16>(~_mm512_fpclass_ps_mask(x, 0x18));  // not +-inf
-  return _mm512_maskz_sub_ps(finite, x, bfloat16_part(x));
-}
-
 // A transposed float32 tile s[j * ld + col] (j < nk, ld a multiple of 16)
 // as P's row-major pair words, word (col, p) at out[col * ldo + p] for
 // p < round_up(ceil(nk / 2), 16) <= ldo: the A operand of P V. kLow: the
@@ -229,6 +214,12 @@ inline void split_row(const c10::Half* src, int64_t n, c10::BFloat16* hi, c10::B
   }
 }
 
+// split_row for rows row(0) .. row(count - 1), part rows n terms apart.
+template <typename Row>
+inline void split_rows(const Row& row, int64_t count, int64_t n, c10::BFloat16* hi, c10::BFloat16* lo) {
+  for (int64_t i = 0; i < count; ++i) split_row(row(i), n, hi + i * n, lo + i * n);
+}
+
 // Float16 rows interleaved as pack_rows_across leaves bfloat16 ones, the
 // high parts' words at hi[p * ldp + c], the low parts' at lo[p * ldp + c]
 // (zero for c in [n, ldp) and for the missing row of an odd count; ldp a
@@ -253,24 +244,6 @@ inline void pack_split_rows_across(const Row& row, int64_t rows, int64_t n, uint
       _mm512_storeu_si512(lo + p * ldp + c, words(low_part(x0), low_part(x1)));
     }
   }
-}
-
-// pack_tile_rows_in_place for the parts of a float32 tile s[j * ld + col]
-// (j < nk, ld a multiple of 32): the high parts' words in place, word (j, p)
-// at reinterpret_cast<uint32_t*>(s)[j * ld / 2 + p], the low parts' at
-// low[j * ld / 2 + p]. Returns the high parts' words.
-inline uint32_t* pack_tile_rows_split_in_place(float* s, int64_t ld, int64_t nk, uint32_t* low) {
-  uint16_t* high = reinterpret_cast<uint16_t*>(s);
-  uint16_t* rest = reinterpret_cast<uint16_t*>(low);
-  for (int64_t j = 0; j < nk; ++j) {
-    const float* r = s + j * ld;
-    for (int64_t c = 0; c < ld; c += 32) {  // row j's words lie in float rows <= j, read already
-      const __m512 x0 = _mm512_loadu_ps(r + c), x1 = _mm512_loadu_ps(r + c + 16);
-      _mm512_storeu_si512(rest + j * ld + c, (__m512i)_mm512_cvtne2ps_pbh(low_part(x1), low_part(x0)));
-      _mm512_storeu_si512(high + j * ld + c, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
-    }
-  }
-  return reinterpret_cast<uint32_t*>(s);
 }
 
 // C[round_up(nk, 16) x n] = A B, A's nk rows bfloat16 rows `stride` elements

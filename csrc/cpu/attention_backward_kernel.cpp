@@ -294,8 +294,8 @@ struct BackwardTask {
   c10::BFloat16* hi() const { return reinterpret_cast<c10::BFloat16*>(w.parts); }
   c10::BFloat16* lo(const QueryTile& qt) const { return hi() + qt.ld * d; }
   template <typename Row>
-  void split_rows(const QueryTile& qt, const Row& row) {
-    for (int64_t i = 0; i < qt.rows; ++i) split_row(row(i), d, hi() + i * d, lo(qt) + i * d);
+  void split_tile_rows(const QueryTile& qt, const Row& row) {
+    split_rows(row, qt.rows, d, hi(), lo(qt));
     std::fill(hi() + qt.rows * d, hi() + qt.ld * d, c10::BFloat16(0.0f));
     std::fill(lo(qt) + qt.rows * d, lo(qt) + qt.ld * d, c10::BFloat16(0.0f));
   }
@@ -311,7 +311,7 @@ struct BackwardTask {
     const auto high = [&](int64_t i) -> const c10::BFloat16* { return hi() + i * d; };
     const auto low = [&](int64_t i) -> const c10::BFloat16* { return lo(qt) + i * d; };
     const auto stage = [&](const T* base, int64_t head_stride, int64_t seq_stride, acc_t* transposed, acc_t* across) {
-      split_rows(qt, [&](int64_t i) { return t.row_in(base, head_stride, seq_stride, g, qt.p0, i); });
+      split_tile_rows(qt, [&](int64_t i) { return t.row_in(base, head_stride, seq_stride, g, qt.p0, i); });
       pack_rows_transposed(high, ld, ld, d, words(transposed));
       pack_rows_transposed(low, ld, ld, d, words(transposed) + dp() * ld);
       pack_rows_across(high, ld, d, words(across), d_pad);
@@ -319,7 +319,7 @@ struct BackwardTask {
     };
     stage(q, a.q.head_stride, a.q.seq_stride, w.qt, w.qs);
     stage(go, a.grad_out.head_stride, a.grad_out.seq_stride, w.dot, w.dor);
-    split_rows(qt, [&](int64_t i) { return t.row_in(out, a.out.head_stride, a.out.seq_stride, g, qt.p0, i); });
+    split_tile_rows(qt, [&](int64_t i) { return t.row_in(out, a.out.head_stride, a.out.seq_stride, g, qt.p0, i); });
     const uint32_t* doh = words(w.dot);
     const uint32_t* oh = reinterpret_cast<const uint32_t*>(hi());
     const uint32_t* ol = reinterpret_cast<const uint32_t*>(lo(qt));
@@ -337,7 +337,7 @@ struct BackwardTask {
     const uint32_t* h = reinterpret_cast<const uint32_t*>(high);
     const uint32_t* l = reinterpret_cast<const uint32_t*>(low);
     const auto split = [&](const T* rows, int64_t stride) {
-      for (int64_t j = 0; j < nk; ++j) split_row(rows + j * stride, d, high + j * d, low + j * d);
+      split_rows([&](int64_t j) { return rows + j * stride; }, nk, d, high, low);
     };
     const uint32_t* qh = words(w.qt);
     const uint32_t* doh = words(w.dot);
@@ -367,8 +367,8 @@ struct BackwardTask {
     pack_tile_rows_amx<true>(w.dp, ld, nk, dsk + ld * np16, np16);
     uint32_t* const p_low = words(w.cap_slope);
     uint32_t* const ds_low = p_low + round_up(nk, 16) * rp;
-    const uint32_t* ph = pack_tile_rows_split_in_place(w.s, ld, nk, p_low);
-    const uint32_t* dsh = pack_tile_rows_split_in_place(w.dp, ld, nk, ds_low);
+    const uint32_t* ph = pack_tile_rows_in_place(w.s, ld, nk, p_low);
+    const uint32_t* dsh = pack_tile_rows_in_place(w.dp, ld, nk, ds_low);
     const uint32_t* doh = words(w.dor);
     const uint32_t* qh = words(w.qs);
     accumulate_rows_amx<3>(nk, d_pad, rp, {ph, ph, p_low}, rp, {doh, doh + part, doh}, d_pad, dv_rows, d_pad, w.edge);

@@ -602,7 +602,7 @@ struct ForwardTask {
   void stage_split_queries() {
     auto* hi = reinterpret_cast<c10::BFloat16*>(w.o);
     c10::BFloat16* lo = hi + rows * d;
-    for (int64_t i = 0; i < rows; ++i) split_row(q_row(i), d, hi + i * d, lo + i * d);
+    split_rows([&](int64_t i) { return q_row(i); }, rows, d, hi, lo);
     pack_rows_transposed([&](int64_t i) { return hi + i * d; }, rows, ld, d, q_words());
     pack_rows_transposed([&](int64_t i) { return lo + i * d; }, rows, ld, d, q_words() + d / 2 * ld);
   }
@@ -613,9 +613,7 @@ struct ForwardTask {
     auto* hi = reinterpret_cast<c10::BFloat16*>(w.kbuf);
     c10::BFloat16* lo = hi + n16 * d;
     k.with_rows(j0, nk, [&](const auto& row) {
-      if constexpr (std::is_same_v<decltype(row(0)), const T*>) {
-        for (int64_t i = 0; i < nk; ++i) split_row(row(i), d, hi + i * d, lo + i * d);
-      }
+      if constexpr (std::is_same_v<decltype(row(0)), const T*>) split_rows(row, nk, d, hi, lo);
     });
     const auto* kh = reinterpret_cast<const uint32_t*>(hi);
     const auto* kl = reinterpret_cast<const uint32_t*>(lo);

@@ -365,23 +365,47 @@ inline uint32_t* pack_tile_pairs_int16(const float* s, int64_t ld, int64_t nk, u
   return out;
 }
 
+// Float16 on bfloat16 products (the AMX variant): x = hi + lo, hi the
+// bfloat16 nearest x, lo the bfloat16 nearest x - hi (0 where x is
+// infinite). For float16 x (11 significant bits) both are exact;
+// |lo| <= 2^-8 |x|. A product x y is taken as hi_x hi_y + hi_x lo_y +
+// lo_x hi_y, three exact bfloat16 products summed in float32: the term left
+// out, lo_x lo_y, is at most 2^-16 |x y| (float16's own rounding is 2^-11).
+// A float32 x (the probabilities) keeps 16 significant bits this way, within
+// 2^-16 of x. bfloat16_part(x) is hi as float32, low_part(x) is x - hi.
+inline __m512 bfloat16_part(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+inline __m512 low_part(__m512 x) {
+  const __mmask16 finite = static_cast<__mmask16>(~_mm512_fpclass_ps_mask(x, 0x18));  // not +-inf
+  return _mm512_maskz_sub_ps(finite, x, bfloat16_part(x));
+}
+
 // A float32 tile s[j * ld + col] (j < nk, ld even) rounded to bfloat16 and
 // packed in place as pair words along each row: word (j, p) at
 // reinterpret_cast<uint32_t*>(s)[j * ld / 2 + p]. Row j's bfloat16 bytes lie
-// in float32 rows <= j, already read.
-inline uint32_t* pack_tile_rows_in_place(float* s, int64_t ld, int64_t nk) {
+// in float32 rows <= j, already read. With low (not null), the words of the
+// values' low parts (low_part) at low[j * ld / 2 + p] too.
+inline uint32_t* pack_tile_rows_in_place(float* s, int64_t ld, int64_t nk, uint32_t* low = nullptr) {
   uint16_t* out = reinterpret_cast<uint16_t*>(s);
+  uint16_t* out_low = reinterpret_cast<uint16_t*>(low);
+  const auto store = [&](uint16_t* at, __m512i both, bool whole) {
+    if (whole) {
+      _mm512_storeu_si512(at, both);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), _mm512_castsi512_si256(both));
+    }
+  };
   for (int64_t j = 0; j < nk; ++j) {
     const float* r = s + j * ld;
     for (int64_t c = 0; c < ld; c += 32) {
+      const bool whole = c + 16 < ld;
       const __m512 x0 = _mm512_loadu_ps(r + c);
-      const __m512 x1 = c + 16 < ld ? _mm512_loadu_ps(r + c + 16) : _mm512_setzero_ps();
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
-      if (c + 16 < ld) {
-        _mm512_storeu_si512(out + j * ld + c, both);
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * ld + c), _mm512_castsi512_si256(both));
+      const __m512 x1 = whole ? _mm512_loadu_ps(r + c + 16) : _mm512_setzero_ps();
+      if (low != nullptr) {
+        store(out_low + j * ld + c, (__m512i)_mm512_cvtne2ps_pbh(low_part(x1), low_part(x0)), whole);
       }
+      store(out + j * ld + c, (__m512i)_mm512_cvtne2ps_pbh(x1, x0), whole);
     }
   }
   return reinterpret_cast<uint32_t*>(s);

@@ -32,6 +32,11 @@ auto op(const char* name) {
 at::Tensor value_or_undefined(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
 OptTensor as_optional(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
+// The one refusal of a second derivative, after the operator's name.
+constexpr const char* kNoSecondDerivative =
+    " has no derivative: a second derivative (create_graph=True, double backward) through "
+    "fusedllm's ops is not supported";
+
 // --- rms_norm / fused_add_rms_norm ----------------------------------------------------
 
 using RmsNormBackwardFn = std::tuple<at::Tensor, at::Tensor>(
@@ -281,9 +286,9 @@ struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropy
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // Its gradients were formed in the forward: no backward op to refuse it.
     TORCH_CHECK(!(at::GradMode::is_enabled() && grads[0].requires_grad()),
-                "fusedllm.linear_cross_entropy has no second derivative (create_graph=True, "
-                "double backward)");
+                "fusedllm::linear_cross_entropy", kNoSecondDerivative);
     const auto s = ctx->get_saved_variables();
     variable_list out(12);
     if (ctx->saved_data["early"].toBool()) {
@@ -526,8 +531,7 @@ void refuse_double_backward(const c10::OperatorHandle& handle, c10::DispatchKeyS
   if (at::GradMode::is_enabled()) {
     for (const auto& arg : torch::jit::last(*stack, schema.arguments().size())) {
       TORCH_CHECK(!(arg.isTensor() && arg.toTensor().requires_grad()), schema.name(),
-                  " has no derivative: a second derivative (create_graph=True, double backward) "
-                  "through fusedllm's ops is not supported");
+                  kNoSecondDerivative);
     }
   }
   at::AutoDispatchBelowADInplaceOrView guard;

@@ -22,19 +22,20 @@ import subprocess
 
 from checks import ATEN_CAPABILITY, compiled_cpu_isas, run_python, runnable_cpu_isas, variant_run
 
-# op: (its test file, its CPU kernel tables); the tests run are the file's
-# cases marked cpu_variants (its core correctness tests).
+# op: (its test file, its CPU kernel tables, its entries in tests/op_table.py);
+# the tests run are the file's cases marked cpu_variants (its core correctness
+# tests) and the gradchecks of the entries' samples marked `variants`.
 OPS = {
-    "rms_norm": ("test_rms_norm.py", ("rms_norm_forward", "rms_norm_backward")),
-    "swiglu": ("test_swiglu.py", ("swiglu_forward", "swiglu_backward")),
-    "rope": ("test_rope.py", ("rope",)),
-    "attention": ("test_attention.py", ("attention_forward", "attention_backward")),
-    "attention options": ("test_attention_options.py", ("attention_forward", "attention_backward")),
-    "int8 attention": ("test_kv_quant.py", ("attention_forward",)),
-    "paged attention": ("test_kv_paged.py", ("attention_forward",)),
-    "linear_cross_entropy": ("test_cross_entropy.py", ("cross_entropy_rows",)),
+    "rms_norm": ("test_rms_norm.py", ("rms_norm_forward", "rms_norm_backward"), ("rms_norm", "fused_add_rms_norm")),
+    "swiglu": ("test_swiglu.py", ("swiglu_forward", "swiglu_backward"), ("swiglu",)),
+    "rope": ("test_rope.py", ("rope",), ("apply_rope",)),
+    "attention": ("test_attention.py", ("attention_forward", "attention_backward"), ("attention",)),
+    "attention options": ("test_attention_options.py", ("attention_forward", "attention_backward"), ()),
+    "int8 attention": ("test_kv_quant.py", ("attention_forward",), ()),
+    "paged attention": ("test_kv_paged.py", ("attention_forward",), ()),
+    "linear_cross_entropy": ("test_cross_entropy.py", ("cross_entropy_rows",), ("linear_cross_entropy",)),
     # No kernel table: the variant picks how half-precision products are made (matmul.cpp).
-    "moe experts": ("test_moe.py", ()),
+    "moe experts": ("test_moe.py", (), ()),
 }
 
 # The cpu device only: the emulated CUDA kernels and torch.compile traces do
@@ -44,7 +45,12 @@ MARKS = "cpu_variants and not slow and not simt and not cuda"
 
 def selection_args(op: str):
     """pytest arguments that select `op`'s cases."""
-    return ["-q", "-p", "no:cacheprovider", "-m", MARKS, f"tests/{OPS[op][0]}"]
+    test_file, _, entries = OPS[op]
+    if not entries:
+        return ["-q", "-p", "no:cacheprovider", "-m", MARKS, f"tests/{test_file}"]
+    table = " or ".join(f"op(name={name!r})" for name in entries)
+    return ["-q", "-p", "no:cacheprovider", "-m", f"{MARKS} and (not op or {table})", f"tests/{test_file}",
+            "tests/test_op_table.py"]
 
 
 RUN_TESTS = """

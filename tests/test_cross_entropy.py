@@ -196,32 +196,6 @@ def test_only_the_gradients_asked_for(device):
     assert not loss.requires_grad
 
 
-@pytest.mark.cpu_variants
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("options", [dict(), dict(label_smoothing=0.3, softcap=2.0, z_loss=0.1)],
-                         ids=["plain", "all-options"])
-def test_gradcheck_float64(device, reduction, options, monkeypatch):
-    monkeypatch.setenv("FUSEDLLM_CE_CHUNK_ROWS", "3")
-    h, w, b, t = make_inputs(7, 5, 11, torch.float64, device)
-    inputs = tuple(x.requires_grad_() for x in (h, w, b))
-    assert torch.autograd.gradcheck(
-        lambda h_, w_, b_: fusedllm.linear_cross_entropy(h_, w_, t, bias=b_, reduction=reduction,
-                                                         **options), inputs)
-
-
-@pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck(requires_grad):
-    h, w, b, t = make_inputs(6, 4, 9, torch.float32, "cpu")
-    for x in (h, w, b):
-        x.requires_grad_(requires_grad)
-    for reduction in REDUCTIONS:
-        torch.library.opcheck(ops.linear_cross_entropy.default,
-                              (h, w, b, t, -100, reduction, 0.1, 2.0, 1e-3))
-    torch.library.opcheck(ops.linear_cross_entropy_pass.default,
-                          (h.detach(), w.detach(), None, t, None, -100, 0.0, 0.0, 0.0,
-                           [True, True, False]))
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_weight_gradient_takes_no_float32_sum(dtype, monkeypatch):
     """A bfloat16 / float16 weight's gradient is never summed in a float32
@@ -240,25 +214,6 @@ def test_half_weight_gradient_takes_no_float32_sum(dtype, monkeypatch):
     chunked = peak_memory_bytes(run, "cpu")
     assert chunked - one < float32_sum // 4, (one, float32_sum, chunked)
     check_against_reference(h, w, None, t, dtype)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_compiles_fullgraph_with_ignored_targets(reduction):
-    h, w, b, t = make_inputs(33, 16, 70, torch.float32, "cpu", ignored=0.5)
-
-    def step(h_, w_, t_, bias):
-        return fusedllm.linear_cross_entropy(h_, w_, t_, bias=bias, reduction=reduction,
-                                             label_smoothing=0.1)
-
-    compiled = torch.compile(step, fullgraph=True)
-    loss, grads = loss_and_grads(compiled, h, w, b, t,
-                                 torch.ones(33) if reduction == "none" else None)
-    ref_loss, ref_grads = loss_and_grads(step, h, w, b, t,
-                                         torch.ones(33) if reduction == "none" else None)
-    assert_close(loss, ref_loss, FORWARD_TOL[torch.float32])
-    for g, r in zip(grads, ref_grads):
-        assert_close(g, r, GRAD_TOL[torch.float32])
 
 
 @pytest.mark.slow

@@ -274,25 +274,6 @@ def test_paged_attention_refuses_what_it_cannot_mean(device):
         fusedllm.attention(q, k, v, kv_lens=kv_lens, block_table=table)
 
 
-def test_opcheck(device):
-    q, k, v, table, kv_lens = _paged_args(device)
-    torch.library.opcheck(ops.attention.default, (q, k, v, None, 0.25, True, -1, 0.0, None),
-                          {"kv_lens": kv_lens, "block_table": table})
-
-
-@pytest.mark.slow
-def test_paged_step_compiles(device):
-    q, k, v, table, kv_lens = _paged_args(device)
-
-    def step(q, k, v, table, kv_lens):
-        return fusedllm.attention(q, k, v, causal=True, kv_lens=kv_lens, block_table=table)
-
-    with torch.no_grad():
-        want = step(q, k, v, table, kv_lens)
-        got = torch.compile(step, fullgraph=True)(q, k, v, table, kv_lens)
-    torch.testing.assert_close(got, want)
-
-
 def test_plain_path_matches_the_kernels():
     from fusedllm import _plain
 

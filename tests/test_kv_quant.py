@@ -391,49 +391,6 @@ def test_int8_attention_has_no_backward(device):
         fusedllm.attention(q, k8, v8, k_scale=k_scale, v_scale=v_scale)
 
 
-def test_opcheck(device):
-    x = torch.randn(2, 3, 5, 24, device=device)
-    values = torch.empty(2, 3, 5, 24, dtype=torch.int8, device=device)
-    scales = torch.empty(2, 3, 5, device=device)
-    torch.library.opcheck(ops.quantize_kv.default, (x, values, scales))
-    q, k8, v8, k_scale, v_scale = _int8_args(device)
-    torch.library.opcheck(ops.attention.default, (q, k8, v8, None, 0.25, True, -1, 0.0, None),
-                          {"k_scale": k_scale, "v_scale": v_scale})
-
-
-@pytest.mark.slow
-def test_int8_cache_step_compiles(device):
-    """A decoding step that quantizes into cache slots and attends over the
-    int8 cache, under torch.compile(fullgraph=True): the same as eager."""
-    b, hq, hkv, d, held = 2, 4, 2, 32, 9
-
-    def step(q, k, v, cache_k, k_scale, cache_v, v_scale):
-        fusedllm.quantize_kv(k, cache_k[:, :, held:held + 1], k_scale[:, :, held:held + 1])
-        fusedllm.quantize_kv(v, cache_v[:, :, held:held + 1], v_scale[:, :, held:held + 1])
-        end = held + 1
-        return fusedllm.attention(q, cache_k[:, :, :end], cache_v[:, :, :end], k_scale=k_scale[:, :, :end],
-                                  v_scale=v_scale[:, :, :end])
-
-    def fresh():
-        torch.manual_seed(1)
-        cache = [torch.randint(-127, 128, (b, hkv, 16, d), dtype=torch.int8, device=device),
-                 torch.rand(b, hkv, 16, device=device)]
-        cache_v = [torch.randint(-127, 128, (b, hkv, 16, d), dtype=torch.int8, device=device),
-                   torch.rand(b, hkv, 16, device=device)]
-        q = torch.randn(b, hq, 1, d, device=device)
-        k = torch.randn(b, hkv, 1, d, device=device)
-        v = torch.randn(b, hkv, 1, d, device=device)
-        return q, k, v, cache[0], cache[1], cache_v[0], cache_v[1]
-
-    with torch.no_grad():
-        eager_args, compiled_args = fresh(), fresh()
-        want = step(*eager_args)
-        got = torch.compile(step, fullgraph=True)(*compiled_args)
-    torch.testing.assert_close(got, want)
-    for a, c in zip(eager_args[3:], compiled_args[3:]):
-        torch.testing.assert_close(c, a)
-
-
 # --- nn.KVCache(dtype=torch.int8) --------------------------------------------------------
 
 CACHE_STEPS = {"tokens": [1] * 21, "prefill then tokens": [9] + [1] * 12, "chunks": [3, 7, 1, 4, 1, 5]}

@@ -185,46 +185,6 @@ def test_deterministic(device):
         assert all(torch.equal(a, b) for a, b in zip(first, other))
 
 
-def test_gradcheck_float64(device):
-    x, indices, weights, gate_up, down, _ = make_experts(7, 5, 3, 4, 2, torch.float64, device)
-    for activation in ("silu", "gelu_tanh"):
-        inputs = tuple(t.requires_grad_() for t in (x, weights, gate_up, down))
-        assert torch.autograd.gradcheck(
-            lambda x_, w_, gu_, dn_: fusedllm.moe_experts(x_, indices, w_, gu_, dn_, activation), inputs)
-
-
-@pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck(requires_grad):
-    x, indices, weights, gate_up, down, logits = make_experts(6, 8, 4, 4, 2, torch.float32, "cpu")
-    for t in (x, weights, gate_up, down, logits):
-        t.requires_grad_(requires_grad)
-    for save in (False, True):
-        torch.library.opcheck(ops.moe_experts.default, (x, indices, weights, gate_up, down, "silu", save))
-    args, activation, options = make_gpt_oss(6, 8, 4, 4, 2, torch.float32, "cpu")
-    x, indices, weights, gate_up, down = args
-    b1, b2 = options["gate_up_bias"], options["down_bias"]
-    for t in (x, weights, gate_up, down, b1, b2):
-        t.requires_grad_(requires_grad)
-    for save in (False, True):
-        torch.library.opcheck(ops.moe_experts.default,
-                              (x, indices, weights, gate_up, down, activation, save, b1, b2, True, True,
-                               1.702, options["limit"]))
-    torch.library.opcheck(ops.moe_route.default, (logits, 2, "softmax", True, None, 1, 1, 1.0))
-    torch.library.opcheck(ops.moe_route.default,
-                          (logits, 2, "sigmoid", True, torch.randn(4), 2, 1, 2.5))
-
-
-@pytest.mark.slow
-def test_compiles_fullgraph():
-    x, indices, weights, gate_up, down, logits = make_experts(33, 16, 8, 8, 2, torch.float32, "cpu")
-
-    def layer(x_, logits_, gu_, dn_):
-        w, idx = fusedllm.moe_route(logits_, 2)
-        return fusedllm.moe_experts(x_, idx, w, gu_, dn_)
-
-    assert_compiled_matches_eager(layer, (x, logits, gate_up, down))
-
-
 # --- gpt-oss's experts: biases, transposed weights, interleaved gate/up, clamped activation ----------
 
 def pre_activations(x, indices, gate_up, gate_up_bias=None, transposed=False, interleaved=False):
@@ -465,13 +425,6 @@ def test_route_leading_shape_and_no_tokens(device):
     assert weights.shape == indices.shape == (0, 2)
 
 
-def test_route_gradcheck_float64(device):
-    for routing in ROUTINGS:
-        kw = route_args(routing, 8, device)
-        logits = torch.randn(6, 8, dtype=torch.float64, device=device, requires_grad=True)
-        assert torch.autograd.gradcheck(lambda z: fusedllm.moe_route(z, 3, **kw)[0], (logits,))
-
-
 def test_route_then_experts_end_to_end(device):
     x, _, _, gate_up, down, logits = make_experts(17, 16, 8, 8, 2, torch.float32, device)
     leaves = [t.clone().requires_grad_() for t in (x, logits, gate_up, down)]
@@ -613,13 +566,3 @@ def test_rows_past_int32_indexing():
     assert_close(out[rows], ref, FORWARD_TOL[torch.bfloat16], upcast=True)
 
 
-def test_second_derivatives_are_refused_with_a_clear_error(device):
-    x, indices, weights, gate_up, down, logits = make_experts(4, 8, 3, 2, 1, torch.float32, device)
-    x.requires_grad_()
-    logits.requires_grad_()
-    out = fusedllm.moe_experts(x, indices, weights, gate_up, down)
-    with pytest.raises(RuntimeError, match="has no derivative: a second derivative"):
-        torch.autograd.grad(out.sum(), x, create_graph=True)
-    w, _ = fusedllm.moe_route(logits, 1)
-    with pytest.raises(RuntimeError, match="has no derivative: a second derivative"):
-        torch.autograd.grad(w.sum(), logits, create_graph=True)

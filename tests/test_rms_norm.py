@@ -150,21 +150,6 @@ def test_weight_grad_is_deterministic(device):
         assert torch.equal(gx, results[0][0])
 
 
-@pytest.mark.parametrize("casting,offset,with_weight", VARIANTS)
-def test_gradcheck_float64(device, casting, offset, with_weight):
-    x = torch.randn(3, 5, 11, dtype=torch.float64, device=device, requires_grad=True)
-    w = (torch.randn(11, dtype=torch.float64, device=device).requires_grad_() if with_weight else None)
-    r = torch.randn_like(x, requires_grad=True)
-    inputs = (x,) if w is None else (x, w)
-    assert torch.autograd.gradcheck(
-        lambda *t: fusedllm.rms_norm(t[0], t[1] if len(t) > 1 else None, 1e-6, offset, casting),
-        inputs)
-    assert torch.autograd.gradcheck(
-        lambda x_, r_, *t: fusedllm.fused_add_rms_norm(x_, r_, t[0] if t else None, 1e-6, offset,
-                                                       casting),
-        (x, r) + inputs[1:])
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     lead=st.lists(st.integers(0, 5), min_size=0, max_size=3),

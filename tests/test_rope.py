@@ -121,30 +121,6 @@ def test_strided_views_of_a_fused_qkv_projection(device):
     assert torch.equal(q, qo) and torch.equal(k, ko)
 
 
-@pytest.mark.cpu_variants
-def test_gradcheck_float64(device):
-    q = torch.randn(1, 2, 5, 8, dtype=torch.float64, device=device, requires_grad=True)
-    k = torch.randn(1, 1, 5, 8, dtype=torch.float64, device=device, requires_grad=True)
-    cos, sin = fusedllm.rope_tables(6, 16, device=device)
-    for interleaved in (False, True):
-        assert torch.autograd.gradcheck(
-            lambda a, b: fusedllm.apply_rope(a, b, cos, sin, offset=4, interleaved=interleaved,
-                                             rotary_dim=6), (q, k))
-
-
-@pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck(device, requires_grad):
-    q, k = make_qk(2, 4, 2, 7, 32, torch.float32, device)
-    q.requires_grad_(requires_grad)
-    k.requires_grad_(requires_grad)
-    cos, sin = fusedllm.rope_tables(32, 16, device=device)
-    pos = torch.tensor([[0, 2, 4, 6, 8, 10, 12]] * 2, device=device)
-    torch.library.opcheck(ops.rope.default, (q, k, cos, sin, None, 3, False, -1, False))
-    torch.library.opcheck(ops.rope.default, (q, k, cos[:, :8], sin[:, :8], pos, 0, True, 16, False))
-    torch.library.opcheck(ops.rope.default, (q, k, cos[None, :7], sin[None, :7], None, 0, False, -1, True))
-    torch.library.opcheck(ops.rope_.default, (q.detach().clone(), k.detach().clone(), cos, sin, None, 1, False, -1, False))
-
-
 @settings(max_examples=50, deadline=None)
 @given(
     batch=st.integers(1, 3), hq=st.integers(1, 4), hkv=st.integers(1, 3), seq=st.integers(1, 40),
@@ -471,13 +447,3 @@ def test_in_place_refuses_a_bad_position_before_writing_a_row():
     assert torch.equal(q, q0) and torch.equal(k, k0)
 
 
-def test_second_derivatives_go_through_rope(device):
-    # RoPE's backward is RoPE itself, so second derivatives go through it:
-    # |R q|^2 = |q|^2 has gradient 2 q and second derivative 2.
-    q = torch.randn(1, 2, 5, 8, device=device, requires_grad=True)
-    cos, sin = fusedllm.rope_tables(8, 16, device=device)
-    qo, _ = fusedllm.apply_rope(q, q[:, :1], cos, sin)
-    (grad,) = torch.autograd.grad((qo * qo).sum(), q, create_graph=True)
-    torch.testing.assert_close(grad, 2 * q.detach())
-    grad.sum().backward()
-    torch.testing.assert_close(q.grad, torch.full_like(q, 2.0))

@@ -90,30 +90,6 @@ def test_strided_inputs(device, layout):
     assert_close(up.grad, ref_du, GRAD_TOL[torch.float32])
 
 
-@pytest.mark.cpu_variants
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_gradcheck_float64(device, activation):
-    gate = torch.randn(4, 9, dtype=torch.float64, device=device, requires_grad=True)
-    up = torch.randn(4, 9, dtype=torch.float64, device=device, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda g, u: fusedllm.swiglu(g, u, activation), (gate, up))
-    packed = torch.randn(4, 18, dtype=torch.float64, device=device, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda p: fusedllm.swiglu(p, activation=activation), (packed,))
-
-
-@pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck(device, requires_grad):
-    gate = torch.randn(3, 4, 33, device=device, requires_grad=requires_grad)
-    up = torch.randn(3, 4, 33, device=device, requires_grad=requires_grad)
-    packed = torch.randn(3, 4, 66, device=device, requires_grad=requires_grad)
-    dh = torch.randn(3, 4, 33, device=device)
-    for activation in ACTIVATIONS:
-        torch.library.opcheck(ops.swiglu.default, (gate, up, activation))
-        torch.library.opcheck(ops.swiglu_packed.default, (packed, activation))
-        torch.library.opcheck(ops.swiglu_backward.default,
-                              (dh, gate.detach(), up.detach(), activation))
-        torch.library.opcheck(ops.swiglu_packed_backward.default, (dh, packed.detach(), activation))
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     lead=st.lists(st.integers(0, 4), min_size=0, max_size=3),
@@ -289,8 +265,3 @@ def test_torch_compile_fullgraph_matches_eager(device):
         torch.testing.assert_close(a, b)
 
 
-def test_second_derivatives_are_refused_with_a_clear_error(device):
-    gate_up = torch.randn(3, 16, device=device, requires_grad=True)
-    out = fusedllm.swiglu(gate_up)
-    with pytest.raises(RuntimeError, match="has no derivative: a second derivative"):
-        torch.autograd.grad((out * out).sum(), gate_up, create_graph=True)

@@ -7,7 +7,7 @@ import math
 import torch
 
 from ._limits import (ACTIVATIONS, CASTINGS, FLOAT_DTYPES, GPT_OSS_ALPHA, GPT_OSS_LIMIT, KV_CODES, MAX_HEAD_DIM,
-                      MOE_ACTIVATIONS, MOE_SCORINGS, REDUCTIONS, check_rotary_dim)
+                      MOE_ACTIVATIONS, MOE_SCORINGS, check_reduction, check_rotary_dim)
 
 # --- argument checks: the words of csrc/include/fusedllm/*_op.h, numbers printed as C++ does
 
@@ -338,8 +338,7 @@ def check_attention_call(op, q, k, v, mask, scale, window, dropout_p, seed, wind
 def check_cross_entropy(op, hidden, weight, bias, target, ignore_index, reduction, label_smoothing,
                         softcap, z_loss):
     # the C++ reads reduction before check_cross_entropy (csrc/include/fusedllm/cross_entropy_op.h)
-    if reduction not in REDUCTIONS:
-        _fail(op, f"reduction must be 'mean', 'sum' or 'none', got '{reduction}'")
+    check_reduction(op, reduction)
     _check_float(op, "hidden", hidden)
     if hidden.dim() != 2:
         _fail(op, f"hidden must be [tokens, hidden_size], got shape {list(hidden.shape)}")

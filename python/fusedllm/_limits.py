@@ -22,6 +22,14 @@ def check_positive_int(owner: str, name: str, value) -> int:
     return value
 
 
+def check_reduction(op: str, reduction) -> str:
+    """One of REDUCTIONS (the C++ parse_reduction's words; a non-str value
+    never reaches it: the schema's str refuses it first, less clearly)."""
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    return reduction
+
+
 def check_rotary_dim(op: str, rotary_dim, head_dim: int) -> int:
     """None means the whole head, else a positive even int at most head_dim."""
     if rotary_dim is None:

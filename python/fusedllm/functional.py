@@ -13,7 +13,7 @@ import torch
 
 from . import _autocast, _checks, _plain
 from ._devices import ops_for
-from ._limits import GPT_OSS_ALPHA, GPT_OSS_LIMIT, REDUCTIONS, check_rotary_dim
+from ._limits import GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_reduction, check_rotary_dim
 
 # Each call takes its implementation from ops_for(first tensor): the compiled
 # operators on CPU (and CUDA when built with its kernels), the plain path
@@ -534,8 +534,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
                          f"got {list(target.shape)}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, Integral):
         raise ValueError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{op}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    check_reduction(op, reduction)
     if softcap is None:
         cap = 0.0
     else:

@@ -186,6 +186,46 @@ inline at::Tensor reduce_losses(const at::Tensor& per_token, const at::Tensor& t
 //     chunk) rather than made by vocabulary slabs (a fourth multiply, one
 //     rounding);
 //   rows(const CrossEntropyRows&): the row kernel.
+// The operands of one pass, row-contiguous for the multiplies (a copy only
+// where not already), and what its loops write: per-token losses and lse.
+struct CrossEntropyPass {
+  at::Tensor hidden, weight, target, scale;  // scale: undefined for 1 on every token
+  std::optional<at::Tensor> bias;
+  at::Tensor loss, lse;
+  CrossEntropyArgs args;
+  bool grad = false;
+
+  // The row kernel's arguments for logits z of tokens [r0, r0 + n).
+  CrossEntropyRows rows(const at::Tensor& z, int64_t r0, int64_t n) const {
+    CrossEntropyRows r;
+    r.options = args.options;
+    r.ignore_index = args.ignore_index;
+    r.logits = z;
+    r.target = target.narrow(0, r0, n);
+    r.loss = loss.narrow(0, r0, n);
+    r.lse = lse.narrow(0, r0, n);
+    if (scale.defined()) r.scale = scale.narrow(0, r0, n);
+    r.grad = grad;
+    return r;
+  }
+};
+
+// [rows, columns] row-contiguous view of storage's first elements.
+inline at::Tensor logits_view(const at::Tensor& storage, int64_t rows, int64_t columns) {
+  return storage.narrow(0, 0, rows * columns).view({rows, columns});
+}
+
+// Impl provides:
+//   matmul(out, a, b, bias): out = a @ b (+ bias, a row broadcast over out's
+//     rows), a and b 2-D in the input dtype with one unit stride each, out
+//     row-contiguous in it; float32 accumulation (float64 for float64), one
+//     rounding to out's dtype;
+//   matmul_add(out, a, b): out += a @ b, likewise summed and rounded once;
+//   kHalfWeightSumFromRows: chunk rows from which a half-precision weight's
+//     gradient is summed over the chunks in its own dtype (one rounding per
+//     chunk) rather than made by vocabulary slabs (a fourth multiply, one
+//     rounding);
+//   rows(const CrossEntropyRows&): the row kernel.
 template <typename Impl>
 struct CrossEntropyOps {
   // Per-token losses (accumulation dtype, 0 for ignored tokens) and, as
@@ -213,7 +253,6 @@ struct CrossEntropyOps {
     }
     const auto [want_hidden, want_weight, want_bias_in] = output_mask;
     const bool want_bias = want_bias_in && bias.has_value();
-    const bool grad = want_hidden || want_weight || want_bias;
 
     at::Tensor loss = at::empty({tokens}, acc_opts);
     at::Tensor grad_hidden = want_hidden ? at::empty_like(hidden_in, at::MemoryFormat::Contiguous)
@@ -245,73 +284,83 @@ struct CrossEntropyOps {
       return {loss, grad_hidden, grad_weight, grad_bias};
     }
 
-    // Row-contiguous operands for the multiplies (a copy only when not already).
-    const at::Tensor hidden = hidden_in.stride(1) == 1 ? hidden_in : hidden_in.contiguous();
-    const at::Tensor weight = weight_in.stride(1) == 1 ? weight_in : weight_in.contiguous();
-    const at::Tensor target = target_in.contiguous();
-    const at::Tensor scale =
-        grad_scale.has_value() ? converted(*grad_scale, acc).contiguous() : at::Tensor();
-    at::Tensor lse = at::empty({tokens}, acc_opts);
-
+    CrossEntropyPass p;
+    p.hidden = hidden_in.stride(1) == 1 ? hidden_in : hidden_in.contiguous();
+    p.weight = weight_in.stride(1) == 1 ? weight_in : weight_in.contiguous();
+    p.target = target_in.contiguous();
+    if (grad_scale.has_value()) p.scale = converted(*grad_scale, acc).contiguous();
+    p.bias = bias;
+    p.loss = loss;
+    p.lse = at::empty({tokens}, acc_opts);
+    p.args = args;
+    p.grad = want_hidden || want_weight || want_bias;
     // One buffer for the chunks' logits, then the slabs'; the gradients go in place.
-    const at::Tensor buffer = at::empty({std::max(chunk * vocab, tokens * slab)}, hidden.options());
-    // [rows, columns] row-contiguous views of the buffer's first elements.
-    const auto rows_of = [](const at::Tensor& storage, int64_t rows, int64_t columns) {
-      return storage.narrow(0, 0, rows * columns).view({rows, columns});
-    };
-    const auto logits_of = [&](at::Tensor& z, const at::Tensor& h, int64_t v0, int64_t columns) {
-      std::optional<at::Tensor> b;
-      if (bias.has_value()) b = bias->narrow(0, v0, columns);
-      Impl::matmul(z, h, weight.narrow(0, v0, columns).t(), b);
-    };
-    const auto row_pass = [&](const at::Tensor& z, int64_t r0, int64_t n) {
-      CrossEntropyRows rows;
-      rows.options = args.options;
-      rows.ignore_index = args.ignore_index;
-      rows.logits = z;
-      rows.target = target.narrow(0, r0, n);
-      rows.loss = loss.narrow(0, r0, n);
-      rows.lse = lse.narrow(0, r0, n);
-      if (scale.defined()) rows.scale = scale.narrow(0, r0, n);
-      rows.grad = grad;
-      return rows;
-    };
+    const at::Tensor buffer = at::empty({std::max(chunk * vocab, tokens * slab)}, p.hidden.options());
     at::Tensor grad_bias_acc = want_bias ? at::zeros({vocab}, acc_opts) : at::Tensor();
+    by_chunks(p, buffer, chunk, want_hidden ? grad_hidden : at::Tensor(),
+              want_weight && !by_slabs ? grad_weight : at::Tensor(), grad_bias_acc);
+    if (by_slabs) weight_grad_by_slabs(p, buffer, slab, grad_weight);
+    if (want_bias) grad_bias = converted(grad_bias_acc, dtype);
+    return {loss, grad_hidden, grad_weight, grad_bias};
+  }
 
+  // z = h @ weight[v0 : v0 + columns]^T (+ bias[v0 : v0 + columns]).
+  static void logits(at::Tensor& z, const CrossEntropyPass& p, const at::Tensor& h, int64_t v0,
+                     int64_t columns) {
+    std::optional<at::Tensor> b;
+    if (p.bias.has_value()) b = p.bias->narrow(0, v0, columns);
+    Impl::matmul(z, h, p.weight.narrow(0, v0, columns).t(), b);
+  }
+
+  // Chunks of `chunk` tokens: logits, the row kernel (loss, lse and, with
+  // p.grad, the logits' gradient in place), then the gradients asked for from
+  // it (an undefined tensor: not asked).
+  static void by_chunks(const CrossEntropyPass& p, const at::Tensor& buffer, int64_t chunk,
+                        const at::Tensor& grad_hidden, const at::Tensor& grad_weight,
+                        const at::Tensor& grad_bias_acc) {
+    const int64_t tokens = p.hidden.size(0), vocab = p.weight.size(0);
     for (int64_t r0 = 0; r0 < tokens; r0 += chunk) {
       const int64_t n = std::min(chunk, tokens - r0);
-      const at::Tensor h = hidden.narrow(0, r0, n);
-      at::Tensor z = rows_of(buffer, n, vocab);
-      logits_of(z, h, 0, vocab);
-      Impl::rows(row_pass(z, r0, n));
-      if (!grad) continue;
-
-      if (want_hidden) {
+      const at::Tensor h = p.hidden.narrow(0, r0, n);
+      at::Tensor z = logits_view(buffer, n, vocab);
+      logits(z, p, h, 0, vocab);
+      Impl::rows(p.rows(z, r0, n));
+      if (!p.grad) continue;
+      if (grad_hidden.defined()) {
         at::Tensor dh = grad_hidden.narrow(0, r0, n);
-        Impl::matmul(dh, z, weight, std::nullopt);
+        Impl::matmul(dh, z, p.weight, std::nullopt);
       }
-      if (want_weight && !by_slabs) {
+      if (grad_weight.defined()) {
+        at::Tensor dw = grad_weight;
         if (r0 == 0) {
-          Impl::matmul(grad_weight, z.t(), h, std::nullopt);
+          Impl::matmul(dw, z.t(), h, std::nullopt);
         } else {
-          Impl::matmul_add(grad_weight, z.t(), h);
+          Impl::matmul_add(dw, z.t(), h);
         }
       }
-      if (want_bias) grad_bias_acc.add_(at::sum(z, 0, false, acc));
+      if (grad_bias_acc.defined()) {
+        at::Tensor(grad_bias_acc).add_(at::sum(z, 0, false, grad_bias_acc.scalar_type()));
+      }
     }
-    for (int64_t v0 = 0; by_slabs && v0 < vocab; v0 += slab) {
+  }
+
+  // The weight gradient by vocabulary slabs of `slab` columns, after the
+  // chunks: each slab's logits for every token again, their gradient from the
+  // known lse, one multiply over all tokens.
+  static void weight_grad_by_slabs(const CrossEntropyPass& p, const at::Tensor& buffer, int64_t slab,
+                                   at::Tensor& grad_weight) {
+    const int64_t tokens = p.hidden.size(0), vocab = p.weight.size(0);
+    for (int64_t v0 = 0; v0 < vocab; v0 += slab) {
       const int64_t columns = std::min(slab, vocab - v0);
-      at::Tensor z = rows_of(buffer, tokens, columns);
-      logits_of(z, hidden, v0, columns);
-      CrossEntropyRows rows = row_pass(z, 0, tokens);
+      at::Tensor z = logits_view(buffer, tokens, columns);
+      logits(z, p, p.hidden, v0, columns);
+      CrossEntropyRows rows = p.rows(z, 0, tokens);
       rows.slab = true;
       rows.column0 = v0;
       Impl::rows(rows);
       at::Tensor dw = grad_weight.narrow(0, v0, columns);
-      Impl::matmul(dw, z.t(), hidden, std::nullopt);
+      Impl::matmul(dw, z.t(), p.hidden, std::nullopt);
     }
-    if (want_bias) grad_bias = converted(grad_bias_acc, dtype);
-    return {loss, grad_hidden, grad_weight, grad_bias};
   }
 
   // The reduced loss (or per-token losses) in the accumulation dtype; no gradients.

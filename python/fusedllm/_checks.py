@@ -7,7 +7,8 @@ import math
 import torch
 
 from ._limits import (ACTIVATIONS, CASTINGS, FLOAT_DTYPES, GPT_OSS_ALPHA, GPT_OSS_LIMIT, KV_CODES, MAX_HEAD_DIM,
-                      MOE_ACTIVATIONS, MOE_SCORINGS, check_reduction, check_rotary_dim)
+                      MOE_ACTIVATIONS, MOE_SCORINGS, accumulation_dtype, check_reduction,
+                      check_rotary_dim)
 
 # --- argument checks: the words of csrc/include/fusedllm/*_op.h, numbers printed as C++ does
 
@@ -373,10 +374,6 @@ def check_cross_entropy(op, hidden, weight, bias, target, ignore_index, reductio
                   f"nor ignore_index ({ignore_index})")
 
 
-def _accumulation(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def check_moe_route(op, router_logits, top_k, scoring, normalize, correction_bias, num_groups,
                     top_groups, scaling):
     _check_float(op, "router_logits", router_logits)
@@ -418,8 +415,8 @@ def check_moe_experts(op, hidden, indices, weights, gate_up_proj, down_proj, act
         _fail(op, f"indices is on {indices.device} but hidden is on {hidden.device}")
     if indices.dim() != 2 or indices.shape[0] != tokens or indices.shape[1] < 1:
         _fail(op, f"indices must be [{tokens}, top_k] (hidden's tokens), got shape {list(indices.shape)}")
-    if weights.dtype not in (hidden.dtype, _accumulation(hidden)):
-        widened = "" if _accumulation(hidden) == hidden.dtype else f" or {_accumulation(hidden)}"
+    if weights.dtype not in (hidden.dtype, accumulation_dtype(hidden)):
+        widened = "" if accumulation_dtype(hidden) == hidden.dtype else f" or {accumulation_dtype(hidden)}"
         _fail(op, f"weights must have hidden's dtype {hidden.dtype}{widened}, got {weights.dtype}")
     if weights.device != hidden.device:
         _fail(op, f"weights is on {weights.device} but hidden is on {hidden.device}")

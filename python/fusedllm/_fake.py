@@ -9,24 +9,20 @@ from __future__ import annotations
 import torch
 
 from ._extension import has_extension
-from ._limits import GPT_OSS_ALPHA, GPT_OSS_LIMIT
-
-
-def rstd_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+from ._limits import GPT_OSS_ALPHA, GPT_OSS_LIMIT, accumulation_dtype
 
 
 def _register_rms_norm(ns: str) -> None:
     @torch.library.register_fake(f"{ns}::rms_norm")
     def _rms_norm_fake(input, weight, eps, offset, casting):
-        return input.new_empty(input.shape), input.new_empty(input.shape[:-1], dtype=rstd_dtype(input))
+        return input.new_empty(input.shape), input.new_empty(input.shape[:-1], dtype=accumulation_dtype(input))
 
     @torch.library.register_fake(f"{ns}::fused_add_rms_norm")
     def _fused_add_rms_norm_fake(input, residual, weight, eps, offset, casting):
         return (
             input.new_empty(input.shape),
             input.new_empty(input.shape),
-            input.new_empty(input.shape[:-1], dtype=rstd_dtype(input)),
+            input.new_empty(input.shape[:-1], dtype=accumulation_dtype(input)),
         )
 
     @torch.library.register_fake(f"{ns}::rms_norm_backward")
@@ -80,7 +76,7 @@ def _register_attention(ns: str) -> None:
                         kv_lens=None, block_table=None):
         packed = cu_seqlens_q is not None
         lse_shape = (q.shape[1], q.shape[0]) if packed else q.shape[:-1]
-        return _attention_rows(q, packed), q.new_empty(lse_shape, dtype=rstd_dtype(q))
+        return _attention_rows(q, packed), q.new_empty(lse_shape, dtype=accumulation_dtype(q))
 
     @torch.library.register_fake(f"{ns}::attention_backward")
     def _attention_backward_fake(grad_out, q, k, v, out, lse, mask, scale, causal, window,
@@ -98,14 +94,14 @@ def _register_cross_entropy(ns: str) -> None:
     def _linear_cross_entropy_fake(hidden, weight, bias, target, ignore_index, reduction,
                                    label_smoothing, softcap, z_loss):
         shape = (hidden.shape[0],) if reduction == "none" else ()
-        return hidden.new_empty(shape, dtype=rstd_dtype(hidden))
+        return hidden.new_empty(shape, dtype=accumulation_dtype(hidden))
 
     @torch.library.register_fake(f"{ns}::linear_cross_entropy_pass")
     def _linear_cross_entropy_pass_fake(hidden, weight, bias, target, grad_scale, ignore_index,
                                         label_smoothing, softcap, z_loss, output_mask):
         want_hidden, want_weight, want_bias = output_mask
         return (
-            hidden.new_empty((hidden.shape[0],), dtype=rstd_dtype(hidden)),
+            hidden.new_empty((hidden.shape[0],), dtype=accumulation_dtype(hidden)),
             hidden.new_empty(hidden.shape if want_hidden else (0,)),
             hidden.new_empty(weight.shape if want_weight else (0,)),
             hidden.new_empty((weight.shape[0],) if want_bias and bias is not None else (0,)),
@@ -117,7 +113,7 @@ def _register_moe(ns: str) -> None:
     def _moe_route_fake(router_logits, top_k, scoring, normalize, correction_bias, num_groups,
                         top_groups, scaling):
         shape = (router_logits.shape[0], top_k)
-        return (router_logits.new_empty(shape, dtype=rstd_dtype(router_logits)),
+        return (router_logits.new_empty(shape, dtype=accumulation_dtype(router_logits)),
                 router_logits.new_empty(shape, dtype=torch.int64))
 
     @torch.library.register_fake(f"{ns}::moe_route_backward")

@@ -15,6 +15,12 @@ MAX_HEAD_DIM = 256  # the attention kernels' largest head dim
 KV_CODES = (torch.int8, torch.float8_e4m3fn)  # what a quantized KV cache stores (kv_code)
 
 
+def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
+    """What the ops compute in and return their statistics in (rstd, lse,
+    losses, router weights): float64 for float64 tensors, float32 for the rest."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def check_positive_int(owner: str, name: str, value) -> int:
     """value, an int (not a bool) of at least 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

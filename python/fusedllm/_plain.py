@@ -12,16 +12,16 @@ import math
 import torch
 
 from ._autocast import plain as _autocast_rule
-from ._checks import (_accumulation, _check_activation, _check_float, _check_rms_norm, _check_rope, _check_same,
+from ._checks import (_check_activation, _check_float, _check_rms_norm, _check_rope, _check_same,
                       _fail, check_attention_call, check_cross_entropy, check_moe_experts, check_moe_route)
-from ._limits import GPT_OSS_ALPHA, GPT_OSS_LIMIT, KV_CODES
+from ._limits import GPT_OSS_ALPHA, GPT_OSS_LIMIT, KV_CODES, accumulation_dtype
 from ._philox import dropout_keep
 
 # --- the ops --------------------------------------------------------------------------
 
 
 def _rms_scale(h: torch.Tensor, weight, eps: float, offset: float, casting: str):
-    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(h)
     hf = h.to(acc)
     rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
     normed = hf * rstd
@@ -55,7 +55,7 @@ def _activation(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def _gated(gate, up, activation):
-    acc = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(gate)
     return (_activation(gate.to(acc), activation) * up.to(acc)).to(gate.dtype)
 
 
@@ -86,7 +86,7 @@ def swiglu_packed(gate_up, activation):
 
 
 def _rotate(x, cos, sin, interleaved, rotary_dim, inverse):
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(x)
     xr = x[..., :rotary_dim].to(acc)
     if interleaved:
         x0, x1 = xr[..., 0::2], xr[..., 1::2]
@@ -132,7 +132,7 @@ def attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed, 
     returns (out, lse, probabilities after dropout). Builds the whole [Sq, Sk]
     score matrix: a reference, not a fast path. Scores are soft-capped, then
     get the ALiBi bias and the masks; sinks join each row's denominator."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(q)
     group = q.shape[1] // k.shape[1] if k.shape[1] else 1
     kf = k.to(acc).repeat_interleave(group, dim=1)
     vf = v.to(acc).repeat_interleave(group, dim=1)
@@ -213,7 +213,7 @@ def _attention(q, k, v, mask, scale, causal, window, dropout_p, seed, alibi_slop
         for b, n in enumerate(kv_lens.tolist()):
             if n == 0:  # no keys: zeros, and the sink's logit (or -inf) as lse
                 ob = q.new_zeros(q[b:b + 1].shape)
-                lb = q.new_full(q.shape[1:-1], float("-inf"), dtype=lse_dtype(q)).unsqueeze(0)
+                lb = q.new_full(q.shape[1:-1], float("-inf"), dtype=accumulation_dtype(q)).unsqueeze(0)
                 if sinks is not None:
                     lb = lb.logaddexp(sinks.to(lb.dtype).view(1, -1, 1))
             else:
@@ -224,7 +224,7 @@ def _attention(q, k, v, mask, scale, causal, window, dropout_p, seed, alibi_slop
             outs.append(ob)
             lses.append(lb)
         if not outs:
-            return q.new_zeros(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q))
+            return q.new_zeros(q.shape), q.new_empty(q.shape[:-1], dtype=accumulation_dtype(q))
         return torch.cat(outs), torch.cat(lses)
     if cu_seqlens_q is None:
         out, lse, _ = attention_with_probs(q, k, v, mask, scale, causal, window, dropout_p, seed,
@@ -233,7 +233,7 @@ def _attention(q, k, v, mask, scale, causal, window, dropout_p, seed, alibi_slop
     total_q, heads = q.shape[0], q.shape[1]
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     if len(cq) == 1:  # no sequence at all
-        return _zeros_of(q, k, v), q.new_empty((heads, 0), dtype=lse_dtype(q))
+        return _zeros_of(q, k, v), q.new_empty((heads, 0), dtype=accumulation_dtype(q))
     outs, lses = [], []
     for b in range(len(cq) - 1):
         qb = q[cq[b]:cq[b + 1]].transpose(0, 1).unsqueeze(0)
@@ -251,7 +251,7 @@ def _attention(q, k, v, mask, scale, causal, window, dropout_p, seed, alibi_slop
         if kb.shape[2] == 0:
             # no keys: zeros, and the sink's logit (or -inf) as lse
             ob = _zeros_of(qb, kb, vb)
-            lb = qb.new_full((1, heads, qb.shape[2]), float("-inf"), dtype=lse_dtype(q))
+            lb = qb.new_full((1, heads, qb.shape[2]), float("-inf"), dtype=accumulation_dtype(q))
             if sinks is not None:
                 lb = lb.logaddexp(sinks.to(lb.dtype).view(1, -1, 1)).detach()
         else:
@@ -306,10 +306,6 @@ def _zeros_of(q, k, v):
     return torch.where(never, q, 0.0) + torch.where(never, k.sum() + v.sum(), 0.0).to(q.dtype)
 
 
-def lse_dtype(q):
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 @_autocast_rule('linear_cross_entropy')
 def linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, label_smoothing,
                          softcap, z_loss):
@@ -317,7 +313,7 @@ def linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, 
     (in float32, float64 for float64 inputs): a reference, not a fast path."""
     check_cross_entropy("fusedllm.linear_cross_entropy", hidden, weight, bias, target, ignore_index,
                         reduction, label_smoothing, softcap, z_loss)
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(hidden)
     z = torch.nn.functional.linear(hidden.to(acc), weight.to(acc), None if bias is None else bias.to(acc))
     if softcap > 0:
         z = softcap * torch.tanh(z / softcap)
@@ -341,7 +337,7 @@ def moe_route(router_logits, top_k, scoring, normalize, correction_bias, num_gro
     logits); ties go to the lower expert index."""
     check_moe_route("fusedllm.moe_route", router_logits, top_k, scoring, normalize, correction_bias,
                     num_groups, top_groups, scaling)
-    acc = _accumulation(router_logits)
+    acc = accumulation_dtype(router_logits)
     z = router_logits.to(acc)
     scores = z.softmax(-1) if scoring == "softmax" else z.sigmoid()
     # A NaN is chosen only when no number is left, as the kernels choose.
@@ -370,7 +366,7 @@ def _stable_topk(x, k):
 
 def _expert_gated(gate_up, activation, interleaved, alpha, limit):
     """The experts' gated activation of gate/up rows, in float32 (float64)."""
-    acc = _accumulation(gate_up)
+    acc = accumulation_dtype(gate_up)
     x = gate_up.to(acc)
     gate, up = (x[:, 0::2], x[:, 1::2]) if interleaved else x.chunk(2, dim=-1)
     if activation == "gpt_oss":
@@ -410,7 +406,7 @@ def moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation, s
     acted = _expert_gated(gate_up, activation, interleaved, alpha, limit)
     expert_out = torch.cat([product(acted[bounds[e]:bounds[e + 1]], down_proj, down_bias, e)
                             for e in range(experts)])
-    acc = _accumulation(hidden)
+    acc = accumulation_dtype(hidden)
     picked = expert_out[position].view(tokens, top_k, hidden.shape[1]).to(acc)
     out = (picked * weights.to(acc).unsqueeze(-1)).sum(1).to(hidden.dtype)
     if not save_for_backward:

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import functional as FF
+from ._limits import accumulation_dtype
 
 NAME = "fusedllm"
 
@@ -159,7 +160,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
                          f"use experts_implementation='eager' (or 'grouped_mm') for this model")
     weight_dtype = self.gate_up_proj.dtype
     x = hidden_states if hidden_states.dtype == weight_dtype else hidden_states.to(weight_dtype)
-    accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
+    accumulate = accumulation_dtype(x)
     weights = top_k_weights
     if weights.dtype not in (x.dtype, accumulate):
         weights = weights.to(x.dtype)

@@ -267,7 +267,7 @@ struct CpuMoe {
     const int64_t* off = offsets.const_data_ptr<int64_t>();
     const int64_t* ord = order.const_data_ptr<int64_t>();
     const int64_t experts = offsets.numel() - 1, cols = hidden.size(1);
-    const at::ScalarType acc_dtype = moe_accumulation(hidden.scalar_type());
+    const at::ScalarType acc_dtype = accumulation_dtype(hidden.scalar_type());
     at::Tensor sum = out.scalar_type() == acc_dtype ? out : at::empty(out.sizes(), out.options().dtype(acc_dtype));
     sum.zero_();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "moe_experts", [&] {

@@ -105,6 +105,131 @@ __device__ __forceinline__ void stage_kv(acc_t* k_s, acc_t* v_s, const KvSource&
   }
 }
 
+// A warp's rows of a forward block (rows row0 + r kFwdWarps + warp, r < RW;
+// those before rows_total exist) and its lane.
+template <typename T, int kDL>
+struct WarpRows {
+  using acc_t = at::opmath_type<T>;
+  using C = Cfg<acc_t, kDL>;
+  static constexpr int RW = C::kFwdRowsPerWarp;
+  const attn::QueryRows& rows;
+  const Mask& mask;
+  int64_t g, b, row0, rows_total;
+  int warp, lane;
+
+  // The running max, sum and output of every row from zero, and the keys
+  // [lo, hi) of the slice [slice_lo, slice_hi) it sees.
+  __device__ __forceinline__ void start(acc_t (&m)[RW], acc_t (&l)[RW], acc_t (&o)[RW][kDL], int64_t (&lo)[RW],
+                                        int64_t (&hi)[RW], int64_t slice_lo, int64_t slice_hi) const {
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+      const int64_t row = row0 + r * C::kFwdWarps + warp;
+      m[r] = -std::numeric_limits<acc_t>::infinity();
+      l[r] = 0;
+#pragma unroll
+      for (int t = 0; t < kDL; ++t) o[r][t] = 0;
+      lo[r] = row < rows_total ? std::max(attn::key_begin(mask, rows.group_pos(row)), slice_lo) : 0;
+      hi[r] = row < rows_total ? std::min(attn::key_end(mask, rows.group_pos(row)), slice_hi) : 0;
+    }
+  }
+
+  // The online softmax over a key tile for the first `busy` rows, from this
+  // lane's dot products with its key `key` (none for lanes past the tile's
+  // keys): the running max m and sum l taken on, this lane's probability in
+  // p (after dropout) and the rescaling of the output in alpha. `key` is
+  // bound by reference: taken by value, its comparisons compiled mirrored
+  // and the kernel's register allocation changed.
+  __device__ __forceinline__ void probabilities(const acc_t (&dots)[RW], const int64_t& key, int busy,
+                                                const int64_t (&lo)[RW], const int64_t (&hi)[RW],
+                                                const ScoreExtras& extras, acc_t (&m)[RW], acc_t (&l)[RW],
+                                                acc_t (&p)[RW], acc_t (&alpha)[RW]) const {
+    using Ops = attn::ScalarOps<acc_t>;
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+      if (r >= busy) break;
+      acc_t s = lane < C::kKeys ? dots[r] : acc_t(0);
+      const bool visible = lane < C::kKeys && key >= lo[r] && key < hi[r];
+      const int64_t row = row0 + r * C::kFwdWarps + warp;
+      const int64_t h = rows.group_head(g, row), pos = rows.group_pos(row);
+      if (visible) {
+        s = extras.masked(extras.modified<acc_t>(s, b, h, pos + mask.offset, key, nullptr), b, h, pos,
+                          key);
+      } else {
+        s = -std::numeric_limits<acc_t>::infinity();
+      }
+      acc_t shift;
+      alpha[r] = attn::online_softmax_step(m[r], warp_reduce_max(s), shift, Ops{});
+      p[r] = visible ? Ops::exp(s - shift) : acc_t(0);
+      // The row sum (and so the lse) is that of the probabilities before dropout.
+      l[r] = l[r] * alpha[r] + warp_reduce_sum(p[r]);
+      if (visible) p[r] *= extras.keep_factor<acc_t>(b, h, pos, key);
+    }
+  }
+
+  // The finished rows: the output normalized (NaN rows where a length or
+  // page could not be read), with the sink, and the lse; with key slices,
+  // this slice's normalized output and lse (the sink joins in the merge).
+  __device__ __forceinline__ void store(const acc_t (&m)[RW], const acc_t (&l)[RW], const acc_t (&o)[RW][kDL],
+                                        bool nan_rows, T* out, acc_t* lse, const KeySlices<acc_t>& slices,
+                                        int64_t slice, const ScoreExtras& extras, int d) const {
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+      const int64_t row = row0 + r * C::kFwdWarps + warp;
+      if (row >= rows_total) continue;
+      const int64_t out_row = rows.row_of_group_row(b, g, row);
+      acc_t lse_r = attn::row_lse(m[r], l[r]);
+      acc_t factor = attn::row_norm(m[r], l[r], lse_r);
+      make_nan_if(nan_rows, factor, lse_r);
+      if (slices.count > 1) {  // this slice's normalized output and lse; the sink joins in the merge
+        acc_t* part = slices.out + (slice * slices.rows + out_row) * d;
+#pragma unroll
+        for (int t = 0; t < kDL; ++t) {
+          const int c = lane + kWarpSize * t;
+          if (c < d) part[c] = o[r][t] * factor;
+        }
+        if (lane == 0) slices.lse[slice * slices.rows + out_row] = lse_r;
+        continue;
+      }
+      // A sink joins the finished row's denominator: it scales the output and the lse includes it.
+      if (extras.mods.sinks != nullptr) {
+        factor *= attn::fold_sink(lse_r, extras.mods.sink<acc_t>(rows.group_head(g, row)));
+      }
+#pragma unroll
+      for (int t = 0; t < kDL; ++t) {
+        const int c = lane + kWarpSize * t;
+        if (c < d) out[out_row * d + c] = static_cast<T>(o[r][t] * factor);
+      }
+      if (lane == 0) lse[out_row] = lse_r;
+    }
+  }
+};
+
+// A key tile's P V for the first `busy` rows of a warp (P: each lane's
+// probability of its key; this lane's output columns lane + 32 t), summed
+// from zero. The caller holds pv and adds it to O: with pv local to this
+// function, the forward compiled to other registers.
+template <typename acc_t, int kDL, int RW, int kKeys, int kLd>
+__device__ __forceinline__ void tile_pv(acc_t (&pv)[RW][kDL], const acc_t (&p)[RW], const acc_t* v_s, int busy,
+                                        int lane) {
+#pragma unroll
+  for (int r = 0; r < RW; ++r) {
+#pragma unroll
+    for (int t = 0; t < kDL; ++t) pv[r][t] = 0;
+  }
+  for (int jj = 0; jj < kKeys; ++jj) {
+    acc_t vj[kDL];
+#pragma unroll
+    for (int t = 0; t < kDL; ++t) vj[t] = v_s[jj * kLd + lane + kWarpSize * t];
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+      if (r >= busy) break;
+      const acc_t pj = warp_broadcast(p[r], jj);
+#pragma unroll
+      for (int t = 0; t < kDL; ++t) pv[r][t] += pj * vj[t];
+    }
+  }
+}
+
 template <typename T, int kDL>
 __global__ void __launch_bounds__(Cfg<at::opmath_type<T>, kDL>::kFwdWarps * kWarpSize,
                                   Cfg<at::opmath_type<T>, kDL>::kFwdBlocks)
@@ -114,7 +239,6 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
                          KeySlices<at::opmath_type<T>> slices) {
   using acc_t = at::opmath_type<T>;
   using C = Cfg<acc_t, kDL>;
-  using Ops = attn::ScalarOps<acc_t>;
   constexpr int RW = C::kFwdRowsPerWarp;
   acc_t* q_s = dynamic_shared<acc_t>();
   acc_t* k_s = q_s + C::kFwdRows * C::kLd;
@@ -147,16 +271,8 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
   const int busy = static_cast<int>(std::clamp<int64_t>((after + C::kFwdWarps - 1) / C::kFwdWarps, 0, RW));
   acc_t m[RW], l[RW], o[RW][kDL];
   int64_t lo[RW], hi[RW];
-#pragma unroll
-  for (int r = 0; r < RW; ++r) {
-    const int64_t row = row0 + r * C::kFwdWarps + warp;
-    m[r] = -std::numeric_limits<acc_t>::infinity();
-    l[r] = 0;
-#pragma unroll
-    for (int t = 0; t < kDL; ++t) o[r][t] = 0;
-    lo[r] = row < rows_total ? std::max(attn::key_begin(mask, rows.group_pos(row)), slice_lo) : 0;
-    hi[r] = row < rows_total ? std::min(attn::key_end(mask, rows.group_pos(row)), slice_hi) : 0;
-  }
+  const WarpRows<T, kDL> warp_rows{rows, mask, g, b, row0, rows_total, warp, lane};
+  warp_rows.start(m, l, o, lo, hi, slice_lo, slice_hi);
   const int64_t last_row = (row0 + C::kFwdRows < rows_total ? row0 + C::kFwdRows : rows_total) - 1;
   const int64_t key_lo = std::max(attn::key_begin(mask, rows.group_pos(row0)), slice_lo);
   const int64_t key_hi = std::min(attn::key_end(mask, rows.group_pos(last_row)), slice_hi);
@@ -174,45 +290,10 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
       smem_dots<acc_t, C::kVec, RW>(q_s + warp * C::kLd, C::kFwdWarps * C::kLd, k_s + lane * C::kLd, d_vec,
                                     busy, dots);
     }
-#pragma unroll
-    for (int r = 0; r < RW; ++r) {
-      if (r >= busy) break;
-      acc_t s = lane < C::kKeys ? dots[r] : acc_t(0);
-      const bool visible = lane < C::kKeys && key >= lo[r] && key < hi[r];
-      const int64_t row = row0 + r * C::kFwdWarps + warp;
-      const int64_t h = rows.group_head(g, row), pos = rows.group_pos(row);
-      if (visible) {
-        s = extras.masked(extras.modified<acc_t>(s, b, h, pos + mask.offset, key, nullptr), b, h, pos,
-                          key);
-      } else {
-        s = -std::numeric_limits<acc_t>::infinity();
-      }
-      acc_t shift;
-      alpha[r] = attn::online_softmax_step(m[r], warp_reduce_max(s), shift, Ops{});
-      p[r] = visible ? Ops::exp(s - shift) : acc_t(0);
-      // The row sum (and so the lse) is that of the probabilities before dropout.
-      l[r] = l[r] * alpha[r] + warp_reduce_sum(p[r]);
-      if (visible) p[r] *= extras.keep_factor<acc_t>(b, h, pos, key);
-    }
+    warp_rows.probabilities(dots, key, busy, lo, hi, extras, m, l, p, alpha);
     // This tile's P V from zero, then O = alpha O + P V (see kSumChunk).
     acc_t pv[RW][kDL];
-#pragma unroll
-    for (int r = 0; r < RW; ++r) {
-#pragma unroll
-      for (int t = 0; t < kDL; ++t) pv[r][t] = 0;
-    }
-    for (int jj = 0; jj < C::kKeys; ++jj) {
-      acc_t vj[kDL];
-#pragma unroll
-      for (int t = 0; t < kDL; ++t) vj[t] = v_s[jj * C::kLd + lane + kWarpSize * t];
-#pragma unroll
-      for (int r = 0; r < RW; ++r) {
-        if (r >= busy) break;
-        const acc_t pj = warp_broadcast(p[r], jj);
-#pragma unroll
-        for (int t = 0; t < kDL; ++t) pv[r][t] += pj * vj[t];
-      }
-    }
+    tile_pv<acc_t, kDL, RW, C::kKeys, C::kLd>(pv, p, v_s, busy, lane);
 #pragma unroll
     for (int r = 0; r < RW; ++r) {
       if (r >= busy) break;
@@ -223,35 +304,7 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
 
   __syncthreads();  // unreadable, as every thread's staging left it
   const bool nan_rows = unreadable != 0;
-#pragma unroll
-  for (int r = 0; r < RW; ++r) {
-    const int64_t row = row0 + r * C::kFwdWarps + warp;
-    if (row >= rows_total) continue;
-    const int64_t out_row = rows.row_of_group_row(b, g, row);
-    acc_t lse_r = attn::row_lse(m[r], l[r]);
-    acc_t factor = attn::row_norm(m[r], l[r], lse_r);
-    make_nan_if(nan_rows, factor, lse_r);
-    if (slices.count > 1) {  // this slice's normalized output and lse; the sink joins in the merge
-      acc_t* part = slices.out + (slice * slices.rows + out_row) * d;
-#pragma unroll
-      for (int t = 0; t < kDL; ++t) {
-        const int c = lane + kWarpSize * t;
-        if (c < d) part[c] = o[r][t] * factor;
-      }
-      if (lane == 0) slices.lse[slice * slices.rows + out_row] = lse_r;
-      continue;
-    }
-    // A sink joins the finished row's denominator: it scales the output and the lse includes it.
-    if (extras.mods.sinks != nullptr) {
-      factor *= attn::fold_sink(lse_r, extras.mods.sink<acc_t>(rows.group_head(g, row)));
-    }
-#pragma unroll
-    for (int t = 0; t < kDL; ++t) {
-      const int c = lane + kWarpSize * t;
-      if (c < d) out[out_row * d + c] = static_cast<T>(o[r][t] * factor);
-    }
-    if (lane == 0) lse[out_row] = lse_r;
-  }
+  warp_rows.store(m, l, o, nan_rows, out, lse, slices, slice, extras, d);
 }
 
 void check_grid(const AttentionShape& s) {

@@ -151,6 +151,216 @@ struct LaneRows {
   }
 };
 
+// A lane's key of a tile: whether it is read, where its V row starts, and the
+// scales of its rows (1 where the cache holds T).
+struct DecodeKey {
+  bool present;
+  int64_t v_off;
+  float k_scale, v_scale;
+};
+
+// The steps of attention_decode_kernel's loop over a warp's tiles, and its
+// merge of the warps' states at the end. The kernel keeps the state arrays
+// and the shared memory; these take them by reference or pointer.
+template <typename T, Stored kS, int kD, int kRows>
+struct DecodeSteps {
+  using C = Decode<T, kS, kD, kRows>;
+  using S = typename C::S;
+  using Ops = attn::ScalarOps<float>;
+  static constexpr float kInf = std::numeric_limits<float>::infinity();
+  static constexpr bool kCodes = kS != Stored::kPlain;
+
+  // The softmax state before the first key: no maximum, nothing summed.
+  static __device__ __forceinline__ void start(float (&m)[kRows], float (&l)[kRows], float (&o)[kRows][C::kCols]) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      m[r] = -kInf;
+      l[r] = 0;
+#pragma unroll
+      for (int c = 0; c < C::kCols; ++c) o[r][c] = 0;
+    }
+  }
+
+  // Key `key`'s place and scales, and its row of K into kw.
+  static __device__ __forceinline__ DecodeKey load_key(const KvSource& k, const KvSource& v, int64_t b,
+                                                      int64_t k_start, int64_t key, int64_t key_hi,
+                                                      const S* k_base, const float* k_scale_base,
+                                                      const float* v_scale_base, int d, int& unreadable,
+                                                      uint32_t (&kw)[C::kKLoads][4]) {
+    // This lane's key: in the block's range, and on a page of the operands.
+    bool present = key < key_hi;
+    KeyPlace place{0, 0};
+    if (present) {
+      place = key_place(k.pages, b, k_start, key);
+      if (k.pages.paged() && (place.page < 0 || place.page >= k.pages.num_pages)) {
+        unreadable = 1;
+        present = false;
+        place = {0, 0};
+      }
+    }
+    const int64_t v_off = present ? place.page * v.st.b + place.row * v.st.s : -1;  // -1: not read
+
+    // Key `key`'s row, every 16-byte load issued before any is used.
+    const S* k_row = k_base + place.page * k.st.b + place.row * k.st.s;
+#pragma unroll
+    for (int i = 0; i < C::kKLoads; ++i) {
+      Pack<uint32_t, 4> x{{0, 0, 0, 0}};
+      if (present && i * C::kPerLoad < d) x = load_pack<uint32_t, 4>(reinterpret_cast<const uint32_t*>(k_row + i * C::kPerLoad));
+#pragma unroll
+      for (int w = 0; w < 4; ++w) kw[i][w] = x.v[w];
+    }
+    float k_scale = 1, v_scale = 1;
+    if constexpr (kCodes) {
+      if (present) {
+        constexpr float kUnit = kS == Stored::kFloat8 ? kFloat8Unit : 1.f;
+        k_scale = k_scale_base[place.page * k.scale_st.b + place.row * k.scale_st.s] * kUnit;
+        v_scale = v_scale_base[place.page * v.scale_st.b + place.row * v.scale_st.s] * kUnit;
+      }
+    }
+    return {present, v_off, k_scale, v_scale};
+  }
+
+  // The V columns of keys [a0, a0 + kAhead) of the tile (v_off: each lane's key's).
+  static __device__ __forceinline__ void load_v(const S* v_base, int64_t v_off, int col0, bool my_cols, int a0,
+                                                uint32_t (&vw)[C::kAhead][C::kVWords]) {
+#pragma unroll
+    for (int a = 0; a < C::kAhead; ++a) {
+      const int64_t off = broadcast64(v_off, a0 + a);
+#pragma unroll
+      for (int w = 0; w < C::kVWords; ++w) vw[a][w] = 0;
+      if (my_cols && off >= 0) load_words<C::kVBytes>(v_base + off + col0, vw[a]);
+    }
+  }
+
+  // The online-softmax step of each row over the tile at j0 (this lane's key
+  // j0 + lane): its state rescaled, and the lane's probability, times its V
+  // scale, into the warp's probabilities p_warp [32 keys][kRows]. It takes j0
+  // and the inner tiles' bounds, not the key and a flag: so nvcc compiles the
+  // tests as it does inline.
+  static __device__ __forceinline__ void add_scores(const float (&dot)[kRows][2], const DecodeKey& lane_key, int64_t j0,
+                                                    int lane, int64_t inner_lo, int64_t inner_hi, int rows_here,
+                                                    const int64_t* row_lo, const int64_t* row_hi,
+                                                    const int64_t* row_head, const int64_t* row_pos,
+                                                    bool extras_on, const ScoreExtras& extras, int64_t b,
+                                                    const Mask& mask, float* p_warp, float (&m)[kRows],
+                                                    float (&l)[kRows], float (&o)[kRows][C::kCols]) {
+    const int64_t key = j0 + lane;
+    const bool inner = j0 >= inner_lo && j0 + kWarpSize <= inner_hi;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (r >= rows_here) break;
+      float s = (dot[r][0] + dot[r][1]) * lane_key.k_scale;
+      const bool visible = lane_key.present && (inner || (key >= row_lo[r] && key < row_hi[r]));
+      if (visible && extras_on) {
+        const int64_t h = row_head[r], pos = row_pos[r];
+        s = extras.masked(extras.modified<float>(s, b, h, pos + mask.offset, key, nullptr), b, h, pos, key);
+      }
+      if (!visible) s = -kInf;
+      float shift;
+      const float alpha = attn::online_softmax_step(m[r], warp_reduce_max(s), shift, Ops{});
+      const float p = visible ? Ops::exp(s - shift) : 0.f;
+      l[r] = l[r] * alpha + p;
+#pragma unroll
+      for (int c = 0; c < C::kCols; ++c) o[r][c] *= alpha;
+      p_warp[lane * kRows + r] = p * lane_key.v_scale;
+    }
+  }
+
+  // P·V: key by key, the probabilities of four rows in one shared read;
+  // the next kAhead V rows load while these are summed.
+  static __device__ __forceinline__ void add_values(const float* p_warp, const S* v_base, int64_t v_off, int col0,
+                                                    bool my_cols, uint32_t (&v_now)[C::kAhead][C::kVWords],
+                                                    float (&o)[kRows][C::kCols]) {
+#pragma unroll
+    for (int a0 = 0; a0 < kWarpSize; a0 += C::kAhead) {
+      uint32_t v_next[C::kAhead][C::kVWords];
+      if (a0 + C::kAhead < kWarpSize) load_v(v_base, v_off, col0, my_cols, a0 + C::kAhead, v_next);
+#pragma unroll
+      for (int a = 0; a < C::kAhead; ++a) {
+        float vv[C::kCols];
+#pragma unroll
+        for (int c = 0; c < C::kCols; ++c) vv[c] = stored_value<T, kS>(v_now[a], c);
+#pragma unroll
+        for (int r4 = 0; r4 < kRows; r4 += 4) {
+          const Pack<float, 4> p4 = load_pack<float, 4>(p_warp + (a0 + a) * kRows + r4);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+#pragma unroll
+            for (int c = 0; c < C::kCols; ++c) o[r4 + i][c] += p4.v[i] * vv[c];
+          }
+        }
+      }
+      if (a0 + C::kAhead < kWarpSize) {
+#pragma unroll
+        for (int a = 0; a < C::kAhead; ++a) {
+#pragma unroll
+          for (int w = 0; w < C::kVWords; ++w) v_now[a][w] = v_next[a][w];
+        }
+      }
+    }
+  }
+
+  // The warps' states into one per row: weights exp(max_w - max), sums and
+  // outputs added in warp order; then each row's output (or this slice's
+  // part of it) and lse. The states go through q_s, free by then.
+  static __device__ __forceinline__ void finish(float* q_s, const int& unreadable, int warp, int lane, int col0,
+                                                int rows_here, const attn::QueryRows& rows, int64_t b, int64_t g,
+                                                int64_t row0, const KeySlices<float>& slices, int64_t slice,
+                                                const ScoreExtras& extras, const int64_t* row_head, T* out,
+                                                float* lse, int d, const float (&m)[kRows], float (&l)[kRows],
+                                                const float (&o)[kRows][C::kCols]) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) l[r] = warp_reduce_sum(l[r]);
+    __syncthreads();
+    const bool nan_rows = unreadable != 0;
+    float* o_s = q_s;                                      // [warps][kRows][kD]
+    float* ml_s = o_s + kDecodeWarps * kRows * kD;         // [warps][kRows][2]
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int c = 0; c < C::kCols; ++c) o_s[(warp * kRows + r) * kD + col0 + c] = o[r][c];
+      if (lane == 0) {
+        ml_s[(warp * kRows + r) * 2] = m[r];
+        ml_s[(warp * kRows + r) * 2 + 1] = l[r];
+      }
+    }
+    __syncthreads();
+    for (int r = warp; r < rows_here; r += kDecodeWarps) {
+      float top = -kInf;
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) top = std::max(top, ml_s[(w * kRows + r) * 2]);
+      const float shift = Ops::finite_or_zero(top);
+      float sum = 0, acc[C::kCols] = {};
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        const float weight = Ops::exp(ml_s[(w * kRows + r) * 2] - shift);
+        sum += weight * ml_s[(w * kRows + r) * 2 + 1];
+#pragma unroll
+        for (int c = 0; c < C::kCols; ++c) acc[c] += weight * o_s[(w * kRows + r) * kD + col0 + c];
+      }
+      const int64_t out_row = rows.row_of_group_row(b, g, row0 + r);
+      float lse_r = attn::row_lse(top, sum);
+      float factor = attn::row_norm(top, sum, lse_r);
+      make_nan_if(nan_rows, factor, lse_r);
+      if (slices.count > 1) {  // this slice's normalized output and lse; the sink joins in the merge
+        float* part = slices.out + (slice * slices.rows + out_row) * d;
+#pragma unroll
+        for (int c = 0; c < C::kCols; ++c) {
+          if (col0 + c < d) part[col0 + c] = acc[c] * factor;
+        }
+        if (lane == 0) slices.lse[slice * slices.rows + out_row] = lse_r;
+        continue;
+      }
+      if (extras.mods.sinks != nullptr) factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(row_head[r]));
+#pragma unroll
+      for (int c = 0; c < C::kCols; ++c) {
+        if (col0 + c < d) out[out_row * d + col0 + c] = static_cast<T>(acc[c] * factor);
+      }
+      if (lane == 0) lse[out_row] = lse_r;
+    }
+  }
+};
+
 // Three blocks a SM where the registers allow it without spilling.
 template <typename T, Stored kS, int kD, int kRows>
 __global__ void __launch_bounds__(kDecodeThreads, kD <= 64 && kRows <= 4 ? 3 : 2)
@@ -159,8 +369,7 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
                         float scale, Mask mask_all, ScoreExtras extras, KeySlices<float> slices) {
   using C = Decode<T, kS, kD, kRows>;
   using S = typename C::S;
-  using Ops = attn::ScalarOps<float>;
-  constexpr float kInf = std::numeric_limits<float>::infinity();
+  using Step = DecodeSteps<T, kS, kD, kRows>;
   constexpr bool kCodes = kS != Stored::kPlain;
   float* q_s = dynamic_shared<float>();
   float* p_s = q_s + kRows * kD;
@@ -214,62 +423,18 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
   // This warp's softmax state per row: running max (the warp's), its lanes'
   // sums of exp(s - max), and the output accumulator of its columns.
   float m[kRows], l[kRows], o[kRows][C::kCols];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    m[r] = -kInf;
-    l[r] = 0;
-#pragma unroll
-    for (int c = 0; c < C::kCols; ++c) o[r][c] = 0;
-  }
+  Step::start(m, l, o);
   float* p_warp = p_s + warp * kWarpSize * kRows;
 
   for (int64_t j0 = key_lo + warp * kWarpSize; j0 < key_hi; j0 += kDecodeWarps * kWarpSize) {
-    const int64_t key = j0 + lane;
-    // This lane's key: in the block's range, and on a page of the operands.
-    bool present = key < key_hi;
-    KeyPlace place{0, 0};
-    if (present) {
-      place = key_place(k.pages, b, k_start, key);
-      if (k.pages.paged() && (place.page < 0 || place.page >= k.pages.num_pages)) {
-        unreadable = 1;
-        present = false;
-        place = {0, 0};
-      }
-    }
-    const int64_t v_off = present ? place.page * v.st.b + place.row * v.st.s : -1;  // -1: not read
-
-    // Key `key`'s row, every 16-byte load issued before any is used.
     uint32_t kw[C::kKLoads][4];
-    const S* k_row = k_base + place.page * k.st.b + place.row * k.st.s;
-#pragma unroll
-    for (int i = 0; i < C::kKLoads; ++i) {
-      Pack<uint32_t, 4> x{{0, 0, 0, 0}};
-      if (present && i * C::kPerLoad < d) x = load_pack<uint32_t, 4>(reinterpret_cast<const uint32_t*>(k_row + i * C::kPerLoad));
-#pragma unroll
-      for (int w = 0; w < 4; ++w) kw[i][w] = x.v[w];
-    }
-    float k_scale = 1, v_scale = 1;
-    if constexpr (kCodes) {
-      if (present) {
-        constexpr float kUnit = kS == Stored::kFloat8 ? kFloat8Unit : 1.f;
-        k_scale = k_scale_base[place.page * k.scale_st.b + place.row * k.scale_st.s] * kUnit;
-        v_scale = v_scale_base[place.page * v.scale_st.b + place.row * v.scale_st.s] * kUnit;
-      }
-    }
-    // The V columns of keys [a0, a0 + kAhead) of the tile.
-    const auto load_v = [&](int a0, uint32_t (&vw)[C::kAhead][C::kVWords]) {
-#pragma unroll
-      for (int a = 0; a < C::kAhead; ++a) {
-        const int64_t off = broadcast64(v_off, a0 + a);
-#pragma unroll
-        for (int w = 0; w < C::kVWords; ++w) vw[a][w] = 0;
-        if (my_cols && off >= 0) load_words<C::kVBytes>(v_base + off + col0, vw[a]);
-      }
-    };
+    const DecodeKey lane_key = Step::load_key(k, v, b, k_start, j0 + lane, key_hi, k_base, k_scale_base,
+                                              v_scale_base, d, unreadable, kw);
     uint32_t v_now[C::kAhead][C::kVWords];
-    load_v(0, v_now);
+    Step::load_v(v_base, lane_key.v_off, col0, my_cols, 0, v_now);
 
-    // Scores: q_r . k over head-dim chunks, two partial sums a row.
+    // Scores: q_r . k over head-dim chunks, two partial sums a row. (Inline:
+    // as a step, the loop compiled to up to 2% more instructions on sm_90.)
     float dot[kRows][2];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) dot[r][0] = dot[r][1] = 0;
@@ -288,110 +453,14 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
         }
       }
     }
-    const bool inner = j0 >= inner_lo && j0 + kWarpSize <= inner_hi;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      if (r >= rows_here) break;
-      float s = (dot[r][0] + dot[r][1]) * k_scale;
-      const bool visible = present && (inner || (key >= row_lo[r] && key < row_hi[r]));
-      if (visible && extras_on) {
-        const int64_t h = row_head[r], pos = row_pos[r];
-        s = extras.masked(extras.modified<float>(s, b, h, pos + mask.offset, key, nullptr), b, h, pos, key);
-      }
-      if (!visible) s = -kInf;
-      float shift;
-      const float alpha = attn::online_softmax_step(m[r], warp_reduce_max(s), shift, Ops{});
-      const float p = visible ? Ops::exp(s - shift) : 0.f;
-      l[r] = l[r] * alpha + p;
-#pragma unroll
-      for (int c = 0; c < C::kCols; ++c) o[r][c] *= alpha;
-      p_warp[lane * kRows + r] = p * v_scale;
-    }
+    Step::add_scores(dot, lane_key, j0, lane, inner_lo, inner_hi, rows_here, row_lo, row_hi, row_head, row_pos,
+                     extras_on, extras, b, mask, p_warp, m, l, o);
     __syncwarp();
-
-    // P·V: key by key, the probabilities of four rows in one shared read;
-    // the next kAhead V rows load while these are summed.
-#pragma unroll
-    for (int a0 = 0; a0 < kWarpSize; a0 += C::kAhead) {
-      uint32_t v_next[C::kAhead][C::kVWords];
-      if (a0 + C::kAhead < kWarpSize) load_v(a0 + C::kAhead, v_next);
-#pragma unroll
-      for (int a = 0; a < C::kAhead; ++a) {
-        float vv[C::kCols];
-#pragma unroll
-        for (int c = 0; c < C::kCols; ++c) vv[c] = stored_value<T, kS>(v_now[a], c);
-#pragma unroll
-        for (int r4 = 0; r4 < kRows; r4 += 4) {
-          const Pack<float, 4> p4 = load_pack<float, 4>(p_warp + (a0 + a) * kRows + r4);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-#pragma unroll
-            for (int c = 0; c < C::kCols; ++c) o[r4 + i][c] += p4.v[i] * vv[c];
-          }
-        }
-      }
-      if (a0 + C::kAhead < kWarpSize) {
-#pragma unroll
-        for (int a = 0; a < C::kAhead; ++a) {
-#pragma unroll
-          for (int w = 0; w < C::kVWords; ++w) v_now[a][w] = v_next[a][w];
-        }
-      }
-    }
+    Step::add_values(p_warp, v_base, lane_key.v_off, col0, my_cols, v_now, o);
     __syncwarp();  // the probabilities are read before the next tile writes them
   }
-
-  // The warps' states into one per row: weights exp(max_w - max), sums and
-  // outputs added in warp order.
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) l[r] = warp_reduce_sum(l[r]);
-  __syncthreads();
-  const bool nan_rows = unreadable != 0;
-  float* o_s = q_s;                                      // [warps][kRows][kD]
-  float* ml_s = o_s + kDecodeWarps * kRows * kD;         // [warps][kRows][2]
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-    for (int c = 0; c < C::kCols; ++c) o_s[(warp * kRows + r) * kD + col0 + c] = o[r][c];
-    if (lane == 0) {
-      ml_s[(warp * kRows + r) * 2] = m[r];
-      ml_s[(warp * kRows + r) * 2 + 1] = l[r];
-    }
-  }
-  __syncthreads();
-  for (int r = warp; r < rows_here; r += kDecodeWarps) {
-    float top = -kInf;
-#pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) top = std::max(top, ml_s[(w * kRows + r) * 2]);
-    const float shift = Ops::finite_or_zero(top);
-    float sum = 0, acc[C::kCols] = {};
-#pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) {
-      const float weight = Ops::exp(ml_s[(w * kRows + r) * 2] - shift);
-      sum += weight * ml_s[(w * kRows + r) * 2 + 1];
-#pragma unroll
-      for (int c = 0; c < C::kCols; ++c) acc[c] += weight * o_s[(w * kRows + r) * kD + col0 + c];
-    }
-    const int64_t out_row = rows.row_of_group_row(b, g, row0 + r);
-    float lse_r = attn::row_lse(top, sum);
-    float factor = attn::row_norm(top, sum, lse_r);
-    make_nan_if(nan_rows, factor, lse_r);
-    if (slices.count > 1) {  // this slice's normalized output and lse; the sink joins in the merge
-      float* part = slices.out + (slice * slices.rows + out_row) * d;
-#pragma unroll
-      for (int c = 0; c < C::kCols; ++c) {
-        if (col0 + c < d) part[col0 + c] = acc[c] * factor;
-      }
-      if (lane == 0) slices.lse[slice * slices.rows + out_row] = lse_r;
-      continue;
-    }
-    if (extras.mods.sinks != nullptr) factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(row_head[r]));
-#pragma unroll
-    for (int c = 0; c < C::kCols; ++c) {
-      if (col0 + c < d) out[out_row * d + col0 + c] = static_cast<T>(acc[c] * factor);
-    }
-    if (lane == 0) lse[out_row] = lse_r;
-  }
+  Step::finish(q_s, unreadable, warp, lane, col0, rows_here, rows, b, g, row0, slices, slice, extras, row_head, out,
+               lse, d, m, l, o);
 }
 
 // The decoding kernel on the tensor cores: a block serves every query row of
@@ -436,6 +505,305 @@ constexpr size_t decode_mma_smem(size_t elem) {
   return loop > merge ? loop : merge;
 }
 
+// Where the keys of a block of attention_decode_mma_kernel lie in the cache,
+// and the staging of their tiles: tile t's cp.async copies into buffer t % 2
+// of the rows of T (k_s, v_s) or of the codes (kc_s, vc_s). k and v are the
+// kernel's parameters, held by reference: not copied.
+template <typename T, Stored kS, int kD>
+struct DecodeMmaTiles {
+  static constexpr int kKeys = kDecodeMmaKeys;
+  static constexpr bool kCodes = kS != Stored::kPlain;
+  using S = std::conditional_t<kCodes, uint8_t, T>;  // what the cache holds
+  const KvSource& k;
+  const KvSource& v;
+  int& unreadable;
+  int64_t g, b, k_start, key_lo, key_hi;
+  int lane, d;
+  bool kv_chunks;
+  T* k_s;
+  T* v_s;
+  uint8_t* kc_s;
+  uint8_t* vc_s;
+
+  // Where key `key` lies in the cache (page -1 past the block's keys or off the operands' pages).
+  __device__ __forceinline__ KeyPlace place_of(const KvSource& src, int64_t key) const {
+    if (key >= key_hi) return {-1, 0};
+    const KeyPlace place = key_place(src.pages, b, k_start, key);
+    if (src.pages.paged() && (place.page < 0 || place.page >= src.pages.num_pages)) {
+      unreadable = 1;
+      return {-1, 0};
+    }
+    return place;
+  }
+  // Key `key`'s row of K or V (nullptr where place_of gives no page).
+  __device__ __forceinline__ const S* key_row(const KvSource& src, int64_t key) const {
+    const KeyPlace place = place_of(src, key);
+    if (place.page < 0) return nullptr;
+    return static_cast<const S*>(src.data) + place.page * src.st.b + g * src.st.h + place.row * src.st.s;
+  }
+  // Codes: this thread's scale of a tile's keys (K: threads < kKeys, else V),
+  // loaded as the tile is staged and stored once this iteration's products are done.
+  __device__ __forceinline__ float scale_of(int64_t tile) const {
+    constexpr float kUnit = kS == Stored::kFloat8 ? kFloat8Unit : 1.f;
+    // (Fields chosen one by one: a reference to k or v would copy both to local memory.)
+    const bool is_v = threadIdx.x >= kKeys;
+    const int64_t key = key_lo + tile * kKeys + threadIdx.x % kKeys;
+    const KeyPlace place = is_v ? place_of(v, key) : place_of(k, key);
+    const float* scales = is_v ? v.scale : k.scale;
+    const Strides st = is_v ? v.scale_st : k.scale_st;
+    return place.page < 0 ? 0.f : scales[place.page * st.b + g * st.h + place.row * st.s] * kUnit;
+  }
+  // The rows of keys [j0, j0 + kKeys) of K or V over this warp's lanes.
+  static_assert(kKeys == 2 * kWarpSize, "LaneRows holds two rows a lane");
+  __device__ __forceinline__ LaneRows<S> lane_rows(const KvSource& src, int64_t j0) const {
+    return LaneRows<S>{key_row(src, j0 + lane), key_row(src, j0 + lane + kWarpSize)};
+  }
+  __device__ __forceinline__ void stage(int64_t tile) const {
+    const int buffer = static_cast<int>(tile % 2);
+    const int64_t j0 = key_lo + tile * kKeys;
+    if constexpr (kCodes) {
+      // Whole 16-byte chunks (`wide` rows: launch_attention_decode), thread
+      // t's at row t / kChunks + i kRowStep.
+      constexpr int kChunks = kD / 16, kRowStep = tc::kThreads / kChunks;
+      const int row = threadIdx.x / kChunks, col = threadIdx.x % kChunks * 16;
+      uint8_t* k_to = kc_s + (buffer * kKeys + row) * kD + col;
+      uint8_t* v_to = vc_s + (buffer * kKeys + row) * kD + col;
+      if (k.pages.paged()) {
+        // A thread's rows lie in the same half of the tile across its warp
+        // (row < 16 at head dim 128, < 32 at 64), as LaneRows::row asks.
+        const LaneRows<S> k_rows = lane_rows(k, j0), v_rows = lane_rows(v, j0);
+#pragma unroll 1
+        for (int i = 0; i < kKeys / kRowStep; ++i) {
+          const int r = row + i * kRowStep;
+          const uint8_t* kr = k_rows.row(r);
+          const uint8_t* vr = v_rows.row(r);
+          if (col >= d) kr = vr = nullptr;
+          mma::cp_async_16_or_zero(k_to + i * kRowStep * kD, kr != nullptr ? kr + col : k_to, kr != nullptr);
+          mma::cp_async_16_or_zero(v_to + i * kRowStep * kD, vr != nullptr ? vr + col : v_to, vr != nullptr);
+        }
+      } else {
+        // Dense rows: one source pointer a thread, stepping by kRowStep rows.
+        const int n = static_cast<int>(std::min<int64_t>(kKeys, key_hi - j0));
+        const uint8_t* kr = key_row(k, j0) + row * k.st.s + col;
+        const uint8_t* vr = key_row(v, j0) + row * v.st.s + col;
+#pragma unroll 1
+        for (int i = 0; i < kKeys / kRowStep; ++i) {
+          const bool inside = row + i * kRowStep < n && col < d;
+          mma::cp_async_16_or_zero(k_to + i * kRowStep * kD, inside ? kr : k_to, inside);
+          mma::cp_async_16_or_zero(v_to + i * kRowStep * kD, inside ? vr : v_to, inside);
+          kr += kRowStep * k.st.s;
+          vr += kRowStep * v.st.s;
+        }
+      }
+    } else {
+      constexpr int kStride = tc::Tile<kD>::kStride;
+      T* k_to = k_s + buffer * kKeys * kStride;
+      T* v_to = v_s + buffer * kKeys * kStride;
+      if (k.pages.paged()) {
+        // stage_tile asks each row of every lane of a warp at once, from one
+        // half of the tile; its loop, not unrolled: the unrolled copies' 16
+        // addresses spilled at head dim 128 (sm_90).
+        const LaneRows<S> k_rows = lane_rows(k, j0), v_rows = lane_rows(v, j0);
+        tc::stage_tile<T, kD, kKeys, false>(k_to, [k_rows](int r) { return k_rows.row(r); }, d, kv_chunks);
+        tc::stage_tile<T, kD, kKeys, false>(v_to, [v_rows](int r) { return v_rows.row(r); }, d, kv_chunks);
+      } else {
+        const int n = static_cast<int>(std::min<int64_t>(kKeys, key_hi - j0));
+        tc::stage_strided_rows<T, kD, kKeys>(k_to, key_row(k, j0), k.st.s, n, d, kv_chunks);
+        tc::stage_strided_rows<T, kD, kKeys>(v_to, key_row(v, j0), v.st.s, n, d, kv_chunks);
+      }
+    }
+  }
+};
+
+// The steps of attention_decode_mma_kernel on a warp's 16 keys of a tile
+// (codes converted, scores, online softmax) and its merge of the warps' states
+// at the end. The kernel keeps the state arrays and the shared memory.
+template <typename T, Stored kS, int kD>
+struct DecodeMmaSteps {
+  static constexpr int kN = tc::Tile<kD>::kNTiles;
+  static constexpr int kWarpKeys = kDecodeMmaWarpKeys, kRows = kDecodeMmaRows;
+  static constexpr float kInf = std::numeric_limits<float>::infinity();
+  static constexpr bool kCodes = kS != Stored::kPlain;
+
+  // Codes: this warp's keys in the tile buffers (from `at`) converted to its
+  // 16 rows of K and V as T, and the scales of this lane's keys.
+  static __device__ __forceinline__ void convert_codes(const uint8_t* kc_s, const uint8_t* vc_s, const float* ks_s,
+                                                       const float* vs_s, T* k_s, T* v_s, int at, int warp,
+                                                       int lane, int quad, float (&k_scale)[kWarpKeys / 8][2],
+                                                       float (&v_scale)[kWarpKeys / 8][2]) {
+    constexpr int kChunks = kD / 16, kStride = tc::Tile<kD>::kStride;
+#pragma unroll
+    for (int u = lane; u < 2 * kWarpKeys * kChunks; u += kWarpSize) {
+      const bool is_v = u >= kWarpKeys * kChunks;
+      const int r = u % (kWarpKeys * kChunks) / kChunks, c = u % kChunks * 16;
+      const Pack<uint32_t, 4> w =
+          load_pack<uint32_t, 4>(reinterpret_cast<const uint32_t*>((is_v ? vc_s : kc_s) + (at + r) * kD + c));
+      Pack<uint32_t, 4> lo, hi;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        lo.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e)), T(stored_value<T, kS>(w.v, 2 * e + 1)));
+        hi.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e + 8)), T(stored_value<T, kS>(w.v, 2 * e + 9)));
+      }
+      T* to = (is_v ? v_s : k_s) + (warp * kWarpKeys + r) * kStride + c;
+      store_pack<uint32_t, 4>(reinterpret_cast<uint32_t*>(to), lo);
+      store_pack<uint32_t, 4>(reinterpret_cast<uint32_t*>(to + 8), hi);
+    }
+#pragma unroll
+    for (int n = 0; n < kWarpKeys / 8; ++n) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        k_scale[n][c] = ks_s[at + n * 8 + 2 * quad + c];
+        v_scale[n][c] = vs_s[at + n * 8 + 2 * quad + c];
+      }
+    }
+    __syncwarp();
+  }
+
+  // The scores of the warp's keys at j0 from their products s = Q K^T (codes:
+  // times the K scales), -inf where a key is not visible, and each row's
+  // maximum; element e of an n-tile belongs to row r = e / 2 (this lane's
+  // rows: group + 8 r). A plain call's tiles inside both rows' key ranges
+  // [all_lo, all_hi) skip the per-score test.
+  static __device__ __forceinline__ void score(mma::FragC (&s)[kWarpKeys / 8], float (&tile_max)[2],
+                                               const float (&k_scale)[kWarpKeys / 8][2], int64_t j0,
+                                               const tc::BlockPlace& place, bool plain, int64_t all_lo,
+                                               int64_t all_hi, const int64_t* row_lo, const int64_t* row_hi,
+                                               float scale, const attn::QueryRows& rows, const ScoreExtras& extras,
+                                               const Mask& mask) {
+    if constexpr (kCodes) {
+#pragma unroll
+      for (int n = 0; n < kWarpKeys / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n].r[e] *= k_scale[n][e % 2];
+      }
+    }
+    tile_max[0] = tile_max[1] = -kInf;
+    if (plain && j0 >= all_lo && j0 + kWarpKeys <= all_hi) {
+#pragma unroll
+      for (int n = 0; n < kWarpKeys / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[n].r[e] *= scale;
+          tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n].r[e]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = place.group + 8 * r;
+        const int64_t lo = row_lo[row], hi = row_hi[row];
+        const int64_t head = plain ? 0 : rows.group_head(place.g, row), pos = plain ? 0 : rows.group_pos(row);
+#pragma unroll
+        for (int n = 0; n < kWarpKeys / 8; ++n) {
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            const int64_t key = j0 + n * 8 + 2 * place.quad + (e % 2);
+            const float z = tc::score(s[n].r[e], key >= lo && key < hi, plain, scale, extras, mask, place.b, head,
+                                      pos, key, nullptr);
+            s[n].r[e] = z;
+            tile_max[r] = fmaxf(tile_max[r], z);
+          }
+        }
+      }
+    }
+  }
+
+  // The online-softmax step of this lane's rows over the warp's keys: the
+  // state rescaled, and the scores turned into probabilities (codes: times
+  // their keys' V scales).
+  static __device__ __forceinline__ void add_scores(mma::FragC (&s)[kWarpKeys / 8], const float (&tile_max)[2],
+                                                    const float (&v_scale)[kWarpKeys / 8][2], float (&m)[2],
+                                                    float (&l)[2], mma::FragC (&o)[kN]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float shift;
+      const float alpha =
+          attn::online_softmax_step(m[r], quad_reduce_max(tile_max[r]), shift, attn::ScalarOps<float>{});
+      l[r] *= alpha;
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+        o[n].r[2 * r] *= alpha;
+        o[n].r[2 * r + 1] *= alpha;
+      }
+#pragma unroll
+      for (int n = 0; n < kWarpKeys / 8; ++n) {
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          const float p = tc::exp_of_difference(s[n].r[e], shift);
+          l[r] += p;
+          s[n].r[e] = kCodes ? p * v_scale[n][e % 2] : p;
+        }
+      }
+    }
+  }
+
+  // The warps' states into one per row: weights exp(max_w - max), sums and
+  // outputs added in warp order; then each row's output (or the slice's part
+  // of it) and lse. ml_s: [warps][kRows] (max, sum); the warps' outputs take
+  // the shared memory from q_s on.
+  static __device__ __forceinline__ void finish(float* ml_s, T* q_s, const tc::BlockPlace& place,
+                                                int64_t rows_total, const int& unreadable,
+                                                const attn::QueryRows& rows, const KeySlices<float>& slices,
+                                                int64_t slice, const ScoreExtras& extras, T* out, float* lse, int d,
+                                                const float (&m)[2], const float (&l)[2],
+                                                const mma::FragC (&o)[kN]) {
+    const int64_t g = place.g, b = place.b;
+    const int warp = place.warp, lane = place.lane, group = place.group, quad = place.quad;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float sum = quad_reduce_sum(l[r]);
+      if (quad == 0) {
+        ml_s[(warp * kRows + group + 8 * r) * 2] = m[r];
+        ml_s[(warp * kRows + group + 8 * r) * 2 + 1] = sum;
+      }
+    }
+    __syncthreads();  // the tiles' buffers are free (every copy has landed): reused
+    float* o_s = reinterpret_cast<float*>(q_s);  // [warps][kRows][kD]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = group + 8 * r;
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+        o_s[(warp * kRows + row) * kD + n * 8 + 2 * quad] = o[n].r[2 * r];
+        o_s[(warp * kRows + row) * kD + n * 8 + 2 * quad + 1] = o[n].r[2 * r + 1];
+      }
+    }
+    __syncthreads();
+    const bool nan_rows = unreadable != 0;
+    for (int row = warp; row < rows_total; row += tc::kWarps) {
+      float top = -kInf;
+#pragma unroll
+      for (int w = 0; w < tc::kWarps; ++w) top = std::max(top, ml_s[(w * kRows + row) * 2]);
+      const float shift = attn::ScalarOps<float>::finite_or_zero(top);
+      float weight[tc::kWarps], sum = 0;
+#pragma unroll
+      for (int w = 0; w < tc::kWarps; ++w) {
+        weight[w] = tc::exp_of_difference(ml_s[(w * kRows + row) * 2], shift);
+        sum += weight[w] * ml_s[(w * kRows + row) * 2 + 1];
+      }
+      const int64_t out_row = rows.row_of_group_row(b, g, row);
+      float lse_r = attn::row_lse(top, sum);
+      float factor = attn::row_norm(top, sum, lse_r);
+      make_nan_if(nan_rows, factor, lse_r);
+      const bool sliced = slices.count > 1;  // this slice's normalized output and lse; the sink joins in the merge
+      if (!sliced && extras.mods.sinks != nullptr) {
+        factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(rows.group_head(g, row)));
+      }
+      for (int c = lane; c < d; c += kWarpSize) {
+        float acc = 0;
+#pragma unroll
+        for (int w = 0; w < tc::kWarps; ++w) acc += weight[w] * o_s[(w * kRows + row) * kD + c];
+        if (sliced) {
+          slices.out[(slice * slices.rows + out_row) * d + c] = acc * factor;
+        } else {
+          out[out_row * d + c] = static_cast<T>(acc * factor);
+        }
+      }
+      if (lane == 0) (sliced ? slices.lse[slice * slices.rows + out_row] : lse[out_row]) = lse_r;
+    }
+  }
+};
+
 template <typename T, Stored kS, int kD>
 __global__ void __launch_bounds__(tc::kThreads, kDecodeMmaMinBlocks)
 attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSource v, T* __restrict__ out,
@@ -449,7 +817,7 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
   constexpr int kKeys = kDecodeMmaKeys, kWarpKeys = kDecodeMmaWarpKeys, kRows = kDecodeMmaRows;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   constexpr bool kCodes = kS != Stored::kPlain;
-  using S = std::conditional_t<kCodes, uint8_t, T>;  // what the cache holds
+  using Step = DecodeMmaSteps<T, kS, kD>;
   constexpr int kTileRows = kCodes ? tc::kWarps * kWarpKeys : 2 * kKeys;
   T* q_s = dynamic_shared<T>();                // [kRows][kStride]
   T* k_s = q_s + kRows * kStride;              // [kTileRows][kStride]
@@ -501,103 +869,19 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
   const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
   const int64_t k_start = seqs.k_start(b);
 
-  // Where key `key` lies in the cache (page -1 past the block's keys or off the operands' pages).
-  const auto place_of = [&](const KvSource& src, int64_t key) -> KeyPlace {
-    if (key >= key_hi) return {-1, 0};
-    const KeyPlace place = key_place(src.pages, b, k_start, key);
-    if (src.pages.paged() && (place.page < 0 || place.page >= src.pages.num_pages)) {
-      unreadable = 1;
-      return {-1, 0};
-    }
-    return place;
-  };
-  // Key `key`'s row of K or V (nullptr where place_of gives no page).
-  const auto key_row = [&](const KvSource& src, int64_t key) -> const S* {
-    const KeyPlace place = place_of(src, key);
-    if (place.page < 0) return nullptr;
-    return static_cast<const S*>(src.data) + place.page * src.st.b + g * src.st.h + place.row * src.st.s;
-  };
-  // Codes: this thread's scale of a tile's keys (K: threads < kKeys, else V),
-  // loaded as the tile is staged and stored once this iteration's products are done.
-  const auto scale_of = [&](int64_t tile) -> float {
-    constexpr float kUnit = kS == Stored::kFloat8 ? kFloat8Unit : 1.f;
-    // (Fields chosen one by one: a reference to k or v would copy both to local memory.)
-    const bool is_v = threadIdx.x >= kKeys;
-    const int64_t key = key_lo + tile * kKeys + threadIdx.x % kKeys;
-    const KeyPlace place = is_v ? place_of(v, key) : place_of(k, key);
-    const float* scales = is_v ? v.scale : k.scale;
-    const Strides st = is_v ? v.scale_st : k.scale_st;
-    return place.page < 0 ? 0.f : scales[place.page * st.b + g * st.h + place.row * st.s] * kUnit;
-  };
-  // The rows of keys [j0, j0 + kKeys) of K or V over this warp's lanes.
-  static_assert(kKeys == 2 * kWarpSize, "LaneRows holds two rows a lane");
-  const auto lane_rows = [&](const KvSource& src, int64_t j0) {
-    return LaneRows<S>{key_row(src, j0 + lane), key_row(src, j0 + lane + kWarpSize)};
-  };
-  const auto stage_kv = [&](int64_t tile) {
-    const int buffer = static_cast<int>(tile % 2);
-    const int64_t j0 = key_lo + tile * kKeys;
-    if constexpr (kCodes) {
-      // Whole 16-byte chunks (`wide` rows: launch_attention_decode), thread
-      // t's at row t / kChunks + i kRowStep.
-      constexpr int kChunks = kD / 16, kRowStep = tc::kThreads / kChunks;
-      const int row = threadIdx.x / kChunks, col = threadIdx.x % kChunks * 16;
-      uint8_t* k_to = kc_s + (buffer * kKeys + row) * kD + col;
-      uint8_t* v_to = vc_s + (buffer * kKeys + row) * kD + col;
-      if (k.pages.paged()) {
-        // A thread's rows lie in the same half of the tile across its warp
-        // (row < 16 at head dim 128, < 32 at 64), as LaneRows::row asks.
-        const LaneRows<S> k_rows = lane_rows(k, j0), v_rows = lane_rows(v, j0);
-#pragma unroll 1
-        for (int i = 0; i < kKeys / kRowStep; ++i) {
-          const int r = row + i * kRowStep;
-          const uint8_t* kr = k_rows.row(r);
-          const uint8_t* vr = v_rows.row(r);
-          if (col >= d) kr = vr = nullptr;
-          mma::cp_async_16_or_zero(k_to + i * kRowStep * kD, kr != nullptr ? kr + col : k_to, kr != nullptr);
-          mma::cp_async_16_or_zero(v_to + i * kRowStep * kD, vr != nullptr ? vr + col : v_to, vr != nullptr);
-        }
-      } else {
-        // Dense rows: one source pointer a thread, stepping by kRowStep rows.
-        const int n = static_cast<int>(std::min<int64_t>(kKeys, key_hi - j0));
-        const uint8_t* kr = key_row(k, j0) + row * k.st.s + col;
-        const uint8_t* vr = key_row(v, j0) + row * v.st.s + col;
-#pragma unroll 1
-        for (int i = 0; i < kKeys / kRowStep; ++i) {
-          const bool inside = row + i * kRowStep < n && col < d;
-          mma::cp_async_16_or_zero(k_to + i * kRowStep * kD, inside ? kr : k_to, inside);
-          mma::cp_async_16_or_zero(v_to + i * kRowStep * kD, inside ? vr : v_to, inside);
-          kr += kRowStep * k.st.s;
-          vr += kRowStep * v.st.s;
-        }
-      }
-    } else {
-      T* k_to = k_s + buffer * kKeys * kStride;
-      T* v_to = v_s + buffer * kKeys * kStride;
-      if (k.pages.paged()) {
-        // stage_tile asks each row of every lane of a warp at once, from one
-        // half of the tile; its loop, not unrolled: the unrolled copies' 16
-        // addresses spilled at head dim 128 (sm_90).
-        const LaneRows<S> k_rows = lane_rows(k, j0), v_rows = lane_rows(v, j0);
-        tc::stage_tile<T, kD, kKeys, false>(k_to, [k_rows](int r) { return k_rows.row(r); }, d, kv_chunks);
-        tc::stage_tile<T, kD, kKeys, false>(v_to, [v_rows](int r) { return v_rows.row(r); }, d, kv_chunks);
-      } else {
-        const int n = static_cast<int>(std::min<int64_t>(kKeys, key_hi - j0));
-        tc::stage_strided_rows<T, kD, kKeys>(k_to, key_row(k, j0), k.st.s, n, d, kv_chunks);
-        tc::stage_strided_rows<T, kD, kKeys>(v_to, key_row(v, j0), v.st.s, n, d, kv_chunks);
-      }
-    }
-  };
+  const DecodeMmaTiles<T, kS, kD> tiles{k, v, unreadable, g, b, k_start, key_lo, key_hi, lane, d, kv_chunks,
+                                        k_s, v_s, kc_s, vc_s};
+  const auto stage_kv = [&](int64_t tile) { tiles.stage(tile); };
   float* my_scales = (threadIdx.x < kKeys ? ks_s : vs_s) + threadIdx.x % kKeys;  // codes: buffer 0's entry
   tc::pipeline_start(n_tiles, stage_kv);
   if constexpr (kCodes) {
-    if (n_tiles > 0) *my_scales = scale_of(0);
+    if (n_tiles > 0) *my_scales = tiles.scale_of(0);
   }
 
   mma::FragC o[kN];
   float m[2] = {-kInf, -kInf}, l[2] = {0.f, 0.f};  // this lane's rows: running max, its sum
   for (int64_t tile = 0; tile < n_tiles; ++tile) {
-    const float scale_next = kCodes && tile + 1 < n_tiles ? scale_of(tile + 1) : 0.f;
+    const float scale_next = kCodes && tile + 1 < n_tiles ? tiles.scale_of(tile + 1) : 0.f;
     tc::pipeline_next(tile, n_tiles, stage_kv);
     const int at = static_cast<int>(tile % 2) * kKeys + warp * kWarpKeys;  // this warp's keys in the tile buffers
     const int64_t j0 = key_lo + tile * kKeys + warp * kWarpKeys;
@@ -606,94 +890,13 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
     const T* v_rows = v_s + (kCodes ? warp * kWarpKeys : at) * kStride;
     float k_scale[kWarpKeys / 8][2], v_scale[kWarpKeys / 8][2];  // codes: of this lane's keys
     if constexpr (kCodes) {
-      constexpr int kChunks = kD / 16;
-#pragma unroll
-      for (int u = lane; u < 2 * kWarpKeys * kChunks; u += kWarpSize) {
-        const bool is_v = u >= kWarpKeys * kChunks;
-        const int r = u % (kWarpKeys * kChunks) / kChunks, c = u % kChunks * 16;
-        const Pack<uint32_t, 4> w =
-            load_pack<uint32_t, 4>(reinterpret_cast<const uint32_t*>((is_v ? vc_s : kc_s) + (at + r) * kD + c));
-        Pack<uint32_t, 4> lo, hi;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          lo.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e)), T(stored_value<T, kS>(w.v, 2 * e + 1)));
-          hi.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e + 8)), T(stored_value<T, kS>(w.v, 2 * e + 9)));
-        }
-        T* to = (is_v ? v_s : k_s) + (warp * kWarpKeys + r) * kStride + c;
-        store_pack<uint32_t, 4>(reinterpret_cast<uint32_t*>(to), lo);
-        store_pack<uint32_t, 4>(reinterpret_cast<uint32_t*>(to + 8), hi);
-      }
-#pragma unroll
-      for (int n = 0; n < kWarpKeys / 8; ++n) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          k_scale[n][c] = ks_s[at + n * 8 + 2 * quad + c];
-          v_scale[n][c] = vs_s[at + n * 8 + 2 * quad + c];
-        }
-      }
-      __syncwarp();
+      Step::convert_codes(kc_s, vc_s, ks_s, vs_s, k_s, v_s, at, warp, lane, quad, k_scale, v_scale);
     }
     mma::FragC s[kWarpKeys / 8];
     tc::mma_rows_rows<T, kD, kWarpKeys, kStride>(s, q_s, k_rows);
-    if constexpr (kCodes) {
-#pragma unroll
-      for (int n = 0; n < kWarpKeys / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[n].r[e] *= k_scale[n][e % 2];
-      }
-    }
-
-    // Scores, -inf where a key is not visible; element e of an n-tile belongs to row r = e / 2.
-    float tile_max[2] = {-kInf, -kInf};
-    if (plain && j0 >= all_lo && j0 + kWarpKeys <= all_hi) {
-#pragma unroll
-      for (int n = 0; n < kWarpKeys / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[n].r[e] *= scale;
-          tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n].r[e]);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = group + 8 * r;
-        const int64_t lo = row_lo[row], hi = row_hi[row];
-        const int64_t head = plain ? 0 : rows.group_head(g, row), pos = plain ? 0 : rows.group_pos(row);
-#pragma unroll
-        for (int n = 0; n < kWarpKeys / 8; ++n) {
-#pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            const int64_t key = j0 + n * 8 + 2 * quad + (e % 2);
-            const float z = tc::score(s[n].r[e], key >= lo && key < hi, plain, scale, extras, mask, b, head, pos,
-                                      key, nullptr);
-            s[n].r[e] = z;
-            tile_max[r] = fmaxf(tile_max[r], z);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float shift;
-      const float alpha =
-          attn::online_softmax_step(m[r], quad_reduce_max(tile_max[r]), shift, attn::ScalarOps<float>{});
-      l[r] *= alpha;
-#pragma unroll
-      for (int n = 0; n < kN; ++n) {
-        o[n].r[2 * r] *= alpha;
-        o[n].r[2 * r + 1] *= alpha;
-      }
-#pragma unroll
-      for (int n = 0; n < kWarpKeys / 8; ++n) {
-#pragma unroll
-        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          const float p = tc::exp_of_difference(s[n].r[e], shift);
-          l[r] += p;
-          s[n].r[e] = kCodes ? p * v_scale[n][e % 2] : p;
-        }
-      }
-    }
+    float tile_max[2];
+    Step::score(s, tile_max, k_scale, j0, place, plain, all_lo, all_hi, row_lo, row_hi, scale, rows, extras, mask);
+    Step::add_scores(s, tile_max, v_scale, m, l, o);
     mma::FragA pa[kWarpKeys / 16];
     tc::to_a_frags<T, kWarpKeys>(pa, s);
     tc::mma_frags_rows<T, kWarpKeys, kD, kStride>(o, pa, v_rows);
@@ -703,61 +906,8 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
     __syncthreads();  // every warp is done with this buffer before it is staged again
   }
 
-  // The warps' states into one per row: weights exp(max_w - max), sums and
-  // outputs added in warp order.
   __shared__ float ml_s[tc::kWarps * kRows * 2];  // [warps][kRows] (max, sum)
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float sum = quad_reduce_sum(l[r]);
-    if (quad == 0) {
-      ml_s[(warp * kRows + group + 8 * r) * 2] = m[r];
-      ml_s[(warp * kRows + group + 8 * r) * 2 + 1] = sum;
-    }
-  }
-  __syncthreads();  // the tiles' buffers are free (every copy has landed): reused
-  float* o_s = reinterpret_cast<float*>(q_s);  // [warps][kRows][kD]
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = group + 8 * r;
-#pragma unroll
-    for (int n = 0; n < kN; ++n) {
-      o_s[(warp * kRows + row) * kD + n * 8 + 2 * quad] = o[n].r[2 * r];
-      o_s[(warp * kRows + row) * kD + n * 8 + 2 * quad + 1] = o[n].r[2 * r + 1];
-    }
-  }
-  __syncthreads();
-  const bool nan_rows = unreadable != 0;
-  for (int row = warp; row < rows_total; row += tc::kWarps) {
-    float top = -kInf;
-#pragma unroll
-    for (int w = 0; w < tc::kWarps; ++w) top = std::max(top, ml_s[(w * kRows + row) * 2]);
-    const float shift = attn::ScalarOps<float>::finite_or_zero(top);
-    float weight[tc::kWarps], sum = 0;
-#pragma unroll
-    for (int w = 0; w < tc::kWarps; ++w) {
-      weight[w] = tc::exp_of_difference(ml_s[(w * kRows + row) * 2], shift);
-      sum += weight[w] * ml_s[(w * kRows + row) * 2 + 1];
-    }
-    const int64_t out_row = rows.row_of_group_row(b, g, row);
-    float lse_r = attn::row_lse(top, sum);
-    float factor = attn::row_norm(top, sum, lse_r);
-    make_nan_if(nan_rows, factor, lse_r);
-    const bool sliced = slices.count > 1;  // this slice's normalized output and lse; the sink joins in the merge
-    if (!sliced && extras.mods.sinks != nullptr) {
-      factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(rows.group_head(g, row)));
-    }
-    for (int c = lane; c < d; c += kWarpSize) {
-      float acc = 0;
-#pragma unroll
-      for (int w = 0; w < tc::kWarps; ++w) acc += weight[w] * o_s[(w * kRows + row) * kD + c];
-      if (sliced) {
-        slices.out[(slice * slices.rows + out_row) * d + c] = acc * factor;
-      } else {
-        out[out_row * d + c] = static_cast<T>(acc * factor);
-      }
-    }
-    if (lane == 0) (sliced ? slices.lse[slice * slices.rows + out_row] : lse[out_row]) = lse_r;
-  }
+  Step::finish(ml_s, q_s, place, rows_total, unreadable, rows, slices, slice, extras, out, lse, d, m, l, o);
 #endif
 }
 

@@ -4,6 +4,141 @@
 namespace fusedllm::cuda {
 namespace {
 
+// A block of the dK/dV kernel (kv head g of sequence b): its keys' K and V
+// rows in k_s and v_s, and the chunk of RC query rows it works on (rows
+// before rows_end exist): their Q (times the scale) and dO rows, lse (the
+// softmax shift) and delta, and their P and dS against the keys. The keys
+// [j0, j_end) come as arguments: read from members, chunk_scores' test of
+// a key's visibility compiled to other branches.
+template <typename T, int kDL>
+struct KeyBlock {
+  using acc_t = at::opmath_type<T>;
+  using C = Cfg<acc_t, kDL>;
+  static constexpr int KW = C::kKeysPerWarp;
+  static constexpr int RC = C::kChunk;
+  acc_t* k_s;
+  acc_t* v_s;
+  acc_t* q_s;
+  acc_t* do_s;
+  acc_t* p_s;
+  acc_t* ds_s;
+  acc_t* shift_s;
+  acc_t* delta_s;
+  const attn::QueryRows& rows;
+  const Mask& mask;
+  int64_t g, b, rows_end;
+  int warp, lane;
+
+  // Stages the chunk of rows from r0 (qb_ptr, gb_ptr: Q and dO of sequence b).
+  __device__ __forceinline__ void stage_chunk(int64_t r0, const T* qb_ptr, Strides qs, const T* gb_ptr,
+                                              Strides gs, const acc_t* lse, const acc_t* delta, int d,
+                                              acc_t scale) const {
+    using Ops = attn::ScalarOps<acc_t>;
+    stage_rows<T, acc_t, C::kD, C::kLd>(q_s, RC, qb_ptr, qs, rows, g, r0, rows_end, d, scale);
+    stage_rows<T, acc_t, C::kD, C::kLd>(do_s, RC, gb_ptr, gs, rows, g, r0, rows_end, d, acc_t(1));
+    if (threadIdx.x < RC) {
+      const int64_t row = r0 + threadIdx.x;
+      acc_t sh = 0, de = 0;
+      if (row < rows_end) {
+        const int64_t lrow = rows.row_of_group_row(b, g, row);
+        sh = Ops::finite_or_zero(lse[lrow]);
+        de = delta[lrow];
+      }
+      shift_s[threadIdx.x] = sh;
+      delta_s[threadIdx.x] = de;
+    }
+  }
+
+  // P and dS of the chunk from r0 against keys [j0, j_end): warp w takes row
+  // w, lane j takes key j0 + j.
+  __device__ __forceinline__ void chunk_scores(int64_t r0, int64_t j0, int64_t j_end, const ScoreExtras& extras,
+                                               int d_vec) const {
+    using Ops = attn::ScalarOps<acc_t>;
+    const int64_t key = j0 + lane;
+    if (warp < RC && lane < C::kKeys) {
+      const int64_t row = r0 + warp;
+      acc_t p = 0, ds = 0;
+      if (row < rows_end) {
+        const int64_t pos = rows.group_pos(row);
+        if (key >= attn::key_begin(mask, pos) && key < attn::key_end(mask, pos) && key < j_end) {
+          const int64_t h = rows.group_head(g, row);
+          acc_t dcap = 1;
+          const acc_t s = extras.masked(
+              extras.modified<acc_t>(
+                  smem_dot<acc_t, C::kVec>(q_s + warp * C::kLd, k_s + lane * C::kLd, d_vec), b, h,
+                  pos + mask.offset, key, &dcap),
+              b, h, pos, key);
+          const acc_t dp = smem_dot<acc_t, C::kVec>(do_s + warp * C::kLd, v_s + lane * C::kLd, d_vec);
+          const acc_t z = extras.keep_factor<acc_t>(b, h, pos, key);
+          const acc_t p_kept = Ops::exp(s - shift_s[warp]);
+          // Through the cap: d score / d (scale q . k) = dcap (1 without one).
+          ds = attn::score_grad(p_kept, dp * z, delta_s[warp]) * dcap;
+          p = p_kept * z;  // dV sees the probabilities after dropout
+        }
+      }
+      p_s[warp * C::kKeys + lane] = p;
+      ds_s[warp * C::kKeys + lane] = ds;
+    }
+  }
+
+  // dV += P^T dO and dK += dS^T (Q * scale) for this warp's keys, into the partial sums.
+  __device__ __forceinline__ void accumulate(acc_t (&dk_part)[KW][kDL], acc_t (&dv_part)[KW][kDL]) const {
+    for (int r = 0; r < RC; ++r) {
+      acc_t dor[kDL], qr[kDL];
+#pragma unroll
+      for (int t = 0; t < kDL; ++t) {
+        dor[t] = do_s[r * C::kLd + lane + kWarpSize * t];
+        qr[t] = q_s[r * C::kLd + lane + kWarpSize * t];
+      }
+#pragma unroll
+      for (int kk = 0; kk < KW; ++kk) {
+        const acc_t p = p_s[r * C::kKeys + warp * KW + kk];
+        const acc_t ds = ds_s[r * C::kKeys + warp * KW + kk];
+#pragma unroll
+        for (int t = 0; t < kDL; ++t) {
+          dv_part[kk][t] += p * dor[t];
+          dk_part[kk][t] += ds * qr[t];
+        }
+      }
+    }
+  }
+
+  // dK and dV of this warp's keys of [j0, j_end).
+  __device__ __forceinline__ void store(const acc_t (&dk)[KW][kDL], const acc_t (&dv)[KW][kDL], T* grad_k,
+                                        T* grad_v, const attn::KeyRows& key_rows, int64_t j0, int64_t j_end,
+                                        int d) const {
+    const int64_t kv_row0 = key_rows.row(b, g, 0);
+#pragma unroll
+    for (int kk = 0; kk < KW; ++kk) {
+      const int64_t key_out = j0 + warp * KW + kk;
+      if (key_out >= j_end) continue;
+#pragma unroll
+      for (int t = 0; t < kDL; ++t) {
+        const int c = lane + kWarpSize * t;
+        if (c < d) {
+          grad_k[(kv_row0 + key_out) * d + c] = static_cast<T>(dk[kk][t]);
+          grad_v[(kv_row0 + key_out) * d + c] = static_cast<T>(dv[kk][t]);
+        }
+      }
+    }
+  }
+};
+
+// The partial sums added to the totals, and zeroed.
+template <typename acc_t, int KW, int kDL>
+__device__ __forceinline__ void fold(acc_t (&dk)[KW][kDL], acc_t (&dv)[KW][kDL], acc_t (&dk_part)[KW][kDL],
+                                     acc_t (&dv_part)[KW][kDL]) {
+#pragma unroll
+  for (int kk = 0; kk < KW; ++kk) {
+#pragma unroll
+    for (int t = 0; t < kDL; ++t) {
+      dk[kk][t] += dk_part[kk][t];
+      dv[kk][t] += dv_part[kk][t];
+      dk_part[kk][t] = dv_part[kk][t] = 0;
+    }
+  }
+}
+
 // dK and dV for one tile of keys of kv head g, summed over every query row of
 // the group that sees them (the group reduction happens here, in registers).
 template <typename T, int kDL>
@@ -17,7 +152,6 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
                       ScoreExtras extras) {
   using acc_t = at::opmath_type<T>;
   using C = Cfg<acc_t, kDL>;
-  using Ops = attn::ScalarOps<acc_t>;
   constexpr int KW = C::kKeysPerWarp;
   constexpr int RC = C::kChunk;
   acc_t* k_s = dynamic_shared<acc_t>();
@@ -51,17 +185,6 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
 #pragma unroll
     for (int t = 0; t < kDL; ++t) dk[kk][t] = dv[kk][t] = dk_part[kk][t] = dv_part[kk][t] = 0;
   }
-  const auto fold = [&] {
-#pragma unroll
-    for (int kk = 0; kk < KW; ++kk) {
-#pragma unroll
-      for (int t = 0; t < kDL; ++t) {
-        dk[kk][t] += dk_part[kk][t];
-        dv[kk][t] += dv_part[kk][t];
-        dk_part[kk][t] = dv_part[kk][t] = 0;
-      }
-    }
-  };
   constexpr int kChunksPerSum = kSumChunk / RC > 0 ? kSumChunk / RC : 1;
   int chunks_in_sum = 0;
 
@@ -70,92 +193,23 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
   const int64_t rows_end = rows.group_row(attn::query_end(mask, j_end, sq));
   const T* qb_ptr = q + b * qs.b + q_start * qs.s;
   const T* gb_ptr = grad_out + b * gs.b + q_start * gs.s;
-  const int64_t key = j0 + lane;
+  const KeyBlock<T, kDL> block{k_s, v_s, q_s, do_s, p_s, ds_s, shift_s, delta_s, rows, mask, g, b, rows_end,
+                               warp, lane};
 
   for (int64_t r0 = rows_begin; r0 < rows_end; r0 += RC) {
     __syncthreads();  // the previous chunk is no longer read
-    stage_rows<T, acc_t, C::kD, C::kLd>(q_s, RC, qb_ptr, qs, rows, g, r0, rows_end, d, scale);
-    stage_rows<T, acc_t, C::kD, C::kLd>(do_s, RC, gb_ptr, gs, rows, g, r0, rows_end, d, acc_t(1));
-    if (threadIdx.x < RC) {
-      const int64_t row = r0 + threadIdx.x;
-      acc_t sh = 0, de = 0;
-      if (row < rows_end) {
-        const int64_t lrow = rows.row_of_group_row(b, g, row);
-        sh = Ops::finite_or_zero(lse[lrow]);
-        de = delta[lrow];
-      }
-      shift_s[threadIdx.x] = sh;
-      delta_s[threadIdx.x] = de;
-    }
+    block.stage_chunk(r0, qb_ptr, qs, gb_ptr, gs, lse, delta, d, scale);
     __syncthreads();
-
-    // P and dS of the chunk: warp w takes row w, lane j takes key j.
-    if (warp < RC && lane < C::kKeys) {
-      const int64_t row = r0 + warp;
-      acc_t p = 0, ds = 0;
-      if (row < rows_end) {
-        const int64_t pos = rows.group_pos(row);
-        if (key >= attn::key_begin(mask, pos) && key < attn::key_end(mask, pos) && key < j_end) {
-          const int64_t h = rows.group_head(g, row);
-          acc_t dcap = 1;
-          const acc_t s = extras.masked(
-              extras.modified<acc_t>(
-                  smem_dot<acc_t, C::kVec>(q_s + warp * C::kLd, k_s + lane * C::kLd, d_vec), b, h,
-                  pos + mask.offset, key, &dcap),
-              b, h, pos, key);
-          const acc_t dp = smem_dot<acc_t, C::kVec>(do_s + warp * C::kLd, v_s + lane * C::kLd, d_vec);
-          const acc_t z = extras.keep_factor<acc_t>(b, h, pos, key);
-          const acc_t p_kept = Ops::exp(s - shift_s[warp]);
-          // Through the cap: d score / d (scale q . k) = dcap (1 without one).
-          ds = attn::score_grad(p_kept, dp * z, delta_s[warp]) * dcap;
-          p = p_kept * z;  // dV sees the probabilities after dropout
-        }
-      }
-      p_s[warp * C::kKeys + lane] = p;
-      ds_s[warp * C::kKeys + lane] = ds;
-    }
+    block.chunk_scores(r0, j0, j_end, extras, d_vec);
     __syncthreads();
-
-    // dV += P^T dO and dK += dS^T (Q * scale) for this warp's keys.
-    for (int r = 0; r < RC; ++r) {
-      acc_t dor[kDL], qr[kDL];
-#pragma unroll
-      for (int t = 0; t < kDL; ++t) {
-        dor[t] = do_s[r * C::kLd + lane + kWarpSize * t];
-        qr[t] = q_s[r * C::kLd + lane + kWarpSize * t];
-      }
-#pragma unroll
-      for (int kk = 0; kk < KW; ++kk) {
-        const acc_t p = p_s[r * C::kKeys + warp * KW + kk];
-        const acc_t ds = ds_s[r * C::kKeys + warp * KW + kk];
-#pragma unroll
-        for (int t = 0; t < kDL; ++t) {
-          dv_part[kk][t] += p * dor[t];
-          dk_part[kk][t] += ds * qr[t];
-        }
-      }
-    }
+    block.accumulate(dk_part, dv_part);
     if (++chunks_in_sum == kChunksPerSum) {
-      fold();
+      fold(dk, dv, dk_part, dv_part);
       chunks_in_sum = 0;
     }
   }
-  fold();
-
-  const int64_t kv_row0 = key_rows.row(b, g, 0);
-#pragma unroll
-  for (int kk = 0; kk < KW; ++kk) {
-    const int64_t key_out = j0 + warp * KW + kk;
-    if (key_out >= j_end) continue;
-#pragma unroll
-    for (int t = 0; t < kDL; ++t) {
-      const int c = lane + kWarpSize * t;
-      if (c < d) {
-        grad_k[(kv_row0 + key_out) * d + c] = static_cast<T>(dk[kk][t]);
-        grad_v[(kv_row0 + key_out) * d + c] = static_cast<T>(dv[kk][t]);
-      }
-    }
-  }
+  fold(dk, dv, dk_part, dv_part);
+  block.store(dk, dv, grad_k, grad_v, key_rows, j0, j_end, d);
 }
 
 }  // namespace

@@ -2,8 +2,9 @@
 // attention_hopper_backward.cu, dQ and dK/dV) share: the block's shape (a TMA
 // producer warpgroup and two consumer warpgroups), q, k, v, dO and O as
 // tensor maps, how a tile of a group's query rows lands in shared memory, the
-// TMA loads, the K/V ring, a consumer lane's rows, the operand descriptors,
-// and the zeroing and storing of rows.
+// TMA loads, the K/V ring, a consumer lane's place and rows, the operand
+// descriptors and the products issued on them, and the zeroing and storing
+// of rows.
 //
 // Operand tiles are written by TMA with the 128-byte swizzle, in boxes of 64
 // head-dim elements: a tile of R rows is kD / 64 boxes of R rows of 128 bytes.
@@ -135,6 +136,48 @@ __device__ __forceinline__ uint64_t mn_major(const unsigned char* tile, int rows
                                     step * 16 * 128);
 }
 
+// Issues acc = A B^T, summed over the head dim (kD / 16 k-steps): A the 64
+// rows from a_row0 of a tile of a_rows, B the kN rows from b_row0 of a tile
+// of b_rows, both K-major.
+template <typename T, int kD, int kN>
+__device__ __forceinline__ void issue_k_major(float (&acc)[kN / 2], const unsigned char* a, int a_rows, int a_row0,
+                                              const unsigned char* b, int b_rows, int b_row0) {
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks) {
+    hopper::wgmma<T, kN, hopper::Major::kK, hopper::Major::kK>(acc, k_major(a, a_rows, a_row0, ks),
+                                                               k_major(b, b_rows, b_row0, ks), ks > 0);
+  }
+}
+
+// Issues acc += A B, summed over 16 kSteps rows of B: A in fragments, B a
+// tile of b_rows rows read MN-major (N along its head dim).
+template <typename T, int kN, int kSteps>
+__device__ __forceinline__ void issue_mn_major(float (&acc)[kN / 2], const mma::FragA (&a)[kSteps],
+                                               const unsigned char* b, int b_rows) {
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) hopper::wgmma<T, kN, hopper::Major::kMN>(acc, a[i], mn_major(b, b_rows, i), true);
+}
+
+// The fence of hopper::fence_operand for each of an array of A fragments.
+template <int kN>
+__device__ __forceinline__ void fence_fragments(mma::FragA (&a)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) hopper::fence_operand(a[i]);
+}
+
+// Zeros the rows of a tile of kKeys keys from `first` on (those past the
+// block's last visible key, in the tile that key cuts) for a product that
+// sums over the tile's rows: their probabilities are 0, but the rows may hold
+// anything (a cache's slots past a sequence's length), and 0 x NaN is NaN.
+// Both consumers write the same zeros; each fences them for its own products
+// and waits for its warpgroup's writes (named barrier `barrier`).
+template <int kBoxes, int kKeys>
+__device__ __forceinline__ void zero_keys_from(unsigned char* tile, int first, int t, int barrier) {
+  zero_rows_from<kBoxes>(tile, kKeys, first, t);
+  hopper::fence_proxy_async();
+  hopper::named_barrier_sync(barrier, 128);
+}
+
 // The work of a persistent grid (one block a multiprocessor, each taking
 // several items): (row block, kv head, sequence) items, the last row blocks
 // first (under a causal mask they see the most keys), dealt to the blocks in
@@ -188,14 +231,14 @@ struct KvRing {
     hopper::mbarrier_init_fence();
   }
   // The producer's thread: n_tiles tiles of kKeys keys from map key key0 of
-  // kv head `head` into k_tile(stage) and v_tile(stage), the first at stream
-  // place `first`, each tile once its consumers freed it. K and V are freed
-  // apart: a consumer done with a K tile before its V tile (the forward) lets
-  // the next K load start a product early.
-  template <int kBoxes, int kKeys, typename KTile, typename VTile>
+  // kv head `head` into tiles.k_tile(stage) and tiles.v_tile(stage), the
+  // first at stream place `first`, each tile once its consumers freed it. K
+  // and V are freed apart: a consumer done with a K tile before its V tile
+  // (the forward) lets the next K load start a product early.
+  template <int kBoxes, int kKeys, typename Tiles>
   __device__ __forceinline__ void produce(int64_t first, int64_t n_tiles, int64_t key0, int32_t head, int32_t batch,
                                           const hopper::TensorMap& map_k, const hopper::TensorMap& map_v,
-                                          const HeadsInner& heads_inner, KTile&& k_tile, VTile&& v_tile) const {
+                                          const HeadsInner& heads_inner, const Tiles& tiles) const {
     constexpr uint32_t kTileBytes = kKeys * kBoxes * 128;
     for (int64_t tile = 0; tile < n_tiles; ++tile) {
       const int64_t place = first + tile;
@@ -204,10 +247,10 @@ struct KvRing {
       const auto key = static_cast<int32_t>(key0 + tile * kKeys);
       hopper::mbarrier_wait(&k_empty[stage], free_parity);
       hopper::mbarrier_arrive_expect_tx(&k_full[stage], kTileBytes);
-      load_key_rows<kBoxes, kKeys>(k_tile(stage), map_k, heads_inner.k, &k_full[stage], key, head, batch);
+      load_key_rows<kBoxes, kKeys>(tiles.k_tile(stage), map_k, heads_inner.k, &k_full[stage], key, head, batch);
       hopper::mbarrier_wait(&v_empty[stage], free_parity);
       hopper::mbarrier_arrive_expect_tx(&v_full[stage], kTileBytes);
-      load_key_rows<kBoxes, kKeys>(v_tile(stage), map_v, heads_inner.v, &v_full[stage], key, head, batch);
+      load_key_rows<kBoxes, kKeys>(tiles.v_tile(stage), map_v, heads_inner.v, &v_full[stage], key, head, batch);
     }
   }
   __device__ __forceinline__ void wait_keys(int64_t tile) const {
@@ -223,6 +266,28 @@ struct KvRing {
   __device__ __forceinline__ void release_values(int64_t tile) const {
     hopper::mbarrier_arrive(&v_empty[tile % kRingStages]);
   }
+};
+
+// A ring's K and V tiles of kTileBytes in shared memory (stage s: K at 2 s
+// tiles, V after it) and its mbarriers after them.
+template <int kTileBytes, int kRingStages = kStages>
+struct KvStages {
+  unsigned char* kv_s;
+  KvRing<kRingStages> ring;
+
+  __device__ __forceinline__ explicit KvStages(unsigned char* kv)
+      : kv_s(kv), ring(reinterpret_cast<uint64_t*>(kv + 2 * kRingStages * kTileBytes)) {}
+  __device__ __forceinline__ unsigned char* k_tile(int stage) const { return kv_s + 2 * stage * kTileBytes; }
+  __device__ __forceinline__ unsigned char* v_tile(int stage) const { return kv_s + (2 * stage + 1) * kTileBytes; }
+};
+
+// A consumer thread's place: thread t of consumer warpgroup `consumer`, its
+// warp, and its place in the accumulator layouts (t % 32 = 4 group + quad).
+struct ConsumerLane {
+  int t, warp, group, quad, consumer;
+
+  __device__ __forceinline__ ConsumerLane(int t, int consumer)
+      : t(t), warp(t / 32), group((t % 32) / 4), quad(t % 4), consumer(consumer) {}
 };
 
 // A consumer lane's two query rows (r = 0, 1: rows `group` and group + 8 of
@@ -260,6 +325,31 @@ __device__ __forceinline__ int end_full_tile(const int (&lo)[2], const int (&hi)
   const int all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
   return all_hi > all_lo ? all_hi / kKeys : 0;
 }
+
+// A consumer lane's rows and the keys each sees (lane_rows); all other row
+// values are worked out where needed: the registers go to the accumulators.
+template <int kKeys>
+struct LaneRows {
+  // The member order sets nvcc 13.0's register numbering, which ptxas's code follows: keep it.
+  int row_offset[2], hi[2], lo[2];
+
+  template <int kBlockRows>
+  __device__ __forceinline__ LaneRows(const tc::QueryBlock<kBlockRows, kKeys>& block, const RowOrder& order,
+                                      const attn::QueryRows& rows, const Mask& mask, const ConsumerLane& lane) {
+    lane_rows(block, order, rows, mask, lane.consumer * 64 + lane.warp * 16 + lane.group, row_offset, lo, hi);
+  }
+};
+
+// The tiles whose every key both rows of a lane see, [lo, hi): a plain call
+// scores them without testing each key.
+template <bool kPlain, int kKeys>
+struct FullTiles {
+  int lo, hi;
+
+  __device__ __forceinline__ explicit FullTiles(const LaneRows<kKeys>& rows)
+      : lo(kPlain ? first_full_tile<kKeys>(rows.lo, rows.hi) : 0),
+        hi(kPlain ? end_full_tile<kKeys>(rows.lo, rows.hi) : 0) {}
+};
 
 // The scores of a tile's accumulators s[4 j + 2 r + c] (lane row r, key
 // tile_key + 8 j + 2 quad + c counted from the block's key_lo, which is key

@@ -67,6 +67,206 @@ struct DkdvLayout {
   }
 };
 
+// The dQ block's shared memory: Q, dO and O, then the K/V ring.
+template <int kD, int kRingStages>
+struct DqSmem {
+  using L = DqLayout<kD, kRingStages>;
+  unsigned char *q_s, *do_s, *o_s;
+  KvStages<L::kTileBytes, kRingStages> kv;
+
+  __device__ __forceinline__ explicit DqSmem(unsigned char* raw)
+      : q_s(raw + (1024 - hopper::shared_address(raw) % 1024) % 1024), do_s(q_s + L::kQBytes),
+        o_s(do_s + L::kQBytes), kv(o_s + L::kQBytes) {}
+};
+
+// A dQ consumer thread's registers (hopper.cuh's layout): its rows' lse and
+// delta, dQ, a tile's S (then dS) and dP, and its dS as A fragments.
+template <int kD, int kKeys>
+struct DqAcc {
+  float lse[2], delta[2];
+  float dq[kD / 2], s[kKeys / 2], dp[kKeys / 2];
+  mma::FragA ds[kKeys / 16];
+};
+
+// A dQ consumer thread's work: the steps of a K/V tile.
+template <typename T, int kD, bool kPlain, int kRingStages>
+struct DqConsumer {
+  static constexpr int kBoxes = kD / kBox;
+  static constexpr int kKeys = DqLayout<kD, kRingStages>::kKeys;
+  using Acc = DqAcc<kD, kKeys>;
+  const DqSmem<kD, kRingStages>& smem;
+  const tc::QueryBlock<kRows, kKeys>& block;
+  const LaneRows<kKeys>& my_rows;
+  const FullTiles<kPlain, kKeys>& full;
+  const ConsumerLane& lane;
+  const attn::QueryRows& rows;
+  const Mask& mask;
+  const ScoreExtras& extras;
+  float scale;
+  int64_t g, b;
+  bool unmodified;  // no score modifier, no tensor mask
+
+  __device__ __forceinline__ int64_t lane_row(int r) const { return block.row0 + my_rows.row_offset[r]; }
+  static __device__ __forceinline__ int stage_of(int64_t tile) { return static_cast<int>(tile % kRingStages); }
+
+  // delta of this lane's rows (0 where the block sees no key: its rows'
+  // outputs are 0), written out for dK/dV.
+  __device__ __forceinline__ void find_deltas(Acc& a, float* delta) const {
+    a.delta[0] = 0.f, a.delta[1] = 0.f;
+    if (block.n_tiles > 0) {
+      hopper::mbarrier_wait(smem.kv.ring.q_full, 0);
+      float c[32];  // dO O^T of this consumer's 64 rows
+      hopper::fence_operand(c);
+      hopper::wgmma_fence();
+      issue_k_major<T, kD, 64>(c, smem.do_s, kRows, lane.consumer * 64, smem.o_s, kRows, lane.consumer * 64);
+      hopper::wgmma_commit();
+      hopper::wgmma_wait<0>();
+      hopper::fence_operand(c);
+      // Row m = 16 warp + group + 8 r meets column m in register 4 (2 warp + r)
+      // + 2 r + group % 2 of the group's lane with quad group / 2.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float diagonal = 0.f;
+#pragma unroll
+        for (int e = 0; e < 32; ++e) {
+          if (e / 4 == 2 * lane.warp + r && (e / 2) % 2 == r && e % 2 == lane.group % 2) diagonal = c[e];
+        }
+        a.delta[r] = __shfl_sync(kFullMask, diagonal, 4 * lane.group + lane.group / 2);
+      }
+    }
+    if (lane.quad == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (lane_row(r) < block.rows_total) delta[rows.row_of_group_row(b, g, lane_row(r))] = a.delta[r];
+      }
+    }
+  }
+  // S = Q K^T and dP = dO V^T of a tile, issued and committed once its K and V have landed.
+  __device__ __forceinline__ void issue_scores(Acc& a, int64_t tile) const {
+    const int stage = stage_of(tile);
+    smem.kv.ring.wait_keys(tile);
+    smem.kv.ring.wait_values(tile);
+    hopper::fence_operand(a.s);
+    hopper::fence_operand(a.dp);
+    hopper::wgmma_fence();
+    issue_k_major<T, kD, kKeys>(a.s, smem.q_s, kRows, lane.consumer * 64, smem.kv.k_tile(stage), kKeys, 0);
+    issue_k_major<T, kD, kKeys>(a.dp, smem.do_s, kRows, lane.consumer * 64, smem.kv.v_tile(stage), kKeys, 0);
+    hopper::wgmma_commit();
+  }
+  // After the wait for a tile's S and dP: their registers are read from here
+  // on, and its V is free (dQ reads K alone).
+  __device__ __forceinline__ void scores_done(Acc& a, int64_t tile) const {
+    hopper::fence_operand(a.s);
+    hopper::fence_operand(a.dp);
+    smem.kv.ring.release_values(tile);
+  }
+  // s becomes dS = P (dP - delta) (through the cap's slope).
+  __device__ __forceinline__ void score_gradients(Acc& a, int64_t tile) const {
+    if (tile >= full.lo && tile < full.hi) {
+#pragma unroll
+      for (int e = 0; e < kKeys / 2; ++e) {
+        const int r = (e / 2) % 2;
+        const float p = tc::exp_of_difference(a.s[e] * scale, a.lse[r]);
+        a.s[e] = attn::score_grad(p, a.dp[e], a.delta[r]);
+      }
+      return;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = lane_row(r), head = rows.group_head(g, row), pos = rows.group_pos(row);
+#pragma unroll
+      for (int j = 0; j < kKeys / 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int e = 4 * j + 2 * r + c;
+          const int key = static_cast<int>(tile) * kKeys + 8 * j + 2 * lane.quad + c;  // from key_lo
+          const bool visible = key >= my_rows.lo[r] && key < my_rows.hi[r];
+          float dcap;
+          const float x = tc::score(a.s[e], visible, unmodified, scale, extras, mask, b, head, pos,
+                                    block.key_lo + key, &dcap);
+          const float p = tc::exp_of_difference(x, a.lse[r]);
+          float dpe = visible ? a.dp[e] : 0.f;
+          if (!kPlain && extras.drop.enabled && visible) {
+            dpe *= extras.keep_factor<float>(b, head, pos, block.key_lo + key);
+          }
+          a.s[e] = attn::score_grad(p, dpe, a.delta[r]) * dcap;
+        }
+      }
+    }
+  }
+  // dQ += dS K of the tile whose dS is in ds, committed (K read MN-major).
+  // K rows past the block's last visible key are zeroed first: the product
+  // sums over them.
+  __device__ __forceinline__ void issue_dq(Acc& a, int64_t tile) const {
+    const int stage = stage_of(tile);
+    const int64_t visible_keys = block.key_hi - (block.key_lo + tile * kKeys);
+    if (visible_keys < kKeys) {
+      zero_keys_from<kBoxes, kKeys>(smem.kv.k_tile(stage), static_cast<int>(visible_keys), lane.t, 1 + lane.consumer);
+    }
+    hopper::fence_operand(a.dq);
+    fence_fragments(a.ds);
+    hopper::wgmma_fence();
+    issue_mn_major<T, kD>(a.dq, a.ds, smem.kv.k_tile(stage), kKeys);
+    hopper::wgmma_commit();
+  }
+  // After dQ's wait: its registers are read from here on, its K is free.
+  __device__ __forceinline__ void dq_done(Acc& a, int64_t tile) const {
+    hopper::fence_operand(a.dq);
+    fence_fragments(a.ds);
+    smem.kv.ring.release_keys(tile);
+  }
+
+  // Plain calls: tile j + 1's S and dP are issued before tile j's dQ += dS K,
+  // and their gradients formed while it runs. Every tile but the last has a
+  // next one: no product is issued under a condition, so ptxas sees which
+  // group each wait completes.
+  __device__ __forceinline__ void overlapped_tiles(Acc& a) const {
+    if (block.n_tiles > 0) {
+      issue_scores(a, 0);
+      hopper::wgmma_wait<0>();
+      scores_done(a, 0);
+      score_gradients(a, 0);
+      accumulators_to_frags<T, kKeys>(a.s, a.ds);
+    }
+    for (int64_t tile = 0; tile + 1 < block.n_tiles; ++tile) {
+      issue_scores(a, tile + 1);
+      issue_dq(a, tile);
+      hopper::wgmma_wait<1>();  // S and dP, not dQ
+      scores_done(a, tile + 1);
+      score_gradients(a, tile + 1);
+      hopper::wgmma_wait<0>();
+      dq_done(a, tile);
+      accumulators_to_frags<T, kKeys>(a.s, a.ds);
+    }
+    if (block.n_tiles > 0) {
+      issue_dq(a, block.n_tiles - 1);
+      hopper::wgmma_wait<0>();
+      dq_done(a, block.n_tiles - 1);
+    }
+  }
+  // The general scoring needs the registers the overlap would hold: one product at a time.
+  __device__ __forceinline__ void serial_tiles(Acc& a) const {
+    for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
+      issue_scores(a, tile);
+      hopper::wgmma_wait<0>();
+      scores_done(a, tile);
+      score_gradients(a, tile);
+      accumulators_to_frags<T, kKeys>(a.s, a.ds);
+      issue_dq(a, tile);
+      hopper::wgmma_wait<0>();
+      dq_done(a, tile);
+    }
+  }
+  __device__ __forceinline__ void store_rows(Acc& a, T* grad_q, int d) const {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = lane_row(r);
+      if (row >= block.rows_total) continue;
+      store_lane_row<T, kD>(grad_q + rows.row_of_group_row(b, g, row) * d, a.dq, r, lane.quad, d, scale);
+    }
+  }
+};
+
 }  // namespace hk
 
 // kPlain: no score modifier, no tensor mask, no dropout.
@@ -80,22 +280,15 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
                            float* __restrict__ delta, T* __restrict__ grad_q, attn::QueryRows rows,
                            attn::Seqs seqs, int d, float scale, Mask mask_all, ScoreExtras extras,
                            hk::HeadsInner heads_inner, hk::RowOrder order) {
-  using hopper::Major;
   using L = hk::DqLayout<kD, kStages>;
   constexpr int kBoxes = kD / hk::kBox;
-  constexpr int kKeys = L::kKeys;
-  unsigned char* raw = dynamic_shared<unsigned char>();
-  unsigned char* q_s = raw + (1024 - hopper::shared_address(raw) % 1024) % 1024;
-  unsigned char* do_s = q_s + L::kQBytes;
-  unsigned char* o_s = do_s + L::kQBytes;
-  unsigned char* kv_s = o_s + L::kQBytes;  // stage s: K at 2 s tiles, V after it
-  const hk::KvRing<kStages> ring(reinterpret_cast<uint64_t*>(kv_s + 2 * kStages * L::kTileBytes));
-  const auto k_tile = [&](int stage) { return kv_s + 2 * stage * L::kTileBytes; };
-  const auto v_tile = [&](int stage) { return kv_s + (2 * stage + 1) * L::kTileBytes; };
+  using Consumer = hk::DqConsumer<T, kD, kPlain, kStages>;
+  const hk::DqSmem<kD, kStages> smem(dynamic_shared<unsigned char>());
+  const hk::KvRing<kStages>& ring = smem.kv.ring;
 
   const int64_t g = blockIdx.y, b = blockIdx.z;
   const int64_t sq = seqs.q_len(b);
-  tc::QueryBlock<hk::kRows, kKeys> block(rows, sq);
+  tc::QueryBlock<hk::kRows, L::kKeys> block(rows, sq);
   if (block.empty()) return;  // past this (packed) sequence's end: the whole block
   const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
   block.find_keys(mask, rows);
@@ -112,210 +305,296 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
       const auto map_b = static_cast<int32_t>(seqs.packed() ? 0 : b);  // packed: one [1, H, total, D] tensor
       const auto head0 = static_cast<int32_t>(g * rows.group);
       hopper::mbarrier_arrive_expect_tx(ring.q_full, 3 * L::kQBytes);
-      hk::load_query_rows<kBoxes>(q_s, map_q, heads_inner.q, order, ring.q_full, pos0, head0, map_b);
-      hk::load_query_rows<kBoxes>(do_s, map_do, heads_inner.dout, order, ring.q_full, pos0, head0, map_b);
-      hk::load_query_rows<kBoxes>(o_s, map_o, heads_inner.out, order, ring.q_full, pos0, head0, map_b);
-      ring.template produce<kBoxes, kKeys>(0, block.n_tiles, seqs.k_start(b) + block.key_lo, static_cast<int32_t>(g),
-                                           map_b, map_k, map_v, heads_inner, k_tile, v_tile);
+      hk::load_query_rows<kBoxes>(smem.q_s, map_q, heads_inner.q, order, ring.q_full, pos0, head0, map_b);
+      hk::load_query_rows<kBoxes>(smem.do_s, map_do, heads_inner.dout, order, ring.q_full, pos0, head0, map_b);
+      hk::load_query_rows<kBoxes>(smem.o_s, map_o, heads_inner.out, order, ring.q_full, pos0, head0, map_b);
+      ring.template produce<kBoxes, L::kKeys>(0, block.n_tiles, seqs.k_start(b) + block.key_lo,
+                                              static_cast<int32_t>(g), map_b, map_k, map_v, heads_inner, smem.kv);
     }
     return;
   }
 
   hopper::setmaxnreg<240, true>();
-  const int t = tid - 128 * warpgroup, warp = t / 32, group = (t % 32) / 4, quad = t % 4;
-  const int consumer = warpgroup - 1;
-  // This lane's rows and the keys each sees (hk::lane_rows), and its lse.
-  int row_offset[2], lo[2], hi[2];
-  hk::lane_rows(block, order, rows, mask, consumer * 64 + warp * 16 + group, row_offset, lo, hi);
-  const auto lane_row = [&](int r) { return block.row0 + row_offset[r]; };
-  float lse_row[2];
+  const hk::ConsumerLane lane(tid - 128 * warpgroup, warpgroup - 1);
+  // This lane's rows and the keys each sees (hk::LaneRows), and its lse.
+  const hk::LaneRows<L::kKeys> my_rows(block, order, rows, mask, lane);
+  typename Consumer::Acc a;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int64_t row = lane_row(r);
-    lse_row[r] = row < block.rows_total
-                     ? attn::ScalarOps<float>::finite_or_zero(lse[rows.row_of_group_row(b, g, row)])
-                     : 0.f;
+    const int64_t row = block.row0 + my_rows.row_offset[r];
+    a.lse[r] = row < block.rows_total
+                   ? attn::ScalarOps<float>::finite_or_zero(lse[rows.row_of_group_row(b, g, row)])
+                   : 0.f;
   }
   const bool unmodified = kPlain || (!extras.mods.any_score_mod() && !extras.mask.present());
-  // The tiles whose every key both rows see: a plain call scores them without testing each key.
-  const int full_lo = kPlain ? hk::first_full_tile<kKeys>(lo, hi) : 0;
-  const int full_hi = kPlain ? hk::end_full_tile<kKeys>(lo, hi) : 0;
-
-  // delta of this lane's rows (0 where the block sees no key: its rows' outputs are 0).
-  float dlt[2] = {0.f, 0.f};
-  if (block.n_tiles > 0) {
-    hopper::mbarrier_wait(ring.q_full, 0);
-    float c[32];  // dO O^T of this consumer's 64 rows
-    hopper::fence_operand(c);
-    hopper::wgmma_fence();
+  const hk::FullTiles<kPlain, L::kKeys> full(my_rows);
+  const Consumer c{smem, block, my_rows, full, lane, rows, mask, extras, scale, g, b, unmodified};
+  c.find_deltas(a, delta);
 #pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks) {
-      hopper::wgmma<T, 64, Major::kK, Major::kK>(c, hk::k_major(do_s, hk::kRows, consumer * 64, ks),
-                                                 hk::k_major(o_s, hk::kRows, consumer * 64, ks), ks > 0);
-    }
-    hopper::wgmma_commit();
-    hopper::wgmma_wait<0>();
-    hopper::fence_operand(c);
-    // Row m = 16 warp + group + 8 r meets column m in register 4 (2 warp + r)
-    // + 2 r + group % 2 of the group's lane with quad group / 2.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float diagonal = 0.f;
-#pragma unroll
-      for (int e = 0; e < 32; ++e) {
-        if (e / 4 == 2 * warp + r && (e / 2) % 2 == r && e % 2 == group % 2) diagonal = c[e];
-      }
-      dlt[r] = __shfl_sync(kFullMask, diagonal, 4 * group + group / 2);
-    }
-  }
-  if (quad == 0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (lane_row(r) < block.rows_total) delta[rows.row_of_group_row(b, g, lane_row(r))] = dlt[r];
-    }
-  }
-
-  float dq[kD / 2], s[kKeys / 2], dp[kKeys / 2];
-  mma::FragA ds[kKeys / 16];
-#pragma unroll
-  for (float& x : dq) x = 0.f;
-  const auto stage_of = [](int64_t tile) { return static_cast<int>(tile % kStages); };
-  // S = Q K^T and dP = dO V^T of a tile, issued and committed once its K and V have landed.
-  const auto issue_scores = [&](int64_t tile) {
-    const int stage = stage_of(tile);
-    ring.wait_keys(tile);
-    ring.wait_values(tile);
-    hopper::fence_operand(s);
-    hopper::fence_operand(dp);
-    hopper::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks) {
-      hopper::wgmma<T, kKeys, Major::kK, Major::kK>(s, hk::k_major(q_s, hk::kRows, consumer * 64, ks),
-                                                    hk::k_major(k_tile(stage), kKeys, 0, ks), ks > 0);
-    }
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks) {
-      hopper::wgmma<T, kKeys, Major::kK, Major::kK>(dp, hk::k_major(do_s, hk::kRows, consumer * 64, ks),
-                                                    hk::k_major(v_tile(stage), kKeys, 0, ks), ks > 0);
-    }
-    hopper::wgmma_commit();
-  };
-  // After the wait for a tile's S and dP: their registers are read from here
-  // on, and its V is free (dQ reads K alone).
-  const auto scores_done = [&](int64_t tile) {
-    hopper::fence_operand(s);
-    hopper::fence_operand(dp);
-    ring.release_values(tile);
-  };
-  // s becomes dS = P (dP - delta) (through the cap's slope).
-  const auto score_gradients = [&](int64_t tile) {
-    if (tile >= full_lo && tile < full_hi) {
-#pragma unroll
-      for (int e = 0; e < kKeys / 2; ++e) {
-        const int r = (e / 2) % 2;
-        const float p = tc::exp_of_difference(s[e] * scale, lse_row[r]);
-        s[e] = attn::score_grad(p, dp[e], dlt[r]);
-      }
-      return;
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t row = lane_row(r), head = rows.group_head(g, row), pos = rows.group_pos(row);
-#pragma unroll
-      for (int j = 0; j < kKeys / 8; ++j) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int e = 4 * j + 2 * r + c;
-          const int key = static_cast<int>(tile) * kKeys + 8 * j + 2 * quad + c;  // from key_lo
-          const bool visible = key >= lo[r] && key < hi[r];
-          float dcap;
-          const float x = tc::score(s[e], visible, unmodified, scale, extras, mask, b, head, pos,
-                                    block.key_lo + key, &dcap);
-          const float p = tc::exp_of_difference(x, lse_row[r]);
-          float dpe = visible ? dp[e] : 0.f;
-          if (!kPlain && extras.drop.enabled && visible) {
-            dpe *= extras.keep_factor<float>(b, head, pos, block.key_lo + key);
-          }
-          s[e] = attn::score_grad(p, dpe, dlt[r]) * dcap;
-        }
-      }
-    }
-  };
-  // dQ += dS K of the tile whose dS is in ds, committed. K rows past the
-  // block's last visible key are zeroed first: the product sums over them.
-  const auto issue_dq = [&](int64_t tile) {
-    const int stage = stage_of(tile);
-    const int64_t visible_keys = block.key_hi - (block.key_lo + tile * kKeys);
-    if (visible_keys < kKeys) {
-      hk::zero_rows_from<kBoxes>(k_tile(stage), kKeys, static_cast<int>(visible_keys), t);
-      hopper::fence_proxy_async();
-      hopper::named_barrier_sync(1 + consumer, 128);
-    }
-    hopper::fence_operand(dq);
-#pragma unroll
-    for (int i = 0; i < kKeys / 16; ++i) hopper::fence_operand(ds[i]);
-    hopper::wgmma_fence();
-#pragma unroll
-    for (int i = 0; i < kKeys / 16; ++i) {
-      hopper::wgmma<T, kD, Major::kMN>(dq, ds[i], hk::mn_major(k_tile(stage), kKeys, i), true);
-    }
-    hopper::wgmma_commit();
-  };
-  // After dQ's wait: its registers are read from here on, its K is free.
-  const auto dq_done = [&](int64_t tile) {
-    hopper::fence_operand(dq);
-#pragma unroll
-    for (int i = 0; i < kKeys / 16; ++i) hopper::fence_operand(ds[i]);
-    ring.release_keys(tile);
-  };
+  for (float& x : a.dq) x = 0.f;
   if constexpr (kPlain) {
-    // Tile j + 1's S and dP are issued before tile j's dQ += dS K, and their
-    // gradients formed while it runs. Every tile but the last has a next one:
-    // no product is issued under a condition, so ptxas sees which group each
-    // wait completes.
-    if (block.n_tiles > 0) {
-      issue_scores(0);
-      hopper::wgmma_wait<0>();
-      scores_done(0);
-      score_gradients(0);
-      hk::accumulators_to_frags<T, kKeys>(s, ds);
-    }
-    for (int64_t tile = 0; tile + 1 < block.n_tiles; ++tile) {
-      issue_scores(tile + 1);
-      issue_dq(tile);
-      hopper::wgmma_wait<1>();  // S and dP, not dQ
-      scores_done(tile + 1);
-      score_gradients(tile + 1);
-      hopper::wgmma_wait<0>();
-      dq_done(tile);
-      hk::accumulators_to_frags<T, kKeys>(s, ds);
-    }
-    if (block.n_tiles > 0) {
-      issue_dq(block.n_tiles - 1);
-      hopper::wgmma_wait<0>();
-      dq_done(block.n_tiles - 1);
-    }
+    c.overlapped_tiles(a);
   } else {
-    // The general scoring needs the registers the overlap would hold: one product at a time.
-    for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
-      issue_scores(tile);
-      hopper::wgmma_wait<0>();
-      scores_done(tile);
-      score_gradients(tile);
-      hk::accumulators_to_frags<T, kKeys>(s, ds);
-      issue_dq(tile);
-      hopper::wgmma_wait<0>();
-      dq_done(tile);
-    }
+    c.serial_tiles(a);
   }
+  c.store_rows(a, grad_q, d);
+}
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = lane_row(r);
-    if (row >= block.rows_total) continue;
-    hk::store_lane_row<T, kD>(grad_q + rows.row_of_group_row(b, g, row) * d, dq, r, quad, d, scale);
+namespace hk {
+
+// The dK/dV block's shared memory: K, V, each stage's Q and dO tiles, the
+// tiles' statistics (double-buffered), the mbarriers.
+template <int kD>
+struct DkdvSmem {
+  using L = DkdvLayout<kD>;
+  unsigned char *k_s, *v_s;
+  unsigned char* rows_s;  // stage s: Q at 2 s tiles, dO after it
+  float* stats_s;
+  uint64_t *kv_full, *full, *empty, *stats_full, *stats_empty;
+
+  __device__ __forceinline__ explicit DkdvSmem(unsigned char* raw)
+      : k_s(raw + (1024 - hopper::shared_address(raw) % 1024) % 1024), v_s(k_s + L::kKeyBytes),
+        rows_s(v_s + L::kKeyBytes), stats_s(reinterpret_cast<float*>(rows_s + 2 * kStages * L::kTileBytes)),
+        kv_full(reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(stats_s) + L::kStatsBytes)),
+        full(kv_full + 1), empty(full + kStages), stats_full(empty + kStages), stats_empty(stats_full + 2) {}
+  // By thread 0, before the block's __syncthreads.
+  __device__ __forceinline__ void init() const {
+    hopper::mbarrier_init(kv_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      hopper::mbarrier_init(&full[s], 1);
+      hopper::mbarrier_init(&empty[s], kConsumers * 128);
+    }
+    for (int buf = 0; buf < 2; ++buf) {
+      hopper::mbarrier_init(&stats_full[buf], 32);
+      hopper::mbarrier_init(&stats_empty[buf], kConsumers * 128);
+    }
+    hopper::mbarrier_init_fence();
+  }
+  // Statistics buffer `buf`: lse, delta, and the position of each shared row
+  // of its tile (-1 past the positions that see a key).
+  __device__ __forceinline__ float* lse_s(int buf) const { return stats_s + buf * 3 * kTileRows; }
+  __device__ __forceinline__ float* delta_s(int buf) const { return lse_s(buf) + kTileRows; }
+  __device__ __forceinline__ int* pos_s(int buf) const { return reinterpret_cast<int*>(lse_s(buf) + 2 * kTileRows); }
+  __device__ __forceinline__ unsigned char* q_tile(int stage) const { return rows_s + 2 * stage * L::kTileBytes; }
+  __device__ __forceinline__ unsigned char* do_tile(int stage) const {
+    return rows_s + (2 * stage + 1) * L::kTileBytes;
+  }
+};
+
+// A dK/dV block's keys j0.. of kv head g of sequence b (grid y and z; empty
+// past the sequence's keys) and the positions that see any of them, P = 64 /
+// G of them a tile.
+struct KeyBlock {
+  int64_t g, b, sq, sk, j0;
+  int64_t j_end = 0, pos_begin = 0, pos_end = 0, n_tiles = 0;
+  int positions = 0;
+  Mask mask;
+
+  __device__ __forceinline__ explicit KeyBlock(const attn::Seqs& seqs)
+      : g(blockIdx.y), b(blockIdx.z), sq(seqs.q_len(b)), sk(seqs.k_len(b)),
+        j0(static_cast<int64_t>(blockIdx.x) * kRows) {}
+  __device__ __forceinline__ bool empty() const { return j0 >= sk; }
+  __device__ __forceinline__ void find_positions(const Mask& mask_all, const RowOrder& order) {
+    j_end = j0 + kRows < sk ? j0 + kRows : sk;
+    mask = mask_all.of_lengths(sq, sk);
+    pos_begin = attn::query_begin(mask, j0, sq), pos_end = attn::query_end(mask, j_end, sq);
+    positions = 1 << order.positions_log2;
+    n_tiles = pos_end > pos_begin ? (pos_end - pos_begin + positions - 1) / positions : 0;
+  }
+};
+
+// The producer's thread: the block's K and V, then each tile's Q and dO
+// once its consumers freed the stage.
+template <int kD>
+__device__ __forceinline__ void produce_tiles(const DkdvSmem<kD>& smem, const KeyBlock& block,
+                                              const hopper::TensorMap& map_q, const hopper::TensorMap& map_do,
+                                              const hopper::TensorMap& map_k, const hopper::TensorMap& map_v,
+                                              const attn::QueryRows& rows, const attn::Seqs& seqs,
+                                              const HeadsInner& heads_inner, const RowOrder& order) {
+  using L = DkdvLayout<kD>;
+  constexpr int kBoxes = kD / kBox;
+  const int64_t g = block.g, b = block.b;
+  const auto map_b = static_cast<int32_t>(seqs.packed() ? 0 : b);  // packed: one [1, H, total, D] tensor
+  const auto key0 = static_cast<int32_t>(seqs.k_start(b) + block.j0);
+  hopper::mbarrier_arrive_expect_tx(smem.kv_full, 2 * L::kKeyBytes);
+  load_key_rows<kBoxes, kRows>(smem.k_s, map_k, heads_inner.k, smem.kv_full, key0, static_cast<int32_t>(g), map_b);
+  load_key_rows<kBoxes, kRows>(smem.v_s, map_v, heads_inner.v, smem.kv_full, key0, static_cast<int32_t>(g), map_b);
+  const int64_t pos_start = seqs.q_start(b) + block.pos_begin;
+  const auto head0 = static_cast<int32_t>(g * rows.group);
+  for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
+    const int stage = static_cast<int>(tile % kStages);
+    const unsigned round = static_cast<unsigned>(tile / kStages);
+    hopper::mbarrier_wait(&smem.empty[stage], (round & 1u) ^ 1u);
+    const auto pos0 = static_cast<int32_t>(pos_start + tile * block.positions);
+    hopper::mbarrier_arrive_expect_tx(&smem.full[stage], 2 * L::kTileBytes);
+    load_query_rows<kBoxes>(smem.q_tile(stage), map_q, heads_inner.q, order, &smem.full[stage], pos0, head0, map_b);
+    load_query_rows<kBoxes>(smem.do_tile(stage), map_do, heads_inner.dout, order, &smem.full[stage], pos0, head0,
+                            map_b);
   }
 }
+
+// The producer's warp 1 (lane its lane): the tiles' statistics a buffer
+// ahead, read from global memory here so that no consumer waits on the loads
+// (they were the consumers' longest wait): both consumers read a buffer, then
+// free it. Each lane takes two rows of a tile, their offsets worked out once:
+// this code has 24 registers (setmaxnreg).
+template <int kD>
+__device__ __forceinline__ void produce_stats(const DkdvSmem<kD>& smem, const KeyBlock& block,
+                                              const float* lse, const float* delta, const attn::QueryRows& rows,
+                                              const RowOrder& order, int lane) {
+  static_assert(kTileRows == 64, "two rows a lane");
+  const int64_t pos_begin = block.pos_begin;
+  const auto span = static_cast<int32_t>(block.pos_end - pos_begin), first = static_cast<int32_t>(pos_begin);
+  int64_t row_at[2];  // the lse / delta row of the lane's rows at the tile's first position pos_begin
+  int32_t offset[2];  // their positions from the tile's first
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    offset[r] = order.pos_of(lane + 32 * r);
+    row_at[r] = rows.row(block.b, block.g * rows.group + order.head_of(lane + 32 * r), pos_begin);
+  }
+  for (int32_t tile = 0; tile < static_cast<int32_t>(block.n_tiles); ++tile) {
+    const int buf = tile % 2;
+    hopper::mbarrier_wait(&smem.stats_empty[buf], (static_cast<unsigned>(tile / 2) & 1u) ^ 1u);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int32_t at = tile * block.positions + offset[r];  // from pos_begin
+      const bool valid = at < span;
+      const int i = lane + 32 * r;
+      smem.lse_s(buf)[i] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[row_at[r] + at]) : 0.f;
+      smem.delta_s(buf)[i] = valid ? delta[row_at[r] + at] : 0.f;
+      smem.pos_s(buf)[i] = valid ? first + at : -1;
+    }
+    hopper::mbarrier_arrive(&smem.stats_full[buf]);
+  }
+}
+
+// A dK/dV consumer thread's work: the steps of a tile of query rows, whose
+// products accumulate into dK and dV (hopper.cuh's layout).
+template <typename T, int kD, bool kPlain>
+struct DkdvConsumer {
+  static constexpr int kBoxes = kD / kBox;
+  static constexpr int kTile = kTileRows;
+  const DkdvSmem<kD>& smem;
+  const KeyBlock& block;
+  const ConsumerLane& lane;
+  const attn::QueryRows& rows;
+  const ScoreExtras& extras;
+  const RowOrder& order;
+  float scale;
+  bool unmodified;  // no score modifier, no tensor mask
+  int64_t warp_j0;  // the first of its warp's keys
+
+  // S^T = K Q^T and dP^T = V dO^T of a tile (this lane's keys x the tile's
+  // rows), once its Q, dO and statistics have landed.
+  __device__ __forceinline__ void scores(float (&s)[kTile / 2], float (&dp)[kTile / 2], int stage, int buf,
+                                         int64_t tile) const {
+    hopper::mbarrier_wait(&smem.full[stage], static_cast<unsigned>(tile / kStages) & 1u);
+    // (a wait between the products' issue and their completion spilled their accumulators)
+    hopper::mbarrier_wait(&smem.stats_full[buf], static_cast<unsigned>(tile / 2) & 1u);
+    hopper::fence_operand(s);
+    hopper::fence_operand(dp);
+    hopper::wgmma_fence();
+    issue_k_major<T, kD, kTile>(s, smem.k_s, kRows, lane.consumer * 64, smem.q_tile(stage), kTile, 0);
+    issue_k_major<T, kD, kTile>(dp, smem.v_s, kRows, lane.consumer * 64, smem.do_tile(stage), kTile, 0);
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<0>();
+    hopper::fence_operand(s);
+    hopper::fence_operand(dp);
+  }
+  // s becomes P^T (after dropout), dp dS^T (through the cap's slope), for
+  // the tile whose first position is p0.
+  __device__ __forceinline__ void score_gradients(float (&s)[kTile / 2], float (&dp)[kTile / 2], int buf,
+                                                  int64_t p0) const {
+    const Mask& mask = block.mask;
+    const int64_t p_last = p0 + block.positions - 1;
+    // Every row of the tile sees every key of this warp: its first
+    // position's range ends after them and its last position's begins before them.
+    const bool inside = kPlain && p_last < block.pos_end && warp_j0 + 16 <= block.j_end &&
+                        warp_j0 + 16 <= attn::key_end(mask, p0) && warp_j0 >= attn::key_begin(mask, p_last);
+    if (inside) {
+#pragma unroll
+      for (int e = 0; e < kTile / 2; ++e) {
+        const int col = 8 * (e / 4) + 2 * lane.quad + e % 2;
+        const float p = tc::exp_of_difference(s[e] * scale, smem.lse_s(buf)[col]);
+        dp[e] = attn::score_grad(p, dp[e], smem.delta_s(buf)[col]);
+        s[e] = p;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < kTile / 2; ++e) {
+        const int col = 8 * (e / 4) + 2 * lane.quad + e % 2;
+        const int64_t key = warp_j0 + lane.group + 8 * ((e / 2) % 2);
+        const int pos = smem.pos_s(buf)[col];
+        const int64_t head = block.g * rows.group + order.head_of(col);
+        const bool visible = pos >= 0 && key < block.j_end && key >= attn::key_begin(mask, pos) &&
+                             key < attn::key_end(mask, pos);
+        float dcap;
+        const float x = tc::score(s[e], visible, unmodified, scale, extras, mask, block.b, head, pos, key, &dcap);
+        const float p = tc::exp_of_difference(x, smem.lse_s(buf)[col]);
+        float keep = 1.f;
+        if (!kPlain && extras.drop.enabled && visible) keep = extras.keep_factor<float>(block.b, head, pos, key);
+        const float dpe = visible ? dp[e] * keep : 0.f;
+        dp[e] = attn::score_grad(p, dpe, smem.delta_s(buf)[col]) * dcap;
+        s[e] = p * keep;  // dV sees the probabilities after dropout
+      }
+    }
+  }
+  // Zeros the rows past the positions that see a key (the last tile's, a
+  // packed neighbour's) of the tile whose first position is p0: dV and dK
+  // sum over dO's and Q's rows.
+  __device__ __forceinline__ void zero_rows_past_end(int stage, int64_t p0) const {
+    unsigned char* q_tile = smem.q_tile(stage);
+    unsigned char* do_tile = smem.do_tile(stage);
+    const int first_pos = static_cast<int>(block.pos_end - p0);
+    if (order.pos_major) {
+      zero_rows_from<kBoxes>(q_tile, kTile, first_pos << order.group_log2, lane.t);
+      zero_rows_from<kBoxes>(do_tile, kTile, first_pos << order.group_log2, lane.t);
+    } else {
+      for (int c = lane.t; c < kBoxes * kTile * 8; c += 128) {  // 16-byte chunks of rows whose position is past
+        const int box = c / (kTile * 8), row = (c / 8) % kTile, chunk = c % 8;
+        if (order.pos_of(row) < first_pos) continue;
+        const int at = (box * kTile + row) * 128 + chunk * 16;
+        *reinterpret_cast<Pack<uint32_t, 4>*>(q_tile + at) = Pack<uint32_t, 4>{{0u, 0u, 0u, 0u}};
+        *reinterpret_cast<Pack<uint32_t, 4>*>(do_tile + at) = Pack<uint32_t, 4>{{0u, 0u, 0u, 0u}};
+      }
+    }
+    hopper::fence_proxy_async();
+    hopper::named_barrier_sync(1 + lane.consumer, 128);
+  }
+  // dV += P^T dO and dK += dS^T Q (dO and Q read MN-major), waited for.
+  __device__ __forceinline__ void accumulate(float (&dk)[kD / 2], float (&dv)[kD / 2], const float (&s)[kTile / 2],
+                                             const float (&dp)[kTile / 2], int stage) const {
+    mma::FragA pa[kTile / 16], dsa[kTile / 16];
+    accumulators_to_frags<T, kTile>(s, pa);
+    accumulators_to_frags<T, kTile>(dp, dsa);
+    hopper::fence_operand(dv);
+    hopper::fence_operand(dk);
+#pragma unroll
+    for (int i = 0; i < kTile / 16; ++i) hopper::fence_operand(pa[i]), hopper::fence_operand(dsa[i]);
+    hopper::wgmma_fence();
+    issue_mn_major<T, kD>(dv, pa, smem.do_tile(stage), kTile);
+    issue_mn_major<T, kD>(dk, dsa, smem.q_tile(stage), kTile);
+    hopper::wgmma_commit();
+    hopper::wgmma_wait<0>();
+    hopper::fence_operand(dv);
+    hopper::fence_operand(dk);
+#pragma unroll
+    for (int i = 0; i < kTile / 16; ++i) hopper::fence_operand(pa[i]), hopper::fence_operand(dsa[i]);
+  }
+  __device__ __forceinline__ void store_rows(const float (&dk)[kD / 2], const float (&dv)[kD / 2], T* grad_k,
+                                             T* grad_v, const attn::KeyRows& key_rows, int d) const {
+    const int64_t kv_row0 = key_rows.row(block.b, block.g, 0);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t key = warp_j0 + lane.group + 8 * r;
+      if (key >= block.j_end) continue;
+      store_lane_row<T, kD>(grad_k + (kv_row0 + key) * d, dk, r, lane.quad, d, scale);
+      store_lane_row<T, kD>(grad_v + (kv_row0 + key) * d, dv, r, lane.quad, d, 1.f);
+    }
+  }
+};
+
+}  // namespace hk
 
 template <typename T, int kD, bool kPlain>
 __global__ void __launch_bounds__(hk::kThreads, 1)
@@ -326,232 +605,50 @@ attention_hopper_dkdv_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_
                              const float* __restrict__ delta, T* __restrict__ grad_k, T* __restrict__ grad_v,
                              attn::QueryRows rows, attn::KeyRows key_rows, attn::Seqs seqs, int d, float scale,
                              Mask mask_all, ScoreExtras extras, hk::HeadsInner heads_inner, hk::RowOrder order) {
-  using hopper::Major;
-  using L = hk::DkdvLayout<kD>;
-  constexpr int kBoxes = kD / hk::kBox;
-  constexpr int kTile = hk::kTileRows;
-  unsigned char* raw = dynamic_shared<unsigned char>();
-  unsigned char* k_s = raw + (1024 - hopper::shared_address(raw) % 1024) % 1024;
-  unsigned char* v_s = k_s + L::kKeyBytes;
-  unsigned char* rows_s = v_s + L::kKeyBytes;  // stage s: Q at 2 s tiles, dO after it
-  auto* stats_s = reinterpret_cast<float*>(rows_s + 2 * hk::kStages * L::kTileBytes);
-  auto* kv_full = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(stats_s) + L::kStatsBytes);
-  uint64_t* full = kv_full + 1;
-  uint64_t* empty = full + hk::kStages;
-  uint64_t* stats_full = empty + hk::kStages;
-  uint64_t* stats_empty = stats_full + 2;
-  // Statistics buffer `buf`: lse, delta, and the position of each shared row
-  // of its tile (-1 past the positions that see a key).
-  const auto lse_s = [&](int buf) { return stats_s + buf * 3 * kTile; };
-  const auto delta_s = [&](int buf) { return lse_s(buf) + kTile; };
-  const auto pos_s = [&](int buf) { return reinterpret_cast<int*>(lse_s(buf) + 2 * kTile); };
-  const auto q_tile = [&](int stage) { return rows_s + 2 * stage * L::kTileBytes; };
-  const auto do_tile = [&](int stage) { return rows_s + (2 * stage + 1) * L::kTileBytes; };
-
-  const int64_t g = blockIdx.y, b = blockIdx.z;
-  const int64_t sq = seqs.q_len(b), sk = seqs.k_len(b);
-  const int64_t j0 = static_cast<int64_t>(blockIdx.x) * hk::kRows;
-  if (j0 >= sk) return;  // past this (packed) sequence's end: the whole block
-  const int64_t j_end = j0 + hk::kRows < sk ? j0 + hk::kRows : sk;
-  const Mask mask = mask_all.of_lengths(sq, sk);
-  // The positions that see any key of this block, P = 64 / G of them a tile.
-  const int64_t pos_begin = attn::query_begin(mask, j0, sq), pos_end = attn::query_end(mask, j_end, sq);
-  const int positions = 1 << order.positions_log2;
-  const int64_t n_tiles = pos_end > pos_begin ? (pos_end - pos_begin + positions - 1) / positions : 0;
+  const hk::DkdvSmem<kD> smem(dynamic_shared<unsigned char>());
+  hk::KeyBlock block(seqs);
+  if (block.empty()) return;  // past this (packed) sequence's end: the whole block
+  block.find_positions(mask_all, order);
 
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    hopper::mbarrier_init(kv_full, 1);
-    for (int s = 0; s < hk::kStages; ++s) {
-      hopper::mbarrier_init(&full[s], 1);
-      hopper::mbarrier_init(&empty[s], hk::kConsumers * 128);
-    }
-    for (int buf = 0; buf < 2; ++buf) {
-      hopper::mbarrier_init(&stats_full[buf], 32);
-      hopper::mbarrier_init(&stats_empty[buf], hk::kConsumers * 128);
-    }
-    hopper::mbarrier_init_fence();
-  }
+  if (tid == 0) smem.init();
   __syncthreads();
   const int warpgroup = __shfl_sync(kFullMask, tid / 128, 0);
 
   if (warpgroup == 0) {  // producer: thread 0 the TMA loads, warp 1 the tiles' statistics
     hopper::setmaxnreg<24, false>();
-    if (tid == 0 && n_tiles > 0) {
-      const auto map_b = static_cast<int32_t>(seqs.packed() ? 0 : b);  // packed: one [1, H, total, D] tensor
-      const auto key0 = static_cast<int32_t>(seqs.k_start(b) + j0);
-      hopper::mbarrier_arrive_expect_tx(kv_full, 2 * L::kKeyBytes);
-      hk::load_key_rows<kBoxes, hk::kRows>(k_s, map_k, heads_inner.k, kv_full, key0, static_cast<int32_t>(g), map_b);
-      hk::load_key_rows<kBoxes, hk::kRows>(v_s, map_v, heads_inner.v, kv_full, key0, static_cast<int32_t>(g), map_b);
-      const int64_t pos_start = seqs.q_start(b) + pos_begin;
-      const auto head0 = static_cast<int32_t>(g * rows.group);
-      for (int64_t tile = 0; tile < n_tiles; ++tile) {
-        const int stage = static_cast<int>(tile % hk::kStages);
-        const unsigned round = static_cast<unsigned>(tile / hk::kStages);
-        hopper::mbarrier_wait(&empty[stage], (round & 1u) ^ 1u);
-        const auto pos0 = static_cast<int32_t>(pos_start + tile * positions);
-        hopper::mbarrier_arrive_expect_tx(&full[stage], 2 * L::kTileBytes);
-        hk::load_query_rows<kBoxes>(q_tile(stage), map_q, heads_inner.q, order, &full[stage], pos0, head0, map_b);
-        hk::load_query_rows<kBoxes>(do_tile(stage), map_do, heads_inner.dout, order, &full[stage], pos0, head0,
-                                    map_b);
-      }
-    } else if (tid / 32 == 1 && n_tiles > 0) {
-      // The tiles' statistics a buffer ahead, read from global memory here so
-      // that no consumer waits on the loads (they were the consumers' longest
-      // wait): both consumers read a buffer, then free it. Each lane takes two
-      // rows of a tile, their offsets worked out once: this code has 24
-      // registers (setmaxnreg).
-      static_assert(kTile == 64, "two rows a lane");
-      const int lane = tid % 32;
-      const auto span = static_cast<int32_t>(pos_end - pos_begin), first = static_cast<int32_t>(pos_begin);
-      int64_t row_at[2];  // the lse / delta row of the lane's rows at the tile's first position pos_begin
-      int32_t offset[2];  // their positions from the tile's first
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        offset[r] = order.pos_of(lane + 32 * r);
-        row_at[r] = rows.row(b, g * rows.group + order.head_of(lane + 32 * r), pos_begin);
-      }
-      for (int32_t tile = 0; tile < static_cast<int32_t>(n_tiles); ++tile) {
-        const int buf = tile % 2;
-        hopper::mbarrier_wait(&stats_empty[buf], (static_cast<unsigned>(tile / 2) & 1u) ^ 1u);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int32_t at = tile * positions + offset[r];  // from pos_begin
-          const bool valid = at < span;
-          const int i = lane + 32 * r;
-          lse_s(buf)[i] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[row_at[r] + at]) : 0.f;
-          delta_s(buf)[i] = valid ? delta[row_at[r] + at] : 0.f;
-          pos_s(buf)[i] = valid ? first + at : -1;
-        }
-        hopper::mbarrier_arrive(&stats_full[buf]);
-      }
+    if (tid == 0 && block.n_tiles > 0) {
+      hk::produce_tiles(smem, block, map_q, map_do, map_k, map_v, rows, seqs, heads_inner, order);
+    } else if (tid / 32 == 1 && block.n_tiles > 0) {
+      hk::produce_stats(smem, block, lse, delta, rows, order, tid % 32);
     }
     return;
   }
 
   hopper::setmaxnreg<240, true>();
-  const int t = tid - 128 * warpgroup, warp = t / 32, group = (t % 32) / 4, quad = t % 4;
-  const int consumer = warpgroup - 1;
+  const hk::ConsumerLane lane(tid - 128 * warpgroup, warpgroup - 1);
   const bool unmodified = kPlain || (!extras.mods.any_score_mod() && !extras.mask.present());
   // This lane's keys (r = 0, 1: keys `group` and group + 8 of its warp's 16)
   // and its warp's 16.
-  const int64_t warp_j0 = j0 + consumer * 64 + warp * 16;
-
+  const int64_t warp_j0 = block.j0 + lane.consumer * 64 + lane.warp * 16;
+  const hk::DkdvConsumer<T, kD, kPlain> c{smem, block, lane, rows, extras, order, scale, unmodified, warp_j0};
   float dk[kD / 2], dv[kD / 2];
 #pragma unroll
   for (int e = 0; e < kD / 2; ++e) dk[e] = 0.f, dv[e] = 0.f;
-  if (n_tiles > 0) hopper::mbarrier_wait(kv_full, 0);
-  for (int64_t tile = 0; tile < n_tiles; ++tile) {
+  if (block.n_tiles > 0) hopper::mbarrier_wait(smem.kv_full, 0);
+  for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
     const int stage = static_cast<int>(tile % hk::kStages), buf = static_cast<int>(tile % 2);
-    const int64_t p0 = pos_begin + tile * positions;  // the tile's first position
-    float s[kTile / 2], dp[kTile / 2];                 // S^T and dP^T: this lane's keys x the tile's rows
-    hopper::mbarrier_wait(&full[stage], static_cast<unsigned>(tile / hk::kStages) & 1u);
-    // (a wait between the products' issue and their completion spilled their accumulators)
-    hopper::mbarrier_wait(&stats_full[buf], static_cast<unsigned>(tile / 2) & 1u);
-    hopper::fence_operand(s);
-    hopper::fence_operand(dp);
-    hopper::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks) {
-      hopper::wgmma<T, kTile, Major::kK, Major::kK>(s, hk::k_major(k_s, hk::kRows, consumer * 64, ks),
-                                                    hk::k_major(q_tile(stage), kTile, 0, ks), ks > 0);
-    }
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks) {
-      hopper::wgmma<T, kTile, Major::kK, Major::kK>(dp, hk::k_major(v_s, hk::kRows, consumer * 64, ks),
-                                                    hk::k_major(do_tile(stage), kTile, 0, ks), ks > 0);
-    }
-    hopper::wgmma_commit();
-    hopper::wgmma_wait<0>();
-    hopper::fence_operand(s);
-    hopper::fence_operand(dp);
-
-    // s becomes P^T (after dropout), dp dS^T (through the cap's slope).
-    // Every row of the tile sees every key of this warp: its first
-    // position's range ends after them and its last position's begins before them.
-    const int64_t p_last = p0 + positions - 1;
-    const bool inside = kPlain && p_last < pos_end && warp_j0 + 16 <= j_end &&
-                        warp_j0 + 16 <= attn::key_end(mask, p0) && warp_j0 >= attn::key_begin(mask, p_last);
-    if (inside) {
-#pragma unroll
-      for (int e = 0; e < kTile / 2; ++e) {
-        const int col = 8 * (e / 4) + 2 * quad + e % 2;
-        const float p = tc::exp_of_difference(s[e] * scale, lse_s(buf)[col]);
-        dp[e] = attn::score_grad(p, dp[e], delta_s(buf)[col]);
-        s[e] = p;
-      }
-    } else {
-#pragma unroll
-      for (int e = 0; e < kTile / 2; ++e) {
-        const int col = 8 * (e / 4) + 2 * quad + e % 2;
-        const int64_t key = warp_j0 + group + 8 * ((e / 2) % 2);
-        const int pos = pos_s(buf)[col];
-        const int64_t head = g * rows.group + order.head_of(col);
-        const bool visible = pos >= 0 && key < j_end && key >= attn::key_begin(mask, pos) &&
-                             key < attn::key_end(mask, pos);
-        float dcap;
-        const float x = tc::score(s[e], visible, unmodified, scale, extras, mask, b, head, pos, key, &dcap);
-        const float p = tc::exp_of_difference(x, lse_s(buf)[col]);
-        float keep = 1.f;
-        if (!kPlain && extras.drop.enabled && visible) keep = extras.keep_factor<float>(b, head, pos, key);
-        const float dpe = visible ? dp[e] * keep : 0.f;
-        dp[e] = attn::score_grad(p, dpe, delta_s(buf)[col]) * dcap;
-        s[e] = p * keep;  // dV sees the probabilities after dropout
-      }
-    }
-    hopper::mbarrier_arrive(&stats_empty[buf]);  // the statistics' last reader
-    // Rows past the positions that see a key (the last tile's, a packed
-    // neighbour's): dV and dK sum over dO's and Q's rows.
-    if (p_last >= pos_end) {
-      const int first_pos = static_cast<int>(pos_end - p0);
-      if (order.pos_major) {
-        hk::zero_rows_from<kBoxes>(q_tile(stage), kTile, first_pos << order.group_log2, t);
-        hk::zero_rows_from<kBoxes>(do_tile(stage), kTile, first_pos << order.group_log2, t);
-      } else {
-        for (int c = t; c < kBoxes * kTile * 8; c += 128) {  // 16-byte chunks of rows whose position is past
-          const int box = c / (kTile * 8), row = (c / 8) % kTile, chunk = c % 8;
-          if (order.pos_of(row) < first_pos) continue;
-          const int at = (box * kTile + row) * 128 + chunk * 16;
-          *reinterpret_cast<Pack<uint32_t, 4>*>(q_tile(stage) + at) = Pack<uint32_t, 4>{{0u, 0u, 0u, 0u}};
-          *reinterpret_cast<Pack<uint32_t, 4>*>(do_tile(stage) + at) = Pack<uint32_t, 4>{{0u, 0u, 0u, 0u}};
-        }
-      }
-      hopper::fence_proxy_async();
-      hopper::named_barrier_sync(1 + consumer, 128);
-    }
-    mma::FragA pa[kTile / 16], dsa[kTile / 16];
-    hk::accumulators_to_frags<T, kTile>(s, pa);
-    hk::accumulators_to_frags<T, kTile>(dp, dsa);
-    hopper::fence_operand(dv);
-    hopper::fence_operand(dk);
-#pragma unroll
-    for (int i = 0; i < kTile / 16; ++i) hopper::fence_operand(pa[i]), hopper::fence_operand(dsa[i]);
-    hopper::wgmma_fence();
-#pragma unroll
-    for (int i = 0; i < kTile / 16; ++i) {
-      hopper::wgmma<T, kD, Major::kMN>(dv, pa[i], hk::mn_major(do_tile(stage), kTile, i), true);
-    }
-#pragma unroll
-    for (int i = 0; i < kTile / 16; ++i) {
-      hopper::wgmma<T, kD, Major::kMN>(dk, dsa[i], hk::mn_major(q_tile(stage), kTile, i), true);
-    }
-    hopper::wgmma_commit();
-    hopper::wgmma_wait<0>();
-    hopper::fence_operand(dv);
-    hopper::fence_operand(dk);
-#pragma unroll
-    for (int i = 0; i < kTile / 16; ++i) hopper::fence_operand(pa[i]), hopper::fence_operand(dsa[i]);
-    hopper::mbarrier_arrive(&empty[stage]);
+    const int64_t p0 = block.pos_begin + tile * block.positions;  // the tile's first position
+    float s[hk::kTileRows / 2], dp[hk::kTileRows / 2];  // S^T and dP^T: this lane's keys x the tile's rows
+    c.scores(s, dp, stage, buf, tile);
+    const int64_t p_last = p0 + block.positions - 1;
+    c.score_gradients(s, dp, buf, p0);
+    hopper::mbarrier_arrive(&smem.stats_empty[buf]);  // the statistics' last reader
+    if (p_last >= block.pos_end) c.zero_rows_past_end(stage, p0);
+    c.accumulate(dk, dv, s, dp, stage);
+    hopper::mbarrier_arrive(&smem.empty[stage]);
   }
-
-  const int64_t kv_row0 = key_rows.row(b, g, 0);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t key = warp_j0 + group + 8 * r;
-    if (key >= j_end) continue;
-    hk::store_lane_row<T, kD>(grad_k + (kv_row0 + key) * d, dk, r, quad, d, scale);
-    hk::store_lane_row<T, kD>(grad_v + (kv_row0 + key) * d, dv, r, quad, d, 1.f);
-  }
+  c.store_rows(dk, dv, grad_k, grad_v, key_rows, d);
 }
 
 }  // namespace

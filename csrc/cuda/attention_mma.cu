@@ -14,6 +14,168 @@
 namespace fusedllm::cuda {
 namespace {
 
+// This lane's rows of a forward block: r = 2 m + half is row `group` + 8 half
+// of the warp's m-tile m. Their head, position and key range are worked out
+// where needed (tiles a bound cuts, the end) rather than held through the loop:
+// 4 rows' 64-bit values took the registers the accumulators need. Element e
+// of an n-tile of m-tile mt belongs to lane row 2 mt + e / 2.
+template <int kD>
+struct ForwardLaneRows {
+  using Tl = tc::Tile<kD>;
+  static constexpr int kM = Tl::kFwdM, kKeys = Tl::kKeys, kN = Tl::kNTiles;
+  static constexpr int kLaneRows = 2 * kM;  // this lane's rows: `group` and group + 8 of each m-tile
+  struct Row {
+    int64_t row, head, pos, lo, hi;  // lo == hi == 0 past the end: no key
+  };
+
+  const tc::BlockPlace& place;
+  const tc::QueryBlock<Tl::kFwdRows, kKeys>& block;
+  const attn::QueryRows& rows;
+  const Mask& mask;
+
+  __device__ __forceinline__ Row row(int r) const {
+    Row x;
+    x.row = block.row0 + (place.warp * kM + r / 2) * 16 + place.group + 8 * (r % 2);
+    x.head = rows.group_head(place.g, x.row);
+    x.pos = rows.group_pos(x.row);
+    const bool valid = x.row < block.rows_total;
+    x.lo = valid ? attn::key_begin(mask, x.pos) : 0;
+    x.hi = valid ? attn::key_end(mask, x.pos) : 0;
+    return x;
+  }
+
+  // The keys [lo, hi) all of this lane's rows see.
+  __device__ __forceinline__ void common_keys(int64_t& lo, int64_t& hi) const {
+    lo = 0, hi = std::numeric_limits<int64_t>::max();
+#pragma unroll
+    for (int r = 0; r < kLaneRows; ++r) {
+      const Row x = row(r);
+      lo = x.lo > lo ? x.lo : lo;
+      hi = x.hi < hi ? x.hi : hi;
+    }
+  }
+
+  // The scores of the tile of keys from j0 where a causal / window bound cuts
+  // the tile or scores are modified: -inf where a key is not visible, each
+  // score modified; their row maxima in tile_max.
+  __device__ __forceinline__ void cut_scores(mma::FragC (&s)[kM][kKeys / 8], int64_t j0, bool plain, float scale,
+                                             const ScoreExtras& extras, float (&tile_max)[kLaneRows]) const {
+#pragma unroll
+    for (int r = 0; r < kLaneRows; ++r) tile_max[r] = -std::numeric_limits<float>::infinity();
+#pragma unroll
+    for (int r = 0; r < kLaneRows; ++r) {
+      const Row x = row(r);
+      const int mt = r / 2;
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+        for (int e = 2 * (r % 2); e < 2 * (r % 2) + 2; ++e) {
+          const int64_t key = j0 + n * 8 + 2 * place.quad + (e % 2);
+          const bool visible = key >= x.lo && key < x.hi;
+          const float z = tc::score(s[mt][n].r[e], visible, plain, scale, extras, mask, place.b, x.head, x.pos,
+                                    key, nullptr);
+          s[mt][n].r[e] = z;
+          tile_max[r] = fmaxf(tile_max[r], z);
+        }
+      }
+    }
+  }
+
+  // The dropout of the tile's probabilities p (keys from j0).
+  __device__ __forceinline__ void drop(mma::FragC (&p)[kM][kKeys / 8], int64_t j0, const ScoreExtras& extras) const {
+#pragma unroll
+    for (int r = 0; r < kLaneRows; ++r) {
+      const Row x = row(r);
+#pragma unroll
+      for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+        for (int e = 2 * (r % 2); e < 2 * (r % 2) + 2; ++e) {
+          float& pe = p[r / 2][n].r[e];
+          const int64_t key = j0 + n * 8 + 2 * place.quad + (e % 2);
+          if (pe > 0.f) pe *= extras.keep_factor<float>(place.b, x.head, x.pos, key);
+        }
+      }
+    }
+  }
+
+  // The finished rows: O normalized by the sum l (over the quad), the sink
+  // folded in, O and the lse stored; NaN rows where the sequence's key length
+  // could not be read (!length_ok).
+  template <typename T>
+  __device__ __forceinline__ void store(const mma::FragC (&o)[kM][kN], const float (&m)[kLaneRows],
+                                        const float (&l)[kLaneRows], T* out, float* lse, const ScoreExtras& extras,
+                                        int d, bool length_ok) const {
+#pragma unroll
+    for (int r = 0; r < kLaneRows; ++r) {
+      const float sum = quad_reduce_sum(l[r]);
+      const Row x = row(r);
+      if (x.row >= block.rows_total) continue;
+      const int64_t out_row = rows.row_of_group_row(place.b, place.g, x.row);
+      float lse_r = attn::row_lse(m[r], sum);
+      float factor = attn::row_norm(m[r], sum, lse_r);
+      make_nan_if(!length_ok, factor, lse_r);
+      // A sink joins the finished row's denominator: it scales the output and the lse includes it.
+      if (extras.mods.sinks != nullptr) factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(x.head));
+      tc::store_acc_row<T, kN>(out + out_row * d, o[r / 2], r % 2, factor, place.quad, d);
+      if (place.quad == 0) lse[out_row] = lse_r;
+    }
+  }
+};
+
+// The scores of a tile every key of which all of this lane's rows see, in a
+// plain call: scaled, no test per score; their row maxima in tile_max.
+template <int kM, int kKeys>
+__device__ __forceinline__ void interior_scores(mma::FragC (&s)[kM][kKeys / 8], float scale,
+                                                float (&tile_max)[2 * kM]) {
+#pragma unroll
+  for (int r = 0; r < 2 * kM; ++r) tile_max[r] = -std::numeric_limits<float>::infinity();
+#pragma unroll
+  for (int mt = 0; mt < kM; ++mt) {
+#pragma unroll
+    for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[mt][n].r[e] *= scale;
+        tile_max[2 * mt + e / 2] = fmaxf(tile_max[2 * mt + e / 2], s[mt][n].r[e]);
+      }
+    }
+  }
+}
+
+// The online softmax over one tile: each row's running max m takes in the
+// tile's maxima (over the quad of lanes holding the row), O and the sum l are
+// rescaled to it, and the scores s become the probabilities exp(s - shift),
+// added to l.
+template <int kM, int kN, int kKeys>
+__device__ __forceinline__ void softmax_step(mma::FragC (&o)[kM][kN], float (&m)[2 * kM], float (&l)[2 * kM],
+                                             mma::FragC (&s)[kM][kKeys / 8], const float (&tile_max)[2 * kM]) {
+  float shift[2 * kM];
+#pragma unroll
+  for (int r = 0; r < 2 * kM; ++r) {
+    const float alpha =
+        attn::online_softmax_step(m[r], quad_reduce_max(tile_max[r]), shift[r], attn::ScalarOps<float>{});
+    l[r] *= alpha;
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      o[r / 2][n].r[2 * (r % 2)] *= alpha;
+      o[r / 2][n].r[2 * (r % 2) + 1] *= alpha;
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < kM; ++mt) {
+#pragma unroll
+    for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 2 * mt + e / 2;
+        const float p = tc::exp_of_difference(s[mt][n].r[e], shift[r]);
+        l[r] += p;  // the sum (and so the lse) is that of the probabilities before dropout
+        s[mt][n].r[e] = p;
+      }
+    }
+  }
+}
+
 template <typename T, int kD>
 __global__ void __launch_bounds__(tc::kThreads, 1)
 attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restrict__ k, Strides ks,
@@ -27,7 +189,7 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
   using Tl = tc::Tile<kD>;
   constexpr int kKeys = Tl::kKeys, kStride = Tl::kStride, kN = Tl::kNTiles;
   constexpr int kM = Tl::kFwdM, kRows = Tl::kFwdRows;
-  constexpr int kLaneRows = 2 * kM;  // this lane's rows: `group` and group + 8 of each m-tile
+  constexpr int kLaneRows = ForwardLaneRows<kD>::kLaneRows;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   T* q_s = dynamic_shared<T>();                 // [kRows][kStride]
   T* k_s = q_s + kRows * kStride;               // [2][kKeys][kStride]
@@ -35,7 +197,7 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
 
   const tc::BlockPlace place;
   const int64_t g = place.g, b = place.b;
-  const int warp = place.warp, group = place.group, quad = place.quad;
+  const int warp = place.warp;
   const int64_t sq = seqs.q_len(b);
   tc::QueryBlock<kRows, kKeys> block(rows, sq);
   if (block.empty()) return;  // past this (packed) sequence's end: the whole block
@@ -54,30 +216,9 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
   };
   tc::pipeline_start(block.n_tiles, stage_kv);
 
-  // This lane's rows: r = 2 m + half is row `group` + 8 half of the warp's
-  // m-tile m. Their head, position and key range are worked out where needed
-  // (tiles a bound cuts, the end) rather than held through the loop: 4 rows'
-  // 64-bit values took the registers the accumulators need.
-  struct LaneRow {
-    int64_t row, head, pos, lo, hi;  // lo == hi == 0 past the end: no key
-  };
-  const auto lane_row = [&](int r) {
-    LaneRow x;
-    x.row = block.row0 + (warp * kM + r / 2) * 16 + group + 8 * (r % 2);
-    x.head = rows.group_head(g, x.row);
-    x.pos = rows.group_pos(x.row);
-    const bool valid = x.row < block.rows_total;
-    x.lo = valid ? attn::key_begin(mask, x.pos) : 0;
-    x.hi = valid ? attn::key_end(mask, x.pos) : 0;
-    return x;
-  };
-  int64_t all_lo = 0, all_hi = std::numeric_limits<int64_t>::max();  // keys all of them see
-#pragma unroll
-  for (int r = 0; r < kLaneRows; ++r) {
-    const LaneRow x = lane_row(r);
-    all_lo = x.lo > all_lo ? x.lo : all_lo;
-    all_hi = x.hi < all_hi ? x.hi : all_hi;
-  }
+  const ForwardLaneRows<kD> lanes{place, block, rows, mask};
+  int64_t all_lo, all_hi;  // keys all of this lane's rows see
+  lanes.common_keys(all_lo, all_hi);
   const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
 
   mma::FragC o[kM][kN];
@@ -91,109 +232,22 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
 
     mma::FragC s[kM][kKeys / 8];
     tc::mma_rows_rows<T, kM, kD, kKeys, kStride>(s, q_s + warp * kM * 16 * kStride, k_s + buffer * kKeys * kStride);
-
-    // Scores, -inf where a key is not visible. Element e of an n-tile of
-    // m-tile mt belongs to lane row 2 mt + e / 2.
+    // Scores, -inf where a key is not visible, and their row maxima.
     float tile_max[kLaneRows];
-#pragma unroll
-    for (int r = 0; r < kLaneRows; ++r) tile_max[r] = -kInf;
     if (plain && j0 >= all_lo && j0 + kKeys <= all_hi) {
-#pragma unroll
-      for (int mt = 0; mt < kM; ++mt) {
-#pragma unroll
-        for (int n = 0; n < kKeys / 8; ++n) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[mt][n].r[e] *= scale;
-            tile_max[2 * mt + e / 2] = fmaxf(tile_max[2 * mt + e / 2], s[mt][n].r[e]);
-          }
-        }
-      }
+      interior_scores<kM, kKeys>(s, scale, tile_max);
     } else {
-#pragma unroll
-      for (int r = 0; r < kLaneRows; ++r) {
-        const LaneRow x = lane_row(r);
-        const int mt = r / 2;
-#pragma unroll
-        for (int n = 0; n < kKeys / 8; ++n) {
-#pragma unroll
-          for (int e = 2 * (r % 2); e < 2 * (r % 2) + 2; ++e) {
-            const int64_t key = j0 + n * 8 + 2 * quad + (e % 2);
-            const bool visible = key >= x.lo && key < x.hi;
-            const float z =
-                tc::score(s[mt][n].r[e], visible, plain, scale, extras, mask, b, x.head, x.pos, key, nullptr);
-            s[mt][n].r[e] = z;
-            tile_max[r] = fmaxf(tile_max[r], z);
-          }
-        }
-      }
+      lanes.cut_scores(s, j0, plain, scale, extras, tile_max);
     }
-    float shift[kLaneRows];
-#pragma unroll
-    for (int r = 0; r < kLaneRows; ++r) {
-      const float alpha =
-          attn::online_softmax_step(m[r], quad_reduce_max(tile_max[r]), shift[r], attn::ScalarOps<float>{});
-      l[r] *= alpha;
-#pragma unroll
-      for (int n = 0; n < kN; ++n) {
-        o[r / 2][n].r[2 * (r % 2)] *= alpha;
-        o[r / 2][n].r[2 * (r % 2) + 1] *= alpha;
-      }
-    }
-#pragma unroll
-    for (int mt = 0; mt < kM; ++mt) {
-#pragma unroll
-      for (int n = 0; n < kKeys / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = 2 * mt + e / 2;
-          const float p = tc::exp_of_difference(s[mt][n].r[e], shift[r]);
-          l[r] += p;  // the sum (and so the lse) is that of the probabilities before dropout
-          s[mt][n].r[e] = p;
-        }
-      }
-    }
-    if (extras.drop.enabled) {  // tested once per tile, not per score
-#pragma unroll
-      for (int r = 0; r < kLaneRows; ++r) {
-        const LaneRow x = lane_row(r);
-#pragma unroll
-        for (int n = 0; n < kKeys / 8; ++n) {
-#pragma unroll
-          for (int e = 2 * (r % 2); e < 2 * (r % 2) + 2; ++e) {
-            float& p = s[r / 2][n].r[e];
-            if (p > 0.f) p *= extras.keep_factor<float>(b, x.head, x.pos, j0 + n * 8 + 2 * quad + (e % 2));
-          }
-        }
-      }
-    }
+    softmax_step<kM, kN, kKeys>(o, m, l, s, tile_max);
+    if (extras.drop.enabled) lanes.drop(s, j0, extras);  // tested once per tile, not per score
     mma::FragA pa[kM][kKeys / 16];
 #pragma unroll
     for (int mt = 0; mt < kM; ++mt) tc::to_a_frags<T, kKeys>(pa[mt], s[mt]);
     tc::mma_frags_rows<T, kM, kKeys, kD, kStride>(o, pa, v_s + buffer * kKeys * kStride);
     __syncthreads();  // every warp is done with this buffer before it is staged again
   }
-
-#pragma unroll
-  for (int r = 0; r < kLaneRows; ++r) {
-    const float sum = quad_reduce_sum(l[r]);
-    const LaneRow x = lane_row(r);
-    if (x.row >= block.rows_total) continue;
-    const int64_t out_row = rows.row_of_group_row(b, g, x.row);
-    float lse_r = attn::row_lse(m[r], sum);
-    float factor = attn::row_norm(m[r], sum, lse_r);
-    make_nan_if(!length_ok, factor, lse_r);
-    // A sink joins the finished row's denominator: it scales the output and the lse includes it.
-    if (extras.mods.sinks != nullptr) factor *= attn::fold_sink(lse_r, extras.mods.sink<float>(x.head));
-    T* o_row = out + out_row * d;
-#pragma unroll
-    for (int n = 0; n < kN; ++n) {
-      const int c = n * 8 + 2 * quad;
-      if (c < d) o_row[c] = T(o[r / 2][n].r[2 * (r % 2)] * factor);
-      if (c + 1 < d) o_row[c + 1] = T(o[r / 2][n].r[2 * (r % 2) + 1] * factor);
-    }
-    if (quad == 0) lse[out_row] = lse_r;
-  }
+  lanes.store(o, m, l, out, lse, extras, d, length_ok);
 #endif
 }
 

@@ -403,6 +403,20 @@ __device__ __forceinline__ float score(float acc, bool visible, bool plain, floa
   return extras.masked(z, b, head, pos, key);
 }
 
+// This lane's half of row `group` + 8 half of a [16, 8 kN] accumulator (two
+// columns of each n-tile), times `factor` and rounded to T, into the columns
+// of row dst below d.
+template <typename T, int kN>
+__device__ __forceinline__ void store_acc_row(T* dst, const mma::FragC (&c)[kN], int half, float factor, int quad,
+                                              int d) {
+#pragma unroll
+  for (int n = 0; n < kN; ++n) {
+    const int col = n * 8 + 2 * quad;
+    if (col < d) dst[col] = T(c[n].r[2 * half] * factor);
+    if (col + 1 < d) dst[col + 1] = T(c[n].r[2 * half + 1] * factor);
+  }
+}
+
 }  // namespace tc
 
 // FUSEDLLM_CUDA_ATTENTION=simt keeps every call on the SIMT kernels: benchmarks

@@ -171,16 +171,132 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
   for (int half = 0; half < 2; ++half) {
     const int64_t row = block.row0 + warp * 16 + group + 8 * half;
     if (row >= block.rows_total) continue;
-    T* dq_row = grad_q + rows.row_of_group_row(b, g, row) * d;
-#pragma unroll
-    for (int n = 0; n < kN; ++n) {
-      const int c = n * 8 + 2 * quad;
-      if (c < d) dq_row[c] = T(dq[n].r[2 * half] * scale);
-      if (c + 1 < d) dq_row[c + 1] = T(dq[n].r[2 * half + 1] * scale);
-    }
+    tc::store_acc_row<T, kN>(grad_q + rows.row_of_group_row(b, g, row) * d, dq, half, scale, quad, d);
   }
 #endif
 }
+
+// Stages row tile `tile` of a dK/dV block into buffer tile % 2: the Q and dO
+// rows from begin + tile kTile (zeros from `end` on) and each row's lse and delta.
+template <typename T, int kD>
+struct RowTiles {
+  static constexpr int kTile = tc::Tile<kD>::kBwdTile, kStride = tc::Tile<kD>::kStride;
+  T* q_s;          // [2][kTile][kStride]
+  T* do_s;         // [2][kTile][kStride]
+  float* lse_s;    // [2][kTile]
+  float* delta_s;  // [2][kTile]
+  const T* q_b;
+  const T* g_b;
+  const Strides& qs;
+  const Strides& gs;
+  const float* lse;
+  const float* delta;
+  const attn::QueryRows& rows;
+  int64_t g, b, begin, end;
+  int d;
+  bool chunks;
+
+  __device__ __forceinline__ void operator()(int64_t tile) const {
+    const int64_t r0 = begin + tile * kTile;
+    const int buffer = static_cast<int>(tile % 2);
+    tc::stage_group_rows<T, kD, kTile>(q_s + buffer * kTile * kStride, q_b, qs, rows, g, r0, end, d, chunks);
+    tc::stage_group_rows<T, kD, kTile>(do_s + buffer * kTile * kStride, g_b, gs, rows, g, r0, end, d, chunks);
+    if (threadIdx.x < kTile) {
+      const int64_t row = r0 + threadIdx.x;
+      float ls = 0.f, de = 0.f;
+      if (row < end) {
+        const int64_t lrow = rows.row_of_group_row(b, g, row);
+        ls = attn::ScalarOps<float>::finite_or_zero(lse[lrow]);
+        de = delta[lrow];
+      }
+      lse_s[buffer * kTile + threadIdx.x] = ls;
+      delta_s[buffer * kTile + threadIdx.x] = de;
+    }
+  }
+};
+
+// This lane's two keys `key` of a dK/dV block (whose keys end at j_end)
+// against a staged row tile (rows from rows_end on do not exist): P^T into s
+// and dS^T into dp from S^T and dP^T there, [16 keys, kTile rows]
+// accumulators whose element e of n-tile n is key e / 2 and row
+// n * 8 + 2 quad + e % 2 of the tile.
+template <int kD>
+struct KeyLanes {
+  static constexpr int kTile = tc::Tile<kD>::kBwdTile, kN = tc::Tile<kD>::kNTiles;
+  const tc::BlockPlace& place;
+  const attn::QueryRows& rows;
+  const Mask& mask;
+  const int64_t (&key)[2];
+  int64_t j_end, rows_end;
+  const float* lse_s;    // [2][kTile]
+  const float* delta_s;  // [2][kTile]
+
+  // A tile every row of which sees both keys, in a plain call: no test per score.
+  __device__ __forceinline__ void interior_grads(mma::FragC (&s)[kTile / 8], mma::FragC (&dp)[kTile / 8],
+                                                 int buffer, float scale) const {
+#pragma unroll
+    for (int n = 0; n < kTile / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = n * 8 + 2 * place.quad + (e % 2);
+        const float p = tc::exp_of_difference(s[n].r[e] * scale, lse_s[buffer * kTile + col]);
+        dp[n].r[e] = attn::score_grad(p, dp[n].r[e], delta_s[buffer * kTile + col]);
+        s[n].r[e] = p;
+      }
+    }
+  }
+
+  // Any other tile (rows r0 on): each score's visibility, modifiers and dropout.
+  __device__ __forceinline__ void cut_grads(mma::FragC (&s)[kTile / 8], mma::FragC (&dp)[kTile / 8], int buffer,
+                                            int64_t r0, bool unmodified, float scale,
+                                            const ScoreExtras& extras) const {
+#pragma unroll
+    for (int n = 0; n < kTile / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = n * 8 + 2 * place.quad + (e % 2);
+        const int64_t row = r0 + col, j = key[e / 2];
+        const int64_t p_row = rows.group_pos(row), h = rows.group_head(place.g, row);
+        const bool visible = row < rows_end && j < j_end && j >= attn::key_begin(mask, p_row) &&
+                             j < attn::key_end(mask, p_row);
+        float dcap;
+        const float x = tc::score(s[n].r[e], visible, unmodified, scale, extras, mask, place.b, h, p_row, j, &dcap);
+        const float p = tc::exp_of_difference(x, lse_s[buffer * kTile + col]);
+        float keep = 1.f;
+        if (extras.drop.enabled && visible) keep = extras.keep_factor<float>(place.b, h, p_row, j);
+        const float dpe = visible ? dp[n].r[e] * keep : 0.f;
+        // Through the cap: d score / d (scale q . k) = dcap (1 without one).
+        dp[n].r[e] = attn::score_grad(p, dpe, delta_s[buffer * kTile + col]) * dcap;
+        s[n].r[e] = p * keep;  // dV sees the probabilities after dropout
+      }
+    }
+  }
+
+  // dK (times the scale) and dV of this lane's keys before j_end.
+  template <typename T>
+  __device__ __forceinline__ void store(const mma::FragC (&dk)[kN], const mma::FragC (&dv)[kN], T* grad_k,
+                                        T* grad_v, const attn::KeyRows& key_rows, float scale, int d) const {
+    const int64_t kv_row0 = key_rows.row(place.b, place.g, 0);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (key[half] >= j_end) continue;
+      T* dk_row = grad_k + (kv_row0 + key[half]) * d;
+      T* dv_row = grad_v + (kv_row0 + key[half]) * d;
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+        const int c = n * 8 + 2 * place.quad;
+        if (c < d) {
+          dk_row[c] = T(dk[n].r[2 * half] * scale);
+          dv_row[c] = T(dv[n].r[2 * half]);
+        }
+        if (c + 1 < d) {
+          dk_row[c + 1] = T(dk[n].r[2 * half + 1] * scale);
+          dv_row[c + 1] = T(dv[n].r[2 * half + 1]);
+        }
+      }
+    }
+  }
+};
 
 template <typename T, int kD>
 __global__ void __launch_bounds__(tc::kThreads, 1)
@@ -205,7 +321,7 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
 
   const tc::BlockPlace place;
   const int64_t g = place.g, b = place.b;
-  const int warp = place.warp, group = place.group, quad = place.quad;
+  const int warp = place.warp, group = place.group;
   const int64_t sq = seqs.q_len(b), sk = seqs.k_len(b);
   const int64_t j0 = static_cast<int64_t>(blockIdx.x) * tc::kRows;
   if (j0 >= sk) return;  // past this (packed) sequence's end: the whole block
@@ -222,31 +338,15 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
   const int64_t rows_begin = rows.group_row(attn::query_begin(mask, j0, sq));
   const int64_t rows_end = rows.group_row(attn::query_end(mask, j_end, sq));
   const int64_t n_tiles = rows_end > rows_begin ? (rows_end - rows_begin + kTile - 1) / kTile : 0;
-  const auto stage_rows = [&](int64_t tile) {
-    const int64_t r0 = rows_begin + tile * kTile;
-    const int buffer = static_cast<int>(tile % 2);
-    tc::stage_group_rows<T, kD, kTile>(q_s + buffer * kTile * kStride, q_b, qs, rows, g, r0, rows_end, d,
-                                       q_chunks);
-    tc::stage_group_rows<T, kD, kTile>(do_s + buffer * kTile * kStride, g_b, gs, rows, g, r0, rows_end, d,
-                                       q_chunks);
-    if (threadIdx.x < kTile) {
-      const int64_t row = r0 + threadIdx.x;
-      float ls = 0.f, de = 0.f;
-      if (row < rows_end) {
-        const int64_t lrow = rows.row_of_group_row(b, g, row);
-        ls = attn::ScalarOps<float>::finite_or_zero(lse[lrow]);
-        de = delta[lrow];
-      }
-      lse_s[buffer * kTile + threadIdx.x] = ls;
-      delta_s[buffer * kTile + threadIdx.x] = de;
-    }
-  };
+  const RowTiles<T, kD> stage_rows{q_s, do_s, lse_s, delta_s, q_b, g_b, qs, gs, lse, delta, rows, g, b,
+                                   rows_begin, rows_end, d, q_chunks};
   tc::pipeline_start(n_tiles, stage_rows);
 
   // This lane's two keys (half 0: key `group` of the warp's 16, half 1: group + 8).
   int64_t key[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) key[half] = j0 + warp * 16 + group + 8 * half;
+  const KeyLanes<kD> lanes{place, rows, mask, key, j_end, rows_end, lse_s, delta_s};
   const bool unmodified = !extras.mods.any_score_mod() && !extras.mask.present();
   const bool plain = unmodified && !extras.drop.enabled;
   // This warp's 16 keys (the key range of a row grows with its position).
@@ -269,37 +369,9 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
                         warp_j1 <= attn::key_end(mask, rows.group_pos(r0)) &&
                         warp_j0 >= attn::key_begin(mask, rows.group_pos(r0 + kTile - 1));
     if (inside) {
-#pragma unroll
-      for (int n = 0; n < kTile / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = n * 8 + 2 * quad + (e % 2);
-          const float p = tc::exp_of_difference(s[n].r[e] * scale, lse_s[buffer * kTile + col]);
-          dp[n].r[e] = attn::score_grad(p, dp[n].r[e], delta_s[buffer * kTile + col]);
-          s[n].r[e] = p;
-        }
-      }
+      lanes.interior_grads(s, dp, buffer, scale);
     } else {
-#pragma unroll
-      for (int n = 0; n < kTile / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = n * 8 + 2 * quad + (e % 2);
-          const int64_t row = r0 + col, j = key[e / 2];
-          const int64_t p_row = rows.group_pos(row), h = rows.group_head(g, row);
-          const bool visible = row < rows_end && j < j_end && j >= attn::key_begin(mask, p_row) &&
-                               j < attn::key_end(mask, p_row);
-          float dcap;
-          const float x = tc::score(s[n].r[e], visible, unmodified, scale, extras, mask, b, h, p_row, j, &dcap);
-          const float p = tc::exp_of_difference(x, lse_s[buffer * kTile + col]);
-          float keep = 1.f;
-          if (extras.drop.enabled && visible) keep = extras.keep_factor<float>(b, h, p_row, j);
-          const float dpe = visible ? dp[n].r[e] * keep : 0.f;
-          // Through the cap: d score / d (scale q . k) = dcap (1 without one).
-          dp[n].r[e] = attn::score_grad(p, dpe, delta_s[buffer * kTile + col]) * dcap;
-          s[n].r[e] = p * keep;  // dV sees the probabilities after dropout
-        }
-      }
+      lanes.cut_grads(s, dp, buffer, r0, unmodified, scale, extras);
     }
     mma::FragA pa[kTile / 16], dsa[kTile / 16];
     tc::to_a_frags<T, kTile>(pa, s);
@@ -308,26 +380,7 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
     tc::mma_frags_rows<T, kTile, kD, kStride>(dk, dsa, q_tile);
     __syncthreads();  // every warp is done with this buffer before it is staged again
   }
-
-  const int64_t kv_row0 = key_rows.row(b, g, 0);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    if (key[half] >= j_end) continue;
-    T* dk_row = grad_k + (kv_row0 + key[half]) * d;
-    T* dv_row = grad_v + (kv_row0 + key[half]) * d;
-#pragma unroll
-    for (int n = 0; n < kN; ++n) {
-      const int c = n * 8 + 2 * quad;
-      if (c < d) {
-        dk_row[c] = T(dk[n].r[2 * half] * scale);
-        dv_row[c] = T(dv[n].r[2 * half]);
-      }
-      if (c + 1 < d) {
-        dk_row[c + 1] = T(dk[n].r[2 * half + 1] * scale);
-        dv_row[c + 1] = T(dv[n].r[2 * half + 1]);
-      }
-    }
-  }
+  lanes.store(dk, dv, grad_k, grad_v, key_rows, scale, d);
 #endif
 }
 

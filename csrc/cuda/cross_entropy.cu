@@ -264,7 +264,7 @@ struct CudaCrossEntropy {
  private:
   // An operand as the GPU's multiply accumulates it: float32 (float64 for float64).
   static at::Tensor widened(const at::Tensor& t) {
-    return t.to(t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+    return t.to(accumulation_dtype(t));
   }
 };
 

@@ -439,11 +439,14 @@ void launch_grouped_mm(const Args<T>& p, bool tensor_cores, Stream stream) {
   launch("grouped_mm_simt_kernel", grouped_mm_simt_kernel<T, kKind>, grid, kSimtThreads, smem, stream, p);
 }
 
-// grouped_mm with the kernel choice exposed: tensor_cores = false runs the
-// SIMT kernel for 16-bit types too (tests; GPUs below sm_80 do it anyway).
-inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
-                       const at::Tensor& offsets, GroupedProduct kind, bool tensor_cores,
-                       const at::Tensor& bias = at::Tensor()) {
+// The sizes of a grouped product: S rows, E experts, and M, N and K as Args counts them.
+struct ProductShape {
+  int64_t rows, experts, m, n, k;
+};
+
+// a, offsets and b checked for the product `kind`, and its sizes.
+inline ProductShape product_shape(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets,
+                                  GroupedProduct kind) {
   const bool weight_gradient = kind == GroupedProduct::kWeightGradient;
   TORCH_CHECK_VALUE(a.dim() == 2, "grouped_mm: a must be 2-D [S, ", weight_gradient ? "M" : "K",
                     "], got ", a.sizes());
@@ -475,25 +478,34 @@ inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Ten
       n = b.size(1);
       break;
   }
+  return {rows, experts, m, n, k};
+}
+
+// out and bias checked against the product's sizes, and every operand's
+// dtype, device and last-dimension stride.
+inline void check_operands(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                           const at::Tensor& offsets, const at::Tensor& bias, GroupedProduct kind,
+                           const ProductShape& s) {
+  const bool weight_gradient = kind == GroupedProduct::kWeightGradient;
   if (weight_gradient) {
-    TORCH_CHECK_VALUE(out.dim() == 3 && out.size(0) == experts && out.size(1) == m && out.size(2) == n,
-                      "grouped_mm: out must be [E, M, N] = [", experts, ", ", m, ", ", n, "], got ",
+    TORCH_CHECK_VALUE(out.dim() == 3 && out.size(0) == s.experts && out.size(1) == s.m && out.size(2) == s.n,
+                      "grouped_mm: out must be [E, M, N] = [", s.experts, ", ", s.m, ", ", s.n, "], got ",
                       out.sizes());
   } else {
-    TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == rows && out.size(1) == n,
-                      "grouped_mm: out must be [S, N] = [", rows, ", ", n, "], got ", out.sizes());
+    TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == s.rows && out.size(1) == s.n,
+                      "grouped_mm: out must be [S, N] = [", s.rows, ", ", s.n, "], got ", out.sizes());
   }
   if (bias.defined()) {
     TORCH_CHECK_VALUE(!weight_gradient, "grouped_mm: a bias is for the row products only");
-    TORCH_CHECK_VALUE(bias.dim() == 2 && bias.size(0) == experts && bias.size(1) == n &&
+    TORCH_CHECK_VALUE(bias.dim() == 2 && bias.size(0) == s.experts && bias.size(1) == s.n &&
                           bias.is_contiguous() && bias.scalar_type() == out.scalar_type() &&
                           bias.device() == out.device(),
-                      "grouped_mm: bias must be a contiguous [E, N] = [", experts, ", ", n,
+                      "grouped_mm: bias must be a contiguous [E, N] = [", s.experts, ", ", s.n,
                       "] tensor of out's dtype and device, got ", dtype_name(bias.scalar_type()), " ",
                       bias.sizes(), " on ", bias.device());
   }
-  TORCH_CHECK_VALUE(experts > 0 || rows == 0,
-                    "grouped_mm: offsets has no groups (E = 0) but a has ", rows, " rows");
+  TORCH_CHECK_VALUE(s.experts > 0 || s.rows == 0,
+                    "grouped_mm: offsets has no groups (E = 0) but a has ", s.rows, " rows");
   const auto dtype = out.scalar_type();
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 ||
                         dtype == at::kHalf,
@@ -510,6 +522,16 @@ inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Ten
                       "grouped_mm: ", name, "'s last dimension must have unit stride, got strides ",
                       t.strides());
   }
+}
+
+// grouped_mm with the kernel choice exposed: tensor_cores = false runs the
+// SIMT kernel for 16-bit types too (tests; GPUs below sm_80 do it anyway).
+inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                       const at::Tensor& offsets, GroupedProduct kind, bool tensor_cores,
+                       const at::Tensor& bias = at::Tensor()) {
+  const bool weight_gradient = kind == GroupedProduct::kWeightGradient;
+  const ProductShape s = product_shape(a, b, offsets, kind);
+  check_operands(out, a, b, offsets, bias, kind, s);
   if (out.numel() == 0) return;
 
   const DeviceGuard guard(out.device());
@@ -527,11 +549,11 @@ inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Ten
     p.out_expert_stride = weight_gradient ? out.stride(0) : 0;
     p.out_stride = weight_gradient ? out.stride(1) : out.stride(0);
     p.offsets = offsets.const_data_ptr<int64_t>();
-    p.rows = rows;
-    p.experts = experts;
-    p.m = m;
-    p.n = n;
-    p.k = k;
+    p.rows = s.rows;
+    p.experts = s.experts;
+    p.m = s.m;
+    p.n = s.n;
+    p.k = s.k;
     p.bias = bias.defined() ? bias.const_data_ptr<T>() : nullptr;
     p.a_chunks = chunks_aligned(p.a, {p.a_stride});
     p.b_chunks = chunks_aligned(p.b, {p.b_expert_stride, p.b_stride});
@@ -547,7 +569,7 @@ inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Ten
         break;
     }
   };
-  switch (dtype) {
+  switch (out.scalar_type()) {
     case at::kFloat:
       run(float{});
       break;

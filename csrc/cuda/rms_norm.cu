@@ -494,7 +494,7 @@ struct CudaRmsNorm {
           rows, shape.threads > 0 ? max_blocks(std::max(1, 1024 / shape.threads)) : max_blocks(2)));
       at::Tensor partial;
       if (p.want_weight_grad) {
-        const auto options = p.x.options().dtype(rstd_dtype(p.x));
+        const auto options = p.x.options().dtype(accumulation_dtype(p.x));
         partial = shape.threads > 0 ? at::empty({blocks, n}, options) : at::zeros({blocks, n}, options);
       }
       acc_t* partial_ptr = partial.defined() ? partial.mutable_data_ptr<acc_t>() : nullptr;

@@ -13,6 +13,14 @@ inline std::string dtype_name(at::ScalarType dt) {
   return "torch." + std::string(c10::getDtypeNames(dt).first);
 }
 
+// What the ops compute in and return their statistics in (rstd, lse, losses,
+// router weights): float64 for float64, float32 for the rest
+// (fusedllm._limits.accumulation_dtype).
+inline at::ScalarType accumulation_dtype(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+inline at::ScalarType accumulation_dtype(const at::Tensor& t) { return accumulation_dtype(t.scalar_type()); }
+
 // The dtypes every op takes: fusedllm._limits.FLOAT_DTYPES (tests/test_limits.py).
 inline void check_float_tensor(const at::Tensor& t, const char* op, const char* name) {
   auto dt = t.scalar_type();

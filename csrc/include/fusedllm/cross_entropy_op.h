@@ -58,10 +58,6 @@ inline at::Tensor converted(const at::Tensor& t, at::ScalarType dt) {
   return t.scalar_type() == dt ? t : t.to(dt);
 }
 
-inline at::ScalarType accumulation_dtype(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 struct CrossEntropyArgs {
   ce::Options options;
   int64_t ignore_index;

@@ -77,10 +77,6 @@ inline moe::RouteOptions check_moe_route(const char* op, const at::Tensor& logit
   return o;
 }
 
-inline at::ScalarType moe_accumulation(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 // The accumulation type of rows of T.
 template <typename T>
 using MoeAcc = std::conditional_t<std::is_same_v<T, double>, double, float>;
@@ -157,7 +153,7 @@ inline MoeShape check_moe_experts(const char* op, const at::Tensor& hidden,
                     ": indices must be [", s.tokens, ", top_k] (hidden's tokens), got shape ",
                     indices.sizes());
   s.top_k = indices.size(1);
-  const at::ScalarType acc = moe_accumulation(hidden.scalar_type());
+  const at::ScalarType acc = accumulation_dtype(hidden.scalar_type());
   TORCH_CHECK_VALUE(weights.scalar_type() == hidden.scalar_type() || weights.scalar_type() == acc,
                     op, ": weights must have hidden's dtype ", dtype_name(hidden.scalar_type()),
                     acc == hidden.scalar_type() ? "" : " or " + dtype_name(acc), ", got ",
@@ -278,7 +274,7 @@ struct MoeOps {
                                    groups, top_groups, scaling);
     const int64_t tokens = logits.size(0);
     at::Tensor weights = at::empty({tokens, top_k},
-                                   logits.options().dtype(moe_accumulation(logits.scalar_type())));
+                                   logits.options().dtype(accumulation_dtype(logits.scalar_type())));
     at::Tensor indices = at::empty({tokens, top_k}, logits.options().dtype(at::kLong));
     if (tokens == 0) return {weights, indices};
     // The bias (a few values) in the accumulation dtype, as the kernels read it.
@@ -433,7 +429,7 @@ struct MoeOps {
     const at::Tensor weights = weights_in.contiguous();
     if (want_weights) {
       at::Tensor g = at::empty({s.tokens, s.top_k},
-                               weights.options().dtype(moe_accumulation(hidden_in.scalar_type())));
+                               weights.options().dtype(accumulation_dtype(hidden_in.scalar_type())));
       Impl::weights_grad(g, grad_out, expert_out, position);
       grad_weights = g.scalar_type() == weights.scalar_type() ? g : g.to(weights.scalar_type());
     }

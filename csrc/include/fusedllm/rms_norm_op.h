@@ -45,10 +45,6 @@ inline int64_t check_rms_norm_args(const char* op, const at::Tensor& input,
   return n;
 }
 
-inline at::ScalarType rstd_dtype(const at::Tensor& input) {
-  return input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 inline std::vector<int64_t> row_shape(const at::Tensor& input) {
   auto sizes = input.sizes().vec();
   sizes.pop_back();
@@ -81,7 +77,7 @@ inline RmsNormForwardPlan plan_rms_norm_forward(const char* op, const at::Tensor
   }
   p.out = at::empty(input.sizes(), input.options());
   if (residual) p.residual_out = at::empty(input.sizes(), input.options());
-  p.rstd = at::empty(row_shape(input), input.options().dtype(rstd_dtype(input)));
+  p.rstd = at::empty(row_shape(input), input.options().dtype(accumulation_dtype(input)));
   if (input.numel() == 0) {
     if (p.n == 0) p.rstd.fill_(std::numeric_limits<double>::quiet_NaN());  // mean of nothing
     return p;
@@ -112,7 +108,7 @@ inline RmsNormBackwardPlan plan_rms_norm_backward(
   p.casting = parse_casting(casting, op);
   check_same(input, "input", grad_out, "grad_out", op);
   TORCH_CHECK_VALUE(grad_out.sizes() == input.sizes(), op, ": grad_out must have the shape of input");
-  TORCH_CHECK_VALUE(rstd.scalar_type() == rstd_dtype(input) && rstd.device() == input.device() &&
+  TORCH_CHECK_VALUE(rstd.scalar_type() == accumulation_dtype(input) && rstd.device() == input.device() &&
                         rstd.numel() * p.n == input.numel(),
                     op, ": rstd must be the per-row statistic returned by the forward op");
   if (grad_residual) {

@@ -88,7 +88,7 @@ inline RopePlan plan_rope(const char* op, const at::Tensor& q, const at::Tensor&
                     cos.sizes());
   TORCH_CHECK_VALUE(cos.size(-1) == p.rotary_dim / 2, op, ": cos and sin must have last dim ",
                     p.rotary_dim / 2, " (rotary_dim / 2), got ", cos.size(-1));
-  const auto acc = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc = accumulation_dtype(q);
   at::Tensor c = cos.to(acc), s = sin.to(acc);
   if (c.dim() == 2) {
     c = c.unsqueeze(0);

@@ -144,7 +144,7 @@ def test_opcheck(entry, sample, device, requires_grad, monkeypatch):
         calls = python
     else:  # what Python called, detached, and what autograd called below it (the backward ops)
         called = {func for func, _, _ in python}
-        calls = [(func, _leaves(args, (), False), {n: _copy(a, False) for n, a in kwargs.items()})
+        calls = [(func, tuple(_copy(a, False) for a in args), {n: _copy(a, False) for n, a in kwargs.items()})
                  for func, args, kwargs in python] + [c for c in kernels if c[0] not in called]
     assert calls, "the sample reached no fusedllm operator"
     for func, args, kwargs in calls:

@@ -1,17 +1,13 @@
-// The fusedllm operator library (schemas in fusedllm/schemas.h) and the
-// Python module `fusedllm._C`, which reports how the extension was built.
+// The fusedllm operator library (each op defines its schemas, in csrc/<op>.cpp)
+// and the Python module `fusedllm._C`, which reports how the extension was built.
 #include <Python.h>
 #include <pybind11/pybind11.h>
 #include <torch/library.h>
 
 #include "fusedllm/cpu_dispatch.h"
-#include "fusedllm/schemas.h"
 
-TORCH_LIBRARY(fusedllm, m) {
-  // Fake (meta) kernels live in python/fusedllm/_fake.py, autograd in autograd.cpp.
-  m.set_python_module("fusedllm._fake");
-  fusedllm::define_ops(m);
-}
+// Each op adds its schemas to the library (FUSEDLLM_DEFINE_OPS in csrc/<op>.cpp).
+TORCH_LIBRARY(fusedllm, m) {}
 
 namespace py = pybind11;
 

@@ -616,9 +616,9 @@ def test_masks_combine_with_causal_and_window(device):
 
 
 def _dropout_reference(q, k, v, seed, p, **kw):
-    from fusedllm import _plain
+    from fusedllm import _philox
     b, hq, sq, _ = q.shape
-    keep = _plain.dropout_keep(seed, (b, hq, sq, k.shape[2]), p, q.device)
+    keep = _philox.dropout_keep(seed, (b, hq, sq, k.shape[2]), p, q.device)
     return ref_attention(q, k, v, keep=keep, dropout_p=p, **kw)
 
 
@@ -661,8 +661,8 @@ def test_dropout_keeps_the_expected_fraction_and_the_mean(device):
     v = torch.ones_like(k)
     out = fusedllm.attention(q, k, v, dropout_p=p)
     assert abs(out.mean().item() - 1.0) < 0.02
-    from fusedllm import _plain
-    keep = _plain.dropout_keep(123, (4, 8, 64, 256), p)
+    from fusedllm import _philox
+    keep = _philox.dropout_keep(123, (4, 8, 64, 256), p)
     assert abs(keep.float().mean().item() - (1 - p)) < 0.005
 
 

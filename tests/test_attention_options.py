@@ -194,7 +194,7 @@ def _op_window(window):
 def test_dropout_with_options_matches_reference_pattern(device, shape, dtype):
     """Dense calls draw the same dropout pattern with the options as without; the
     sink's probability is never dropped (it multiplies no value)."""
-    from fusedllm import _plain
+    from fusedllm import _philox
 
     p, seed = 0.3, 987654321987
     b, hq, _, sq, sk, _ = shape
@@ -208,7 +208,7 @@ def test_dropout_with_options_matches_reference_pattern(device, shape, dtype):
                            slopes, None, None, 0, 0)
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v, sinks), grad_out)
-    keep = _plain.dropout_keep(seed, (b, hq, sq, sk), p, q.device)
+    keep = _philox.dropout_keep(seed, (b, hq, sq, sk), p, q.device)
     check_against_reference(q, k, v, out, grad_out, grads, dtype, scale=0.5, window=window, mask=bias,
                             keep=keep, dropout_p=p, softcap=2.0, sinks=sinks, alibi_slopes=slopes)
 

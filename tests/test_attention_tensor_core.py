@@ -386,8 +386,8 @@ def test_masks_match_reference(device, shape, kind):
 def test_dropout_keeps_what_the_cpu_op_keeps(device, dtype):
     """With uniform probabilities (q = 0) and one-hot values, out[..., c] is
     nonzero exactly where probability (row, key c) is kept: the pattern must be
-    the CPU op's (fusedllm._plain.dropout_keep), element by element."""
-    from fusedllm import _plain
+    the CPU op's (fusedllm._philox.dropout_keep), element by element."""
+    from fusedllm import _philox
 
     p, seed = 0.3, 123456789
     b, hq, hkv, sq, sk = 2, 4, 2, 40, 64
@@ -398,14 +398,14 @@ def test_dropout_keeps_what_the_cpu_op_keeps(device, dtype):
         out, _ = ops.attention(q, k, v, None, 0.125, False, -1, p, torch.tensor([seed]), -1, 0.0, None,
                                None, None, None, 0, 0)
     check_ran(counts, tc_forward(64, 2))
-    keep = _plain.dropout_keep(seed, (b, hq, sq, sk), p, q.device)
+    keep = _philox.dropout_keep(seed, (b, hq, sq, sk), p, q.device)
     assert torch.equal(out != 0, keep), "dropout kept other probabilities than the CPU op"
     assert_close(out, (keep.double() / sk / (1 - p)), FORWARD_TOL[dtype], "kept values")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_dropout_with_options_matches_reference(device, dtype):
-    from fusedllm import _plain
+    from fusedllm import _philox
 
     p, seed = 0.2, 55
     b, hq, hkv, sq, sk = 1, 4, 2, 33, 80
@@ -419,7 +419,7 @@ def test_dropout_with_options_matches_reference(device, dtype):
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v, sinks), grad_out)
     check_ran(counts, tc_forward(64, 2), *backward_kernels(64, 2)[0])
-    keep = _plain.dropout_keep(seed, (b, hq, sq, sk), p, q.device)
+    keep = _philox.dropout_keep(seed, (b, hq, sq, sk), p, q.device)
     check_against_reference(q, k, v, out, grad_out, grads, dtype, scale=0.5, window=(40, 4), keep=keep,
                             dropout_p=p, softcap=2.0, sinks=sinks, alibi_slopes=slopes)
 

@@ -247,7 +247,7 @@ def test_every_key_code_read_exactly(device, code, q_len):
         q = torch.zeros(1, 8, q_len, 256, device=device)
         q[0, torch.arange(8), :, dims] = 1.0
         with torch.no_grad():
-            _, lse = fusedllm.functional._attention_with_lse(q.bfloat16(), k8, v8, k_scale=ones, v_scale=ones)
+            _, lse = fusedllm.ops.attention.attention_with_lse(q.bfloat16(), k8, v8, k_scale=ones, v_scale=ones)
         got = lse[0, :, 0].double().cpu()
         assert torch.equal(got, want[dims]), f"codes {dims.tolist()}: {got.tolist()} != {want[dims].tolist()}"
 

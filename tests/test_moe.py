@@ -305,13 +305,13 @@ def test_gpt_oss_activation_is_transformers_formula():
     """activation="gpt_oss" with interleaved=True is GptOssExperts._apply_gate as written
     in transformers (gate = gate_up[..., ::2], up = gate_up[..., 1::2]), limit 7 and alpha 1.702
     by default; with the limit crossed both ways."""
-    from fusedllm import _plain
+    from fusedllm.ops import moe as moe_ops
 
     gate_up = torch.randn(40, 32, dtype=torch.float64) * 6
     gate, up = gate_up[..., ::2].clamp(max=7.0), gate_up[..., 1::2].clamp(-7.0, 7.0)
     expected = (up + 1) * (gate * torch.sigmoid(gate * 1.702))
     assert (gate_up.abs() > 7).any()
-    torch.testing.assert_close(_plain._expert_gated(gate_up, "gpt_oss", True, 1.702, 7.0), expected)
+    torch.testing.assert_close(moe_ops._expert_gated(gate_up, "gpt_oss", True, 1.702, 7.0), expected)
     # and the op's default alpha and limit are those: one expert, identity-like weights
     x = torch.randn(5, 4, dtype=torch.float64) * 6
     eye = torch.eye(4, dtype=torch.float64)

@@ -10,6 +10,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fusedllm
+
 import checks
 from conftest import DEVICES
 from op_table import COMPILE, GRADCHECK, OPCHECK, TABLE
@@ -231,3 +233,20 @@ def test_every_sample_is_checked():
             assert not (sample.variants and GRADCHECK not in sample.checks), sample.id
         for check in (OPCHECK, COMPILE) + ((GRADCHECK,) if entry.second else ()):
             assert any(check in sample.checks for sample in entry.samples), f"{entry.name}: no {check} sample"
+
+
+def test_every_op_module_is_whole():
+    """Each module of fusedllm/ops exports its functions through fusedllm.functional and
+    fusedllm (the same objects), and every registered operator has a fake kernel and a
+    DTensor rule; every plain twin is of a registered operator."""
+    from fusedllm import _fake, _plain, _sharding, functional, ops
+
+    registered = {n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("fusedllm::")}
+    for module in ops.MODULES:
+        assert module.__all__, module.__name__
+        for name in module.__all__:
+            assert name in functional.__all__, f"{module.__name__}.{name} is not in fusedllm.functional.__all__"
+            assert getattr(functional, name) is getattr(module, name) is getattr(fusedllm, name), name
+    assert set(functional.__all__) == {name for module in ops.MODULES for name in module.__all__}
+    assert set(_fake.FAKES) == registered == set(_sharding.RULES)
+    assert set(_plain.OPS) <= registered

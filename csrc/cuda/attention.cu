@@ -416,6 +416,7 @@ std::vector<std::string> attention_kernels() {
           "attention_mma_dkdv_kernel (tensor cores: bfloat16/float16, sm_80+, head dims up to 128)"};
 }
 
+FUSEDLLM_CUDA_OPS_DEFINE(define_attention_ops)
 FUSEDLLM_CUDA_OPS_IMPL(m) { FUSEDLLM_IMPL_ATTENTION_OPS(m, CudaAttention); }
 
 }  // namespace fusedllm::cuda

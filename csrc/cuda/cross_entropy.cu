@@ -270,6 +270,7 @@ struct CudaCrossEntropy {
 
 }  // namespace
 
+FUSEDLLM_CUDA_OPS_DEFINE(define_cross_entropy_ops)
 FUSEDLLM_CUDA_OPS_IMPL(m) { FUSEDLLM_IMPL_CROSS_ENTROPY_OPS(m, CudaCrossEntropy); }
 
 }  // namespace fusedllm::cuda

@@ -67,6 +67,7 @@ struct CudaQuantizeKv {
 
 }  // namespace
 
+FUSEDLLM_CUDA_OPS_DEFINE(define_kv_quant_ops)
 FUSEDLLM_CUDA_OPS_IMPL(m) { FUSEDLLM_IMPL_QUANTIZE_KV_OPS(m, CudaQuantizeKv); }
 
 }  // namespace fusedllm::cuda

@@ -369,6 +369,7 @@ struct CudaMoe {
 
 }  // namespace
 
+FUSEDLLM_CUDA_OPS_DEFINE(define_moe_ops)
 FUSEDLLM_CUDA_OPS_IMPL(m) { FUSEDLLM_IMPL_MOE_OPS(m, CudaMoe); }
 
 }  // namespace fusedllm::cuda

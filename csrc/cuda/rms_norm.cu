@@ -539,6 +539,7 @@ struct CudaRmsNorm {
 
 }  // namespace
 
+FUSEDLLM_CUDA_OPS_DEFINE(define_rms_norm_ops)
 FUSEDLLM_CUDA_OPS_IMPL(m) { FUSEDLLM_IMPL_RMS_NORM_OPS(m, CudaRmsNorm); }
 
 }  // namespace fusedllm::cuda

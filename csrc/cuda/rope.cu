@@ -235,6 +235,7 @@ struct CudaRope {
 
 }  // namespace
 
+FUSEDLLM_CUDA_OPS_DEFINE(define_rope_ops)
 FUSEDLLM_CUDA_OPS_IMPL(m) { FUSEDLLM_IMPL_ROPE_OPS(m, CudaRope); }
 
 }  // namespace fusedllm::cuda

@@ -14,8 +14,10 @@
 #if defined(FUSEDLLM_SIMT)
 #include "simt/simt.h"
 
-// The emulated kernels take CPU tensors and register as fusedllm_simt::<op>.
+// The emulated kernels take CPU tensors and register as fusedllm_simt::<op>,
+// whose schemas each op's .cu defines too.
 #define FUSEDLLM_CUDA_OPS_IMPL(m) TORCH_LIBRARY_IMPL(fusedllm_simt, CPU, m)
+#define FUSEDLLM_CUDA_OPS_DEFINE(define_fn) FUSEDLLM_DEFINE_OPS(fusedllm_simt, define_fn)
 
 namespace fusedllm::cuda {
 
@@ -55,6 +57,7 @@ void launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, 
 #include <cuda_runtime.h>
 
 #define FUSEDLLM_CUDA_OPS_IMPL(m) TORCH_LIBRARY_IMPL(fusedllm, CUDA, m)
+#define FUSEDLLM_CUDA_OPS_DEFINE(define_fn)  // torch.ops.fusedllm's schemas: csrc/<op>.cpp
 
 namespace fusedllm::cuda {
 

@@ -136,6 +136,7 @@ struct CudaSwiglu {
 
 }  // namespace
 
+FUSEDLLM_CUDA_OPS_DEFINE(define_swiglu_ops)
 FUSEDLLM_CUDA_OPS_IMPL(m) { FUSEDLLM_IMPL_SWIGLU_OPS(m, CudaSwiglu); }
 
 }  // namespace fusedllm::cuda

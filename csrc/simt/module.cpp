@@ -7,14 +7,10 @@
 #include <pybind11/stl.h>
 #include <torch/library.h>
 
-#include "fusedllm/schemas.h"
 #include "simt/simt.h"
 
-TORCH_LIBRARY(fusedllm_simt, m) {
-  // Fake kernels: python/fusedllm/_fake.py registers them for both libraries.
-  m.set_python_module("fusedllm._fake");
-  fusedllm::define_ops(m);
-}
+// Each op adds its schemas to the library (FUSEDLLM_CUDA_OPS_DEFINE in csrc/cuda/<op>.cu).
+TORCH_LIBRARY(fusedllm_simt, m) {}
 
 namespace fusedllm::simt {
 std::vector<float> run_selftest(const std::string& name);  // selftest.cpp

@@ -1,5 +1,6 @@
-"""What the fusedllm operators do under ``torch.autocast``: ``RULES`` below,
-the per-op table and the reasons in docs/mixed-precision.md.
+"""What the fusedllm operators do under ``torch.autocast``: each op's rule is
+given beside the op (:func:`rule` in fusedllm/ops/*.py); the table and the
+reasons are in docs/mixed-precision.md.
 
 Each rule is registered as a kernel at the ``AutocastCPU`` / ``AutocastCUDA``
 dispatch keys of ``torch.ops.fusedllm`` (above autograd, so the casts are
@@ -16,26 +17,21 @@ import inspect
 
 import torch
 
-from ._extension import has_extension
-
 # "lower": the autocast dtype (torch.get_autocast_dtype); "float32": float32.
 LOWER, FLOAT32 = "lower", "float32"
 
-_ATTENTION = (LOWER, ("q", "k", "v"))
-_CROSS_ENTROPY = (LOWER, ("hidden", "weight", "bias"))
-_EXPERTS = (LOWER, ("hidden", "gate_up_proj", "down_proj", "gate_up_bias", "down_bias"))
-
 # op -> {device type: (policy, the arguments it casts, {output index: the
-# arguments whose promoted dtype it is given back})}. The last is for
-# fused_add_rms_norm's h = input + residual, which keeps the dtype of that add
-# (autocast leaves an add alone) while the normalized output is float32.
-RULES = {
-    "attention": {"cpu": _ATTENTION, "cuda": _ATTENTION},
-    "linear_cross_entropy": {"cpu": _CROSS_ENTROPY, "cuda": _CROSS_ENTROPY},
-    "moe_experts": {"cpu": _EXPERTS, "cuda": _EXPERTS},
-    "rms_norm": {"cuda": (FLOAT32, ("input", "weight"))},
-    "fused_add_rms_norm": {"cuda": (FLOAT32, ("input", "residual", "weight"), {1: ("input", "residual")})},
-}
+# arguments whose promoted dtype it is given back})}, filled by the op modules
+# (fusedllm/ops/*.py) through rule(). The last is for fused_add_rms_norm's
+# h = input + residual, which keeps the dtype of that add (autocast leaves an
+# add alone) while the normalized output is float32.
+RULES = {}
+
+
+def rule(name: str, **by_device) -> None:
+    """Op ``name``'s rule per device type (``cpu=``, ``cuda=``)."""
+    RULES[name] = by_device
+
 
 # Only these are cast: float64 stays (as autocast leaves it), and so do int8
 # and float8 codes of a quantized KV cache.
@@ -110,8 +106,8 @@ def register(ns: str = "fusedllm") -> None:
     for name, by_device in RULES.items():
         op = getattr(getattr(torch.ops, ns), name).default
         params = [a.name for a in op._schema.arguments]
-        for device_type, rule in by_device.items():
-            lib.impl(name, _autocast_kernel(op, params, rule, device_type), _AUTOCAST_KEYS[device_type],
+        for device_type, op_rule in by_device.items():
+            lib.impl(name, _autocast_kernel(op, params, op_rule, device_type), _AUTOCAST_KEYS[device_type],
                      with_keyset=True)
 
 
@@ -136,7 +132,6 @@ def plain(name: str):
 
     def wrap(fn):
         params = list(inspect.signature(fn).parameters)
-        by_device = RULES.get(name, {})
 
         @functools.wraps(fn)
         def run(*args, **kwargs):
@@ -144,17 +139,14 @@ def plain(name: str):
             device_type = first.device.type if first is not None else "cpu"
             if not _autocast_enabled(device_type):
                 return fn(*args, **kwargs)
-            rule = by_device.get(device_type if device_type == "cpu" else "cuda")
+            by_device = RULES.get(name, {})
+            op_rule = by_device.get(device_type if device_type == "cpu" else "cuda")
             restore = {}
-            if rule is not None:
-                args, kwargs, restore = _cast_args(params, rule, device_type, args, kwargs)
+            if op_rule is not None:
+                args, kwargs, restore = _cast_args(params, op_rule, device_type, args, kwargs)
             with torch.autocast(device_type, enabled=False):
                 return _restore(fn(*args, **kwargs), restore)
 
         return run
 
     return wrap
-
-
-if has_extension():
-    register("fusedllm")

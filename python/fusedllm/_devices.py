@@ -39,7 +39,7 @@ def _with_kernels() -> frozenset:
     names = [name for name in torch._C._dispatch_get_all_op_names() if name.startswith("fusedllm::")]
     found = {device_type for device_type, key in _DISPATCH_KEYS.items()
              if names and all(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for name in names)}
-    return frozenset(found | {"meta"})  # meta tensors: the fake kernels (_fake.py)
+    return frozenset(found | {"meta"})  # meta tensors: the fake kernels (fusedllm/ops/*.py)
 
 
 KERNEL_DEVICES = _with_kernels()

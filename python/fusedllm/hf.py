@@ -60,6 +60,7 @@ from numbers import Integral
 import torch
 
 from . import functional as FF
+from .ops.attention import attention_with_lse, merge_attention
 
 NAME = "fusedllm"
 
@@ -198,12 +199,12 @@ def _window_attention(query, key, value, mask, layout, scale, dropout_p, softcap
         q_pos = torch.arange(layout.first_query, layout.end, device=query.device)[:, None]
         seen = torch.arange(cut, device=query.device)[None, :] <= q_pos
         part = {name: t[:, :, :cut] for name, t in scales.items()}
-        pieces.append(FF._attention_with_lse(query, key[:, :, :cut], value[:, :, :cut], mask=seen, **args, **part))
+        pieces.append(attention_with_lse(query, key[:, :, :cut], value[:, :, :cut], mask=seen, **args, **part))
     if cut < n_keys:
         part = {name: t[:, :, cut:] for name, t in scales.items()}
-        pieces.append(FF._attention_with_lse(query, key[:, :, cut:], value[:, :, cut:], causal=True,
+        pieces.append(attention_with_lse(query, key[:, :, cut:], value[:, :, cut:], causal=True,
                                              window=layout.window, **args, **part))
-    return FF._merge_attention(pieces, pieces[0][0].dtype, sinks)  # the output dtype (autocast: not q's)
+    return merge_attention(pieces, pieces[0][0].dtype, sinks)  # the output dtype (autocast: not q's)
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

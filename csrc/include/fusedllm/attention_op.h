@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <limits>
@@ -15,6 +16,43 @@
 #include "fusedllm/kv_quant_op.h"
 
 namespace fusedllm {
+
+// The schemas of attention's operators, for torch.ops.fusedllm (csrc/attention.cpp) and the
+// emulated torch.ops.fusedllm_simt (csrc/cuda/attention.cu).
+inline void define_attention_ops(torch::Library& m) {
+  // Grouped-query flash attention: q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D]; causal is
+  // bottom-right aligned; window (a key count, left bound + 1) and window_right
+  // bound the keys a query sees, -1 meaning none. mask: bool keep-mask or additive
+  // float mask broadcastable to [B, Hq, Sq, Sk]. softcap > 0 caps the scaled
+  // scores at softcap * tanh(s / softcap); alibi_slopes [Hq] or [B, Hq] add
+  // -slope * |i - j|; sinks [Hq] join each row's softmax denominator. Packed
+  // sequences: with cu_seqlens_q/k (int32 [n + 1]) q is [total_q, Hq, D] and k/v
+  // [total_k, Hkv, D], each sequence attending within itself (max_seqlen_q/k:
+  // the longest, 0 to compute them); out is then [total_q, Hq, D] and lse
+  // [Hq, total_q]. dropout_p > 0 drops probabilities with a counter-based RNG
+  // keyed by seed (int64 [1], on the CPU). Returns out and the per-row lse (of
+  // the probabilities before dropout, sink included). k and v may be int8 with
+  // k_scale / v_scale (float32 [B, Hkv, Sk], packed [total_k, Hkv]): key row j
+  // is k[j] * k_scale[j], applied as the kernels load its tile (no gradient).
+  // A KV cache of sequences of different lengths: kv_lens (int32 [B]) gives
+  // each sequence's number of keys; with block_table (int32 [B, max_pages]) k
+  // and v are pages [num_pages, Hkv, page_size, D] (scales [num_pages, Hkv,
+  // page_size]) and key j of sequence b is row j % page_size of page
+  // block_table[b, j / page_size] (no gradient).
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal, "
+        "int window, float dropout_p, Tensor? seed, int window_right=-1, float softcap=0., "
+        "Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, "
+        "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, Tensor? k_scale=None, "
+        "Tensor? v_scale=None, Tensor? kv_lens=None, Tensor? block_table=None) -> (Tensor out, Tensor lse)");
+  // Gradients of attention from the saved out and lse (probabilities and the
+  // dropout mask recomputed); grad_sinks is [0] without sinks.
+  m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+        "Tensor lse, Tensor? mask, float scale, bool causal, int window, float dropout_p, "
+        "Tensor? seed, int window_right=-1, float softcap=0., Tensor? sinks=None, "
+        "Tensor? alibi_slopes=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+        "int max_seqlen_q=0, int max_seqlen_k=0) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, "
+        "Tensor grad_sinks)");
+}
 
 // fusedllm._limits.MAX_HEAD_DIM (tests/test_limits.py).
 constexpr int64_t kAttentionMaxHeadDim = 256;

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
@@ -23,6 +24,26 @@
 #include "fusedllm/cross_entropy.h"
 
 namespace fusedllm {
+
+// The schemas of cross_entropy's operators, for torch.ops.fusedllm (csrc/cross_entropy.cpp) and the
+// emulated torch.ops.fusedllm_simt (csrc/cuda/cross_entropy.cu).
+inline void define_cross_entropy_ops(torch::Library& m) {
+  // Cross-entropy of the logits hidden [N, H] @ weight[V, H]^T (+ bias) against
+  // target [N] (int64; ignore_index skipped), without the [N, V] logits: chunks
+  // of tokens, float32 (float64) math. softcap 0 means no cap. reduction is
+  // "mean" (over tokens not ignored), "sum" or "none" (per-token, 0 where
+  // ignored); the result is float32 (float64 for float64 inputs).
+  m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+        "int ignore_index, str reduction, float label_smoothing, float softcap, float z_loss)"
+        " -> Tensor");
+  // The pass behind it: per-token losses (float32, float64 for float64) and, as
+  // output_mask asks, the gradients of sum(grad_scale * loss) (grad_scale
+  // absent: 1) for hidden, weight and bias, formed chunk by chunk in the same pass.
+  m.def("linear_cross_entropy_pass(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+        "Tensor? grad_scale, int ignore_index, float label_smoothing, float softcap, "
+        "float z_loss, bool[3] output_mask) -> (Tensor loss, Tensor grad_hidden, "
+        "Tensor grad_weight, Tensor grad_bias)");
+}
 
 // Reductions: fusedllm._limits.REDUCTIONS (tests/test_limits.py).
 enum class Reduction { kNone, kMean, kSum };

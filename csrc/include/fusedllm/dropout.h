@@ -1,5 +1,5 @@
 // Attention dropout shared by the CPU and CUDA kernels (and mirrored by
-// fusedllm/_plain.py): Philox-4x32-10, a counter-based generator, so the
+// fusedllm/_philox.py): Philox-4x32-10, a counter-based generator, so the
 // decision for probability (b, h, i, j) is a pure function of the seed and that
 // index. Forward and backward regenerate the same pattern without storing it,
 // on any thread layout.
@@ -46,7 +46,7 @@ FUSEDLLM_HOST_DEVICE Words philox(uint64_t seed, uint64_t ctr) {
 inline uint32_t keep_threshold(double p) { return static_cast<uint32_t>(std::ceil(p * 16777216.0)); }
 
 // The keep rule, given a probability's random word: its top 24 bits reach the
-// threshold (as dropout_keep in fusedllm/_plain.py).
+// threshold (as dropout_keep in fusedllm/_philox.py).
 FUSEDLLM_HOST_DEVICE bool kept(uint32_t word, uint32_t threshold) { return (word >> 8) >= threshold; }
 
 // Element n of the [B, Hq, Sq, Sk] probabilities (row-major index) uses word

@@ -4,11 +4,24 @@
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
+#include <torch/library.h>
 
 #include "fusedllm/checks.h"
 #include "fusedllm/kv_quant.h"
 
 namespace fusedllm {
+
+// The schemas of kv_quant's operators, for torch.ops.fusedllm (csrc/kv_quant.cpp) and the
+// emulated torch.ops.fusedllm_simt (csrc/cuda/kv_quant.cu).
+inline void define_kv_quant_ops(torch::Library& m) {
+  // Symmetric quantization of key / value rows, written into a cache: each
+  // row x of the last dim (one position of one kv head) gets scale =
+  // max|x| / L and values round_half_even(x / scale): int8 in [-127, 127]
+  // (L = 127) or float8_e4m3fn (L = 448), as values' dtype says (a row with
+  // a non-finite entry: scale NaN). x [..., D] (up to 4-D), values of x's
+  // shape and scales float32 [...], any strides.
+  m.def("quantize_kv(Tensor x, Tensor(a!) values, Tensor(b!) scales) -> ()");
+}
 
 // x, values [B, H, S, D] and scales [B, H, S] views (leading size-1 dims
 // added), any strides; rows = B * H * S.

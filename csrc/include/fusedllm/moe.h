@@ -26,7 +26,7 @@ namespace fusedllm::moe {
 
 enum class Scoring : int { kSoftmax = 0, kSigmoid = 1 };
 
-// The products of the experts' grouped multiplies (CPU: csrc/cpu/moe.cpp,
+// The products of the experts' grouped multiplies (CPU: csrc/moe.cpp,
 // CUDA: grouped_gemm.cuh); the rows of group e are offsets[e] .. offsets[e + 1].
 enum class GroupedProduct {
   kRowsTimesWeightT,  // out[r] = a[r] @ b[e]^T            a [S, K], b [E, N, K], out [S, N]

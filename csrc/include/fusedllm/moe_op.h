@@ -12,6 +12,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
@@ -28,6 +29,50 @@
 #include "fusedllm/swiglu_op.h"
 
 namespace fusedllm {
+
+// The schemas of moe's operators, for torch.ops.fusedllm (csrc/moe.cpp) and the
+// emulated torch.ops.fusedllm_simt (csrc/cuda/moe.cu).
+inline void define_moe_ops(torch::Library& m) {
+  // Mixture-of-experts routing: router_logits [T, E] to the top_k experts of
+  // each token and their weights (float32, float64 for float64 logits; int64
+  // indices), scoring "softmax" or "sigmoid", correction_bias steering the
+  // choice only, num_groups / top_groups the group-limited choice.
+  m.def("moe_route(Tensor router_logits, int top_k, str scoring, bool normalize, "
+        "Tensor? correction_bias, int num_groups, int top_groups, float scaling)"
+        " -> (Tensor weights, Tensor indices)");
+  m.def("moe_route_backward(Tensor grad_weights, Tensor router_logits, Tensor indices, "
+        "str scoring, bool normalize, float scaling) -> Tensor");
+  // Each token of hidden [T, H] through its experts indices [T, k] (gate_up_proj
+  // [E, 2I, H], the gated activation, down_proj [E, H, I]), summed with weights
+  // [T, k]. Also returns what backward needs, in expert order: order and
+  // position (the permutation of the T * k pairs and its inverse), offsets
+  // [E + 1] (each expert's rows), gate_up [T * k, 2I] and expert_out [T * k, H].
+  // Without save_for_backward, gate_up is [0, 2I] and expert_out [0, H]:
+  // neither is ever whole (what inference needs). gate_up_bias [E, 2I] and
+  // down_bias [E, H] are added to each expert's products; transposed: the
+  // weights are gate_up_proj [E, H, 2I] and down_proj [E, I, H] (gpt-oss);
+  // interleaved: gate and up alternate along 2I (gate at even columns)
+  // instead of [gate | up]; activation "silu", "gelu_tanh", or "gpt_oss"
+  // (gate clamped above at limit, up to [-limit, limit],
+  // (up + 1) * gate * sigmoid(alpha * gate)).
+  m.def("moe_experts(Tensor hidden, Tensor indices, Tensor weights, Tensor gate_up_proj, "
+        "Tensor down_proj, str activation, bool save_for_backward, Tensor? gate_up_bias=None, "
+        "Tensor? down_bias=None, bool transposed=False, bool interleaved=False, "
+        "float alpha=" FUSEDLLM_STRING(FUSEDLLM_GPT_OSS_ALPHA) ", "
+        "float limit=" FUSEDLLM_STRING(FUSEDLLM_GPT_OSS_LIMIT) ") -> (Tensor out, "
+        "Tensor order, Tensor position, Tensor offsets, Tensor gate_up, Tensor expert_out)");
+  // Gradients as output_mask asks (hidden, weights, gate_up_proj, down_proj)
+  // and bias_mask (gate_up_bias, down_bias, where given); [0] for the others.
+  m.def("moe_experts_backward(Tensor grad_out, Tensor hidden, Tensor indices, Tensor weights, "
+        "Tensor gate_up_proj, Tensor down_proj, Tensor order, Tensor position, Tensor offsets, "
+        "Tensor gate_up, Tensor expert_out, str activation, bool[4] output_mask, "
+        "Tensor? gate_up_bias=None, Tensor? down_bias=None, bool transposed=False, "
+        "bool interleaved=False, float alpha=" FUSEDLLM_STRING(FUSEDLLM_GPT_OSS_ALPHA) ", "
+        "float limit=" FUSEDLLM_STRING(FUSEDLLM_GPT_OSS_LIMIT) ", "
+        "bool[2] bias_mask=[False, False]) -> (Tensor grad_hidden, Tensor grad_weights, "
+        "Tensor grad_gate_up_proj, Tensor grad_down_proj, Tensor grad_gate_up_bias, "
+        "Tensor grad_down_bias)");
+}
 
 using moe::GroupedProduct;
 

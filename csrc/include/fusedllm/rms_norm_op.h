@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <limits>
 #include <optional>
@@ -14,6 +15,24 @@
 #include "fusedllm/rms_norm.h"
 
 namespace fusedllm {
+
+// The schemas of rms_norm's operators, for torch.ops.fusedllm (csrc/rms_norm.cpp) and the
+// emulated torch.ops.fusedllm_simt (csrc/cuda/rms_norm.cu).
+inline void define_rms_norm_ops(torch::Library& m) {
+  // y = x * rstd * (offset + weight); also returns rstd per row (float32,
+  // float64 for float64 input) for the backward op.
+  m.def("rms_norm(Tensor input, Tensor? weight, float eps, float offset, str casting)"
+        " -> (Tensor out, Tensor rstd)");
+  // h = input + residual; y = rms_norm(h). Returns y, h and rstd.
+  m.def("fused_add_rms_norm(Tensor input, Tensor residual, Tensor? weight, float eps, "
+        "float offset, str casting) -> (Tensor out, Tensor residual_out, Tensor rstd)");
+  // Gradients of both ops in one pass: grad_input (plus grad_residual, the
+  // gradient reaching fused_add_rms_norm's residual_out) and grad_weight
+  // (an empty tensor unless compute_weight_grad and a weight is given).
+  m.def("rms_norm_backward(Tensor grad_out, Tensor input, Tensor rstd, Tensor? weight, "
+        "float offset, str casting, Tensor? grad_residual, bool compute_weight_grad)"
+        " -> (Tensor grad_input, Tensor grad_weight)");
+}
 
 // The castings: fusedllm._limits.CASTINGS (tests/test_limits.py).
 inline rms::Casting parse_casting(std::string_view casting, const char* op) {

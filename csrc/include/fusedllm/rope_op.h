@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <optional>
 #include <tuple>
@@ -10,6 +11,20 @@
 #include "fusedllm/checks.h"
 
 namespace fusedllm {
+
+// The schemas of rope's operators, for torch.ops.fusedllm (csrc/rope.cpp) and the
+// emulated torch.ops.fusedllm_simt (csrc/cuda/rope.cu).
+inline void define_rope_ops(torch::Library& m) {
+  // Rotates q [B, Hq, S, D] and k [B, Hkv, S, D] by the angles of cos/sin tables
+  // ([positions, rotary_dim / 2] looked up at position_ids or offset + s, or
+  // per-token [B, S, rotary_dim / 2]); the first rotary_dim features rotate.
+  // inverse=True rotates back (the backward pass).
+  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? position_ids, int offset, "
+        "bool interleaved, int rotary_dim, bool inverse) -> (Tensor q_out, Tensor k_out)");
+  // The same, writing into q and k.
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, Tensor? position_ids, "
+        "int offset, bool interleaved, int rotary_dim, bool inverse) -> ()");
+}
 
 // One rotated tensor: [B, H, S, D] input and output with unit stride along D
 // (in place: the same tensor).

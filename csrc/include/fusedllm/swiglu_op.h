@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <string>
 #include <string_view>
@@ -12,6 +13,19 @@
 #include "fusedllm/checks.h"
 
 namespace fusedllm {
+
+// The schemas of swiglu's operators, for torch.ops.fusedllm (csrc/swiglu.cpp) and the
+// emulated torch.ops.fusedllm_simt (csrc/cuda/swiglu.cu).
+inline void define_swiglu_ops(torch::Library& m) {
+  // h = act(gate) * up with act in {"silu", "gelu_tanh"}; float32 math inside.
+  m.def("swiglu(Tensor gate, Tensor up, str activation) -> Tensor");
+  // The same from one [..., 2F] tensor laid out [gate | up] (one fused projection).
+  m.def("swiglu_packed(Tensor gate_up, str activation) -> Tensor");
+  // Backward ops recompute the activation from the inputs.
+  m.def("swiglu_backward(Tensor grad_out, Tensor gate, Tensor up, str activation)"
+        " -> (Tensor grad_gate, Tensor grad_up)");
+  m.def("swiglu_packed_backward(Tensor grad_out, Tensor gate_up, str activation) -> Tensor");
+}
 
 // The activations: fusedllm._limits.ACTIVATIONS (tests/test_limits.py).
 inline act::Activation parse_activation(std::string_view activation, const char* op) {

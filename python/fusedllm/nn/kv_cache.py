@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import functional as FF
+from ..ops.attention import attention_with_lse, merge_attention
 from .._limits import check_positive_int
 
 
@@ -310,7 +311,7 @@ class KVCache:
             mask = None
             if a >= self.sink and new > 1 and first <= start + new - 1 - w:
                 mask = torch.arange(first, b, device=dev)[None, :] > q_pos - w
-            pieces.append(FF._attention_with_lse(q, self._k[:, :, slots], self._v[:, :, slots], mask=mask,
+            pieces.append(attention_with_lse(q, self._k[:, :, slots], self._v[:, :, slots], mask=mask,
                                                  dropout_p=dropout_p, **self._scales(slots)))
         new_kv = dict(k=k, v=v)
         if self.quantized:  # the new keys as they will be stored
@@ -320,11 +321,11 @@ class KVCache:
             # sink positions among the new keys stay visible past the window
             k_pos = torch.arange(start, start + new, device=dev)[None, :]
             mask = (k_pos <= q_pos) & ((k_pos > q_pos - w) | (k_pos < self.sink))
-            pieces.append(FF._attention_with_lse(q, mask=mask, dropout_p=dropout_p, **new_kv))
+            pieces.append(attention_with_lse(q, mask=mask, dropout_p=dropout_p, **new_kv))
         else:
-            pieces.append(FF._attention_with_lse(q, causal=True, window=w, dropout_p=dropout_p, **new_kv))
+            pieces.append(attention_with_lse(q, causal=True, window=w, dropout_p=dropout_p, **new_kv))
         self._store(k, v)
-        return FF._merge_attention(pieces, q.dtype)
+        return merge_attention(pieces, q.dtype)
 
     def __repr__(self) -> str:
         bounds = "" if self.window is None else f", window={self.window}, sink={self.sink}"

@@ -1,14 +1,17 @@
-// quantize_kv on CPU: rows in parallel, each with the shared fusedllm/kv_quant.h
-// math. Appending to a cache writes few rows; this runs once per row, not per step.
+// quantize_kv: its schema (defined in fusedllm/kv_quant_op.h) and its CPU operator:
+// rows in parallel, each with the shared fusedllm/kv_quant.h math. Appending to a
+// cache writes few rows; this runs once per row, not per step. No autograd: a
+// cache is written for inference.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
-
 #include <cmath>
+#include <torch/library.h>
 
 #include "fusedllm/kv_quant.h"
 #include "fusedllm/kv_quant_op.h"
+
+FUSEDLLM_DEFINE_OPS(fusedllm, define_kv_quant_ops)
 
 namespace fusedllm::cpu {
 namespace {

@@ -1,22 +1,25 @@
-// Mixture-of-experts ops on CPU: the flow of fusedllm/moe_op.h with each
-// expert's rows multiplied by matmul.h's products (blocks of its contiguous rows
-// spread over threads), and the router and row moves of fusedllm/moe.h spread
-// over threads by token.
+// moe_route and moe_experts: their schemas (defined in fusedllm/moe_op.h), their CPU
+// operators (the flow of fusedllm/moe_op.h with each expert's rows multiplied by
+// cpu/matmul.h's products, blocks of its contiguous rows spread over threads, and
+// the router and row moves of fusedllm/moe.h spread over threads by token) and
+// their autograd.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <optional>
+#include <torch/library.h>
 #include <vector>
 
+#include "cpu/matmul.h"
 #include "fusedllm/activations.h"
+#include "fusedllm/autograd.h"
 #include "fusedllm/moe.h"
 #include "fusedllm/moe_op.h"
-#include "matmul.h"
+
+FUSEDLLM_DEFINE_OPS(fusedllm, define_moe_ops)
 
 namespace fusedllm::cpu {
 namespace {
@@ -391,3 +394,136 @@ struct CpuMoe {
 TORCH_LIBRARY_IMPL(fusedllm, CPU, m) { FUSEDLLM_IMPL_MOE_OPS(m, CpuMoe); }
 
 }  // namespace fusedllm::cpu
+
+// --- autograd, for every device (fusedllm/autograd.h) ----------------------------------------
+
+namespace fusedllm::autograd {
+namespace {
+
+// The router's gradient flows to its logits only (the correction bias steers the choice).
+struct MoeRouteFunction : torch::autograd::Function<MoeRouteFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, int64_t top_k,
+                               c10::string_view scoring, bool normalize, const OptTensor& bias,
+                               int64_t groups, int64_t top_groups, double scaling) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto fn = op<decltype(MoeOps<void>::route)>("fusedllm::moe_route");
+    auto [weights, indices] =
+        fn.call(logits, top_k, scoring, normalize, bias, groups, top_groups, scaling);
+    ctx->save_for_backward({logits, indices});
+    ctx->saved_data["scoring"] = std::string(scoring);
+    ctx->saved_data["normalize"] = normalize;
+    ctx->saved_data["scaling"] = scaling;
+    ctx->mark_non_differentiable({indices});
+    return {weights, indices};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto fn = op<decltype(MoeOps<void>::route_backward)>("fusedllm::moe_route_backward");
+    const auto s = ctx->get_saved_variables();
+    variable_list out(8);
+    if (ctx->needs_input_grad(0) && grads[0].defined()) {
+      out[0] = fn.call(grads[0], s[0], s[1], ctx->saved_data["scoring"].toStringRef(),
+                       ctx->saved_data["normalize"].toBool(), ctx->saved_data["scaling"].toDouble());
+    }
+    return out;
+  }
+};
+
+
+// The biases follow down_proj so that the tensor inputs present number the
+// edges: hidden 0, indices 1, weights 2, gate_up_proj 3, down_proj 4, then
+// gate_up_bias and down_bias where given.
+struct MoeExpertsFunction : torch::autograd::Function<MoeExpertsFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden,
+                               const at::Tensor& indices, const at::Tensor& weights,
+                               const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
+                               const OptTensor& gate_up_bias, const OptTensor& down_bias,
+                               c10::string_view activation, bool save_for_backward,
+                               bool transposed, bool interleaved, double alpha, double limit) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto fn = op<decltype(MoeOps<void>::experts)>("fusedllm::moe_experts");
+    auto [out, order, position, offsets, gate_up, expert_out] =
+        fn.call(hidden, indices, weights, gate_up_proj, down_proj, activation, save_for_backward,
+                gate_up_bias, down_bias, transposed, interleaved, alpha, limit);
+    ctx->save_for_backward({hidden, indices, weights, gate_up_proj, down_proj, order, position,
+                            offsets, gate_up, expert_out, value_or_undefined(gate_up_bias),
+                            value_or_undefined(down_bias)});
+    ctx->saved_data["activation"] = std::string(activation);
+    ctx->saved_data["transposed"] = transposed;
+    ctx->saved_data["interleaved"] = interleaved;
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["limit"] = limit;
+    ctx->mark_non_differentiable({order, position, offsets, gate_up, expert_out});
+    return {out, order, position, offsets, gate_up, expert_out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto fn = op<decltype(MoeOps<void>::experts_backward)>("fusedllm::moe_experts_backward");
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor& gate_up_bias = s[10];
+    const at::Tensor& down_bias = s[11];
+    variable_list out(13);
+    const std::array<bool, 4> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(2),
+                                      ctx->needs_input_grad(3), ctx->needs_input_grad(4)};
+    const size_t down_bias_edge = gate_up_bias.defined() ? 6 : 5;
+    const std::array<bool, 2> bias_mask = {
+        gate_up_bias.defined() && ctx->needs_input_grad(5),
+        down_bias.defined() && ctx->needs_input_grad(down_bias_edge)};
+    if (!grads[0].defined() || !(mask[0] || mask[1] || mask[2] || mask[3] || bias_mask[0] ||
+                                 bias_mask[1])) {
+      return out;
+    }
+    auto [grad_hidden, grad_weights, grad_gate_up, grad_down, grad_gu_bias, grad_down_bias] =
+        fn.call(grads[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9],
+                ctx->saved_data["activation"].toStringRef(), mask, as_optional(gate_up_bias),
+                as_optional(down_bias), ctx->saved_data["transposed"].toBool(),
+                ctx->saved_data["interleaved"].toBool(), ctx->saved_data["alpha"].toDouble(),
+                ctx->saved_data["limit"].toDouble(), bias_mask);
+    if (mask[0]) out[0] = grad_hidden;
+    if (mask[1]) out[2] = grad_weights;
+    if (mask[2]) out[3] = grad_gate_up;
+    if (mask[3]) out[4] = grad_down;
+    if (bias_mask[0]) out[5] = grad_gu_bias;
+    if (bias_mask[1]) out[6] = grad_down_bias;
+    return out;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> moe_route_autograd(const at::Tensor& logits, int64_t top_k,
+                                                      c10::string_view scoring, bool normalize,
+                                                      const OptTensor& bias, int64_t groups,
+                                                      int64_t top_groups, double scaling) {
+  auto r = MoeRouteFunction::apply(logits, top_k, scoring, normalize, bias, groups, top_groups,
+                                   scaling);
+  return {r[0], r[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+moe_experts_autograd(const at::Tensor& hidden, const at::Tensor& indices, const at::Tensor& weights,
+                     const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
+                     c10::string_view activation, bool save_for_backward,
+                     const OptTensor& gate_up_bias, const OptTensor& down_bias, bool transposed,
+                     bool interleaved, double alpha, double limit) {
+  // Backward needs the gate/up rows whenever a gradient will be asked for.
+  const auto wants = [](const OptTensor& t) { return t.has_value() && t->requires_grad(); };
+  const bool grads = at::GradMode::is_enabled() &&
+                     (hidden.requires_grad() || weights.requires_grad() ||
+                      gate_up_proj.requires_grad() || down_proj.requires_grad() ||
+                      wants(gate_up_bias) || wants(down_bias));
+  auto r = MoeExpertsFunction::apply(hidden, indices, weights, gate_up_proj, down_proj,
+                                     gate_up_bias, down_bias, activation,
+                                     save_for_backward || grads, transposed, interleaved, alpha,
+                                     limit);
+  return {r[0], r[1], r[2], r[3], r[4], r[5]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusedllm, Autograd, m) {
+  refuse_second_derivative(m, "moe_route_backward");
+  refuse_second_derivative(m, "moe_experts_backward");
+  m.impl("moe_route", &moe_route_autograd);
+  m.impl("moe_experts", &moe_experts_autograd);
+}
+
+}  // namespace fusedllm::autograd

@@ -388,7 +388,7 @@ inline void softmax_rows(float* s, int64_t ld, int64_t rows, int64_t nk, const f
 // (scores_along_keys), V's rows interleaved into pair words inside the
 // product (RowsB); packing them cost more (stores, reloads, K's 16 x 16
 // transposes) than the products themselves.
-template <typename T>
+template <typename T, bool kDecoding>
 struct ForwardTask {
   using acc_t = typename VecIO<T>::acc_t;
   static constexpr bool kPairs = kPairProducts<T>;
@@ -402,6 +402,11 @@ struct ForwardTask {
   // the tile the rest of the float32 path reads. Q's rows in the lanes
   // (rows x keys as keys x rows) used 4 or 8 of 16 (8) lanes.
   static constexpr bool kFloatLanes = kFloatKeyLanes<T>;
+  // A decoding task (at most kNarrowRows rows, on the pair or float lanes:
+  // DecodeTask) or a prefill task (PrefillTask): each instantiation compiles
+  // only its own steps.
+  static constexpr bool decoding = kDecoding;
+  static_assert(!kDecoding || kPairs || kFloatLanes, "decoding tiles run on the pair or float lanes");
 
   // The next key tile's rows, asked for in kPrefetchParts pieces spread over
   // this tile's work (all at once, the requests fill the core's miss queue
@@ -428,7 +433,6 @@ struct ForwardTask {
   const Mask mask;
   const int64_t d, d_pad, group, rows, ld;
   const acc_t scale;
-  const bool decoding;  // at most kNarrowRows rows, on the pair or float lanes
   const int64_t sr_ld;  // of the rows x keys scores of a decoding tile in w.sr
   bool int_k = false, int_v = false;  // decoding over int8 codes on int16 pairs
   bool amx = false;  // a prefill tile's products on the AMX tiles (the AMX variant)
@@ -445,7 +449,7 @@ struct ForwardTask {
         mask(a.mask.of_lengths(a.seqs.q_len(b), a.seqs.k_len(b))),
         d(t.d), d_pad(t.d_pad), group(t.group), rows(npos * t.group),
         ld(round_up(rows, Vectorized<acc_t>::size())), scale(static_cast<acc_t>(a.scale)),
-        decoding((kPairs || kFloatLanes) && rows <= kNarrowRows), sr_ld(round_up(t.block_k, 16)) {
+        sr_ld(round_up(t.block_k, 16)) {
 #if defined(__AVX512BF16__)
     if constexpr (kPairs) {
       int_k = decoding && k.quantized() && !k.float8;
@@ -484,7 +488,7 @@ struct ForwardTask {
     std::fill(w.row_max, w.row_max + ld, kNegInf<acc_t>);
     std::fill(w.row_sum, w.row_sum + ld, acc_t(0));
     // S's rows past `rows` stay zero
-    if (decoding) std::fill(w.sr + rows * sr_ld, w.sr + ld * sr_ld, acc_t(0));
+    if constexpr (decoding) std::fill(w.sr + rows * sr_ld, w.sr + ld * sr_ld, acc_t(0));
     const KeyTiles tiles(mask, p0, p0 + npos, t.block_k, false);
     for (int64_t i = split; i < tiles.count; i += splits) {
       const int64_t j0 = tiles.start(i), nk = tiles.stop(i) - j0;
@@ -492,7 +496,7 @@ struct ForwardTask {
       const NextTile next{k, v, last ? 0 : tiles.start(i + splits),
                           last ? 0 : tiles.stop(i + splits) - tiles.start(i + splits), d, !amx};
       next.part(0);
-      if (decoding) {
+      if constexpr (decoding) {
         if (decode_scores(j0, nk, next)) continue;  // the whole tile done on the rows x keys scores
       } else {
         prefill_scores(j0, nk, next);
@@ -500,7 +504,7 @@ struct ForwardTask {
       next.part(2);
       probabilities(j0, nk);
       next.part(3);
-      if (decoding) {
+      if constexpr (decoding) {
         decode_values(j0, nk, next);
       } else {
         prefill_values(j0, nk, next);
@@ -540,7 +544,7 @@ struct ForwardTask {
     if constexpr (kPairs) {
 #if defined(__AVX512BF16__)
       const int64_t dp = (d + 1) / 2;
-      if (decoding) {  // Q as pair words along its rows
+      if constexpr (decoding) {  // Q as pair words along its rows
         for (int64_t i = 0; i < rows; ++i) {
           if (int_k) {
             w.q_scale[i] = pack_row_int16(q_row(i), d, q_words() + i * dp);
@@ -552,7 +556,7 @@ struct ForwardTask {
         pack_rows_transposed([&](int64_t i) { return q_row(i); }, rows, ld, d, q_words());
       }
 #endif
-    } else if (decoding) {  // rows of Q * scale, in kbuf
+    } else if constexpr (decoding) {  // rows of Q * scale, in kbuf
       gather_rows(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, scale, w.kbuf);
     } else {  // (Q * scale)^T, staged row-major in the output buffer first
       gather_both(q, a.q.head_stride, a.q.seq_stride, t, g, p0, rows, ld, scale, w.o, w.qt);
@@ -741,7 +745,7 @@ struct ForwardTask {
     bool eight = false;  // a decoding tile's rows on 8 lanes
 #if defined(__AVX512BF16__)
     if constexpr (kPairs) {
-      if (decoding) softmax_tile_8(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
+      if constexpr (decoding) softmax_tile_8(w.s, ld, nk, w.row_max, w.row_sum, w.alpha);
       eight = decoding;
     }
 #endif
@@ -881,13 +885,27 @@ struct ForwardTask {
 };
 
 template <typename T>
+using PrefillTask = ForwardTask<T, false>;
+template <typename T>
+using DecodeTask = ForwardTask<T, true>;
+
+template <typename T>
 struct ForwardKernel {
   using acc_t = typename VecIO<T>::acc_t;
 
+  // A block of query rows over its key tiles: a decoding task where the
+  // rows fit the narrow lanes, else a prefill task.
   static void task(const AttentionForwardArgs& a, const Tiling<acc_t>& t, ForwardScratch<acc_t> w,
                    int64_t b, int64_t g, int64_t p0, int64_t npos, int64_t split, int64_t splits,
                    acc_t* o_out, int64_t o_ld, acc_t* lse_out, const uint32_t* v_words) {
-    ForwardTask<T> task(a, t, w, b, g, p0, npos, v_words);
+    if constexpr (kPairProducts<T> || kFloatKeyLanes<T>) {
+      if (npos * t.group <= kNarrowRows) {
+        DecodeTask<T> task(a, t, w, b, g, p0, npos, v_words);
+        task.run(split, splits);
+        return task.finish(o_out, o_ld, lse_out);
+      }
+    }
+    PrefillTask<T> task(a, t, w, b, g, p0, npos, v_words);
     task.run(split, splits);
     task.finish(o_out, o_ld, lse_out);
   }

@@ -165,15 +165,37 @@ def demangle(names: list[str]) -> list[str]:
 TYPE_NAMES = {"c10::BFloat16": "bf16", "c10::Half": "fp16", "float": "fp32", "double": "fp64"}
 
 
+def _split_top(text: str, sep: str = ",") -> list[str]:
+    """``text`` split at ``sep`` outside <> and ()."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += (c in "<(") - (c in ">)")
+        if c == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
 def short_name(demangled: str) -> str:
     """`fusedllm::cuda::(anon)::attention_mma_forward_kernel<c10::BFloat16, 128>(...)`
-    -> `mma_forward<bf16,128>`."""
-    m = re.search(r"(\w+)<([^()]*)>\s*\(", demangled)
-    if not m:
-        return demangled.split("(")[0]
-    name = m.group(1).removeprefix("attention_").removesuffix("_kernel")
-    args = [TYPE_NAMES.get(a.strip(), a.strip()) for a in m.group(2).split(",")]
-    return f"{name}<{','.join(args)}>"
+    -> `mma_forward<bf16,128>`; an enum argument `(ns::Stored)2` -> `Stored(2)`."""
+    head = demangled.removeprefix("void ")
+    depth, end = 0, len(head)
+    for i, c in enumerate(head):  # the parameter list: the first "(" outside <> not after "::"
+        depth += (c == "<") - (c == ">")
+        if c == "(" and depth == 0 and not head[:i].endswith("::"):
+            end = i
+            break
+    name, _, args = head[:end].partition("<")
+    if not args:  # no template arguments: the plain name
+        return name
+    name = name.split("::")[-1].removeprefix("attention_").removesuffix("_kernel")
+    shown = []
+    for arg in _split_top(args.removesuffix(">").strip()):
+        arg = arg.strip()
+        cast = re.fullmatch(r"\((.+)\)(-?\d+)", arg)
+        shown.append(f"{cast.group(1).split('::')[-1]}({cast.group(2)})" if cast else TYPE_NAMES.get(arg, arg))
+    return f"{name}<{','.join(shown)}>"
 
 
 # --- the loop and one iteration ---------------------------------------------------
@@ -234,7 +256,8 @@ def dominators(blocks: list[Block]) -> list[int]:
             new = (new if preds[n] else 0) | (1 << n)
             if new != dom[n]:
                 dom[n], changed = new, True
-    return dom
+    # no dominators for the unreachable: an edge out of one is no back edge
+    return [d if n in reach else 0 for n, d in enumerate(dom)]
 
 
 @dataclass

@@ -87,6 +87,21 @@ def test_classify_and_names():
     assert sass_table.short_name(name) == "mma_forward<bf16,128>"
 
 
+def test_enum_arguments_and_unreachable_code():
+    """An enum template argument (a cast in the demangled name) keeps the name whole;
+    an edge out of a block nothing reaches (code after a call that never returns)
+    is no back edge, so it makes no loop whose latch no path reaches."""
+    name = ("void fusedllm::cuda::(anonymous namespace)::attention_decode_kernel<c10::BFloat16, "
+            "(fusedllm::cuda::(anonymous namespace)::Stored)2, 128>(c10::BFloat16 const*, int)")
+    assert sass_table.short_name(name) == "decode<bf16,Stored(2),128>"
+    Block = sass_table.Block
+    blocks = [Block(0, 0, [1]), Block(1, 1, [2, 1]), Block(2, 2, []), Block(3, 3, [1])]
+    dom = sass_table.dominators(blocks)
+    assert dom[3] == 0
+    loops = sass_table.find_loops(blocks, dom)
+    assert [(lp.head, lp.latches) for lp in loops] == [(1, {1})]
+
+
 def test_missing_tool_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     monkeypatch.setattr(sass_table.importlib.util, "find_spec", lambda name: None)

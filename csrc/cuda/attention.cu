@@ -370,7 +370,9 @@ struct CudaAttention {
     const bool mma_dkdv = tensor_cores && s.head_dim <= tc::kMaxDkdvHeadDim;
     // delta = rowsum(dO * O) summed as each kernel sums its dP = dO . v: on
     // the tensor cores for theirs, as the SIMT kernels do for those.
-    const auto delta_rows = [&] { return at::empty({p.rows.count(s.batch)}, p.q.options().dtype(lse_dtype(p.q))); };
+    const auto delta_rows = [&] {
+      return at::empty({p.rows.count(s.batch)}, p.q.options().dtype(accumulation_dtype(p.q)));
+    };
     at::Tensor delta_tc, delta_simt;
     if (tensor_cores) {
       delta_tc = delta_rows();

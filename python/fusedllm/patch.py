@@ -441,81 +441,13 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
         if flags[name] is None:
             flags[name] = default
             reasons[name] = why or reasons[name]
-    report = PatchReport(device=_device_note(model))
-    registry = model.__dict__.setdefault(_REGISTRY_ATTR, [])
-    compute_dtype = _compute_dtype(model)
-
-    def consider(path, module):
-        """A replacement for ``module``, or None (after noting why, if it was a candidate)."""
-        if _is_ours(module):
-            return None
-        kind = "hidden"
-        if _is_transformers(module):
-            rule = _hf_rule(module, compute_dtype)
-            if rule is None:
-                return None
-            flag, build = rule
-            if flag == "moe":
-                kind = "moe"
-        else:
-            rule = _NOTEBOOK_RULES.get(type(module).__name__)
-            if rule is None:
-                return None
-            flag, build, kind = rule
-        name = type(module).__name__
-        if not flags[flag]:
-            report.left.append(Left(path, name, reasons[flag]))
-            return None
-        new = build(module)
-        if isinstance(new, str):
-            reason = (new if flag in ("parallel", "moe") or isinstance(new, _Reason)
-                      else f"same name, different structure: {new}")
-            report.left.append(Left(path, name, reason))
-            return None
-        new.train(module.training)
-        entry = Replaced(path, name, _public_name(type(new)))
-        if flag == "moe":
-            entry.note = hf_moe.block_note(module)
-        if flag == "parallel":
-            entry.note = new.FUSED
-            if verify:
-                entry.note += "; not compared on a probe (a decoder layer needs the model's mask and positions)"
-            for attr, cls_name, why in hf_parallel.kept_modules(module):
-                report.left.append(Left(f"{path}.{attr}", cls_name, why))
-        elif verify:
-            try:
-                problem = _verify(module, new, kind)
-            except Exception as exc:
-                if _is_transformers(module):
-                    report.left.append(Left(path, name, f"verify: the original failed ({exc})"))
-                    return None
-                entry.note = f"not compared: the original failed on the probe input ({type(exc).__name__})"
-                problem = None
-            else:
-                entry.verified = problem is None
-            if problem is not None:
-                report.left.append(Left(path, name, f"verify: {problem}"))
-                return None
-        report.replaced.append(entry)
-        return new
-
-    def walk(parent, prefix):
-        for child_name, child in list(parent._modules.items()):
-            if child is None:
-                continue
-            path = f"{prefix}.{child_name}" if prefix else child_name
-            new = consider(path, child)
-            if new is None:
-                walk(child, path)
-                continue
-            setattr(parent, child_name, new)
-            registry.append((parent, child_name, child, new))
-
-    if consider("", model) is not None:
+    patcher = _Patcher(model, flags, reasons, verify)
+    report = patcher.report
+    if patcher.consider("", model) is not None:
         report.replaced.pop()
         report.left.append(Left("", type(model).__name__,
                                 "the model itself is not replaced in place; use fusedllm.compat or patch a parent"))
-    walk(model, "")
+    patcher.walk(model, "")
     if flags["attention"]:
         _switch_hf_attention(model, report)
     elif attention is None and _is_transformers(model) and hasattr(getattr(model, "config", None),
@@ -526,6 +458,90 @@ def patch(model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope:
         report.loss = ("fused: linear_cross_entropy, no logits in training" if reason is None
                        else f"left: {reason}")
     return report
+
+
+class _Patcher:
+    """One patch() call's walk: the families chosen (``flags``, and why each left
+    one is: ``reasons``), the report it fills and the model's undo registry."""
+
+    def __init__(self, model: nn.Module, flags: dict, reasons: dict, verify: bool):
+        self.flags, self.reasons, self.verify = flags, reasons, verify
+        self.report = PatchReport(device=_device_note(model))
+        self.registry = model.__dict__.setdefault(_REGISTRY_ATTR, [])
+        self.compute_dtype = _compute_dtype(model)
+
+    def rule(self, module):
+        """(family, build, probe kind) for ``module``, or None where nothing replaces it."""
+        if _is_ours(module):
+            return None
+        if _is_transformers(module):
+            rule = _hf_rule(module, self.compute_dtype)
+            if rule is None:
+                return None
+            flag, build = rule
+            return flag, build, "moe" if flag == "moe" else "hidden"
+        return _NOTEBOOK_RULES.get(type(module).__name__)
+
+    def consider(self, path, module):
+        """A replacement for ``module``, or None (after noting why, if it was a candidate)."""
+        rule = self.rule(module)
+        if rule is None:
+            return None
+        flag, build, kind = rule
+        name = type(module).__name__
+        if not self.flags[flag]:
+            self.report.left.append(Left(path, name, self.reasons[flag]))
+            return None
+        new = build(module)
+        if isinstance(new, str):
+            reason = (new if flag in ("parallel", "moe") or isinstance(new, _Reason)
+                      else f"same name, different structure: {new}")
+            self.report.left.append(Left(path, name, reason))
+            return None
+        new.train(module.training)
+        entry = Replaced(path, name, _public_name(type(new)))
+        if flag == "moe":
+            entry.note = hf_moe.block_note(module)
+        if flag == "parallel":
+            entry.note = new.FUSED
+            if self.verify:
+                entry.note += "; not compared on a probe (a decoder layer needs the model's mask and positions)"
+            for attr, cls_name, why in hf_parallel.kept_modules(module):
+                self.report.left.append(Left(f"{path}.{attr}", cls_name, why))
+        elif self.verify and not self.compared(path, module, new, kind, entry):
+            return None
+        self.report.replaced.append(entry)
+        return new
+
+    def compared(self, path, module, new, kind, entry) -> bool:
+        """verify=True: whether ``new`` may replace ``module`` (their outputs agree,
+        or a notebook original failed on the probe); notes the outcome."""
+        name = type(module).__name__
+        try:
+            problem = _verify(module, new, kind)
+        except Exception as exc:
+            if _is_transformers(module):
+                self.report.left.append(Left(path, name, f"verify: the original failed ({exc})"))
+                return False
+            entry.note = f"not compared: the original failed on the probe input ({type(exc).__name__})"
+            return True
+        entry.verified = problem is None
+        if problem is not None:
+            self.report.left.append(Left(path, name, f"verify: {problem}"))
+            return False
+        return True
+
+    def walk(self, parent, prefix):
+        for child_name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            path = f"{prefix}.{child_name}" if prefix else child_name
+            new = self.consider(path, child)
+            if new is None:
+                self.walk(child, path)
+                continue
+            setattr(parent, child_name, new)
+            self.registry.append((parent, child_name, child, new))
 
 
 def unpatch(model: nn.Module) -> int:

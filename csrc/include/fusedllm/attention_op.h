@@ -284,9 +284,6 @@ inline AttentionShape check_attention_args(const char* op, const at::Tensor& q, 
   return s;
 }
 
-inline at::ScalarType lse_dtype(const at::Tensor& q) {
-  return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 // `t` as a [batch, heads, seq, head_dim] operand with unit stride along
 // head_dim (a copy only when it has none). Packed [total, heads, head_dim]
@@ -378,7 +375,7 @@ inline void check_score_mods(const char* op, const AttentionArgs& a, const at::T
                              const AttentionShape& s, attn::ScoreMods& mods, at::Tensor& sinks_keep,
                              at::Tensor& alibi_keep) {
   mods.softcap = a.softcap;
-  const at::ScalarType acc = lse_dtype(q);
+  const at::ScalarType acc = accumulation_dtype(q);
   if (a.sinks.has_value() && a.sinks->defined()) {
     const at::Tensor& t = *a.sinks;
     check_float_tensor(t, op, "sinks");
@@ -501,7 +498,7 @@ inline AttentionForwardPlan plan_attention_forward(const at::Tensor& q, const at
     p.pages = attn::Pages{p.block_table.const_data_ptr<int32_t>(), p.block_table.size(1), k.size(2), k.size(0)};
   }
   p.out = new_rows(q, s, s.q_heads, false);
-  p.lse = at::empty(lse_shape(s), q.options().dtype(lse_dtype(q)));
+  p.lse = at::empty(lse_shape(s), q.options().dtype(accumulation_dtype(q)));
   if (p.out.numel() == 0) return p;
   if ((s.packed ? s.total_k : s.sk) == 0) {
     // No keys: every row is empty, so out = 0 and lse = -inf (the sink's logit with sinks).
@@ -545,9 +542,9 @@ inline AttentionBackwardPlan plan_attention_backward(const at::Tensor& grad_out,
   TORCH_CHECK_VALUE(out.sizes() == q.sizes(), op, ": out must have the shape of q ", q.sizes(),
                     ", got ", out.sizes());
   const std::vector<int64_t> want = lse_shape(s);
-  TORCH_CHECK_VALUE(lse.scalar_type() == lse_dtype(q) && lse.device() == q.device() &&
+  TORCH_CHECK_VALUE(lse.scalar_type() == accumulation_dtype(q) && lse.device() == q.device() &&
                         lse.sizes() == at::IntArrayRef(want),
-                    op, ": lse must be the ", dtype_name(lse_dtype(q)), " ", at::IntArrayRef(want),
+                    op, ": lse must be the ", dtype_name(accumulation_dtype(q)), " ", at::IntArrayRef(want),
                     " tensor returned by the forward op, got ", dtype_name(lse.scalar_type()), " ",
                     lse.sizes());
   p.grad_q = new_rows(q, s, s.q_heads, false);
@@ -572,7 +569,7 @@ inline AttentionBackwardPlan plan_attention_backward(const at::Tensor& grad_out,
   if (p.sinks.defined() && grad_out.numel() > 0) {
     // d loss / d sink_h = -sum over h's rows of p_sink * rowsum(dO * O), with
     // p_sink = exp(sink_h - lse) (lse includes the sink).
-    const at::ScalarType acc = lse_dtype(q);
+    const at::ScalarType acc = accumulation_dtype(q);
     at::Tensor delta = (grad_out.to(acc) * out.to(acc)).sum(-1);  // [B, Hq, Sq] or [total_q, Hq]
     if (s.packed) delta = delta.t();
     const at::Tensor sink = s.packed ? p.sinks.view({-1, 1}) : p.sinks.view({1, -1, 1});

@@ -3,9 +3,10 @@
 // cpu/matmul.h and the row kernel variant for the running CPU, in place on the
 // logits chunk) and its autograd.
 #include <ATen/ATen.h>
+#include <torch/library.h>
+
 #include <limits>
 #include <optional>
-#include <torch/library.h>
 
 #include "cpu/cross_entropy_kernel.h"
 #include "cpu/matmul.h"
@@ -65,7 +66,6 @@ TORCH_LIBRARY_IMPL(fusedllm, CPU, m) { FUSEDLLM_IMPL_CROSS_ENTROPY_OPS(m, CpuCro
 
 namespace fusedllm::autograd {
 namespace {
-
 
 // With a mean or a sum, the gradients are formed in the forward pass itself
 // (the logits are made once) and backward scales them by the incoming scalar;

@@ -5,8 +5,9 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <cmath>
 #include <torch/library.h>
+
+#include <cmath>
 
 #include "fusedllm/kv_quant.h"
 #include "fusedllm/kv_quant_op.h"

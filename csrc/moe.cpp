@@ -6,11 +6,12 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <optional>
-#include <torch/library.h>
 #include <vector>
 
 #include "cpu/matmul.h"

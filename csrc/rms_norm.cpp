@@ -72,7 +72,6 @@ TORCH_LIBRARY_IMPL(fusedllm, CPU, m) { FUSEDLLM_IMPL_RMS_NORM_OPS(m, CpuRmsNorm)
 namespace fusedllm::autograd {
 namespace {
 
-
 // Shared by both norms: `x` is the normalized input (h for the fused add), and
 // the weight's gradient is computed only when asked for.
 std::tuple<at::Tensor, at::Tensor> rms_norm_grads(AutogradContext* ctx, const at::Tensor& grad_out,

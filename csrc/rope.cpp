@@ -58,7 +58,6 @@ TORCH_LIBRARY_IMPL(fusedllm, CPU, m) { FUSEDLLM_IMPL_ROPE_OPS(m, CpuRope); }
 namespace fusedllm::autograd {
 namespace {
 
-
 // The tables are constants: the gradient of a rotation is the inverse rotation.
 struct RopeFunction : torch::autograd::Function<RopeFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,

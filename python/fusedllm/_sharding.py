@@ -29,6 +29,19 @@ RULES = {}
 Replicate = Shard = Partial = DTensorSpec = None
 
 
+def replicate():
+    """DTensor's Replicate(), for the op modules' rules (which run after register())."""
+    return Replicate()
+
+
+def shard(dim: int):
+    return Shard(dim)
+
+
+def partial():
+    return Partial()
+
+
 def is_dtensor(t) -> bool:
     """Whether ``t`` is a DTensor, without importing DTensor (which costs a second)."""
     return type(t).__name__ == "DTensor"

@@ -16,7 +16,7 @@ from .._checks import _check_float, _check_same, _fail, _require_tensors
 from .._devices import ops_for
 from .._limits import FLOAT_DTYPES, KV_CODES, MAX_HEAD_DIM, accumulation_dtype
 from .._philox import dropout_keep
-from .._sharding import _mesh_size, _on, _placement_on, _refuse
+from .._sharding import _mesh_size, _on, _placement_on, _refuse, partial, replicate, shard
 
 __all__ = ["attention", "attention_varlen"]
 
@@ -177,7 +177,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
 
 def attention_with_lse(q, k, v, causal=False, window=None, mask=None, dropout_p=0.0, k_scale=None,
-                        v_scale=None, scale=None, softcap=None):
+                       v_scale=None, scale=None, softcap=None):
     """:func:`attention` and its float32 log-sum-exp ``[batch, q_heads, q_len]``
     (``-inf`` for a query that sees no key): what merging the outputs of
     attention over disjoint key sets needs (:func:`merge_attention`)."""
@@ -468,7 +468,7 @@ def check_attention_call(op, q, k, v, mask, scale, window, dropout_p, seed, wind
                          alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, k_scale,
                          v_scale, kv_lens, block_table):
     """Every check of one call of the attention op, in the C++ order: the autograd kernel's
-    refusal of gradients through a KV cache (csrc/autograd.cpp), check_attention, the seed
+    refusal of gradients through a KV cache (csrc/attention.cpp), check_attention, the seed
     (check_dropout), then the scales of int8 / float8 k and v (plan_attention_forward).
     Returns check_attention's (number of sequences, longest query length, longest key length)."""
     quantized = k_scale is not None or v_scale is not None
@@ -560,8 +560,8 @@ def _zeros_of(q, k, v):
 
 @_plain.op("attention")
 def _plain_attention(q, k, v, mask, scale, causal, window, dropout_p, seed, window_right=-1, softcap=0.0,
-              sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-              max_seqlen_k=0, k_scale=None, v_scale=None, kv_lens=None, block_table=None):
+                     sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+                     max_seqlen_k=0, k_scale=None, v_scale=None, kv_lens=None, block_table=None):
     """The attention op: (out, lse). Every check runs first, on the whole call
     (check_attention_call). int8 / float8 k and v run dequantized to float32,
     with q in float32 and the output cast back. Packed sequences, and caches of
@@ -660,7 +660,6 @@ def _attention_fake(q, k, v, mask, scale, causal, window, dropout_p, seed, windo
     return _attention_rows(q, packed), q.new_empty(lse_shape, dtype=accumulation_dtype(q))
 
 
-
 @_fake.fake("attention_backward")
 def _attention_backward_fake(grad_out, q, k, v, out, lse, mask, scale, causal, window,
                              dropout_p, seed, window_right=-1, softcap=0.0, sinks=None,
@@ -688,21 +687,21 @@ def _attention_placements(q, k, mask, sinks, alibi_slopes, cu_seqlens_q, k_scale
         if packed:
             return None  # the batch is a list of sequences along the token dim
         m = None if mask is None else _placement_on(mask, len(mask.shape) - 4, batch)
-        kv = _sharding.Replicate() if paged else _sharding.Shard(0)  # pages are found through each sequence's table
+        kv = replicate() if paged else shard(0)  # pages are found through each sequence's table
         alibi = None
         if alibi_slopes is not None:
-            alibi = _placement_on(alibi_slopes, 0, batch) if len(alibi_slopes.shape) == 2 else _sharding.Replicate()
-        return dict(q=_sharding.Shard(0), kv=kv, out=_sharding.Shard(0), lse=_sharding.Shard(0), mask=m, sinks=_sharding.Replicate(),
-                    alibi=alibi, seq=_sharding.Shard(0), scales=kv)
+            alibi = _placement_on(alibi_slopes, 0, batch) if len(alibi_slopes.shape) == 2 else replicate()
+        return dict(q=shard(0), kv=kv, out=shard(0), lse=shard(0), mask=m, sinks=replicate(),
+                    alibi=alibi, seq=shard(0), scales=kv)
     # heads: the query heads of a group must land with their key/value head,
     # which uneven shards (torch.chunk's) would break
     hq, hkv = q.shape[heads_dim], k.shape[heads_dim]
     if hq != hkv and hkv % _mesh_size(q):
         return None
     m = None if mask is None else _placement_on(mask, len(mask.shape) - 3, hq)
-    alibi = None if alibi_slopes is None else _sharding.Shard(len(alibi_slopes.shape) - 1)
-    return dict(q=_sharding.Shard(1), kv=_sharding.Shard(1), out=_sharding.Shard(1), lse=_sharding.Shard(0) if packed else _sharding.Shard(1), mask=m,
-                sinks=_sharding.Shard(0), alibi=alibi, seq=_sharding.Replicate(), scales=_sharding.Shard(1))
+    alibi = None if alibi_slopes is None else shard(len(alibi_slopes.shape) - 1)
+    return dict(q=shard(1), kv=shard(1), out=shard(1), lse=shard(0) if packed else shard(1), mask=m,
+                sinks=shard(0), alibi=alibi, seq=replicate(), scales=shard(1))
 
 
 def _attention_rules(op, q, k, mask, dropout_p, sinks, alibi_slopes, cu_seqlens_q, k_scale, kv_lens,
@@ -710,8 +709,8 @@ def _attention_rules(op, q, k, mask, dropout_p, sinks, alibi_slopes, cu_seqlens_
     if dropout_p > 0:
         _refuse(op, f"dropout_p={dropout_p} would drop the same pattern on every rank's shard (the "
                     f"seed is not split by shard); use dropout_p=0, or call it on local tensors")
-    splits = [dict(q=_sharding.Replicate(), kv=_sharding.Replicate(), out=_sharding.Replicate(), lse=_sharding.Replicate(), mask=_sharding.Replicate(),
-                   sinks=_sharding.Replicate(), alibi=_sharding.Replicate(), seq=_sharding.Replicate(), scales=_sharding.Replicate())]
+    splits = [dict(q=replicate(), kv=replicate(), out=replicate(), lse=replicate(), mask=replicate(),
+                   sinks=replicate(), alibi=replicate(), seq=replicate(), scales=replicate())]
     for dim in (0, 1):
         p = _attention_placements(q, k, mask, sinks, alibi_slopes, cu_seqlens_q, k_scale, kv_lens,
                                   block_table, dim)
@@ -722,14 +721,14 @@ def _attention_rules(op, q, k, mask, dropout_p, sinks, alibi_slopes, cu_seqlens_
 
 @_sharding.rule("attention")
 def _shard_attention(q, k, v, mask, scale, causal, window, dropout_p, seed, window_right=-1, softcap=0.0,
-               sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-               max_seqlen_k=0, k_scale=None, v_scale=None, kv_lens=None, block_table=None):
+                     sinks=None, alibi_slopes=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+                     max_seqlen_k=0, k_scale=None, v_scale=None, kv_lens=None, block_table=None):
     rules = []
     for p in _attention_rules("attention", q, k, mask, dropout_p, sinks, alibi_slopes, cu_seqlens_q,
                               k_scale, kv_lens, block_table):
         rules.append(([p["out"], p["lse"]],
                       [p["q"], p["kv"], p["kv"], _on(mask, p["mask"]), None, None, None, None,
-                       _on(seed, _sharding.Replicate()), None, None, _on(sinks, p["sinks"]),
+                       _on(seed, replicate()), None, None, _on(sinks, p["sinks"]),
                        _on(alibi_slopes, p["alibi"]), _on(cu_seqlens_q, p["seq"]),
                        _on(cu_seqlens_k, p["seq"]), None, None, _on(k_scale, p["scales"]),
                        _on(v_scale, p["scales"]), _on(kv_lens, p["seq"]), _on(block_table, p["seq"])]))
@@ -738,16 +737,16 @@ def _shard_attention(q, k, v, mask, scale, causal, window, dropout_p, seed, wind
 
 @_sharding.rule("attention_backward")
 def _shard_attention_backward(grad_out, q, k, v, out, lse, mask, scale, causal, window, dropout_p, seed,
-                        window_right=-1, softcap=0.0, sinks=None, alibi_slopes=None, cu_seqlens_q=None,
-                        cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+                              window_right=-1, softcap=0.0, sinks=None, alibi_slopes=None, cu_seqlens_q=None,
+                              cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
     rules = []
     for p in _attention_rules("attention_backward", q, k, mask, dropout_p, sinks, alibi_slopes,
                               cu_seqlens_q, None, None, None):
         # a batch shard gives part of the sinks' gradient (a sum over ranks); without sinks it is empty
-        grad_sinks = (_sharding.Partial() if p["q"] == _sharding.Shard(0) else p["sinks"]) if sinks is not None else _sharding.Replicate()
+        grad_sinks = (partial() if p["q"] == shard(0) else p["sinks"]) if sinks is not None else replicate()
         rules.append(([p["out"], p["kv"], p["kv"], grad_sinks],
                       [p["out"], p["q"], p["kv"], p["kv"], p["out"], p["lse"], _on(mask, p["mask"]),
-                       None, None, None, None, _on(seed, _sharding.Replicate()), None, None,
+                       None, None, None, None, _on(seed, replicate()), None, None,
                        _on(sinks, p["sinks"]), _on(alibi_slopes, p["alibi"]),
                        _on(cu_seqlens_q, p["seq"]), _on(cu_seqlens_k, p["seq"]), None, None]))
     return rules

@@ -14,7 +14,7 @@ from .. import _autocast, _fake, _plain, _sharding
 from .._checks import _check_float, _check_same, _fail, _require_tensors, _number
 from .._devices import ops_for
 from .._limits import accumulation_dtype, check_reduction
-from .._sharding import _on
+from .._sharding import _on, partial, replicate, shard
 
 __all__ = ["linear_cross_entropy"]
 
@@ -119,7 +119,7 @@ def check_cross_entropy(op, hidden, weight, bias, target, ignore_index, reductio
 
 @_plain.op("linear_cross_entropy")
 def _plain_linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, label_smoothing,
-                         softcap, z_loss):
+                                softcap, z_loss):
     """The linear cross-entropy op, through the whole [tokens, vocab] logits
     (in float32, float64 for float64 inputs): a reference, not a fast path."""
     check_cross_entropy("fusedllm.linear_cross_entropy", hidden, weight, bias, target, ignore_index,
@@ -151,7 +151,6 @@ def _linear_cross_entropy_fake(hidden, weight, bias, target, ignore_index, reduc
     return hidden.new_empty(shape, dtype=accumulation_dtype(hidden))
 
 
-
 @_fake.fake("linear_cross_entropy_pass")
 def _linear_cross_entropy_pass_fake(hidden, weight, bias, target, grad_scale, ignore_index,
                                     label_smoothing, softcap, z_loss, output_mask):
@@ -169,30 +168,30 @@ def _linear_cross_entropy_pass_fake(hidden, weight, bias, target, grad_scale, ig
 
 @_sharding.rule("linear_cross_entropy")
 def _shard_linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, label_smoothing,
-                          softcap, z_loss):
+                                softcap, z_loss):
     # Sharded over tokens, each rank its tokens' losses: a sum over ranks for
     # "sum"; the mean divides by a count of tokens over all ranks, so it takes
     # whole inputs. A vocabulary-sharded weight needs the whole vocabulary's
     # log-sum-exp per token: all-gathered.
-    rules = [([_sharding.Replicate()], [_sharding.Replicate(), _sharding.Replicate(), _on(bias, _sharding.Replicate()), _sharding.Replicate()])]
-    by_tokens = {"none": _sharding.Shard(0), "sum": _sharding.Partial()}.get(reduction)
+    rules = [([replicate()], [replicate(), replicate(), _on(bias, replicate()), replicate()])]
+    by_tokens = {"none": shard(0), "sum": partial()}.get(reduction)
     if by_tokens is not None:
-        rules.append(([by_tokens], [_sharding.Shard(0), _sharding.Replicate(), _on(bias, _sharding.Replicate()), _sharding.Shard(0)]))
+        rules.append(([by_tokens], [shard(0), replicate(), _on(bias, replicate()), shard(0)]))
     return [(out, inputs + [None] * 5) for out, inputs in rules]
 
 
 @_sharding.rule("linear_cross_entropy_pass")
 def _shard_linear_cross_entropy_pass(hidden, weight, bias, target, grad_scale, ignore_index,
-                               label_smoothing, softcap, z_loss, output_mask):
+                                     label_smoothing, softcap, z_loss, output_mask):
     # loss, grad_hidden, grad_weight, grad_bias (empty where output_mask leaves them out)
     _, want_weight, want_bias = output_mask
-    rules = [([_sharding.Replicate()] * 4,
-              [_sharding.Replicate(), _sharding.Replicate(), _on(bias, _sharding.Replicate()), _sharding.Replicate(), _on(grad_scale, _sharding.Replicate())]
+    rules = [([replicate()] * 4,
+              [replicate(), replicate(), _on(bias, replicate()), replicate(), _on(grad_scale, replicate())]
               + [None] * 5)]
-    weight_grad = _sharding.Partial() if want_weight else _sharding.Replicate()
-    bias_grad = _sharding.Partial() if want_bias and bias is not None else _sharding.Replicate()
-    scale = None if grad_scale is None else (_sharding.Shard(0) if len(grad_scale.shape) else _sharding.Replicate())
-    rules.append(([_sharding.Shard(0), _sharding.Shard(0), weight_grad, bias_grad],
-                  [_sharding.Shard(0), _sharding.Replicate(), _on(bias, _sharding.Replicate()), _sharding.Shard(0), _on(grad_scale, scale)]
+    weight_grad = partial() if want_weight else replicate()
+    bias_grad = partial() if want_bias and bias is not None else replicate()
+    scale = None if grad_scale is None else (shard(0) if len(grad_scale.shape) else replicate())
+    rules.append(([shard(0), shard(0), weight_grad, bias_grad],
+                  [shard(0), replicate(), _on(bias, replicate()), shard(0), _on(grad_scale, scale)]
                   + [None] * 5))
     return rules

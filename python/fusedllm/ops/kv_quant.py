@@ -13,7 +13,7 @@ from .. import _fake, _plain, _sharding
 from .._checks import _check_float, _fail, _require_tensors
 from .._devices import ops_for
 from .._limits import KV_CODES
-from .._sharding import _pinned, _rows
+from .._sharding import _pinned, _rows, replicate, shard
 
 __all__ = ["quantize_kv"]
 
@@ -112,6 +112,6 @@ def _quantize_kv_fake(x, values, scales):
 @_sharding.rule("quantize_kv")
 def _shard_quantize_kv(x, values, scales):
     # rows of the last dim are quantized one by one: any other dim may be sharded
-    rules = [([_sharding.Replicate()] * 3, (1, 2))] + [([_sharding.Shard(d)] * 3, (1, 2)) for d in _rows(x)]
+    rules = [([replicate()] * 3, (1, 2))] + [([shard(d)] * 3, (1, 2)) for d in _rows(x)]
     return [([], inputs) for inputs in _pinned("quantize_kv", ("values", "scales"),
                                               (values, scales), rules)]

@@ -13,7 +13,7 @@ from .. import _autocast, _fake, _plain, _sharding
 from .._checks import _check_float, _check_same, _fail, _require_tensors, _number, _int
 from .._devices import ops_for
 from .._limits import GPT_OSS_ALPHA, GPT_OSS_LIMIT, MOE_ACTIVATIONS, MOE_SCORINGS, accumulation_dtype
-from .._sharding import _on
+from .._sharding import _on, partial, replicate, shard
 from .swiglu import _activation
 
 __all__ = ["moe_route", "moe_experts", "moe_load_balancing_loss"]
@@ -240,7 +240,7 @@ def check_moe_experts(op, hidden, indices, weights, gate_up_proj, down_proj, act
 
 @_plain.op("moe_route")
 def _plain_moe_route(router_logits, top_k, scoring, normalize, correction_bias, num_groups, top_groups,
-              scaling):
+                     scaling):
     """Top-k experts per token and their weights (float32, float64 for float64
     logits); ties go to the lower expert index."""
     check_moe_route("fusedllm.moe_route", router_logits, top_k, scoring, normalize, correction_bias,
@@ -288,8 +288,8 @@ def _expert_gated(gate_up, activation, interleaved, alpha, limit):
 
 @_plain.op("moe_experts")
 def _plain_moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation, save_for_backward,
-                gate_up_bias=None, down_bias=None, transposed=False, interleaved=False, alpha=GPT_OSS_ALPHA,
-                limit=GPT_OSS_LIMIT):
+                       gate_up_bias=None, down_bias=None, transposed=False, interleaved=False, alpha=GPT_OSS_ALPHA,
+                       limit=GPT_OSS_LIMIT):
     """The experts op, one expert at a time: a reference, not a fast path.
     Returns (out, order, position, offsets, gate_up, expert_out) as the op does."""
     check_moe_experts("fusedllm.moe_experts", hidden, indices, weights, gate_up_proj, down_proj,
@@ -333,11 +333,9 @@ def _moe_route_fake(router_logits, top_k, scoring, normalize, correction_bias, n
             router_logits.new_empty(shape, dtype=torch.int64))
 
 
-
 @_fake.fake("moe_route_backward")
 def _moe_route_backward_fake(grad_weights, router_logits, indices, scoring, normalize, scaling):
     return router_logits.new_empty(router_logits.shape)
-
 
 
 @_fake.fake("moe_experts")
@@ -354,7 +352,6 @@ def _moe_experts_fake(hidden, indices, weights, gate_up_proj, down_proj, activat
         hidden.new_empty((pairs if save_for_backward else 0, two_inter)),
         hidden.new_empty((pairs if save_for_backward else 0, hidden.shape[1])),
     )
-
 
 
 @_fake.fake("moe_experts_backward")
@@ -377,41 +374,41 @@ def _moe_experts_backward_fake(grad_out, hidden, indices, weights, gate_up_proj,
 
 @_sharding.rule("moe_route")
 def _shard_moe_route(router_logits, top_k, scoring, normalize, correction_bias, num_groups, top_groups,
-               scaling):
+                     scaling):
     rules = []
-    for p in (_sharding.Replicate(), _sharding.Shard(0)):
-        rules.append(([p, p], [p, None, None, None, _on(correction_bias, _sharding.Replicate()), None, None, None]))
+    for p in (replicate(), shard(0)):
+        rules.append(([p, p], [p, None, None, None, _on(correction_bias, replicate()), None, None, None]))
     return rules
 
 
 @_sharding.rule("moe_route_backward")
 def _shard_moe_route_backward(grad_weights, router_logits, indices, scoring, normalize, scaling):
-    return [([p], [p, p, p, None, None, None]) for p in (_sharding.Replicate(), _sharding.Shard(0))]
+    return [([p], [p, p, p, None, None, None]) for p in (replicate(), shard(0))]
 
 
 @_sharding.rule("moe_experts")
 def _shard_moe_experts(hidden, indices, weights, gate_up_proj, down_proj, activation, save_for_backward,
-                 gate_up_bias=None, down_bias=None, transposed=False, interleaved=False, alpha=GPT_OSS_ALPHA,
-                 limit=GPT_OSS_LIMIT):
+                       gate_up_bias=None, down_bias=None, transposed=False, interleaved=False, alpha=GPT_OSS_ALPHA,
+                       limit=GPT_OSS_LIMIT):
     # Sharded over tokens with every expert on every rank. What is saved for
     # backward (the pairs in expert order, each expert's row offsets) is each
     # rank's own: the offsets of all ranks add up to those of the whole batch.
     rules = []
-    for p, offsets in ((_sharding.Replicate(), _sharding.Replicate()), (_sharding.Shard(0), _sharding.Partial())):
+    for p, offsets in ((replicate(), replicate()), (shard(0), partial())):
         rules.append(([p, p, p, offsets, p, p],
-                      [p, p, p, _sharding.Replicate(), _sharding.Replicate(), None, None, _on(gate_up_bias, _sharding.Replicate()),
-                       _on(down_bias, _sharding.Replicate())] + [None] * 4))
+                      [p, p, p, replicate(), replicate(), None, None, _on(gate_up_bias, replicate()),
+                       _on(down_bias, replicate())] + [None] * 4))
     return rules
 
 
 @_sharding.rule("moe_experts_backward")
 def _shard_moe_experts_backward(grad_out, hidden, indices, weights, gate_up_proj, down_proj, order, position,
-                          offsets, gate_up, expert_out, activation, output_mask, gate_up_bias=None,
-                          down_bias=None, transposed=False, interleaved=False, alpha=GPT_OSS_ALPHA, limit=GPT_OSS_LIMIT,
-                          bias_mask=(False, False)):
+                                offsets, gate_up, expert_out, activation, output_mask, gate_up_bias=None,
+                                down_bias=None, transposed=False, interleaved=False, alpha=GPT_OSS_ALPHA,
+                                limit=GPT_OSS_LIMIT, bias_mask=(False, False)):
     rules = []
-    for p, summed in ((_sharding.Replicate(), _sharding.Replicate()), (_sharding.Shard(0), _sharding.Partial())):
+    for p, summed in ((replicate(), replicate()), (shard(0), partial())):
         rules.append(([p, p, summed, summed, summed, summed],
-                      [p, p, p, p, _sharding.Replicate(), _sharding.Replicate(), p, p, summed, p, p, None, None,
-                       _on(gate_up_bias, _sharding.Replicate()), _on(down_bias, _sharding.Replicate())] + [None] * 5))
+                      [p, p, p, p, replicate(), replicate(), p, p, summed, p, p, None, None,
+                       _on(gate_up_bias, replicate()), _on(down_bias, replicate())] + [None] * 5))
     return rules

@@ -13,12 +13,14 @@ from .. import _autocast, _fake, _plain, _sharding
 from .._checks import _check_float, _check_same, _fail, _require_tensors
 from .._devices import ops_for
 from .._limits import CASTINGS, accumulation_dtype
-from .._sharding import _on, _rows
+from .._sharding import _on, _rows, partial, replicate, shard
 
 __all__ = ["rms_norm", "fused_add_rms_norm"]
 
 _autocast.rule("rms_norm", cuda=(_autocast.FLOAT32, ("input", "weight")))
-_autocast.rule("fused_add_rms_norm", cuda=(_autocast.FLOAT32, ("input", "residual", "weight"), {1: ("input", "residual")}))
+# h = input + residual (output 1) keeps the dtype of that add, as autocast leaves an add alone
+_autocast.rule("fused_add_rms_norm",
+               cuda=(_autocast.FLOAT32, ("input", "residual", "weight"), {1: ("input", "residual")}))
 
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -154,7 +156,6 @@ def _rms_norm_fake(input, weight, eps, offset, casting):
     return input.new_empty(input.shape), input.new_empty(input.shape[:-1], dtype=accumulation_dtype(input))
 
 
-
 @_fake.fake("fused_add_rms_norm")
 def _fused_add_rms_norm_fake(input, residual, weight, eps, offset, casting):
     return (
@@ -162,7 +163,6 @@ def _fused_add_rms_norm_fake(input, residual, weight, eps, offset, casting):
         input.new_empty(input.shape),
         input.new_empty(input.shape[:-1], dtype=accumulation_dtype(input)),
     )
-
 
 
 @_fake.fake("rms_norm_backward")
@@ -178,28 +178,28 @@ def _rms_norm_backward_fake(grad_out, input, rstd, weight, offset, casting, grad
 @_sharding.rule("rms_norm")
 def _shard_rms_norm(input, weight, eps, offset, casting):
     # out, rstd | input, weight
-    rules = [([_sharding.Replicate(), _sharding.Replicate()], [_sharding.Replicate(), _on(weight, _sharding.Replicate())])]
-    rules += [([_sharding.Shard(d), _sharding.Shard(d)], [_sharding.Shard(d), _on(weight, _sharding.Replicate())]) for d in _rows(input)]
+    rules = [([replicate(), replicate()], [replicate(), _on(weight, replicate())])]
+    rules += [([shard(d), shard(d)], [shard(d), _on(weight, replicate())]) for d in _rows(input)]
     return rules
 
 
 @_sharding.rule("fused_add_rms_norm")
 def _shard_fused_add_rms_norm(input, residual, weight, eps, offset, casting):
-    rules = [([_sharding.Replicate()] * 3, [_sharding.Replicate(), _sharding.Replicate(), _on(weight, _sharding.Replicate())])]
-    rules += [([_sharding.Shard(d)] * 3, [_sharding.Shard(d), _sharding.Shard(d), _on(weight, _sharding.Replicate())]) for d in _rows(input)]
+    rules = [([replicate()] * 3, [replicate(), replicate(), _on(weight, replicate())])]
+    rules += [([shard(d)] * 3, [shard(d), shard(d), _on(weight, replicate())]) for d in _rows(input)]
     return rules
 
 
 @_sharding.rule("rms_norm_backward")
 def _shard_rms_norm_backward(grad_out, input, rstd, weight, offset, casting, grad_residual,
-                       compute_weight_grad):
+                             compute_weight_grad):
     # grad_input, grad_weight | grad_out, input, rstd, weight, grad_residual.
-    # A shard's rows give part of the weight's gradient: a sum over ranks (_sharding.Partial).
-    rules = [([_sharding.Replicate(), _sharding.Replicate()],
-              [_sharding.Replicate(), _sharding.Replicate(), _sharding.Replicate(), _on(weight, _sharding.Replicate()), None, None,
-               _on(grad_residual, _sharding.Replicate())])]
-    grad_weight = _sharding.Partial() if weight is not None else _sharding.Replicate()  # else an empty tensor
-    rules += [([_sharding.Shard(d), grad_weight],
-               [_sharding.Shard(d), _sharding.Shard(d), _sharding.Shard(d), _on(weight, _sharding.Replicate()), None, None,
-                _on(grad_residual, _sharding.Shard(d))]) for d in _rows(input)]
+    # A shard's rows give part of the weight's gradient: a sum over ranks (Partial).
+    rules = [([replicate(), replicate()],
+              [replicate(), replicate(), replicate(), _on(weight, replicate()), None, None,
+               _on(grad_residual, replicate())])]
+    grad_weight = partial() if weight is not None else replicate()  # else an empty tensor
+    rules += [([shard(d), grad_weight],
+               [shard(d), shard(d), shard(d), _on(weight, replicate()), None, None,
+                _on(grad_residual, shard(d))]) for d in _rows(input)]
     return rules

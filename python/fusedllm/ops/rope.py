@@ -13,7 +13,7 @@ from .. import _fake, _plain, _sharding
 from .._checks import _check_float, _check_same, _fail, _require_tensors
 from .._devices import ops_for
 from .._limits import accumulation_dtype, check_rotary_dim
-from .._sharding import _on, _pinned, _placement_on
+from .._sharding import _on, _pinned, _placement_on, replicate, shard
 
 __all__ = ["apply_rope"]
 
@@ -203,7 +203,6 @@ def _rope_fake(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, in
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-
 @_fake.fake("rope_")
 def _rope_inplace_fake(q, k, cos, sin, position_ids, offset, interleaved, rotary_dim, inverse):
     return None
@@ -218,29 +217,29 @@ def _rope_inputs(q, cos, position_ids, dim):
     batch = q.shape[0]
     per_token = len(cos.shape) == 3  # [B or 1, S, rotary_dim / 2], already indexed by position
     if dim == 1:  # heads: every head rotates alike
-        tables, pos = _sharding.Replicate(), _sharding.Replicate()
+        tables, pos = replicate(), replicate()
     elif dim == 0:
-        tables = _placement_on(cos, 0, batch) if per_token else _sharding.Replicate()
+        tables = _placement_on(cos, 0, batch) if per_token else replicate()
         pos = None if position_ids is None else _placement_on(position_ids, len(position_ids.shape) - 2, batch)
     elif dim == 2:  # a shard of the sequence must know its positions
         if per_token:
-            tables, pos = _sharding.Shard(1), None
+            tables, pos = shard(1), None
         elif position_ids is not None:
-            tables, pos = _sharding.Replicate(), _sharding.Shard(len(position_ids.shape) - 1)
+            tables, pos = replicate(), shard(len(position_ids.shape) - 1)
         else:
             return None
     else:
         return None
-    return [_sharding.Shard(dim), _sharding.Shard(dim), tables, tables, _on(position_ids, pos)]
+    return [shard(dim), shard(dim), tables, tables, _on(position_ids, pos)]
 
 
 def _rope_rules(q, k, cos, sin, position_ids):
     """(outputs' placement, inputs' placements) pairs; inputs q, k, cos, sin, position_ids."""
-    rules = [(_sharding.Replicate(), [_sharding.Replicate()] * 4 + [_on(position_ids, _sharding.Replicate())])]
+    rules = [(replicate(), [replicate()] * 4 + [_on(position_ids, replicate())])]
     for dim in (0, 1, 2):
         inputs = _rope_inputs(q, cos, position_ids, dim)
         if inputs is not None:
-            rules.append((_sharding.Shard(dim), inputs))
+            rules.append((shard(dim), inputs))
     return rules
 
 

@@ -11,7 +11,7 @@ from .. import _fake, _plain, _sharding
 from .._checks import _check_float, _check_same, _fail, _require_tensors
 from .._devices import ops_for
 from .._limits import ACTIVATIONS, accumulation_dtype
-from .._sharding import _rows
+from .._sharding import _rows, replicate, shard
 
 __all__ = ["swiglu"]
 
@@ -84,17 +84,14 @@ def _swiglu_fake(gate, up, activation):
     return gate.new_empty(gate.shape)
 
 
-
 @_fake.fake("swiglu_packed")
 def _swiglu_packed_fake(gate_up, activation):
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 
-
 @_fake.fake("swiglu_backward")
 def _swiglu_backward_fake(grad_out, gate, up, activation):
     return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
-
 
 
 @_fake.fake("swiglu_packed_backward")
@@ -107,24 +104,24 @@ def _swiglu_packed_backward_fake(grad_out, gate_up, activation):
 
 @_sharding.rule("swiglu")
 def _shard_swiglu(gate, up, activation):
-    rules = [([_sharding.Replicate()], [_sharding.Replicate(), _sharding.Replicate()])]
-    return rules + [([_sharding.Shard(d)], [_sharding.Shard(d), _sharding.Shard(d)]) for d in _rows(gate, 0)]
+    rules = [([replicate()], [replicate(), replicate()])]
+    return rules + [([shard(d)], [shard(d), shard(d)]) for d in _rows(gate, 0)]
 
 
 @_sharding.rule("swiglu_backward")
 def _shard_swiglu_backward(grad_out, gate, up, activation):
-    rules = [([_sharding.Replicate()] * 2, [_sharding.Replicate()] * 3)]
-    return rules + [([_sharding.Shard(d)] * 2, [_sharding.Shard(d)] * 3) for d in _rows(gate, 0)]
+    rules = [([replicate()] * 2, [replicate()] * 3)]
+    return rules + [([shard(d)] * 2, [shard(d)] * 3) for d in _rows(gate, 0)]
 
 
 @_sharding.rule("swiglu_packed")
 def _shard_swiglu_packed(gate_up, activation):
     # [gate | up] along the last dim: a shard of it is not a gate and its up.
-    rules = [([_sharding.Replicate()], [_sharding.Replicate()])]
-    return rules + [([_sharding.Shard(d)], [_sharding.Shard(d)]) for d in _rows(gate_up)]
+    rules = [([replicate()], [replicate()])]
+    return rules + [([shard(d)], [shard(d)]) for d in _rows(gate_up)]
 
 
 @_sharding.rule("swiglu_packed_backward")
 def _shard_swiglu_packed_backward(grad_out, gate_up, activation):
-    rules = [([_sharding.Replicate()], [_sharding.Replicate(), _sharding.Replicate()])]
-    return rules + [([_sharding.Shard(d)], [_sharding.Shard(d), _sharding.Shard(d)]) for d in _rows(gate_up)]
+    rules = [([replicate()], [replicate(), replicate()])]
+    return rules + [([shard(d)], [shard(d), shard(d)]) for d in _rows(gate_up)]

@@ -7,6 +7,7 @@
 #include "cpu/attention_kernel.h"
 #include "fusedllm/attention_op.h"
 #include "fusedllm/autograd.h"
+#include "fusedllm/macros.h"
 
 FUSEDLLM_DEFINE_OPS(fusedllm, define_attention_ops)
 

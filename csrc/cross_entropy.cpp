@@ -12,6 +12,7 @@
 #include "cpu/matmul.h"
 #include "fusedllm/autograd.h"
 #include "fusedllm/cross_entropy_op.h"
+#include "fusedllm/macros.h"
 
 FUSEDLLM_DEFINE_OPS(fusedllm, define_cross_entropy_ops)
 

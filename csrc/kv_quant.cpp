@@ -11,6 +11,7 @@
 
 #include "fusedllm/kv_quant.h"
 #include "fusedllm/kv_quant_op.h"
+#include "fusedllm/macros.h"
 
 FUSEDLLM_DEFINE_OPS(fusedllm, define_kv_quant_ops)
 

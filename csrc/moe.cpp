@@ -17,6 +17,7 @@
 #include "cpu/matmul.h"
 #include "fusedllm/activations.h"
 #include "fusedllm/autograd.h"
+#include "fusedllm/macros.h"
 #include "fusedllm/moe.h"
 #include "fusedllm/moe_op.h"
 

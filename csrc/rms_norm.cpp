@@ -6,6 +6,7 @@
 
 #include "cpu/rms_norm_kernel.h"
 #include "fusedllm/autograd.h"
+#include "fusedllm/macros.h"
 #include "fusedllm/rms_norm_op.h"
 
 FUSEDLLM_DEFINE_OPS(fusedllm, define_rms_norm_ops)

@@ -6,6 +6,7 @@
 
 #include "cpu/rope_kernel.h"
 #include "fusedllm/autograd.h"
+#include "fusedllm/macros.h"
 #include "fusedllm/rope_op.h"
 
 FUSEDLLM_DEFINE_OPS(fusedllm, define_rope_ops)

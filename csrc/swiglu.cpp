@@ -6,6 +6,7 @@
 
 #include "cpu/swiglu_kernel.h"
 #include "fusedllm/autograd.h"
+#include "fusedllm/macros.h"
 #include "fusedllm/swiglu_op.h"
 
 FUSEDLLM_DEFINE_OPS(fusedllm, define_swiglu_ops)

@@ -11,6 +11,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "fusedllm/macros.h"
+
 #if defined(FUSEDLLM_SIMT)
 #include "simt/simt.h"
 

@@ -29,8 +29,8 @@ RULES = {}
 Replicate = Shard = Partial = DTensorSpec = None
 
 
+# The placements the op modules' rules build (the rules run only after register()).
 def replicate():
-    """DTensor's Replicate(), for the op modules' rules (which run after register())."""
     return Replicate()
 
 

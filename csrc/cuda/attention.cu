@@ -307,6 +307,8 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
   warp_rows.store(m, l, o, nan_rows, out, lse, slices, slice, extras, d);
 }
 
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_forward_kernel, "SIMT")
+
 void check_grid(const AttentionShape& s) {
   TORCH_CHECK(s.batch <= 65535 && s.kv_heads <= 65535,
               "fusedllm.attention (CUDA): batch and kv_heads must be at most 65535, got ", s.batch,
@@ -397,25 +399,19 @@ struct CudaAttention {
   }
 };
 
+std::vector<std::string>& kernel_notes() {
+  static std::vector<std::string> notes;  // filled as the library's static objects are made
+  return notes;
+}
+
 }  // namespace
 
+AttentionKernelNote::AttentionKernelNote(std::string line) { kernel_notes().push_back(std::move(line)); }
+
 std::vector<std::string> attention_kernels() {
-  return {"attention_forward_kernel (SIMT)",
-          "attention_decode_kernel (SIMT: bfloat16/float16 queries, up to 16 rows a kv head, head dims up to 128)",
-          "attention_decode_mma_kernel (tensor cores: a bfloat16/float16, int8 or float8 cache, up to 16 rows a kv "
-          "head, head dims up to 128, sm_80+)",
-          "attention_delta_kernel (SIMT)", "attention_dq_kernel (SIMT)",
-          "attention_dkdv_kernel (SIMT)",
-          "attention_mma_forward_kernel (tensor cores: bfloat16/float16, sm_80+)",
-          "attention_hopper_forward_kernel (wgmma and TMA: bfloat16/float16, head dims up to 128, 256 in plain "
-          "calls, sm_90a)",
-          "attention_hopper_dq_kernel (wgmma and TMA: bfloat16/float16, head dims up to 64, 128 in plain calls, "
-          "sm_90a)",
-          "attention_hopper_dkdv_kernel (wgmma and TMA: bfloat16/float16, head dims up to 64, 128 in plain calls, "
-          "sm_90a)",
-          "attention_mma_delta_kernel (tensor cores: bfloat16/float16, sm_80+)",
-          "attention_mma_dq_kernel (tensor cores: bfloat16/float16, sm_80+)",
-          "attention_mma_dkdv_kernel (tensor cores: bfloat16/float16, sm_80+, head dims up to 128)"};
+  std::vector<std::string> names = kernel_notes();
+  std::sort(names.begin(), names.end());
+  return names;
 }
 
 FUSEDLLM_CUDA_OPS_DEFINE(define_attention_ops)

@@ -31,7 +31,9 @@
 #include <torch/library.h>
 
 #include <limits>
+#include <string>
 #include <type_traits>
+#include <vector>
 
 #include "fusedllm/activations.h"
 #include "fusedllm/attention.h"
@@ -50,6 +52,16 @@ void launch_attention_dkdv(const AttentionBackwardPlan& p, const at::Tensor& del
 // The decoding kernel (attention_decode.cu) on `stream`, when it serves the
 // plan (few query rows per kv head; see there); false, launching nothing, when not.
 bool launch_attention_decode(const AttentionForwardPlan& p, Stream stream);
+
+// The attention kernels this build holds, as their launches name them, each
+// with what it serves (build_info): FUSEDLLM_ATTENTION_KERNEL_NOTE beside each
+// kernel adds its line when the library loads.
+std::vector<std::string> attention_kernels();
+struct AttentionKernelNote {
+  explicit AttentionKernelNote(std::string line);
+};
+#define FUSEDLLM_ATTENTION_KERNEL_NOTE(kernel, what) \
+  const ::fusedllm::cuda::AttentionKernelNote kernel##_note(#kernel " (" what ")");
 
 namespace {
 

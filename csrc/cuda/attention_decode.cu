@@ -463,6 +463,9 @@ attention_decode_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSourc
                lse, d, m, l, o);
 }
 
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_decode_kernel,
+                               "SIMT: bfloat16/float16 queries, up to 16 rows a kv head, head dims up to 128")
+
 // The decoding kernel on the tensor cores: a block serves every query row of
 // one (kv head, sequence) pair (at most 16, zero rows past them) over one key
 // slice. Its 4 warps stage 64-key K/V tiles together (cp.async into double
@@ -910,6 +913,10 @@ attention_decode_mma_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvS
   Step::finish(ml_s, q_s, place, rows_total, unreadable, rows, slices, slice, extras, out, lse, d, m, l, o);
 #endif
 }
+
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_decode_mma_kernel,
+                               "tensor cores: a bfloat16/float16, int8 or float8 cache, up to 16 rows a kv head, "
+                               "head dims up to 128, sm_80+")
 
 // Whether a call launch_attention_decode serves runs on the tensor cores: on
 // sm_80+ (the emulated device is one), unless FUSEDLLM_CUDA_ATTENTION=simt.

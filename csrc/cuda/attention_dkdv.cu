@@ -212,6 +212,8 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
   block.store(dk, dv, grad_k, grad_v, key_rows, j0, j_end, d);
 }
 
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_dkdv_kernel, "SIMT")
+
 }  // namespace
 
 void launch_attention_dkdv(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream) {

@@ -34,6 +34,8 @@ __global__ void attention_delta_kernel(const T* __restrict__ grad_out, Strides g
   }
 }
 
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_delta_kernel, "SIMT")
+
 // dQ for a tile of rows (position, head) of kv head g over every key they see.
 template <typename T, int kDL>
 __global__ void __launch_bounds__(Cfg<at::opmath_type<T>, kDL>::kDqWarps * kWarpSize, 1)
@@ -151,6 +153,8 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
     }
   }
 }
+
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_dq_kernel, "SIMT")
 
 }  // namespace
 

@@ -422,6 +422,9 @@ attention_hopper_forward_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap m
   hk::consume_items<T, kD>(items, smem, out, lse, d, scale, extras, order, lane);
 }
 
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_hopper_forward_kernel,
+                               "wgmma and TMA: bfloat16/float16, head dims up to 128, 256 in plain calls, sm_90a")
+
 }  // namespace
 
 bool launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream stream) {

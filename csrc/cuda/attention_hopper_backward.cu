@@ -340,6 +340,9 @@ attention_hopper_dq_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_q,
   c.store_rows(a, grad_q, d);
 }
 
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_hopper_dq_kernel,
+                               "wgmma and TMA: bfloat16/float16, head dims up to 64, 128 in plain calls, sm_90a")
+
 namespace hk {
 
 // The dK/dV block's shared memory: K, V, each stage's Q and dO tiles, the
@@ -650,6 +653,9 @@ attention_hopper_dkdv_kernel(const FUSEDLLM_GRID_CONSTANT hopper::TensorMap map_
   }
   c.store_rows(dk, dv, grad_k, grad_v, key_rows, d);
 }
+
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_hopper_dkdv_kernel,
+                               "wgmma and TMA: bfloat16/float16, head dims up to 64, 128 in plain calls, sm_90a")
 
 }  // namespace
 

@@ -251,6 +251,8 @@ attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __res
 #endif
 }
 
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_mma_forward_kernel, "tensor cores: bfloat16/float16, sm_80+")
+
 }  // namespace
 
 void launch_attention_mma_forward(const AttentionForwardPlan& p, Stream stream) {

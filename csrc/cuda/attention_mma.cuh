@@ -493,7 +493,4 @@ void launch_attention_mma_delta(const AttentionBackwardPlan& p, const at::Tensor
 void launch_attention_mma_dq(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 void launch_attention_mma_dkdv(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 
-// The attention kernels this build holds, as their launches name them (build_info).
-std::vector<std::string> attention_kernels();
-
 }  // namespace fusedllm::cuda

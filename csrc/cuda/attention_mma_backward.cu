@@ -62,6 +62,8 @@ attention_mma_delta_kernel(const T* __restrict__ grad_out, Strides gs, const T* 
 #endif
 }
 
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_mma_delta_kernel, "tensor cores: bfloat16/float16, sm_80+")
+
 template <typename T, int kD>
 __global__ void __launch_bounds__(tc::kThreads, 1)
 attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restrict__ q, Strides qs,
@@ -175,6 +177,8 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
   }
 #endif
 }
+
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_mma_dq_kernel, "tensor cores: bfloat16/float16, sm_80+")
 
 // Stages row tile `tile` of a dK/dV block into buffer tile % 2: the Q and dO
 // rows from begin + tile kTile (zeros from `end` on) and each row's lse and delta.
@@ -383,6 +387,8 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
   lanes.store(dk, dv, grad_k, grad_v, key_rows, scale, d);
 #endif
 }
+
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_mma_dkdv_kernel, "tensor cores: bfloat16/float16, sm_80+, head dims up to 128")
 
 }  // namespace
 

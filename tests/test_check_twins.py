@@ -175,8 +175,8 @@ def _plain_path():
             return [(path, top[path][name])]
         return [(p, named[name]) for p, named in top.items() if name in named]
 
-    todo = [(_path(inspect.getmodule(twin.__wrapped__)), top[_path(inspect.getmodule(twin.__wrapped__))]
-             [twin.__wrapped__.__name__]) for twin in _plain.OPS.values()]
+    roots = [(_path(inspect.getmodule(twin.__wrapped__)), twin.__wrapped__.__name__) for twin in _plain.OPS.values()]
+    todo = [(path, top[path][name]) for path, name in roots]
     seen = set()
     while todo:
         path, function = todo.pop()

@@ -154,10 +154,30 @@ __global__ void rms_norm_backward_kernel(const T* __restrict__ grad_out, int64_t
 constexpr int kMaxRowThreads = 512;
 
 // Rows of up to kPacks packs per thread are held in registers: one read of
-// each input per row, the weight read once per block, and in backward the dw
-// partial sums kept in registers over all the block's rows (one float32 row
+// each input per row, and in backward the weight read once per block and the
+// dw partial sums kept in registers over all the block's rows (one float32 row
 // written per block at the end, instead of a read-modify-write per row).
 // Thread t holds packs t, t + blockDim.x, ... of every row.
+//
+// The forward, with up to two packs a thread, loads the block's next row
+// before this row's reduction and stores, so that its loads stay in flight
+// while the block sums and writes. It re-reads the weight per row (from L1)
+// instead of holding it, which leaves the registers to the next row (ptxas,
+// sm_90, two bfloat16 packs a thread: 46 registers, where holding it took 59).
+template <int kPacks>
+constexpr bool kLoadNextRow = kPacks <= 2;
+
+// dst[j] = row's pack threadIdx.x + j * blockDim.x, for those of the row's `packs`.
+template <typename T, int kVec, int kPacks>
+__device__ __forceinline__ void load_row_packs(const T* __restrict__ row, int packs,
+                                               Pack<T, kVec> (&dst)[kPacks]) {
+#pragma unroll
+  for (int j = 0; j < kPacks; ++j) {
+    const int p = threadIdx.x + j * blockDim.x;
+    if (p < packs) dst[j] = load_pack<T, kVec>(row + p * kVec);
+  }
+}
+
 template <typename T, int kVec, int kPacks, bool kHasWeight, Casting kCasting>
 __global__ void __launch_bounds__(kMaxRowThreads)
 rms_norm_forward_rows_kernel(const T* __restrict__ input, int64_t input_stride,
@@ -170,21 +190,17 @@ rms_norm_forward_rows_kernel(const T* __restrict__ input, int64_t input_stride,
   __shared__ acc_t scratch[kWarpSize];
   const RoundTo<T, acc_t> round;
   const int packs = static_cast<int>(n / kVec);
-  Pack<T, kVec> w[kPacks];
-  if constexpr (kHasWeight) {
-#pragma unroll
-    for (int j = 0; j < kPacks; ++j) {
-      const int p = threadIdx.x + j * blockDim.x;
-      if (p < packs) w[j] = load_pack<T, kVec>(weight + p * kVec);
-    }
-  }
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* x = input + r * input_stride;
-    Pack<T, kVec> a[kPacks];
-#pragma unroll
-    for (int j = 0; j < kPacks; ++j) {
-      const int p = threadIdx.x + j * blockDim.x;
-      if (p < packs) a[j] = load_pack<T, kVec>(x + p * kVec);
+  // a: the row's input packs (the fused add's residual is read in the row's turn)
+  Pack<T, kVec> a[kPacks];
+  int64_t r = blockIdx.x;
+  if (kLoadNextRow<kPacks> && r < rows) load_row_packs<T, kVec, kPacks>(input + r * input_stride, packs, a);
+  for (; r < rows; r += gridDim.x) {
+    Pack<T, kVec> next_a[kPacks];
+    const int64_t next = r + gridDim.x;
+    if constexpr (kLoadNextRow<kPacks>) {
+      if (next < rows) load_row_packs<T, kVec, kPacks>(input + next * input_stride, packs, next_a);
+    } else {
+      load_row_packs<T, kVec, kPacks>(input + r * input_stride, packs, a);
     }
     acc_t sumsq = 0;
     if (residual != nullptr) {
@@ -219,14 +235,19 @@ rms_norm_forward_rows_kernel(const T* __restrict__ input, int64_t input_stride,
     for (int j = 0; j < kPacks; ++j) {
       const int p = threadIdx.x + j * blockDim.x;
       if (p >= packs) continue;
-      Pack<T, kVec> o;
+      Pack<T, kVec> o, w;
+      if constexpr (kHasWeight) w = load_pack<T, kVec>(weight + p * kVec);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        const acc_t w_eff = kHasWeight ? static_cast<acc_t>(w[j].v[k]) + offset : acc_t(1);
+        const acc_t w_eff = kHasWeight ? static_cast<acc_t>(w.v[k]) + offset : acc_t(1);
         o.v[k] = static_cast<T>(
             rms::forward_value(static_cast<acc_t>(a[j].v[k]), rstd, w_eff, kCasting, round));
       }
       store_pack<T, kVec>(y + p * kVec, o);
+    }
+    if constexpr (kLoadNextRow<kPacks>) {
+#pragma unroll
+      for (int j = 0; j < kPacks; ++j) a[j] = next_a[j];
     }
   }
 }
@@ -394,8 +415,7 @@ void with_row_packs(int packs_per_thread, F&& f) {
   }
 }
 
-// Enough resident blocks to fill the device; backward uses fewer because
-// each of its blocks owns a float32 row of dw partial sums.
+// `per_sm` blocks on each multiprocessor.
 int max_blocks(int per_sm) {
   return device_properties().multiProcessorCount * per_sm;
 }
@@ -440,19 +460,17 @@ struct CudaRmsNorm {
       const RowsShape shape = rows_shape(n / kWide, kForwardRowPacks);
       if constexpr (!std::is_same_v<scalar_t, double>) {
         if (vec == kWide && shape.packs_per_thread > 0) {
-          // short rows make small blocks (64 threads for 1024 bfloat16): enough
-          // of them for a full multiprocessor (2048 threads, 32 blocks)
-          const int row_blocks = static_cast<int>(
-              std::min<int64_t>(rows, max_blocks(std::clamp(2048 / shape.threads, 1, 32))));
           with_row_packs<kForwardRowPacks>(shape.packs_per_thread, [&](auto P) {
             with_rms_norm_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
-              launch("rms_norm_forward_rows_kernel",
-                     rms_norm_forward_rows_kernel<scalar_t, kWide, decltype(P)::value, decltype(W)::value,
-                                                  decltype(C)::value>,
-                     row_blocks, shape.threads, 0, stream, x, p.x.stride(0), res,
-                     res ? p.residual.stride(0) : 0, w, p.out.mutable_data_ptr<scalar_t>(), h,
-                     p.rstd.mutable_data_ptr<acc_t>(), rows, n, static_cast<acc_t>(eps),
-                     static_cast<acc_t>(offset));
+              const auto kernel = rms_norm_forward_rows_kernel<scalar_t, kWide, decltype(P)::value,
+                                                               decltype(W)::value, decltype(C)::value>;
+              // as many blocks as the device holds at once: one wave
+              const int row_blocks = static_cast<int>(
+                  std::min<int64_t>(rows, max_blocks(resident_blocks(kernel, shape.threads, 0))));
+              launch("rms_norm_forward_rows_kernel", kernel, row_blocks, shape.threads, 0, stream, x,
+                     p.x.stride(0), res, res ? p.residual.stride(0) : 0, w,
+                     p.out.mutable_data_ptr<scalar_t>(), h, p.rstd.mutable_data_ptr<acc_t>(), rows, n,
+                     static_cast<acc_t>(eps), static_cast<acc_t>(offset));
             });
           });
           return;
@@ -488,51 +506,47 @@ struct CudaRmsNorm {
       constexpr int kWide = 16 / sizeof(scalar_t);
       RowsShape shape = rows_shape(n / kWide, kBackwardRowPacks);
       if (vec != kWide || std::is_same_v<scalar_t, double>) shape = {0, 0};
-      // rows kernel: blocks that fill the device once (each writes a dw row);
-      // else fewer, since each owns a float32 row of dw partial sums it updates per row
-      const int blocks = static_cast<int>(std::min<int64_t>(
-          rows, shape.threads > 0 ? max_blocks(std::max(1, 1024 / shape.threads)) : max_blocks(2)));
-      at::Tensor partial;
-      if (p.want_weight_grad) {
-        const auto options = p.x.options().dtype(accumulation_dtype(p.x));
-        partial = shape.threads > 0 ? at::empty({blocks, n}, options) : at::zeros({blocks, n}, options);
-      }
-      acc_t* partial_ptr = partial.defined() ? partial.mutable_data_ptr<acc_t>() : nullptr;
-      bool launched = false;
+      // Launches `kernel` on `blocks` blocks of `threads`, each writing its row of
+      // dw partial sums (adding to it when `accumulates`), then sums those rows.
+      auto run = [&](const char* name, auto kernel, int blocks, int threads, bool accumulates) {
+        at::Tensor partial;
+        if (p.want_weight_grad) {
+          const auto options = p.x.options().dtype(accumulation_dtype(p.x));
+          partial = accumulates ? at::zeros({blocks, n}, options) : at::empty({blocks, n}, options);
+        }
+        acc_t* partial_ptr = partial.defined() ? partial.mutable_data_ptr<acc_t>() : nullptr;
+        launch(name, kernel, blocks, threads, 0, stream, g, p.grad_out.stride(0), x, p.x.stride(0),
+               p.rstd.const_data_ptr<acc_t>(), w, gr, gr ? p.grad_residual.stride(0) : 0,
+               p.grad_input.mutable_data_ptr<scalar_t>(), partial_ptr, rows, n, static_cast<acc_t>(offset));
+        if (partial_ptr != nullptr) {
+          const int blocks_sum = static_cast<int>((n + kWarpSize - 1) / kWarpSize);
+          launch("sum_partials_kernel", sum_partials_kernel<scalar_t>, blocks_sum,
+                 kSumWarps * kWarpSize, 0, stream, partial_ptr, blocks, n,
+                 p.grad_weight.mutable_data_ptr<scalar_t>());
+        }
+      };
       if constexpr (!std::is_same_v<scalar_t, double>) {
         if (shape.threads > 0) {
           with_row_packs<kBackwardRowPacks>(shape.packs_per_thread, [&](auto P) {
             with_rms_norm_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
-              launch("rms_norm_backward_rows_kernel",
-                     rms_norm_backward_rows_kernel<scalar_t, kWide, decltype(P)::value, decltype(W)::value,
-                                                   decltype(C)::value>,
-                     blocks, shape.threads, 0, stream, g, p.grad_out.stride(0), x, p.x.stride(0),
-                     p.rstd.const_data_ptr<acc_t>(), w, gr, gr ? p.grad_residual.stride(0) : 0,
-                     p.grad_input.mutable_data_ptr<scalar_t>(), partial_ptr, rows, n,
-                     static_cast<acc_t>(offset));
+              const auto kernel = rms_norm_backward_rows_kernel<scalar_t, kWide, decltype(P)::value,
+                                                                decltype(W)::value, decltype(C)::value>;
+              // the blocks the device holds at once, each writing one dw row
+              const int blocks = static_cast<int>(
+                  std::min<int64_t>(rows, max_blocks(resident_blocks(kernel, shape.threads, 0))));
+              run("rms_norm_backward_rows_kernel", kernel, blocks, shape.threads, false);
             });
           });
-          launched = true;
+          return;
         }
       }
-      if (!launched) {
-        const int threads = threads_for(n, vec);
-        with_rms_norm_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
-          launch("rms_norm_backward_kernel",
-                 rms_norm_backward_kernel<scalar_t, decltype(V)::value, decltype(W)::value,
-                                          decltype(C)::value>,
-                 blocks, threads, 0, stream, g, p.grad_out.stride(0), x, p.x.stride(0),
-                 p.rstd.const_data_ptr<acc_t>(), w, gr, gr ? p.grad_residual.stride(0) : 0,
-                 p.grad_input.mutable_data_ptr<scalar_t>(), partial_ptr, rows, n,
-                 static_cast<acc_t>(offset));
-        });
-      }
-      if (partial_ptr != nullptr) {
-        const int blocks_sum = static_cast<int>((n + kWarpSize - 1) / kWarpSize);
-        launch("sum_partials_kernel", sum_partials_kernel<scalar_t>, blocks_sum,
-               kSumWarps * kWarpSize, 0, stream, partial_ptr, blocks, n,
-               p.grad_weight.mutable_data_ptr<scalar_t>());
-      }
+      // fewer blocks: each owns a float32 row of dw partial sums it updates per row
+      const int blocks = static_cast<int>(std::min<int64_t>(rows, max_blocks(2)));
+      with_rms_norm_variant<scalar_t>(vec, w != nullptr, p.casting, [&](auto V, auto W, auto C) {
+        run("rms_norm_backward_kernel",
+            rms_norm_backward_kernel<scalar_t, decltype(V)::value, decltype(W)::value, decltype(C)::value>,
+            blocks, threads_for(n, vec), true);
+      });
     });
   }
 };

@@ -6,6 +6,7 @@
 // (csrc/simt/simt.h), so the same kernel sources and host code run on the CPU.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <tuple>
 #include <type_traits>
@@ -38,6 +39,13 @@ inline const simt::DeviceProperties& device_properties() { return simt::device_p
 template <typename... Params>
 void allow_dynamic_shared_memory(void (*kernel)(Params...), size_t bytes) {
   simt::set_max_dynamic_shared_memory(reinterpret_cast<const void*>(kernel), bytes);
+}
+
+// Blocks of `threads` threads that one multiprocessor holds at once. The
+// emulator has no register file: a multiprocessor's 2048 threads bound it.
+template <typename... Params>
+int resident_blocks(void (*)(Params...), int threads, size_t /*smem*/) {
+  return std::clamp(2048 / threads, 1, 32);
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), then the launch check.
@@ -74,6 +82,16 @@ template <typename... Params>
 void allow_dynamic_shared_memory(void (*kernel)(Params...), size_t bytes) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(bytes)));
+}
+
+// Blocks of `threads` threads that one multiprocessor holds at once, given
+// the kernel's registers and shared memory (a grid sized by threads alone can
+// leave a second, short wave).
+template <typename... Params>
+int resident_blocks(void (*kernel)(Params...), int threads, size_t smem) {
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem));
+  return std::max(blocks, 1);
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), then the launch check.

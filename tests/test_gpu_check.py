@@ -47,6 +47,14 @@ def stand_ins(monkeypatch, tmp_path):
         calls["extensions"] += 1
         return [], open(os.path.join(out, "test_extensions.log"), "w"), time.perf_counter()
 
+    class CompileWarmup:
+        def __init__(self, out, names, extra):
+            calls["warmup"] = (names, extra)
+
+        def finish(self):
+            return ("compile warm-up (beside the build and tests)", "ok", 0.0, "stand-in")
+
+    monkeypatch.setattr(gpu_check, "CompileWarmup", CompileWarmup)
     monkeypatch.setattr(gpu_check, "start_test_extensions", start_test_extensions)
     monkeypatch.setattr(gpu_check, "build", build)
     monkeypatch.setattr(gpu_check, "run_tests", run_tests)
@@ -65,6 +73,8 @@ def test_the_whole_flow_writes_a_summary_of_every_part(stand_ins, capsys):
     assert capsys.readouterr().out.strip() == summary.strip()  # printed last
     assert "| build | ok | 1 | sm_90 |" in summary and calls["extensions"] == 1
     assert "| test extensions (beside the build) | ok | 0 |" in summary
+    assert calls["warmup"] == (["rms_norm", "model:--dtype bfloat16"], [])
+    assert "| compile warm-up (beside the build and tests) | ok | 0 | stand-in |" in summary
     assert "| tests (cuda) | failed (1) | 2 | 1 passed, 1 failures, 1 skipped |" in summary
     assert "| bench rms_norm | ok | 3 |" in summary and "| total | | 9 | |" in summary
     assert "- tests.test_a::test_bad" in summary
@@ -88,6 +98,35 @@ def test_no_benchmark_starts_past_the_time_limit(stand_ins):
     gpu_check.main(["--out", str(tmp / "out"), "--bench", "rms_norm,rope", "--time-limit", "10"])
     assert calls["bench"] == []  # under 20 s left: each is skipped, the summary still written
     assert "| bench rope | skipped | 0 | no time left (--time-limit) |" in (tmp / "out" / "summary.md").read_text()
+
+
+def test_the_compile_warmup_runs_the_compiling_benchmarks_once_and_stops_when_told(monkeypatch, tmp_path):
+    """Each benchmark with torch.compile baselines runs once (one repetition, the options
+    given, fusedllm's plain path, the caches the timed runs read); the one still running when
+    the benchmarks start is stopped, and neither that nor a failure fails the check."""
+    root, record = tmp_path / "root", tmp_path / "record"
+    (root / "benchmarks").mkdir(parents=True)
+    script = ("import os, sys\n"
+              f"open({str(record)!r}, 'a').write(' '.join(sys.argv[1:] + [os.environ['FUSEDLLM_DISABLE_EXTENSION'],"
+              " os.environ['TORCHINDUCTOR_CACHE_DIR']]) + '\\n')\n")
+    (root / "benchmarks" / "bench_rms_norm.py").write_text(script + "sys.exit(3)\n")
+    (root / "benchmarks" / "bench_model.py").write_text(script + "import time; time.sleep(60)\n")
+    monkeypatch.setattr(gpu_check, "ROOT", str(root))
+    out = tmp_path / "out"
+    out.mkdir()
+    warmup = gpu_check.CompileWarmup(str(out), ["rms_norm", "decode", "model:--dtype bfloat16"], ["--quick"])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(record.read_text().splitlines() if record.exists() else []) < 2:
+        time.sleep(0.05)
+    start = time.perf_counter()
+    part, status, seconds, detail = warmup.finish()
+    assert time.perf_counter() - start < 30  # the sleeping one was stopped
+    first, second = record.read_text().splitlines()  # decode has no compile baseline: not run
+    cache = str(out / "cache" / "inductor")
+    assert first == f"--device cuda --reps 1 --out {out / 'compile_warmup'} --quick 1 {cache}"
+    assert second.endswith(f"--quick --dtype bfloat16 1 {cache}")
+    assert (part, status, seconds) == ("compile warm-up (beside the build and tests)", "ok", 0.0)
+    assert detail.startswith("1 of 2 in ") and detail.endswith(": rms_norm (failed 3); compile_warmup.log")
 
 
 def test_extension_builds_past_the_time_limit_are_stopped(tmp_path):

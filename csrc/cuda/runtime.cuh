@@ -66,6 +66,9 @@ void launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, 
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
+
 #define FUSEDLLM_CUDA_OPS_IMPL(m) TORCH_LIBRARY_IMPL(fusedllm, CUDA, m)
 #define FUSEDLLM_CUDA_OPS_DEFINE(define_fn)  // torch.ops.fusedllm's schemas: csrc/<op>.cpp
 
@@ -86,12 +89,22 @@ void allow_dynamic_shared_memory(void (*kernel)(Params...), size_t bytes) {
 
 // Blocks of `threads` threads that one multiprocessor holds at once, given
 // the kernel's registers and shared memory (a grid sized by threads alone can
-// leave a second, short wave).
+// leave a second, short wave). The calculator asks the driver; its answers are
+// kept per kernel, block, shared memory and device, so a launch pays a lookup.
 template <typename... Params>
 int resident_blocks(void (*kernel)(Params...), int threads, size_t smem) {
-  int blocks = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem));
-  return std::max(blocks, 1);
+  using Key = std::tuple<const void*, int, size_t, c10::DeviceIndex>;
+  static std::mutex mutex;
+  static std::map<Key, int> known;
+  const Key key{reinterpret_cast<const void*>(kernel), threads, smem, c10::cuda::current_device()};
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = known.find(key);
+  if (it == known.end()) {
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem));
+    it = known.emplace(key, std::max(blocks, 1)).first;
+  }
+  return it->second;
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), then the launch check.

@@ -517,7 +517,9 @@ inline void check_operands(const at::Tensor& out, const at::Tensor& a, const at:
                         offsets.device() == out.device(),
                     "grouped_mm: out, a, b and offsets must be on one device, got ", out.device(), ", ",
                     a.device(), ", ", b.device(), " and ", offsets.device());
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"out", out}, {"a", a}, {"b", b}}) {
+  // The list's type spelled out: nvcc 12.4 deduces none from {std::pair<...>{...}, {...}}.
+  for (const auto& [name, t] :
+       std::initializer_list<std::pair<const char*, const at::Tensor&>>{{"out", out}, {"a", a}, {"b", b}}) {
     TORCH_CHECK_VALUE(t.stride(-1) == 1 || t.size(-1) <= 1,
                       "grouped_mm: ", name, "'s last dimension must have unit stride, got strides ",
                       t.strides());

@@ -148,7 +148,11 @@ inline TensorMap encode_tensor_map(const void* global, int element_bytes, int ra
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
     C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+#else  // CUDA 12.0-12.4: no ByVersion; the one version of cuTensorMapEncodeTiled is 12000's
+    C10_CUDA_CHECK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found));
+#endif
     TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
                 "encode_tensor_map: the CUDA driver has no cuTensorMapEncodeTiled (a Hopper driver is needed)");
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);

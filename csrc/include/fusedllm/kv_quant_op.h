@@ -6,6 +6,9 @@
 #include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
+#include <initializer_list>
+#include <utility>
+
 #include "fusedllm/checks.h"
 #include "fusedllm/kv_quant.h"
 
@@ -55,7 +58,10 @@ inline QuantizeKvPlan plan_quantize_kv(const at::Tensor& x, const at::Tensor& va
   const auto rows_shape = x.sizes().slice(0, x.dim() - 1);
   TORCH_CHECK_VALUE(scales.sizes() == rows_shape, op, ": scales must be x's shape without its last dim ",
                     rows_shape, ", got ", scales.sizes());
-  for (const auto& [t, name] : {std::pair<at::Tensor, const char*>{values, "values"}, {scales, "scales"}}) {
+  // The list's type spelled out: nvcc 12.4's front end deduces none from a braced list whose
+  // later elements are braced lists themselves ("cannot deduce type of range").
+  for (const auto& [t, name] :
+       std::initializer_list<std::pair<at::Tensor, const char*>>{{values, "values"}, {scales, "scales"}}) {
     TORCH_CHECK_VALUE(t.device() == x.device(), op, ": ", name, " is on ", t.device(), " but x is on ",
                       x.device());
     TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", name,

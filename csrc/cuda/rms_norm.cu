@@ -268,28 +268,18 @@ rms_norm_backward_rows_kernel(const T* __restrict__ grad_out, int64_t grad_out_s
   const RoundTo<T, acc_t> round;
   const int packs = static_cast<int>(n / kVec);
   Pack<T, kVec> w[kPacks];
+  if constexpr (kHasWeight) load_row_packs<T, kVec, kPacks>(weight, packs, w);
   Pack<acc_t, kVec> dw[kPacks];
 #pragma unroll
   for (int j = 0; j < kPacks; ++j) {
-    const int p = threadIdx.x + j * blockDim.x;
-    if constexpr (kHasWeight) {
-      if (p < packs) w[j] = load_pack<T, kVec>(weight + p * kVec);
-    }
 #pragma unroll
     for (int k = 0; k < kVec; ++k) dw[j].v[k] = 0;
   }
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* g = grad_out + r * grad_out_stride;
-    const T* x = input + r * input_stride;
     const acc_t rstd = rstd_in[r];
     Pack<T, kVec> gp[kPacks], xp[kPacks];
-#pragma unroll
-    for (int j = 0; j < kPacks; ++j) {
-      const int p = threadIdx.x + j * blockDim.x;
-      if (p >= packs) continue;
-      gp[j] = load_pack<T, kVec>(g + p * kVec);
-      xp[j] = load_pack<T, kVec>(x + p * kVec);
-    }
+    load_row_packs<T, kVec, kPacks>(grad_out + r * grad_out_stride, packs, gp);
+    load_row_packs<T, kVec, kPacks>(input + r * input_stride, packs, xp);
     acc_t dot = 0;
 #pragma unroll
     for (int j = 0; j < kPacks; ++j) {

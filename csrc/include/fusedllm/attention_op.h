@@ -284,7 +284,6 @@ inline AttentionShape check_attention_args(const char* op, const at::Tensor& q, 
   return s;
 }
 
-
 // `t` as a [batch, heads, seq, head_dim] operand with unit stride along
 // head_dim (a copy only when it has none). Packed [total, heads, head_dim]
 // tensors become [1, heads, total, head_dim] views with batch stride 0 (a

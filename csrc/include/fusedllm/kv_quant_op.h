@@ -61,7 +61,7 @@ inline QuantizeKvPlan plan_quantize_kv(const at::Tensor& x, const at::Tensor& va
   // The list's type spelled out: nvcc 12.4's front end deduces none from a braced list whose
   // later elements are braced lists themselves ("cannot deduce type of range").
   for (const auto& [t, name] :
-       std::initializer_list<std::pair<at::Tensor, const char*>>{{values, "values"}, {scales, "scales"}}) {
+       std::initializer_list<std::pair<const at::Tensor&, const char*>>{{values, "values"}, {scales, "scales"}}) {
     TORCH_CHECK_VALUE(t.device() == x.device(), op, ": ", name, " is on ", t.device(), " but x is on ",
                       x.device());
     TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", name,

@@ -4,7 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "cpu/attention_kernel.h"
+#include "fusedllm/attention.h"
 #include "fusedllm/attention_op.h"
 #include "fusedllm/autograd.h"
 #include "fusedllm/macros.h"

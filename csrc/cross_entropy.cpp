@@ -8,9 +8,9 @@
 #include <limits>
 #include <optional>
 
-#include "cpu/cross_entropy_kernel.h"
 #include "cpu/matmul.h"
 #include "fusedllm/autograd.h"
+#include "fusedllm/cross_entropy.h"
 #include "fusedllm/cross_entropy_op.h"
 #include "fusedllm/macros.h"
 

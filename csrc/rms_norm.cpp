@@ -4,9 +4,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "cpu/rms_norm_kernel.h"
 #include "fusedllm/autograd.h"
 #include "fusedllm/macros.h"
+#include "fusedllm/rms_norm.h"
 #include "fusedllm/rms_norm_op.h"
 
 FUSEDLLM_DEFINE_OPS(fusedllm, define_rms_norm_ops)

@@ -4,9 +4,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "cpu/rope_kernel.h"
 #include "fusedllm/autograd.h"
 #include "fusedllm/macros.h"
+#include "fusedllm/rope.h"
 #include "fusedllm/rope_op.h"
 
 FUSEDLLM_DEFINE_OPS(fusedllm, define_rope_ops)

@@ -4,9 +4,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "cpu/swiglu_kernel.h"
 #include "fusedllm/autograd.h"
 #include "fusedllm/macros.h"
+#include "fusedllm/swiglu.h"
 #include "fusedllm/swiglu_op.h"
 
 FUSEDLLM_DEFINE_OPS(fusedllm, define_swiglu_ops)

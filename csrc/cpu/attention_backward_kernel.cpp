@@ -13,8 +13,8 @@
 #include "attention_lanes.h"
 #include "attention_pair_words.h"
 #include "attention_pairs.h"
-#include "attention_kernel.h"
 #include "attention_tile.h"
+#include "fusedllm/attention.h"
 
 namespace fusedllm::cpu {
 inline namespace CPU_CAPABILITY {

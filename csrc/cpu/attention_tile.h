@@ -13,7 +13,6 @@
 #include <limits>
 #include <type_traits>
 
-#include "attention_kernel.h"
 #include "fusedllm/attention.h"
 #include "fusedllm/dropout.h"
 #include "fusedllm/kv_quant.h"

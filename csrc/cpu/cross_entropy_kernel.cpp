@@ -4,7 +4,7 @@
 // for the gradient, one writing it over the logits (a row of a 128k vocabulary
 // is 256-512 KB: it stays in L2 between the passes). A slab of a row's columns
 // (the weight gradient's pass) takes the row's lse and writes the gradient only.
-#include "cross_entropy_kernel.h"
+#include "fusedllm/cross_entropy.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

@@ -1,5 +1,5 @@
 // RMSNorm CPU kernels, compiled once per instruction set (see CMakeLists.txt).
-#include "rms_norm_kernel.h"
+#include "fusedllm/rms_norm.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

@@ -1,5 +1,5 @@
 // Rotary embedding CPU kernels, compiled once per instruction set.
-#include "rope_kernel.h"
+#include "fusedllm/rope.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

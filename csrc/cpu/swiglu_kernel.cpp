@@ -1,5 +1,5 @@
 // SwiGLU / GeGLU CPU kernels, compiled once per instruction set.
-#include "swiglu_kernel.h"
+#include "fusedllm/swiglu.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

@@ -9,12 +9,15 @@
 // (cross_entropy's smoothing: (1 - eps) on the target, eps spread uniformly),
 // and its gradient with respect to z[j] is
 //   ((1 + 2 zl lse) * p[j] - (1 - eps) * [j == t] - eps / n) * ds/dz[j],
-// with ds/dz = 1 - (s / softcap)^2 under the cap.
+// with ds/dz = 1 - (s / softcap)^2 under the cap. Last, the CPU kernels'
+// interface (plain pointers).
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <cstdint>
 
 #include "fusedllm/activations.h"
+#include "fusedllm/cpu_dispatch.h"
 #include "fusedllm/macros.h"
 
 namespace fusedllm::ce {
@@ -55,3 +58,34 @@ FUSEDLLM_HOST_DEVICE RowGrad<T> row_grad(const Options& o, T lse, T scale) {
 }
 
 }  // namespace fusedllm::ce
+
+// The interface between the linear cross-entropy ops (cross_entropy.cpp) and
+// their per-ISA row kernels (cross_entropy_kernel.cpp): one chunk of logits
+// rows as pointers and row strides.
+
+namespace fusedllm::cpu {
+
+struct CrossEntropyRowArgs {
+  at::ScalarType dtype;  // of the logits; loss, lse and scale are float32 (float64 for float64)
+  ce::Options options;
+  int64_t ignore_index;
+  int64_t rows, vocab;
+  // z on entry; the capped logits after, or with `grad` the gradient of
+  // sum(scale * loss) with respect to z
+  void* logits; int64_t logits_stride;
+  const int64_t* target;
+  void* loss; void* lse;
+  const void* scale;  // null: 1 for every row
+  bool grad;
+  // The logits are the columns column0 .. column0 + vocab - 1 of the rows,
+  // whose lse is read: only the gradient is written (options.vocab is the
+  // whole vocabulary's size).
+  bool slab;
+  int64_t column0;
+};
+
+using CrossEntropyRowFn = void (*)(const CrossEntropyRowArgs&);
+
+extern KernelTable<CrossEntropyRowFn> cross_entropy_row_kernels;
+
+}  // namespace fusedllm::cpu

@@ -1,12 +1,14 @@
 // RMSNorm math shared by the CPU kernels (scalar and Vectorized<float> lanes)
 // and the CUDA kernels. `V` is a float/double scalar or an ATen vector of them;
 // `Round` rounds an accumulator value to the tensor dtype and back (identity
-// for float32/float64).
+// for float32/float64). Last, the CPU kernels' interface (plain pointers).
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <cmath>
 #include <cstdint>
 
+#include "fusedllm/cpu_dispatch.h"
 #include "fusedllm/macros.h"
 
 namespace fusedllm::rms {
@@ -57,3 +59,43 @@ FUSEDLLM_HOST_DEVICE V input_grad(V g, V x, V rstd, V w_eff, V c) {
 }
 
 }  // namespace fusedllm::rms
+
+// The interface between the rms_norm ops (rms_norm.cpp) and their per-ISA
+// kernels (rms_norm_kernel.cpp). Plain pointers and strides, no tensors.
+
+namespace fusedllm::cpu {
+
+struct RmsNormForwardArgs {
+  at::ScalarType dtype;
+  int64_t rows, n;
+  const void* input;  int64_t input_stride;     // row strides in elements
+  const void* residual; int64_t residual_stride;  // null for plain rms_norm
+  const void* weight;   // [n] contiguous, or null
+  void* out;            // [rows, n] contiguous
+  void* residual_out;   // [rows, n] contiguous, or null
+  void* rstd;           // [rows], float32 (float64 for float64 input)
+  double eps, offset;
+  rms::Casting casting;
+};
+
+struct RmsNormBackwardArgs {
+  at::ScalarType dtype;
+  int64_t rows, n;
+  const void* grad_out; int64_t grad_out_stride;
+  const void* input;    int64_t input_stride;
+  const void* rstd;
+  const void* weight;   // or null
+  const void* grad_residual; int64_t grad_residual_stride;  // added to grad_input, or null
+  void* grad_input;     // [rows, n] contiguous
+  void* grad_weight;    // [n], or null when not wanted
+  double offset;
+  rms::Casting casting;
+};
+
+using RmsNormForwardFn = void (*)(const RmsNormForwardArgs&);
+using RmsNormBackwardFn = void (*)(const RmsNormBackwardArgs&);
+
+extern KernelTable<RmsNormForwardFn> rms_norm_forward_kernels;
+extern KernelTable<RmsNormBackwardFn> rms_norm_backward_kernels;
+
+}  // namespace fusedllm::cpu

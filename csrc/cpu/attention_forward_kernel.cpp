@@ -41,13 +41,13 @@ int64_t decoding_keys_per_tile(const AttentionForwardArgs& a) {
 }
 
 // Keys per prefill tile on the AMX tiles (bfloat16, and float16 K and V
-// that are not codes; head dims that are multiples of 32 up to 128), 0
-// elsewhere (the Tiling's): twice the default,
-// so that P V loads and stores its accumulators once per 192 keys and the
-// per-tile steps (the softmax's running statistics, the rescale) run half as
-// often. Measured on a Xeon (family 6 model 207, AMX), B1, 32/8 heads, D128,
-// causal: 1.10-1.14x as fast as 96 keys at S = 2048 and 8192 (128 and 160 in
-// between).
+// that are not codes; head dims that are multiples of 32 up to 128) and of
+// float32 at head dims up to 128, 0 elsewhere (the Tiling's): twice the
+// default, so that P V loads and stores its accumulators once per 192 keys
+// and the per-tile steps (the softmax's running statistics, the rescale) run
+// half as often. Measured on a Xeon (family 6 model 207), B1, 32/8 heads,
+// D128, causal: on the AMX tiles 1.10-1.14x as fast as 96 keys at S = 2048
+// and 8192 (128 and 160 in between); float32 1.03x at S = 2048 and 4096.
 template <typename T>
 int64_t prefill_keys_per_tile(const AttentionForwardArgs& a) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -56,7 +56,7 @@ int64_t prefill_keys_per_tile(const AttentionForwardArgs& a) {
     return kMaxKeysPerTile;
   }
 #endif
-  static_cast<void>(a);
+  if (std::is_same_v<T, float> && a.head_dim <= 128) return kMaxKeysPerTile;
   return 0;
 }
 
@@ -64,9 +64,10 @@ int64_t prefill_keys_per_tile(const AttentionForwardArgs& a) {
 // start, after the K packing, after QK^T, after the softmax, after the V
 // packing (a decoding step over 32k bfloat16 or int8 keys: 5 pieces took
 // 0.8 and 0.67 of the time of one burst at the start). Not on the AMX
-// tiles' prefill tiles: without it they ran 1.04-1.05x as fast (Xeon family
-// 6 model 207, S = 2048 and 4096), the hardware prefetcher streaming K's and
-// V's rows.
+// tiles' prefill tiles nor on the float path's: without it they ran
+// 1.04-1.05x as fast (AMX) and as fast or 1.10x (float32, S = 2048 / 4096)
+// on a Xeon (family 6 model 207), as fast on a Zen 4 (float32), the
+// hardware prefetcher streaming K's and V's rows.
 constexpr int kPrefetchParts = 5;
 
 // Per-slot scratch of the forward pass; split: float16 on the AMX tiles.
@@ -490,11 +491,12 @@ struct ForwardTask {
     // S's rows past `rows` stay zero
     if constexpr (decoding) std::fill(w.sr + rows * sr_ld, w.sr + ld * sr_ld, acc_t(0));
     const KeyTiles tiles(mask, p0, p0 + npos, t.block_k, false);
+    const bool prefetch = !amx && (decoding || kPairs);  // see kPrefetchParts
     for (int64_t i = split; i < tiles.count; i += splits) {
       const int64_t j0 = tiles.start(i), nk = tiles.stop(i) - j0;
       const bool last = i + splits >= tiles.count;
       const NextTile next{k, v, last ? 0 : tiles.start(i + splits),
-                          last ? 0 : tiles.stop(i + splits) - tiles.start(i + splits), d, !amx};
+                          last ? 0 : tiles.stop(i + splits) - tiles.start(i + splits), d, prefetch};
       next.part(0);
       if constexpr (decoding) {
         if (decode_scores(j0, nk, next)) continue;  // the whole tile done on the rows x keys scores

@@ -91,6 +91,21 @@ __device__ __forceinline__ float stored_value(const uint32_t* words, int e) {
   }
 }
 
+// A word of four int8 codes as two words of T pairs (codes 0, 1 and codes 2,
+// 3), exact, as stored_value converts them: each code c becomes the low byte of
+// the float bits of 2^23 + c + 128 by one byte permute of the word with its
+// codes' top bits flipped (a third of the integer work of extracting and
+// placing each code), less 2^23 + 128, rounded to T two at a time.
+template <typename T>
+__device__ __forceinline__ void int8_code_pairs(uint32_t codes, uint32_t& first, uint32_t& second) {
+  const uint32_t biased = codes ^ 0x80808080u;
+  float x[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[i] = kvq::float_of_bits(byte_perm(biased, 0x4B000000u, 0x7440u + i)) - 8388736.f;
+  first = mma::pack2(T(x[0]), T(x[1]));
+  second = mma::pack2(T(x[2]), T(x[3]));
+}
+
 // kBytes (2, 4 or 8) bytes at p as 32-bit words (the last one's high half 0 for 2).
 template <int kBytes>
 __device__ __forceinline__ void load_words(const void* p, uint32_t (&w)[(kBytes + 3) / 4]) {
@@ -642,10 +657,17 @@ struct DecodeMmaSteps {
       const Pack<uint32_t, 4> w =
           load_pack<uint32_t, 4>(reinterpret_cast<const uint32_t*>((is_v ? vc_s : kc_s) + (at + r) * kD + c));
       Pack<uint32_t, 4> lo, hi;
+      if constexpr (kS == Stored::kInt8) {
+        int8_code_pairs<T>(w.v[0], lo.v[0], lo.v[1]);
+        int8_code_pairs<T>(w.v[1], lo.v[2], lo.v[3]);
+        int8_code_pairs<T>(w.v[2], hi.v[0], hi.v[1]);
+        int8_code_pairs<T>(w.v[3], hi.v[2], hi.v[3]);
+      } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        lo.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e)), T(stored_value<T, kS>(w.v, 2 * e + 1)));
-        hi.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e + 8)), T(stored_value<T, kS>(w.v, 2 * e + 9)));
+        for (int e = 0; e < 4; ++e) {
+          lo.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e)), T(stored_value<T, kS>(w.v, 2 * e + 1)));
+          hi.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e + 8)), T(stored_value<T, kS>(w.v, 2 * e + 9)));
+        }
       }
       T* to = (is_v ? v_s : k_s) + (warp * kWarpKeys + r) * kStride + c;
       store_pack<uint32_t, 4>(reinterpret_cast<uint32_t*>(to), lo);

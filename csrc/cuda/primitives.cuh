@@ -201,6 +201,19 @@ __device__ __forceinline__ T warp_broadcast(T v, int src) {
   return __shfl_sync(kFullMask, v, src);
 }
 
+// The bytes of the pair (y, x), x's bytes 0-3 and y's 4-7, that the four
+// nibbles of `selector` pick, lowest first (one PRMT).
+__device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t selector) {
+#if defined(FUSEDLLM_SIMT)
+  const uint64_t bytes = uint64_t(y) << 32 | x;
+  uint32_t out = 0;
+  for (int n = 0; n < 4; ++n) out |= uint32_t(bytes >> (8 * (selector >> (4 * n) & 7u)) & 0xffu) << (8 * n);
+  return out;
+#else
+  return __byte_perm(x, y, selector);
+#endif
+}
+
 // How many lanes below this one have `flag` set (over the lanes of `mask`),
 // and through `total` how many in all.
 __device__ __forceinline__ int lanes_below(bool flag, unsigned mask, int& total) {

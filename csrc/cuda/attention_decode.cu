@@ -78,32 +78,20 @@ __device__ __forceinline__ float stored_value(const uint32_t* words, int e) {
       return static_cast<float>(T(static_cast<uint16_t>(e % 2 ? w >> 16 : w & 0xffffu), T::from_bits()));
     }
   } else {
-    const uint8_t code = static_cast<uint8_t>(words[e / 4] >> (8 * (e % 4)));
     if constexpr (kS == Stored::kInt8) {
       // 2^23 + code + 128 as a float's bits, less 2^23 + 128: exact, and cheaper
-      // than an integer conversion (on sm_90 an eighth of a float addition's rate).
-      return kvq::float_of_bits(0x4B000000u | (code ^ 0x80u)) - 8388736.f;
+      // than an integer conversion (on sm_90 an eighth of a float addition's
+      // rate). The bits come from one byte permute of the word with its codes'
+      // top bits flipped (one flip for the word's four codes) rather than a
+      // shift, a mask and an OR a code (docs/decode-cuda.md).
+      return kvq::float_of_bits(byte_perm(words[e / 4] ^ 0x80808080u, 0x4B000000u, 0x7440u + e % 4)) - 8388736.f;
     } else {
+      const uint8_t code = static_cast<uint8_t>(words[e / 4] >> (8 * (e % 4)));
       const uint16_t bits = static_cast<uint16_t>((code & 0x7Fu) << 7 | (code & 0x80u) << 8);
       const float x = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
       return (code & 0x7Fu) == 0x7Fu ? std::numeric_limits<float>::quiet_NaN() : x;
     }
   }
-}
-
-// A word of four int8 codes as two words of T pairs (codes 0, 1 and codes 2,
-// 3), exact, as stored_value converts them: each code c becomes the low byte of
-// the float bits of 2^23 + c + 128 by one byte permute of the word with its
-// codes' top bits flipped (a third of the integer work of extracting and
-// placing each code), less 2^23 + 128, rounded to T two at a time.
-template <typename T>
-__device__ __forceinline__ void int8_code_pairs(uint32_t codes, uint32_t& first, uint32_t& second) {
-  const uint32_t biased = codes ^ 0x80808080u;
-  float x[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) x[i] = kvq::float_of_bits(byte_perm(biased, 0x4B000000u, 0x7440u + i)) - 8388736.f;
-  first = mma::pack2(T(x[0]), T(x[1]));
-  second = mma::pack2(T(x[2]), T(x[3]));
 }
 
 // kBytes (2, 4 or 8) bytes at p as 32-bit words (the last one's high half 0 for 2).
@@ -657,17 +645,10 @@ struct DecodeMmaSteps {
       const Pack<uint32_t, 4> w =
           load_pack<uint32_t, 4>(reinterpret_cast<const uint32_t*>((is_v ? vc_s : kc_s) + (at + r) * kD + c));
       Pack<uint32_t, 4> lo, hi;
-      if constexpr (kS == Stored::kInt8) {
-        int8_code_pairs<T>(w.v[0], lo.v[0], lo.v[1]);
-        int8_code_pairs<T>(w.v[1], lo.v[2], lo.v[3]);
-        int8_code_pairs<T>(w.v[2], hi.v[0], hi.v[1]);
-        int8_code_pairs<T>(w.v[3], hi.v[2], hi.v[3]);
-      } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          lo.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e)), T(stored_value<T, kS>(w.v, 2 * e + 1)));
-          hi.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e + 8)), T(stored_value<T, kS>(w.v, 2 * e + 9)));
-        }
+      for (int e = 0; e < 4; ++e) {
+        lo.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e)), T(stored_value<T, kS>(w.v, 2 * e + 1)));
+        hi.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e + 8)), T(stored_value<T, kS>(w.v, 2 * e + 9)));
       }
       T* to = (is_v ? v_s : k_s) + (warp * kWarpKeys + r) * kStride + c;
       store_pack<uint32_t, 4>(reinterpret_cast<uint32_t*>(to), lo);

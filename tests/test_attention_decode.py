@@ -23,6 +23,7 @@ from test_attention_key_slices import check_option_case
 from test_attention_options import make_options
 from test_attention_tensor_core import check_ran, launches, op_lse
 from test_kv_paged import paged_pool
+from test_kv_quant import check_every_key_code, check_every_value_code, check_float8_nan_codes
 
 pytestmark = pytest.mark.parametrize("device", [d for d in DEVICES if not isinstance(d, str)], indirect=True)
 
@@ -112,6 +113,19 @@ def test_decode_over_quantized_cache(device, decode_kernel, shape, dtype, code):
     kd, vd = dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale)
     want, _ = ref_attention(q.double(), kd.double(), vd.double(), causal=True)
     assert_close(out, want, FORWARD_TOL[dtype], "out", upcast=True)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("code", [torch.int8, torch.float8_e4m3fn], ids=["int8", "float8"])
+def test_decode_reads_every_code_exactly(device, decode_kernel, dtype, code):
+    """Every code as a key and as a value, and float8's NaN codes, through each decoding kernel."""
+    with launches() as counts:
+        check_every_key_code(device, code, 1, dtype, 128)
+        check_every_value_code(device, code, 1, dtype)
+        if code == torch.float8_e4m3fn:
+            for which in ("k", "v"):
+                check_float8_nan_codes(device, which, 1, dtype)
+    check_ran(counts, decode_kernel, absent=(GENERAL, DECODE_MMA if decode_kernel == DECODE else DECODE))
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)

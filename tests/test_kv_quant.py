@@ -225,6 +225,34 @@ def test_int8_decoding_non_finite_rows(device, where, code):
                         upcast=True)
 
 
+@pytest.mark.cpu_variants
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("sq", [1, 40])
+@pytest.mark.parametrize("dtype", Q_DTYPES, ids=str)
+def test_float8_nan_code_reads_as_nan(device, which, sq, dtype):
+    check_float8_nan_codes(device, which, sq, dtype)
+
+
+def check_float8_nan_codes(device, which, sq, dtype):
+    """float8's NaN codes (0x7F, 0xFF) read as NaN under a finite scale, as
+    torch's conversion reads them: NaN reaches exactly the outputs it feeds (a
+    key: its kv head's every output; a value: that column of them)."""
+    b, hq, hkv, sk, d = 1, 4, 2, 300, 64
+    q = torch.randn(b, hq, sq, d, device=device).to(dtype)
+    k8, k_scale, v8, v_scale = quantized(torch.randn(b, hkv, sk, d, device=device),
+                                         torch.randn(b, hkv, sk, d, device=device), torch.float8_e4m3fn)
+    codes = (k8 if which == "k" else v8).view(torch.uint8)
+    codes[0, 1, 7, 5] = 0xFF
+    codes[0, 1, 200, 9] = 0x7F
+    with torch.no_grad():
+        out = fusedllm.attention(q, k8, v8, k_scale=k_scale, v_scale=v_scale)
+    want, _ = ref_attention(q.double(), dequantize_kv(k8, k_scale).double(), dequantize_kv(v8, v_scale).double())
+    nan = torch.isnan(want)
+    assert nan.any() and torch.equal(torch.isnan(out).cpu(), nan.cpu())
+    checks.assert_close(out.masked_fill(nan, 0), want.masked_fill(nan, 0), FORWARD_TOL[torch.bfloat16],
+                        "finite outputs", upcast=True)
+
+
 def every_code(code):
     """Each of the code's 256 byte values once (float8's two NaN bytes as 0), as a [256] tensor."""
     bytes_ = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -235,26 +263,41 @@ def every_code(code):
 
 @pytest.mark.parametrize("code", CODES, ids=str)
 @pytest.mark.parametrize("q_len", [1, 3])
-def test_every_key_code_read_exactly(device, code, q_len):
-    """One key holding every code: a one-hot query's log-sum-exp is that code's
-    value times the softmax scale, exactly (decoding and prefill tiles)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d", [256, 128])
+def test_every_key_code_read_exactly(device, code, q_len, dtype, d):
+    check_every_key_code(device, code, q_len, dtype, d)
+
+
+def check_every_key_code(device, code, q_len, dtype, d):
+    """Keys holding every code, d of them a key: a one-hot query's log-sum-exp
+    is that code's value times the softmax scale, exactly (decoding and
+    prefill tiles; the decoding kernels take head dims up to 128)."""
     codes = every_code(code)
-    k8 = codes.view(1, 1, 1, 256).to(device)
-    v8 = torch.zeros(1, 1, 1, 256, dtype=code, device=device)
-    ones = torch.ones(1, 1, 1, device=device)
     want = dequantize_kv(codes.view(1, 256), torch.ones(1)).view(256).double() / 16
-    for dims in torch.arange(256).view(-1, 8):
-        q = torch.zeros(1, 8, q_len, 256, device=device)
-        q[0, torch.arange(8), :, dims] = 1.0
-        with torch.no_grad():
-            _, lse = fusedllm.ops.attention.attention_with_lse(q.bfloat16(), k8, v8, k_scale=ones, v_scale=ones)
-        got = lse[0, :, 0].double().cpu()
-        assert torch.equal(got, want[dims]), f"codes {dims.tolist()}: {got.tolist()} != {want[dims].tolist()}"
+    ones = torch.ones(1, 1, 1, device=device)
+    v8 = torch.zeros(1, 1, 1, d, dtype=code, device=device)
+    for first in range(0, 256, d):
+        k8 = codes[first:first + d].reshape(1, 1, 1, d).to(device)
+        for dims in torch.arange(d).view(-1, 8):
+            q = torch.zeros(1, 8, q_len, d, device=device)
+            q[0, torch.arange(8), :, dims] = 1.0
+            with torch.no_grad():
+                _, lse = fusedllm.ops.attention.attention_with_lse(q.to(dtype), k8, v8, k_scale=ones, v_scale=ones,
+                                                                   scale=1 / 16)
+            got = lse[0, :, 0].double().cpu()
+            assert torch.equal(got, want[first + dims]), \
+                f"codes {(first + dims).tolist()}: {got.tolist()} != {want[first + dims].tolist()}"
 
 
 @pytest.mark.parametrize("code", CODES, ids=str)
 @pytest.mark.parametrize("q_len", [1, 3])
-def test_every_value_code_read_exactly(device, code, q_len):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_every_value_code_read_exactly(device, code, q_len, dtype):
+    check_every_value_code(device, code, q_len, dtype)
+
+
+def check_every_value_code(device, code, q_len, dtype):
     """Value rows holding every code, and keys that put all of each query's
     weight on one row: the output is that row's values, exactly."""
     codes = every_code(code).view(16, 16)
@@ -265,12 +308,12 @@ def test_every_value_code_read_exactly(device, code, q_len):
     k[torch.arange(16), torch.arange(16)] = top
     k8 = k.to(code).view(1, 1, 16, 16).to(device)
     ones = torch.ones(1, 1, 16, device=device)
-    want = dequantize_kv(codes, torch.ones(16)).to(torch.bfloat16)
+    want = dequantize_kv(codes, torch.ones(16)).to(dtype)
     for rows in torch.arange(16).view(2, 8):
         q = torch.zeros(1, 8, q_len, 16, device=device)
         q[0, torch.arange(8), :, rows] = 4.0
         with torch.no_grad():
-            out = fusedllm.attention(q.bfloat16(), k8, v8, k_scale=ones, v_scale=ones)
+            out = fusedllm.attention(q.to(dtype), k8, v8, k_scale=ones, v_scale=ones)
         assert torch.equal(out[0, :, 0].cpu(), want[rows]), f"rows {rows.tolist()}"
 
 

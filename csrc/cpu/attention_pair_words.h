@@ -89,8 +89,8 @@ inline __m512 codes_to_float(const int8_t* src, int64_t count) {
 // 32 float8 e4m3 codes as the bfloat16 bits of their values, in order, in
 // integer instructions (about half of those through float16 and float32):
 // a normal code's exponent moves up 4 bits and gains 120 (bias 127 against 7),
-// its mantissa up 4; the 8 subnormals (and zero) come from a table. Exact; a
-// NaN code reads as 480, as float8_half_bits does.
+// its mantissa up 4; the 8 subnormals (and zero) come from a table. Exact; the
+// NaN codes (magnitude 0x7F) become all ones, a NaN.
 inline __m512i float8_bfloat16_bits(__m256i codes) {
   alignas(64) static constexpr uint16_t kSubnormal[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
   const __m512i w = _mm512_cvtepu8_epi16(codes);
@@ -98,7 +98,9 @@ inline __m512i float8_bfloat16_bits(__m256i codes) {
   const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7));
   const __mmask32 subnormal = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8));
   const __m512i bits = _mm512_mask_permutexvar_epi16(normal, subnormal, magnitude, _mm512_load_si512(kSubnormal));
-  return _mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+  const __mmask32 nan = _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7F));
+  return _mm512_mask_mov_epi16(_mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8)),
+                               nan, _mm512_set1_epi16(-1));
 }
 
 template <typename R>

@@ -340,12 +340,14 @@ inline void prefetch_line(const char* p) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // 16 float8 e4m3 codes as the float16 bits of code * 2^-8: exponent and
 // mantissa move up 7 bits, the sign 8. float16's exponent bias is 8 above
-// e4m3's and its subnormals hold e4m3's, so this is exact (a NaN code reads as
-// 480, but a row holding one has scale NaN).
+// e4m3's and its subnormals hold e4m3's, so this is exact; the NaN codes
+// (magnitude 0x7F, which would read as 480) become all ones, a NaN.
 inline __m256i float8_half_bits(__m128i codes) {
   const __m256i w = _mm256_cvtepu8_epi16(codes);
-  return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
-                         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  const __m256i magnitude = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
+  const __m256i bits = _mm256_or_si256(_mm256_slli_epi16(magnitude, 7),
+                                       _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  return _mm256_or_si256(bits, _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7F)));
 }
 #endif
 

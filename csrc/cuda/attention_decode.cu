@@ -60,14 +60,55 @@ struct Decode {
   }
 };
 
-// What stored_value's float8 codes are short of their value: 2^8 (folded into
-// the row scales, where it is exact).
+// Codes 2 pair and 2 pair + 1 of a word of float8 e4m3 codes as a float16
+// pair (the first code's in the low half), exact, over kFloat8Unit: from sm_89
+// on one conversion instruction gives their values; before it (and emulated)
+// each code's bits placed in a float16's are its value over 2^8, subnormal
+// codes too, with no branch: a byte permute puts the codes in the halves' high
+// bytes, a shift right by one puts magnitude bits at 13-7 with the sign at 14,
+// adding the sign bit to itself moves it to 15, and the NaN codes (magnitude
+// 0x7f, the only ones whose magnitude plus 1 carries into bit 14) get bit 14,
+// which makes their exponent all ones.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+constexpr float kFloat8Unit = 1.f;
+#else
 constexpr float kFloat8Unit = 256.f;
+#endif
+__device__ __forceinline__ uint32_t float8_pair_half2(uint32_t word, int pair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(static_cast<uint16_t>(pair ? word >> 16 : word)));
+  return h;
+#else
+  const uint32_t y = byte_perm(word, 0u, pair ? 0x3424u : 0x1404u) >> 1;
+  const uint32_t h = y + (y & 0x40004000u);
+  return h | ((h + 0x00800080u) & 0x40004000u);
+#endif
+}
+
+// The float of a float16's bits.
+__device__ __forceinline__ float half_value(uint32_t bits) {
+  return static_cast<float>(c10::Half(static_cast<uint16_t>(bits), c10::Half::from_bits()));
+}
+
+// Codes 2 pair and 2 pair + 1 of a word of int8 codes as a float16 pair (the
+// first in the low half), exact: one byte permute puts each code with its top
+// bit flipped (code + 128) under the high byte 0x64, the float16 1024 + code +
+// 128 (a float16's unit is 1 there), and one subtraction of 1152 leaves the code.
+__device__ __forceinline__ uint32_t int8_pair_half2(uint32_t word, int pair) {
+  const uint32_t biased = byte_perm(word ^ 0x80808080u, 0x64646464u, pair ? 0x4342u : 0x4140u);
+#if defined(FUSEDLLM_SIMT)
+  const auto less = [](uint32_t bits) { return uint32_t{c10::Half(half_value(bits) - 1152.f).x}; };
+  return less(biased & 0xffffu) | less(biased >> 16) << 16;
+#else
+  uint32_t h;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(h) : "r"(biased), "r"(0x64806480u));
+  return h;
+#endif
+}
 
 // Element e of stored elements held as 32-bit words, as float: the value, or
-// the code's value before its row's scale (a float8 code's over kFloat8Unit:
-// its bits placed in a float16's, whose conversion is exact for normal and
-// subnormal codes alike, without a branch).
+// the code's value before its row's scale (a float8 code's over kFloat8Unit).
 template <typename T, Stored kS>
 __device__ __forceinline__ float stored_value(const uint32_t* words, int e) {
   if constexpr (kS == Stored::kPlain) {
@@ -75,7 +116,7 @@ __device__ __forceinline__ float stored_value(const uint32_t* words, int e) {
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       return kvq::float_of_bits(e % 2 ? w & 0xffff0000u : w << 16);
     } else {
-      return static_cast<float>(T(static_cast<uint16_t>(e % 2 ? w >> 16 : w & 0xffffu), T::from_bits()));
+      return half_value(e % 2 ? w >> 16 : w & 0xffffu);
     }
   } else {
     if constexpr (kS == Stored::kInt8) {
@@ -86,11 +127,24 @@ __device__ __forceinline__ float stored_value(const uint32_t* words, int e) {
       // shift, a mask and an OR a code (docs/decode-cuda.md).
       return kvq::float_of_bits(byte_perm(words[e / 4] ^ 0x80808080u, 0x4B000000u, 0x7440u + e % 4)) - 8388736.f;
     } else {
-      const uint8_t code = static_cast<uint8_t>(words[e / 4] >> (8 * (e % 4)));
-      const uint16_t bits = static_cast<uint16_t>((code & 0x7Fu) << 7 | (code & 0x80u) << 8);
-      const float x = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-      return (code & 0x7Fu) == 0x7Fu ? std::numeric_limits<float>::quiet_NaN() : x;
+      const uint32_t h = float8_pair_half2(words[e / 4], e % 4 / 2);
+      return half_value(e % 2 ? h >> 16 : h);
     }
+  }
+}
+
+// Stored elements 2p and 2p + 1 as a pair of T (the first in the low half),
+// codes' values before their rows' scales, as stored_value gives them.
+template <typename T, Stored kS>
+__device__ __forceinline__ uint32_t stored_pair(const uint32_t* words, int p) {
+  if constexpr (kS == Stored::kInt8 && std::is_same_v<T, c10::Half>) {
+    return int8_pair_half2(words[p / 2], p % 2);
+  } else if constexpr (kS == Stored::kFloat8) {
+    const uint32_t h = float8_pair_half2(words[p / 2], p % 2);
+    if constexpr (std::is_same_v<T, c10::Half>) return h;
+    else return mma::pack2(T(half_value(h)), T(half_value(h >> 16)));
+  } else {
+    return mma::pack2(T(stored_value<T, kS>(words, 2 * p)), T(stored_value<T, kS>(words, 2 * p + 1)));
   }
 }
 
@@ -647,8 +701,8 @@ struct DecodeMmaSteps {
       Pack<uint32_t, 4> lo, hi;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        lo.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e)), T(stored_value<T, kS>(w.v, 2 * e + 1)));
-        hi.v[e] = mma::pack2(T(stored_value<T, kS>(w.v, 2 * e + 8)), T(stored_value<T, kS>(w.v, 2 * e + 9)));
+        lo.v[e] = stored_pair<T, kS>(w.v, e);
+        hi.v[e] = stored_pair<T, kS>(w.v, e + 4);
       }
       T* to = (is_v ? v_s : k_s) + (warp * kWarpKeys + r) * kStride + c;
       store_pack<uint32_t, 4>(reinterpret_cast<uint32_t*>(to), lo);

@@ -59,6 +59,17 @@ void fill_call_args(const Plan& p, AttentionCallArgs& a) {
   a.dropout = p.dropout;
 }
 
+// An operand with its head dim zero-padded to d; packed, its batch stride
+// stays 0 (its sequences' rows lie at their starts, as_operand).
+at::Tensor padded(const at::Tensor& t, int64_t d, bool packed) {
+  const at::Tensor wide = at::constant_pad_nd(t, {0, d - t.size(-1)});
+  if (!packed) return wide;
+  return wide.as_strided(wide.sizes(), {0, wide.stride(1), wide.stride(2), wide.stride(3)});
+}
+
+// The first columns of t, as many as `to` has, into `to`.
+void copy_columns(const at::Tensor& to, const at::Tensor& t) { to.copy_(t.narrow(-1, 0, to.size(-1))); }
+
 struct CpuAttention {
   // kv_lens and block_table are host memory: checked before the kernels run.
   static constexpr bool kLengthsOnDevice = false;
@@ -75,6 +86,17 @@ struct CpuAttention {
     a.out = p.out.data_ptr();
     a.lse = p.lse.data_ptr();
     const AttentionForwardKernel* kernel = attention_forward_kernels.get();
+    if (const int64_t d = kernel->head_dim(a); d != p.shape.head_dim) {
+      AttentionForwardPlan wide = p;
+      wide.shape.head_dim = d;
+      wide.q = padded(p.q, d, p.shape.packed);
+      wide.k = padded(p.k, d, p.shape.packed);
+      wide.v = padded(p.v, d, p.shape.packed);
+      wide.out = new_rows(wide.q, wide.shape, wide.shape.q_heads, false);
+      forward(wide);
+      copy_columns(p.out, wide.out);
+      return;
+    }
     const at::Tensor workspace = allocate(kernel->workspace(a));
     a.workspace = workspace.data_ptr();
     kernel->run(a);
@@ -93,6 +115,19 @@ struct CpuAttention {
     a.grad_k = p.grad_k.data_ptr();
     a.grad_v = p.grad_v.data_ptr();
     const AttentionBackwardKernel* kernel = attention_backward_kernels.get();
+    if (const int64_t d = kernel->head_dim(a); d != p.shape.head_dim) {
+      AttentionBackwardPlan wide = p;
+      wide.shape.head_dim = d;
+      for (at::Tensor* t : {&wide.grad_out, &wide.q, &wide.k, &wide.v, &wide.out}) *t = padded(*t, d, p.shape.packed);
+      wide.grad_q = new_rows(wide.q, wide.shape, wide.shape.q_heads, false);
+      wide.grad_k = new_rows(wide.k, wide.shape, wide.shape.kv_heads, true);
+      wide.grad_v = new_rows(wide.v, wide.shape, wide.shape.kv_heads, true);
+      backward(wide);
+      copy_columns(p.grad_q, wide.grad_q);
+      copy_columns(p.grad_k, wide.grad_k);
+      copy_columns(p.grad_v, wide.grad_v);
+      return;
+    }
     const at::Tensor workspace = allocate(kernel->workspace(a));
     a.workspace = workspace.data_ptr();
     kernel->run(a);

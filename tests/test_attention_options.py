@@ -628,6 +628,16 @@ def test_varlen_matches_reference_and_per_sequence_calls(device, case, dtype):
     assert torch.equal(cu_q, cu_before[0]) and torch.equal(cu_k, cu_before[1])
 
 
+# A head dim that is not a multiple of 32, which the AMX variant takes on
+# copies zero-padded to the next one (amx_head_dim).
+@pytest.mark.cpu_variants
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_varlen_head_dim_80(device, dtype):
+    lengths_q, lengths_k = mixed_lengths(130)
+    q, k, v, cu_q, cu_k = pack(lengths_q, lengths_k, 8, 2, 80, dtype, device, requires_grad=True)
+    check_varlen(q, k, v, cu_q, cu_k, dtype, **varlen_options("all", len(lengths_q), 8, device))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", ["causal", "all", "all_noncausal"])
 def test_varlen_long_sequence(device, case, dtype):

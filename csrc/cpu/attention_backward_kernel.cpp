@@ -680,7 +680,10 @@ AttentionWorkspace attention_backward_workspace(const AttentionBackwardArgs& a) 
   return w;
 }
 
-constexpr AttentionBackwardKernel kBackward{&attention_backward_workspace, &attention_backward};
+int64_t attention_backward_head_dim(const AttentionBackwardArgs& a) { return amx_head_dim(a, false); }
+
+constexpr AttentionBackwardKernel kBackward{&attention_backward_workspace, &attention_backward,
+                                            &attention_backward_head_dim};
 
 }  // namespace
 }  // namespace flash

@@ -1042,7 +1042,12 @@ AttentionWorkspace attention_forward_workspace(const AttentionForwardArgs& a) {
   return w;
 }
 
-constexpr AttentionForwardKernel kForward{&attention_forward_workspace, &attention_forward};
+int64_t attention_forward_head_dim(const AttentionForwardArgs& a) {
+  return amx_head_dim(a, a.k_scale.data != nullptr || a.v_scale.data != nullptr || a.pages.paged());
+}
+
+constexpr AttentionForwardKernel kForward{&attention_forward_workspace, &attention_forward,
+                                          &attention_forward_head_dim};
 
 }  // namespace
 }  // namespace flash

@@ -437,11 +437,16 @@ struct AttentionBackwardArgs : AttentionCallArgs {
 };
 
 // A variant: the workspace a call needs (a function of the arguments and
-// the thread count), and the call on that workspace.
+// the thread count), the call on that workspace, and the head dim its
+// products take the call at: its own, or a larger one where the variant's
+// fast products need whole steps of it (the op then runs the call on copies
+// of the operands zero-padded to it: zero columns add nothing to Q K^T, and
+// the output's and gradients' extra columns are dropped).
 template <typename Args>
 struct AttentionKernel {
   AttentionWorkspace (*workspace)(const Args&);
   void (*run)(const Args&);
+  int64_t (*head_dim)(const Args&);
 };
 using AttentionForwardKernel = AttentionKernel<AttentionForwardArgs>;
 using AttentionBackwardKernel = AttentionKernel<AttentionBackwardArgs>;

@@ -80,7 +80,7 @@ struct ForwardScratch {
         s(m.take<acc_t>(t.block_k * t.rows_pad)),
         sr(m.take<acc_t>(16 * round_up(t.block_k, 16))),
         o(m.take<acc_t>(t.rows_pad * t.d_pad)),
-        kbuf(m.take<acc_t>(t.block_k * t.d_pad)),
+        kbuf(m.take<acc_t>(kbuf_words(t))),
         vbuf(m.take<acc_t>(t.block_k * t.d_pad)),
         row_max(m.take<acc_t>(t.rows_pad)),
         row_sum(m.take<acc_t>(t.rows_pad)),
@@ -93,6 +93,11 @@ struct ForwardScratch {
     Arena m;
     static_cast<void>(ForwardScratch(t, split, m));
     return m.bytes();
+  }
+  // kbuf: a key tile's rows, then on the AMX tiles P's row-major pair words
+  // (more than K's at small head dims: 96 x 96 words against 192 x 32 at 32).
+  static int64_t kbuf_words(const Tiling<acc_t>& t) {
+    return std::max(t.block_k * t.d_pad, t.rows_pad * round_up(ceil_div(t.block_k, 2), 16));
   }
 };
 
@@ -463,7 +468,7 @@ struct ForwardTask {
     // shapes stay on vdpbf16ps.
     if constexpr (kPairs) {
       const int64_t p16 = round_up(ceil_div(t.block_k, 2), 16);
-      amx = !decoding && d % 32 == 0 && t.block_k % 32 == 0 && ld * p16 <= t.block_k * d_pad;
+      amx = !decoding && d % 32 == 0 && t.block_k % 32 == 0 && ld * p16 <= ForwardScratch<acc_t>::kbuf_words(t);
       // nothing reads the scores between the product and the softmax but the
       // masks' -inf, which a positive scale keeps
       scale_in_softmax = amx && !k.quantized() && scale_can_wait(a);
@@ -473,7 +478,7 @@ struct ForwardTask {
     if constexpr (kSplit) {
       const int64_t p16 = round_up(ceil_div(t.block_k, 2), 16);
       amx = !decoding && d % 32 == 0 && t.block_k % 32 == 0 && !k.quantized() && !v.quantized() &&
-            ld * p16 <= t.block_k * d_pad;
+            ld * p16 <= ForwardScratch<acc_t>::kbuf_words(t);
       scale_in_softmax = amx && scale_can_wait(a);
     }
 #endif

@@ -42,6 +42,7 @@ at::Tensor allocate(const AttentionWorkspace& w) {
 // Plan: AttentionForwardPlan or AttentionBackwardPlan (both hold the checked q).
 template <typename Plan>
 void fill_call_args(const Plan& p, AttentionCallArgs& a) {
+  static_cast<attn::CallTerms&>(a) = p;
   a.dtype = p.q.scalar_type();
   a.batch = p.shape.batch;
   a.q_heads = p.shape.q_heads;
@@ -49,14 +50,6 @@ void fill_call_args(const Plan& p, AttentionCallArgs& a) {
   a.sq = p.shape.sq;
   a.sk = p.shape.sk;
   a.head_dim = p.shape.head_dim;
-  a.scale = p.scale;
-  a.mask = p.mask;
-  a.tensor_mask = p.tensor_mask;
-  a.mods = p.mods;
-  a.seqs = p.seqs;
-  a.rows = p.rows;
-  a.key_rows = p.key_rows;
-  a.dropout = p.dropout;
 }
 
 // An operand with its head dim zero-padded to d; packed, its batch stride

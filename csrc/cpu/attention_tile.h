@@ -123,12 +123,12 @@ constexpr int64_t kMinTasks = 8;      // split further below this many independe
 // is not a multiple of 32 (its tiles multiply whole steps of 32): the next
 // multiple, up to 128, where the call has prefill tiles (more than
 // kNarrowRows rows of a kv head) and K and V are dense rows of q's dtype;
-// else its own. (float16's split products at head dim 16 so padded missed
-// test_float16_within_units' gradient bound, 3.5 units against 3: float16
-// keeps the float path there.) Measured on a Xeon (family 6 model 207), bfloat16,
-// B1, 32/8 heads, S = 2048, causal, the forward on zero-padded copies against
-// the same call on vdpbf16ps: 3.3x as fast at head dim 80, 3.2x at 48, 2.4x
-// at 40, 4.3x at 112, 2.1x at 24, 2.3x at 16, 1.2-1.45x at 2, 4 and 8.
+// else its own. Measured on a Xeon (family 6 model 207), bfloat16, B1, 32/8
+// heads, S = 2048, causal, the forward on zero-padded copies against the same
+// call on vdpbf16ps: 3.3x as fast at head dim 80, 3.2x at 48, 2.4x at 40,
+// 4.3x at 112, 2.1x at 24, 2.3x at 16, 1.2-1.45x at 2, 4 and 8. float16
+// keeps the float path: its split products at head dim 16 so padded missed
+// test_float16_within_units' gradient bound (3.5 units against 3).
 inline int64_t amx_head_dim(const AttentionCallArgs& a, bool cache) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   const int64_t padded = round_up(a.head_dim, 32);

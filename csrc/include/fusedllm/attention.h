@@ -351,6 +351,21 @@ FUSEDLLM_HOST_DEVICE V score_grad(V p, V dp, V delta) {
   return p * (dp - delta);
 }
 
+// What a call's kernels read besides its tensors and sizes: the scale, the
+// masks and score modifiers, where each sequence's rows lie, and dropout.
+// The op's checked plans (AttentionParams) and the CPU kernels' arguments
+// (AttentionCallArgs) both hold one.
+struct CallTerms {
+  double scale = 1.0;
+  Mask mask;
+  TensorMask tensor_mask;
+  ScoreMods mods;
+  Seqs seqs;
+  QueryRows rows;
+  KeyRows key_rows;
+  dropout::Dropout dropout;
+};
+
 }  // namespace fusedllm::attn
 
 // The interface between the attention ops (attention.cpp) and their per-ISA
@@ -389,20 +404,12 @@ struct AttentionOperand {
   int64_t batch_stride = 0, head_stride = 0, seq_stride = 0;  // in elements
 };
 
-// What forward and backward kernels share: dtype, sizes, scale, masks, score
-// modifiers and where each sequence's rows lie. batch counts the sequences;
-// with packed sequences sq and sk are the longest lengths.
-struct AttentionCallArgs {
+// What forward and backward kernels share: dtype, sizes and the call's terms
+// (attn::CallTerms). batch counts the sequences; with packed sequences sq and
+// sk are the longest lengths.
+struct AttentionCallArgs : attn::CallTerms {
   at::ScalarType dtype;
   int64_t batch, q_heads, kv_heads, sq, sk, head_dim;
-  double scale;
-  attn::Mask mask;
-  attn::TensorMask tensor_mask;
-  attn::ScoreMods mods;
-  attn::Seqs seqs;
-  attn::QueryRows rows;
-  attn::KeyRows key_rows;
-  dropout::Dropout dropout;
   // The scratch of the call, `bytes` of the variant's AttentionWorkspace.
   void* workspace;
 };

@@ -404,17 +404,9 @@ inline void check_score_mods(const char* op, const AttentionArgs& a, const at::T
 // What forward and backward calls share, checked: the shape, the causal /
 // window mask, the caller's mask (a broadcast view kept alive here), the
 // score modifiers, the sequences, dropout and scale.
-struct AttentionParams {
+struct AttentionParams : attn::CallTerms {
   AttentionShape shape;
-  attn::Mask mask;
-  attn::TensorMask tensor_mask;
-  attn::ScoreMods mods;
-  attn::Seqs seqs;
-  attn::QueryRows rows;
-  attn::KeyRows key_rows;
-  dropout::Dropout dropout;
   at::Tensor mask_view, sinks, alibi, cu_q, cu_k;
-  double scale = 1.0;
 };
 
 inline void check_attention_params(AttentionParams& p, const char* op, const at::Tensor& q,

@@ -88,17 +88,17 @@ struct ForwardScratch {
         cols(m.take<acc_t>(2 * t.rows_pad)),
         q_scale(m.take<acc_t>(t.rows_pad)),
         p_scale(m.take<acc_t>(t.rows_pad)),
-        p_low(m.take<acc_t>(split ? t.rows_pad * round_up(ceil_div(t.block_k, 2), 16) : 0)) {}
+        p_low(m.take<acc_t>(split ? p_words(t) : 0)) {}
   static int64_t bytes(const Tiling<acc_t>& t, bool split) {
     Arena m;
     static_cast<void>(ForwardScratch(t, split, m));
     return m.bytes();
   }
-  // kbuf: a key tile's rows, then on the AMX tiles P's row-major pair words
-  // (more than K's at small head dims: 96 x 96 words against 192 x 32 at 32).
-  static int64_t kbuf_words(const Tiling<acc_t>& t) {
-    return std::max(t.block_k * t.d_pad, t.rows_pad * round_up(ceil_div(t.block_k, 2), 16));
-  }
+  // P's row-major pair words of a tile on the AMX tiles (rows x key pairs).
+  static int64_t p_words(const Tiling<acc_t>& t) { return t.rows_pad * round_up(ceil_div(t.block_k, 2), 16); }
+  // kbuf: a key tile's rows, then on the AMX tiles P's pair words (more than
+  // K's at small head dims: 96 x 96 words against 192 x 32 at head dim 32).
+  static int64_t kbuf_words(const Tiling<acc_t>& t) { return std::max(t.block_k * t.d_pad, p_words(t)); }
 };
 
 // The pair words of one (batch, kv head) pair's V across keys packed once a
@@ -463,12 +463,11 @@ struct ForwardTask {
     }
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    // Whole tiles of 32 head dims (16 pair words), key tiles of whole 16-row
-    // tiles, and P's row-major pair words fit where K's were (kbuf): other
-    // shapes stay on vdpbf16ps.
+    // Whole tiles of 32 head dims (16 pair words) and key tiles of whole
+    // 16-row tiles (P's row-major pair words go where K's were: kbuf_words):
+    // other shapes stay on vdpbf16ps.
     if constexpr (kPairs) {
-      const int64_t p16 = round_up(ceil_div(t.block_k, 2), 16);
-      amx = !decoding && d % 32 == 0 && t.block_k % 32 == 0 && ld * p16 <= ForwardScratch<acc_t>::kbuf_words(t);
+      amx = !decoding && d % 32 == 0 && t.block_k % 32 == 0;
       // nothing reads the scores between the product and the softmax but the
       // masks' -inf, which a positive scale keeps
       scale_in_softmax = amx && !k.quantized() && scale_can_wait(a);
@@ -476,9 +475,7 @@ struct ForwardTask {
       packed_in_softmax = scale_in_softmax && !a.dropout.enabled && !v.quantized();
     }
     if constexpr (kSplit) {
-      const int64_t p16 = round_up(ceil_div(t.block_k, 2), 16);
-      amx = !decoding && d % 32 == 0 && t.block_k % 32 == 0 && !k.quantized() && !v.quantized() &&
-            ld * p16 <= ForwardScratch<acc_t>::kbuf_words(t);
+      amx = !decoding && d % 32 == 0 && t.block_k % 32 == 0 && !k.quantized() && !v.quantized();
       scale_in_softmax = amx && scale_can_wait(a);
     }
 #endif

@@ -86,11 +86,6 @@ __device__ __forceinline__ uint32_t float8_pair_half2(uint32_t word, int pair) {
 #endif
 }
 
-// The float of a float16's bits.
-__device__ __forceinline__ float half_value(uint32_t bits) {
-  return static_cast<float>(c10::Half(static_cast<uint16_t>(bits), c10::Half::from_bits()));
-}
-
 // Codes 2 pair and 2 pair + 1 of a word of int8 codes as a float16 pair (the
 // first in the low half), exact: one byte permute puts each code with its top
 // bit flipped (code + 128) under the high byte 0x64, the float16 1024 + code +
@@ -98,8 +93,9 @@ __device__ __forceinline__ float half_value(uint32_t bits) {
 __device__ __forceinline__ uint32_t int8_pair_half2(uint32_t word, int pair) {
   const uint32_t biased = byte_perm(word ^ 0x80808080u, 0x64646464u, pair ? 0x4342u : 0x4140u);
 #if defined(FUSEDLLM_SIMT)
-  const auto less = [](uint32_t bits) { return uint32_t{c10::Half(half_value(bits) - 1152.f).x}; };
-  return less(biased & 0xffffu) | less(biased >> 16) << 16;
+  float lo, hi;
+  mma::unpack<c10::Half>(biased, lo, hi);
+  return mma::pack2(c10::Half(lo - 1152.f), c10::Half(hi - 1152.f));
 #else
   uint32_t h;
   asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(h) : "r"(biased), "r"(0x64806480u));
@@ -116,7 +112,9 @@ __device__ __forceinline__ float stored_value(const uint32_t* words, int e) {
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       return kvq::float_of_bits(e % 2 ? w & 0xffff0000u : w << 16);
     } else {
-      return half_value(e % 2 ? w >> 16 : w & 0xffffu);
+      float lo, hi;
+      mma::unpack<T>(w, lo, hi);
+      return e % 2 ? hi : lo;
     }
   } else {
     if constexpr (kS == Stored::kInt8) {
@@ -127,8 +125,9 @@ __device__ __forceinline__ float stored_value(const uint32_t* words, int e) {
       // shift, a mask and an OR a code (docs/decode-cuda.md).
       return kvq::float_of_bits(byte_perm(words[e / 4] ^ 0x80808080u, 0x4B000000u, 0x7440u + e % 4)) - 8388736.f;
     } else {
-      const uint32_t h = float8_pair_half2(words[e / 4], e % 4 / 2);
-      return half_value(e % 2 ? h >> 16 : h);
+      float lo, hi;
+      mma::unpack<c10::Half>(float8_pair_half2(words[e / 4], e % 4 / 2), lo, hi);
+      return e % 2 ? hi : lo;
     }
   }
 }
@@ -142,7 +141,9 @@ __device__ __forceinline__ uint32_t stored_pair(const uint32_t* words, int p) {
   } else if constexpr (kS == Stored::kFloat8) {
     const uint32_t h = float8_pair_half2(words[p / 2], p % 2);
     if constexpr (std::is_same_v<T, c10::Half>) return h;
-    else return mma::pack2(T(half_value(h)), T(half_value(h >> 16)));
+    float lo, hi;
+    mma::unpack<c10::Half>(h, lo, hi);
+    return mma::pack2(T(lo), T(hi));
   } else {
     return mma::pack2(T(stored_value<T, kS>(words, 2 * p)), T(stored_value<T, kS>(words, 2 * p + 1)));
   }

@@ -7,7 +7,8 @@ or reads an already-built cubin / extension, disassembles it with
 the instructions one iteration issues, by kind. Prints one markdown table.
 
     python benchmarks/sass_table.py                    # sm_90, every attention kernel
-    python benchmarks/sass_table.py --arch 80 --kernel 'mma_forward<bf16,64>'
+    python benchmarks/sass_table.py --arch 80 --kernel 'mma_forward<bf16,Tile<64,80>>'
+    python benchmarks/sass_table.py --arch 75 --kernel 'Tile<128,75>'    # Turing, float16
     python benchmarks/sass_table.py --so python/fusedllm/_C.cpython-311-x86_64-linux-gnu.so
 
 How the loop and its iteration are chosen (static analysis, no profile):
@@ -177,8 +178,8 @@ def _split_top(text: str, sep: str = ",") -> list[str]:
 
 
 def short_name(demangled: str) -> str:
-    """`fusedllm::cuda::(anon)::attention_mma_forward_kernel<c10::BFloat16, 128>(...)`
-    -> `mma_forward<bf16,128>`; an enum argument `(ns::Stored)2` -> `Stored(2)`."""
+    """`fusedllm::cuda::(anon)::attention_mma_forward_kernel<c10::BFloat16, ns::Tile<128, 80>>(...)`
+    -> `mma_forward<bf16,Tile<128,80>>`; an enum argument `(ns::Stored)2` -> `Stored(2)`."""
     head = demangled.removeprefix("void ")
     depth, end = 0, len(head)
     for i, c in enumerate(head):  # the parameter list: the first "(" outside <> not after "::"
@@ -190,12 +191,24 @@ def short_name(demangled: str) -> str:
     if not args:  # no template arguments: the plain name
         return name
     name = name.split("::")[-1].removeprefix("attention_").removesuffix("_kernel")
+    return f"{name}<{_short_args(args.removesuffix('>'))}>"
+
+
+def _short_args(args: str) -> str:
+    """Template arguments, short: types by TYPE_NAMES, enum casts as Name(n),
+    class templates without their namespaces (`ns::Tile<64, 80>` -> `Tile<64,80>`)."""
     shown = []
-    for arg in _split_top(args.removesuffix(">").strip()):
+    for arg in _split_top(args.strip()):
         arg = arg.strip()
         cast = re.fullmatch(r"\((.+)\)(-?\d+)", arg)
-        shown.append(f"{cast.group(1).split('::')[-1]}({cast.group(2)})" if cast else TYPE_NAMES.get(arg, arg))
-    return f"{name}<{','.join(shown)}>"
+        nested = re.fullmatch(r"([^<]+)<(.*)>", arg)
+        if cast:
+            shown.append(f"{cast.group(1).split('::')[-1]}({cast.group(2)})")
+        elif nested and arg not in TYPE_NAMES:
+            shown.append(f"{nested.group(1).split('::')[-1]}<{_short_args(nested.group(2))}>")
+        else:
+            shown.append(TYPE_NAMES.get(arg, arg))
+    return ",".join(shown)
 
 
 # --- the loop and one iteration ---------------------------------------------------

@@ -56,6 +56,16 @@ def pytest_collection_modifyitems(items):
             item.own_markers = [m for m in item.own_markers if m.name != "cpu_variants"]
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Marks an item skipped in its set-up or call: the device fixture's
+    teardown reads it."""
+    report = yield
+    if report.skipped:
+        item.was_skipped = True
+    return report
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     if request.param not in SIMT_SCHEDULES:
@@ -85,7 +95,8 @@ def device(request):
         else:
             os.environ["FUSEDLLM_CUDA_ATTENTION"] = saved
     # A simt test that ran no fusedllm op would be a CPU test under another name.
-    assert mode.calls > 0, "this test ran no fusedllm op under the SIMT emulator"
+    assert mode.calls > 0 or getattr(request.node, "was_skipped", False), \
+        "this test ran no fusedllm op under the SIMT emulator"
 
 
 @pytest.fixture(autouse=True)

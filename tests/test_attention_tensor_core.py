@@ -1,5 +1,5 @@
-"""The tensor-core attention kernels (bfloat16 / float16 on sm_80+,
-csrc/cuda/attention_mma*.cu, and the Hopper kernels of attention_hopper*.cu):
+"""The tensor-core attention kernels (bfloat16 / float16 on sm_80+, float16 on
+sm_75, csrc/cuda/attention_mma*.cu, and the Hopper kernels of attention_hopper*.cu):
 which kernel dispatch picks; values, log-sum-exp and gradients against the
 float64 reference over group ratios, lengths, head dims, masks and every
 option; the dropout pattern; packed sequences; and no shared-memory bank
@@ -7,7 +7,9 @@ conflicts. They run under the emulator ("simt", "simt-warp") and on a GPU
 ("cuda"), never on the CPU kernels: with the mma.sync kernels
 (FUSEDLLM_CUDA_ATTENTION=mma), and again with the Hopper forward and backward
 (=hopper; the default on an sm_90 GPU) wherever they serve the call and can
-run."""
+run. On an sm_75 device (a T4, or the emulator under FUSEDLLM_SIMT_SM=75,
+which test_attention_turing.py runs this file as) bfloat16 and head dims past
+128 take the SIMT kernels, and decoding the SIMT decoding kernel."""
 
 import contextlib
 import functools
@@ -46,12 +48,47 @@ MAX_DKDV_HEAD_DIM = 128  # wider heads: dK and dV on the SIMT kernel (tc::kMaxDk
 HOPPER_BACKWARD_TILE = 64  # query rows of a Hopper dK/dV tile: the group must divide them
 
 
-def backward_kernels(head_dim, group, plain=True):
+def _emulator():
+    simt = sys.modules.get("fusedllm.simt")
+    return simt if simt is not None and simt.active() else None
+
+
+def _turing():
+    """Whether this run's device is an sm_75 one (a T4, or the emulator as one)."""
+    simt = _emulator()
+    if simt is not None:
+        return simt._simt.device_properties()["major"] == 7
+    return torch.cuda.get_device_capability() < (8, 0)
+
+
+def skip_past_turing_shared_memory(head_dim):
+    """Head dims past 128 on an sm_75 device: no attention kernel fits its 64
+    KiB of shared memory a block (the SIMT ones take 83 KB at 256), and the
+    call says so (test_attention_turing.py)."""
+    if head_dim > 128 and _turing():
+        pytest.skip("head dims past 128 on sm_75: no kernel fits 64 KiB of shared memory")
+
+
+def _tensor_cores_serve(dtype, head_dim):
+    """sm_80+: bfloat16 and float16 at every head dim; sm_75: float16 up to 128."""
+    return not _turing() or (dtype == torch.float16 and head_dim <= 128)
+
+
+def decode_kernel():
+    """The decoding kernel of a call of up to 16 rows a kv head (a cache of the
+    query's dtype): the tensor-core one from sm_80 on."""
+    return DECODE if _turing() else DECODE_MMA
+
+
+def backward_kernels(head_dim, group, plain=True, dtype=torch.bfloat16):
     """The backward kernels this run launches, and those it must not (each dP
     kernel has its delta, summed as it sums dP): the Hopper ones where this
     run requests them and they serve (head dims up to 64, 128 in plain calls;
-    a group that divides their tiles), else the mma.sync ones."""
+    a group that divides their tiles), else the mma.sync ones; the SIMT ones
+    where the tensor cores do not serve the call."""
     hopper = (HOPPER_DQ, HOPPER_DKDV)
+    if not _tensor_cores_serve(dtype, head_dim):
+        return (SIMT_DELTA, SIMT_DQ, SIMT_DKDV), (*hopper, DELTA, DQ, DKDV)
     if (_forward["kernel"] == "hopper" and (head_dim <= 64 or (head_dim <= 128 and plain))
             and HOPPER_BACKWARD_TILE % group == 0):
         return hopper, (DELTA, DQ, DKDV, SIMT_DELTA, SIMT_DQ, SIMT_DKDV)  # delta: in the Hopper dQ kernel
@@ -60,18 +97,14 @@ def backward_kernels(head_dim, group, plain=True):
     return (DELTA, DQ, SIMT_DELTA, SIMT_DKDV), (*hopper, SIMT_DQ, DKDV)
 
 
-def _emulator():
-    simt = sys.modules.get("fusedllm.simt")
-    return simt if simt is not None and simt.active() else None
-
-
 _forward = {"kernel": "mma"}
 
 
 def _hopper_runs_here():
-    """Under the emulator; on a GPU, an sm_90 one with this build's sm_90a machine code."""
+    """Under the emulator (not as an sm_75 device); on a GPU, an sm_90 one with
+    this build's sm_90a machine code."""
     if _emulator() is not None:
-        return True
+        return not _turing()
     return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
             and "90a-real" in fusedllm.build_info().get("cuda_archs", []))
 
@@ -103,11 +136,14 @@ def _smem_optin():
     return torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
 
 
-def tc_forward(head_dim, group, plain=True):
-    """The tensor-core forward this run takes for a call of more than 16 rows a
-    kv head: the Hopper one where it serves (a group that divides its 128
-    rows; head dim 256 in plain calls where its shared memory fits: not the
-    emulated sm_80-class device), else the mma.sync one."""
+def tc_forward(head_dim, group, plain=True, dtype=torch.bfloat16):
+    """The forward this run takes for a call of more than 16 rows a kv head:
+    the Hopper one where it serves (a group that divides its 128 rows; head dim
+    256 in plain calls where its shared memory fits: not the emulated
+    sm_80-class device), else the mma.sync one; the SIMT one where the tensor
+    cores do not serve the call."""
+    if not _tensor_cores_serve(dtype, head_dim):
+        return SIMT_FORWARD
     fits = head_dim <= 128 or (plain and _smem_optin() >= HOPPER_SMEM_256)
     if _forward["kernel"] == "hopper" and fits and 128 % group == 0:
         return HOPPER_FORWARD
@@ -164,13 +200,13 @@ def run_and_check(q, k, v, dtype, check_lse=True, **options):
         lse = op_lse(q, k, v, **options) if check_lse else None
     # No score modifier, tensor mask or dropout (sinks change only the finished rows).
     plain = all(options.get(o) is None for o in ("softcap", "alibi_slopes", "mask")) and not options.get("dropout_p")
-    ran, absent = backward_kernels(q.shape[-1], q.shape[-3] // k.shape[-3], plain)
+    ran, absent = backward_kernels(q.shape[-1], q.shape[-3] // k.shape[-3], plain, dtype)
     # Up to 16 rows a kv head the forward is the decoding kernel's (on the tensor cores too).
     rows = q.shape[-2] * q.shape[-3] // k.shape[-3]
-    forward = (DECODE_MMA if rows <= 16 and q.shape[-1] <= 128 and not options.get("dropout_p") else
-               tc_forward(q.shape[-1], q.shape[-3] // k.shape[-3], plain))
+    forward = (decode_kernel() if rows <= 16 and q.shape[-1] <= 128 and not options.get("dropout_p") else
+               tc_forward(q.shape[-1], q.shape[-3] // k.shape[-3], plain, dtype))
     check_ran(counts, forward, *ran,
-              absent=(SIMT_FORWARD, DECODE, *({FORWARD, HOPPER_FORWARD, DECODE_MMA} - {forward}), *absent))
+              absent=(*({SIMT_FORWARD, DECODE, FORWARD, HOPPER_FORWARD, DECODE_MMA} - {forward}), *absent))
     check_against_reference(q, k, v, out, grad_out, grads, dtype, **options)
     if check_lse:
         _, ref_lse, _ = reference_results(q, k, v, grad_out, **options)
@@ -185,7 +221,9 @@ def run_and_check(q, k, v, dtype, check_lse=True, **options):
 # serves 16-bit types once a kv head's query rows (q_len x group) pass 16; up
 # to 16 take the decoding kernel (on the tensor cores too), float32 the general
 # SIMT kernel. The backward is the tensor cores' from 16 rows on. FORWARD
-# stands for the Hopper forward where this run requests it and it serves.
+# stands for the Hopper forward where this run requests it and it serves (and
+# for the SIMT one where the tensor cores do not: bfloat16 on sm_75), DECODE_MMA
+# for the SIMT decoding kernel on sm_75.
 DISPATCH_CASES = [
     (torch.bfloat16, 2, 2, 17, FORWARD),
     (torch.float16, 4, 1, 8, FORWARD),
@@ -206,11 +244,12 @@ def test_dispatch_picks_the_kernel(device, dtype, hq, hkv, sq, expected):
         out.backward(torch.randn_like(out))
     if counts is None:
         pytest.skip("only the emulator counts launches")
-    expected = tc_forward(32, hq // hkv) if expected == FORWARD else expected
-    tensor_core_backward, other_backward = backward_kernels(32, hq // hkv)
+    expected = {FORWARD: tc_forward(32, hq // hkv, dtype=dtype), DECODE_MMA: decode_kernel()}.get(expected, expected)
+    tensor_core_backward, other_backward = backward_kernels(32, hq // hkv, dtype=dtype)
     forwards = {FORWARD, HOPPER_FORWARD, SIMT_FORWARD, DECODE, DECODE_MMA}
     if dtype == torch.float32 or sq * hq // hkv < 16:
-        tensor_core_backward, other_backward = (SIMT_DELTA, SIMT_DQ, SIMT_DKDV), tensor_core_backward
+        tensor_core_backward = (SIMT_DELTA, SIMT_DQ, SIMT_DKDV)
+        other_backward = (DELTA, DQ, DKDV, HOPPER_DQ, HOPPER_DKDV)
     check_ran(counts, expected, *tensor_core_backward, absent=(*(forwards - {expected}), *other_backward))
     ref, _ = ref_attention(q.double(), k.double(), v.double())
     assert_close(out, ref, FORWARD_TOL[dtype], "out")
@@ -259,6 +298,7 @@ SHAPES = [
     (1, 8, 1, 17, 40, 256, True, None, FP16),
     (1, 8, 1, 17, 40, 256, False, None, BF16),
     (1, 16, 2, 17, 17, 128, False, None, FP16),
+    (1, 4, 2, 70, 100, 128, True, None, FP16),  # several key and row tiles (sm_75's are half as long)
     (1, 4, 4, 40, 17, 64, True, None, FP16),
     (1, 4, 1, 257, 33, 96, False, (5, 9), BF16),
 ]
@@ -267,6 +307,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:8])) + f"-{s[8]}")
 def test_matches_reference(device, shape):
     b, hq, hkv, sq, sk, d, causal, window, dtype = shape
+    skip_past_turing_shared_memory(d)
     q, k, v = make_qkv(b, hq, hkv, sq, sk, d, dtype, device, requires_grad=True)
     run_and_check(q, k, v, dtype, causal=causal, window=window)
 
@@ -336,9 +377,10 @@ def test_grad_out_in_another_layout_matches_reference(device, q_heads_inner):
 def test_one_visible_key_gives_exact_zero_gradients(device, case, dtype):
     """test_attention's exact zeros of rows that see one key, on this grid's
     backward kernels (the emulated suite runs that file on the SIMT ones)."""
+    skip_past_turing_shared_memory(case[5])
     with launches() as counts:
         test_attention.test_softmax_recompute_one_visible_key_gives_exact_zero_gradients(device, case, dtype)
-    check_ran(counts, *backward_kernels(case[5], case[1] // case[2])[0])
+    check_ran(counts, *backward_kernels(case[5], case[1] // case[2], dtype=dtype)[0])
 
 
 # (option, causal, dtype)
@@ -397,7 +439,7 @@ def test_dropout_keeps_what_the_cpu_op_keeps(device, dtype):
     with launches() as counts:
         out, _ = ops.attention(q, k, v, None, 0.125, False, -1, p, torch.tensor([seed]), -1, 0.0, None,
                                None, None, None, 0, 0)
-    check_ran(counts, tc_forward(64, 2))
+    check_ran(counts, tc_forward(64, 2, dtype=dtype))
     keep = _philox.dropout_keep(seed, (b, hq, sq, sk), p, q.device)
     assert torch.equal(out != 0, keep), "dropout kept other probabilities than the CPU op"
     assert_close(out, (keep.double() / sk / (1 - p)), FORWARD_TOL[dtype], "kept values")
@@ -418,7 +460,7 @@ def test_dropout_with_options_matches_reference(device, dtype):
                                slopes, None, None, 0, 0)
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v, sinks), grad_out)
-    check_ran(counts, tc_forward(64, 2), *backward_kernels(64, 2)[0])
+    check_ran(counts, tc_forward(64, 2, dtype=dtype), *backward_kernels(64, 2, dtype=dtype)[0])
     keep = _philox.dropout_keep(seed, (b, hq, sq, sk), p, q.device)
     check_against_reference(q, k, v, out, grad_out, grads, dtype, scale=0.5, window=(40, 4), keep=keep,
                             dropout_p=p, softcap=2.0, sinks=sinks, alibi_slopes=slopes)
@@ -431,7 +473,7 @@ def test_varlen_matches_reference(device, case, dtype):
     q, k, v, cu_q, cu_k = pack(lengths_q, lengths_k, 8, 2, 64, dtype, device, requires_grad=True)
     with launches() as counts:
         check_varlen(q, k, v, cu_q, cu_k, dtype, **varlen_options(case, len(lengths_q), 8, device))
-    check_ran(counts, tc_forward(64, 4), *backward_kernels(64, 4)[0])
+    check_ran(counts, tc_forward(64, 4, dtype=dtype), *backward_kernels(64, 4, dtype=dtype)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -448,7 +490,8 @@ def test_kv_lens_matches_reference(device, dtype):
     kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     with launches() as counts, torch.no_grad():
         out = fusedllm.attention(q, k, v, causal=True, kv_lens=kv_lens)
-    check_ran(counts, tc_forward(64, 4), absent=(SIMT_FORWARD,))
+    forward = tc_forward(64, 4, dtype=dtype)
+    check_ran(counts, forward, absent=tuple({FORWARD, HOPPER_FORWARD, SIMT_FORWARD} - {forward}))
     for b, n in enumerate(lens):
         want = (torch.zeros_like(q[b:b + 1]) if n == 0 else
                 ref_attention(q[b:b + 1].double(), k[b:b + 1, :, :n].double(), v[b:b + 1, :, :n].double(),
@@ -466,7 +509,8 @@ def test_kv_lens_past_the_cache_give_nan_rows(device):
     kv_lens = torch.tensor([81, 40, -1], dtype=torch.int32, device=device)
     with launches() as counts, torch.no_grad():
         out = fusedllm.attention(q, k, v, causal=True, kv_lens=kv_lens)
-    check_ran(counts, tc_forward(64, 4), absent=(SIMT_FORWARD,))
+    forward = tc_forward(64, 4)
+    check_ran(counts, forward, absent=tuple({FORWARD, HOPPER_FORWARD, SIMT_FORWARD} - {forward}))
     assert torch.isnan(out[0]).all() and torch.isnan(out[2]).all()
     want, _ = ref_attention(q[1:2].double(), k[1:2, :, :40].double(), v[1:2, :, :40].double(), causal=True)
     assert_close(out[1:2], want, FORWARD_TOL[torch.bfloat16])
@@ -478,14 +522,17 @@ def test_kv_lens_past_the_cache_give_nan_rows(device):
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 def test_no_bank_conflicts(device, head_dim):
     """The emulator scores every ldmatrix and cp.async of the portable forms:
-    none takes more than one shared-memory wavefront per 8-lane phase."""
-    q, k, v = make_qkv(1, 4, 2, 40, 70, head_dim, torch.bfloat16, device, requires_grad=True)
+    none takes more than one shared-memory wavefront per 8-lane phase (float16
+    on sm_75, whose tiles those are)."""
+    skip_past_turing_shared_memory(head_dim)
+    dtype = torch.float16 if _turing() else torch.bfloat16
+    q, k, v = make_qkv(1, 4, 2, 40, 70, head_dim, dtype, device, requires_grad=True)
     with launches() as counts:
         out = fusedllm.attention(q, k, v, causal=True)
         out.backward(torch.randn_like(out))
     if counts is None:
         pytest.skip("only the emulator counts bank conflicts")
-    check_ran(counts, tc_forward(head_dim, 2), *backward_kernels(head_dim, 2)[0])
+    check_ran(counts, tc_forward(head_dim, 2, dtype=dtype), *backward_kernels(head_dim, 2, dtype=dtype)[0])
     if any(name in counts["kernels"] for name in (FORWARD, DELTA, DQ, DKDV)):  # else all on TMA and wgmma
         assert counts["ldmatrix"] > 0 and counts["cp_async"] > 0
     assert counts["ldmatrix_conflicts"] == 0 and counts["cp_async_conflicts"] == 0, counts

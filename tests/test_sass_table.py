@@ -82,9 +82,9 @@ def test_classify_and_names():
     assert sass_table.classify("F2FP.BF16.F32.PACK_AB", "") == "cvt"
     assert sass_table.classify("UIADD3", "") == "int"
     assert sass_table.classify("LDS", "@!PT") == "other"  # never executes; an issue slot
-    name = ("fusedllm::cuda::(anonymous namespace)::attention_mma_forward_kernel<c10::BFloat16, 128>"
-            "(c10::BFloat16 const*, fusedllm::cuda::Strides)")
-    assert sass_table.short_name(name) == "mma_forward<bf16,128>"
+    name = ("fusedllm::cuda::(anonymous namespace)::attention_mma_forward_kernel<c10::BFloat16, "
+            "fusedllm::cuda::(anonymous namespace)::tc::Tile<128, 80> >(c10::BFloat16 const*, fusedllm::cuda::Strides)")
+    assert sass_table.short_name(name) == "mma_forward<bf16,Tile<128,80>>"
 
 
 def test_enum_arguments_and_unreachable_code():
@@ -121,7 +121,7 @@ def test_one_real_kernel_sm80(tmp_path):
     # About a minute on 2 cores: the forward tensor-core source alone, for sm_80.
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "sass_table.py"), "--arch", "80", "--sources",
-         str(ROOT / "csrc" / "cuda" / "attention_mma.cu"), "--kernel", r"mma_forward<bf16,64>",
+         str(ROOT / "csrc" / "cuda" / "attention_mma.cu"), "--kernel", r"mma_forward<bf16,Tile<64,80>>",
          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| mma_forward")]

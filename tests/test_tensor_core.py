@@ -1,8 +1,9 @@
 """The tensor-core building blocks of csrc/cuda/mma.cuh (mma.sync m16n8k16,
 ldmatrix with and without .trans, cp.async), through the 64x64x64 check tile of
 csrc/cuda/mma_check.cuh: under the emulator (their portable forms, through
-torch.ops.fusedllm_simt_selftest.mma_tile), compiled for
-sm_80 and sm_90 (the instructions they become), and on a GPU (the hardware
+torch.ops.fusedllm_simt_selftest.mma_tile; as two m16n8k8 on an emulated sm_75
+in test_attention_turing.py), compiled for sm_75, sm_80 and sm_90 (the
+instructions they become), and on a GPU (the hardware
 instructions and the portable forms on the same inputs); and the machine code of
 the built extension's tensor-core kernels (attention forward, grouped products)."""
 
@@ -70,10 +71,11 @@ def _cuobjdump():
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80", "sm_90"])
 def test_primitives_compile_to_tensor_core_instructions(tmp_path, arch):
     """Evidence without a GPU: the check tile's machine code holds HMMA (mma.sync),
-    LDSM and LDSM .MT (ldmatrix, ldmatrix .trans) and LDGSTS (cp.async)."""
+    LDSM and LDSM .MT (ldmatrix, ldmatrix .trans) and LDGSTS (cp.async); on
+    sm_75 the float16 m16n8k8 (HMMA.1688) and no LDGSTS (a load and a store)."""
     cuobjdump = _cuobjdump()
     assert cuobjdump, "nvcc is here but cuobjdump is not (the CUDA toolkit's, or triton's copy)"
     probe = tmp_path / "probe.cu"
@@ -86,9 +88,12 @@ def test_primitives_compile_to_tensor_core_instructions(tmp_path, arch):
                     *gpu_extensions.cuda_include_dirs(), str(probe), "-o", str(cubin)], check=True, capture_output=True)
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True,
                           text=True).stdout
-    for instruction in ("HMMA.16816.F32.BF16", "HMMA.16816.F32 ", "LDSM.16.M88.4", "LDSM.16.MT88.4",
-                        "LDGSTS.E.BYPASS.128"):
+    expected = (("HMMA.1688.F32 ", "LDSM.16.M88.4", "LDSM.16.MT88.4", "STS.128") if arch == "sm_75" else
+                ("HMMA.16816.F32.BF16", "HMMA.16816.F32 ", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS.E.BYPASS.128"))
+    for instruction in expected:
         assert instruction in sass, f"{instruction.strip()} not in the {arch} machine code"
+    if arch == "sm_75":
+        assert "HMMA.16816" not in sass and "LDGSTS" not in sass
 
 
 def _functions_sass(cuobjdump, library, arch, pattern):
@@ -135,12 +140,14 @@ def test_built_tensor_core_kernels_hold_tensor_core_instructions():
     """Evidence from the installed build itself, without a GPU, where it holds
     machine code for sm_75, sm_80 and sm_90a (FUSEDLLM_CUDA=1, as CI builds):
     the Hopper forward's 10 instantiations and the Hopper backward's 14 hold
-    HGMMA, UTMALDG and USETMAXREG on sm_90a; on sm_80
-    and sm_90a every instantiation of the tensor-core attention kernels (the
+    HGMMA, UTMALDG and USETMAXREG on sm_90a; on sm_80 and sm_90a every
+    instantiation of the tensor-core attention kernels on sm_80 tiles (the
     forward and dQ for two dtypes x four head dims, dK/dV for three) and of the
-    grouped products holds HMMA (mma.sync;
-    .BF16 for bfloat16), ldmatrix (LDSM) and cp.async (LDGSTS); on sm_75, below
-    the tensor-core kernels' architecture, they compile to a trap and hold none."""
+    grouped products holds HMMA (mma.sync; .BF16 for bfloat16), ldmatrix (LDSM)
+    and cp.async (LDGSTS). On sm_75 the float16 kernels on Turing tiles (the
+    forward, dQ and dK/dV at head dims 64, 96 and 128) hold HMMA.1688 and
+    ldmatrix, no cp.async; every other instantiation, there and on the newer
+    architectures, compiles to a trap and holds no HMMA."""
     import fusedllm
     from fusedllm import _extension
 
@@ -162,18 +169,30 @@ def test_built_tensor_core_kernels_hold_tensor_core_instructions():
         assert re.search(hgmma, body) and "UTMALDG.4D" in body and "USETMAXREG" in body, name
         # The producer gives its registers up to 24 (setmaxnreg): its code must stay below R24.
         assert "USETMAXREG.DEALLOC" in body and 0 <= _registers_after_dealloc(body) < 24, name
-    for arch in ("sm_80", "sm_90a"):
+
+    def split(arch):
+        """The attention kernels on Turing tiles (Tile<kD, 75>, mangled TileILi..ELi75E) and the others."""
         attention = _functions_sass(cuobjdump, library, arch, ATTENTION_KERNELS)
+        turing = {n: b for n, b in attention.items() if re.search(r"TileILi\d+ELi75E", n)}
+        return turing, {n: b for n, b in attention.items() if n not in turing}
+
+    for arch in ("sm_80", "sm_90a"):
+        turing, attention = split(arch)
         grouped = _functions_sass(cuobjdump, library, arch, "grouped_mm_tc_kernel")
-        assert len(attention) == 22 and len(grouped) == 6, (arch, list(attention), list(grouped))
+        assert len(attention) == 22 and len(turing) == 9 and len(grouped) == 6, (arch, list(attention), list(grouped))
         for name, body in {**attention, **grouped}.items():
             hmma = "HMMA.16816.F32.BF16" if "BFloat16" in name else "HMMA.16816.F32 "
             assert hmma in body and "LDGSTS.E.BYPASS.128" in body, (arch, name)
             assert "LDSM.16.M88.4" in body or "LDSM.16.MT88.4" in body, (arch, name)
         for name, body in attention.items():  # Q K^T plain, P V (dS K, P^T dO, dS^T Q) through .trans
             assert "LDSM.16.M88.4" in body and "LDSM.16.MT88.4" in body, (arch, name)
-    old = {**_functions_sass(cuobjdump, library, "sm_75", ATTENTION_KERNELS),
-           **_functions_sass(cuobjdump, library, "sm_75", "grouped_mm_tc_kernel")}
+        assert not any("HMMA" in body for body in turing.values()), (arch, list(turing))
+    turing, attention = split("sm_75")
+    assert len(turing) == 9 and all("Half" in name for name in turing), list(turing)
+    for name, body in turing.items():
+        assert "HMMA.1688.F32 " in body and "LDSM.16.M88.4" in body and "LDSM.16.MT88.4" in body, name
+        assert "HMMA.16816" not in body and "LDGSTS" not in body, name
+    old = {**attention, **_functions_sass(cuobjdump, library, "sm_75", "grouped_mm_tc_kernel")}
     assert len(old) == 28 and not any("HMMA" in body or "LDGSTS" in body for body in old.values()), list(old)
 
 
@@ -188,8 +207,8 @@ def gpu_check_tile():
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_check_tile_on_a_gpu_hardware_and_portable_forms_agree(gpu_check_tile, dtype, layout, exact):
-    if torch.cuda.get_device_capability() < (8, 0):
-        pytest.skip("mma.sync m16n8k16 with bfloat16 needs sm_80")
+    if torch.cuda.get_device_capability() < (8, 0) and dtype == torch.bfloat16:
+        pytest.skip("a bfloat16 mma.sync needs sm_80 (sm_75: float16 m16n8k8)")
     a, b, expected = operands(dtype, exact, LAYOUTS[layout], device="cuda")
     hardware = gpu_check_tile.mma_tile(a, b, LAYOUTS[layout], False)
     portable = gpu_check_tile.mma_tile(a, b, LAYOUTS[layout], True)

@@ -977,7 +977,7 @@ FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_decode_mma_kernel,
                                "head dims up to 128, sm_80+")
 
 // Whether a call launch_attention_decode serves runs on the tensor cores: on
-// sm_80+ (the emulated device is one), unless FUSEDLLM_CUDA_ATTENTION=simt.
+// sm_80+ (the emulated device by default), unless FUSEDLLM_CUDA_ATTENTION=simt.
 bool decode_on_tensor_cores() { return !simt_attention_requested() && device_properties().major >= 8; }
 
 template <typename T, Stored kS, int kD>

@@ -1,4 +1,4 @@
-// The tensor-core attention forward (bfloat16 / float16, sm_80+), FlashAttention-2
+// The tensor-core attention forward (bfloat16 / float16; float16 on sm_75), FlashAttention-2
 // style: a block holds 64 query rows (position, head) of one kv head and
 // sequence, numbered as the SIMT kernel numbers them (QueryRows), so every
 // K/V tile it stages serves all query heads of the group; each of its 4 warps
@@ -19,9 +19,8 @@ namespace {
 // where needed (tiles a bound cuts, the end) rather than held through the loop:
 // 4 rows' 64-bit values took the registers the accumulators need. Element e
 // of an n-tile of m-tile mt belongs to lane row 2 mt + e / 2.
-template <int kD>
+template <class Tl>
 struct ForwardLaneRows {
-  using Tl = tc::Tile<kD>;
   static constexpr int kM = Tl::kFwdM, kKeys = Tl::kKeys, kN = Tl::kNTiles;
   static constexpr int kLaneRows = 2 * kM;  // this lane's rows: `group` and group + 8 of each m-tile
   struct Row {
@@ -176,82 +175,84 @@ __device__ __forceinline__ void softmax_step(mma::FragC (&o)[kM][kN], float (&m)
   }
 }
 
-template <typename T, int kD>
+template <typename T, class Tl>
 __global__ void __launch_bounds__(tc::kThreads, 1)
 attention_mma_forward_kernel(const T* __restrict__ q, Strides qs, const T* __restrict__ k, Strides ks,
                              const T* __restrict__ v, Strides vs, T* __restrict__ out,
                              float* __restrict__ lse, attn::QueryRows rows, attn::Seqs seqs, int d,
                              float scale, Mask mask_all, ScoreExtras extras, bool q_chunks,
                              bool kv_chunks) {
-#if FUSEDLLM_BELOW_SM80
-  __trap();  // dispatch (choose_attention_kernel) never launches it below sm_80
-#else
-  using Tl = tc::Tile<kD>;
-  constexpr int kKeys = Tl::kKeys, kStride = Tl::kStride, kN = Tl::kNTiles;
-  constexpr int kM = Tl::kFwdM, kRows = Tl::kFwdRows;
-  constexpr int kLaneRows = ForwardLaneRows<kD>::kLaneRows;
-  constexpr float kInf = std::numeric_limits<float>::infinity();
-  T* q_s = dynamic_shared<T>();                 // [kRows][kStride]
-  T* k_s = q_s + kRows * kStride;               // [2][kKeys][kStride]
-  T* v_s = k_s + 2 * kKeys * kStride;           // [2][kKeys][kStride]
+  if constexpr (!tc::kBuiltHere<T, Tl::kArch>) {
+    __trap();  // dispatch never launches it on this GPU
+  } else {
+    constexpr int kD = Tl::kD;
+    constexpr int kKeys = Tl::kKeys, kStride = Tl::kStride, kN = Tl::kNTiles;
+    constexpr int kM = Tl::kFwdM, kRows = Tl::kFwdRows;
+    constexpr int kLaneRows = ForwardLaneRows<Tl>::kLaneRows;
+    constexpr float kInf = std::numeric_limits<float>::infinity();
+    T* q_s = dynamic_shared<T>();        // [kRows][kStride]
+    T* k_s = q_s + kRows * kStride;      // [2][kKeys][kStride]
+    T* v_s = k_s + 2 * kKeys * kStride;  // [2][kKeys][kStride]
 
-  const tc::BlockPlace place;
-  const int64_t g = place.g, b = place.b;
-  const int warp = place.warp;
-  const int64_t sq = seqs.q_len(b);
-  tc::QueryBlock<kRows, kKeys> block(rows, sq);
-  if (block.empty()) return;  // past this (packed) sequence's end: the whole block
-  const bool length_ok = seqs.k_len_ok(b);  // else no keys, NaN rows (make_nan_if)
-  const Mask mask = mask_all.of_lengths(sq, length_ok ? seqs.k_len(b) : 0);
-  block.find_keys(mask, rows);
-  const T* q_b = place.query_side(q, qs, seqs);
-  const T* k_b = place.key_side(k, ks, seqs);
-  const T* v_b = place.key_side(v, vs, seqs);
+    const tc::BlockPlace place;
+    const int64_t g = place.g, b = place.b;
+    const int warp = place.warp;
+    const int64_t sq = seqs.q_len(b);
+    tc::QueryBlock<kRows, kKeys> block(rows, sq);
+    if (block.empty()) return;  // past this (packed) sequence's end: the whole block
+    const bool length_ok = seqs.k_len_ok(b);  // else no keys, NaN rows (make_nan_if)
+    const Mask mask = mask_all.of_lengths(sq, length_ok ? seqs.k_len(b) : 0);
+    block.find_keys(mask, rows);
+    const T* q_b = place.query_side(q, qs, seqs);
+    const T* k_b = place.key_side(k, ks, seqs);
+    const T* v_b = place.key_side(v, vs, seqs);
 
-  tc::stage_group_rows<T, kD, kRows>(q_s, q_b, qs, rows, g, block.row0, block.rows_total, d, q_chunks);
-  const auto stage_kv = [&](int64_t tile) {
-    const int buffer = static_cast<int>(tile % 2);
-    tc::stage_key_rows<T, kD, kKeys>(k_s + buffer * kKeys * kStride, v_s + buffer * kKeys * kStride, k_b,
-                                     ks.s, v_b, vs.s, block.key_lo + tile * kKeys, block.key_hi, d, kv_chunks);
-  };
-  tc::pipeline_start(block.n_tiles, stage_kv);
+    tc::stage_group_rows<T, kD, kRows>(q_s, q_b, qs, rows, g, block.row0, block.rows_total, d, q_chunks);
+    const auto stage_kv = [&](int64_t tile) {
+      const int buffer = static_cast<int>(tile % 2);
+      tc::stage_key_rows<T, kD, kKeys>(k_s + buffer * kKeys * kStride, v_s + buffer * kKeys * kStride, k_b,
+                                       ks.s, v_b, vs.s, block.key_lo + tile * kKeys, block.key_hi, d, kv_chunks);
+    };
+    tc::pipeline_start(block.n_tiles, stage_kv);
 
-  const ForwardLaneRows<kD> lanes{place, block, rows, mask};
-  int64_t all_lo, all_hi;  // keys all of this lane's rows see
-  lanes.common_keys(all_lo, all_hi);
-  const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
+    const ForwardLaneRows<Tl> lanes{place, block, rows, mask};
+    int64_t all_lo, all_hi;  // keys all of this lane's rows see
+    lanes.common_keys(all_lo, all_hi);
+    const bool plain = !extras.mods.any_score_mod() && !extras.mask.present();
 
-  mma::FragC o[kM][kN];
-  float m[kLaneRows], l[kLaneRows];  // running max, this lane's sum
+    mma::FragC o[kM][kN];
+    float m[kLaneRows], l[kLaneRows];  // running max, this lane's sum
 #pragma unroll
-  for (int r = 0; r < kLaneRows; ++r) m[r] = -kInf, l[r] = 0.f;
-  for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
-    tc::pipeline_next(tile, block.n_tiles, stage_kv);
-    const int buffer = static_cast<int>(tile % 2);
-    const int64_t j0 = block.key_lo + tile * kKeys;
+    for (int r = 0; r < kLaneRows; ++r) m[r] = -kInf, l[r] = 0.f;
+    for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
+      tc::pipeline_next(tile, block.n_tiles, stage_kv);
+      const int buffer = static_cast<int>(tile % 2);
+      const int64_t j0 = block.key_lo + tile * kKeys;
 
-    mma::FragC s[kM][kKeys / 8];
-    tc::mma_rows_rows<T, kM, kD, kKeys, kStride>(s, q_s + warp * kM * 16 * kStride, k_s + buffer * kKeys * kStride);
-    // Scores, -inf where a key is not visible, and their row maxima.
-    float tile_max[kLaneRows];
-    if (plain && j0 >= all_lo && j0 + kKeys <= all_hi) {
-      interior_scores<kM, kKeys>(s, scale, tile_max);
-    } else {
-      lanes.cut_scores(s, j0, plain, scale, extras, tile_max);
+      mma::FragC s[kM][kKeys / 8];
+      tc::mma_rows_rows<T, kM, kD, kKeys, kStride>(s, q_s + warp * kM * 16 * kStride,
+                                                   k_s + buffer * kKeys * kStride);
+      // Scores, -inf where a key is not visible, and their row maxima.
+      float tile_max[kLaneRows];
+      if (plain && j0 >= all_lo && j0 + kKeys <= all_hi) {
+        interior_scores<kM, kKeys>(s, scale, tile_max);
+      } else {
+        lanes.cut_scores(s, j0, plain, scale, extras, tile_max);
+      }
+      softmax_step<kM, kN, kKeys>(o, m, l, s, tile_max);
+      if (extras.drop.enabled) lanes.drop(s, j0, extras);  // tested once per tile, not per score
+      mma::FragA pa[kM][kKeys / 16];
+#pragma unroll
+      for (int mt = 0; mt < kM; ++mt) tc::to_a_frags<T, kKeys>(pa[mt], s[mt]);
+      tc::mma_frags_rows<T, kM, kKeys, kD, kStride>(o, pa, v_s + buffer * kKeys * kStride);
+      __syncthreads();  // every warp is done with this buffer before it is staged again
     }
-    softmax_step<kM, kN, kKeys>(o, m, l, s, tile_max);
-    if (extras.drop.enabled) lanes.drop(s, j0, extras);  // tested once per tile, not per score
-    mma::FragA pa[kM][kKeys / 16];
-#pragma unroll
-    for (int mt = 0; mt < kM; ++mt) tc::to_a_frags<T, kKeys>(pa[mt], s[mt]);
-    tc::mma_frags_rows<T, kM, kKeys, kD, kStride>(o, pa, v_s + buffer * kKeys * kStride);
-    __syncthreads();  // every warp is done with this buffer before it is staged again
+    lanes.store(o, m, l, out, lse, extras, d, length_ok);
   }
-  lanes.store(o, m, l, out, lse, extras, d, length_ok);
-#endif
 }
 
-FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_mma_forward_kernel, "tensor cores: bfloat16/float16, sm_80+")
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_mma_forward_kernel,
+                               "tensor cores: bfloat16/float16 on sm_80+, float16 on sm_75")
 
 }  // namespace
 
@@ -261,22 +262,19 @@ void launch_attention_mma_forward(const AttentionForwardPlan& p, Stream stream) 
   const bool q_chunks = tc::chunks_aligned(p.q.const_data_ptr(), strides_of(p.q));
   const bool kv_chunks = tc::chunks_aligned(p.k.const_data_ptr(), strides_of(p.k)) &&
                          tc::chunks_aligned(p.v.const_data_ptr(), strides_of(p.v));
-  tc::with_mma_dtype(p.q.scalar_type(), [&](auto dtype_tag) {
+  tc::with_mma_tiles(p.q.scalar_type(), s.head_dim, [&](auto dtype_tag, auto tiles) {
     using T = decltype(dtype_tag);
-    tc::with_mma_head_dim(s.head_dim, [&](auto D) {
-      constexpr int kD = decltype(D)::value;
-      auto kernel = attention_mma_forward_kernel<T, kD>;
-      const size_t smem = tc::Tile<kD>::forward_smem(sizeof(T));
-      allow_shared_memory(kernel, smem);
-      constexpr int kRows = tc::Tile<kD>::kFwdRows;
-      const dim3 grid(static_cast<unsigned>((rows.group_rows() + kRows - 1) / kRows),
-                      static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
-      launch("attention_mma_forward_kernel", kernel, grid, tc::kThreads, smem, stream,
-             p.q.const_data_ptr<T>(), strides_of(p.q), p.k.const_data_ptr<T>(), strides_of(p.k),
-             p.v.const_data_ptr<T>(), strides_of(p.v), p.out.mutable_data_ptr<T>(),
-             p.lse.mutable_data_ptr<float>(), rows, p.seqs, static_cast<int>(s.head_dim),
-             static_cast<float>(p.scale), p.mask, extras_of(p), q_chunks, kv_chunks);
-    });
+    using Tl = decltype(tiles);
+    auto kernel = attention_mma_forward_kernel<T, Tl>;
+    const size_t smem = Tl::forward_smem(sizeof(T));
+    allow_shared_memory(kernel, smem);
+    const dim3 grid(static_cast<unsigned>((rows.group_rows() + Tl::kFwdRows - 1) / Tl::kFwdRows),
+                    static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+    launch("attention_mma_forward_kernel", kernel, grid, tc::kThreads, smem, stream,
+           p.q.const_data_ptr<T>(), strides_of(p.q), p.k.const_data_ptr<T>(), strides_of(p.k),
+           p.v.const_data_ptr<T>(), strides_of(p.v), p.out.mutable_data_ptr<T>(),
+           p.lse.mutable_data_ptr<float>(), rows, p.seqs, static_cast<int>(s.head_dim),
+           static_cast<float>(p.scale), p.mask, extras_of(p), q_chunks, kv_chunks);
   });
 }
 

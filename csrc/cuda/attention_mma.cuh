@@ -1,6 +1,6 @@
-// Tensor-core attention (bfloat16 / float16, sm_80+): the tile pieces the
-// forward (attention_mma.cu) and backward kernels share, and the choice
-// between them and the SIMT kernels of attention.cuh.
+// Tensor-core attention (bfloat16 / float16 on sm_80+, float16 on sm_75): the
+// tile pieces the forward (attention_mma.cu) and backward kernels share, and
+// the choice between them and the SIMT kernels of attention.cuh.
 //
 // Operands are staged in shared memory as rows of kD 16-bit elements (the head
 // dim zero-padded to 64, 96, 128 or 256) with a stride of kD + 8 elements: an
@@ -38,9 +38,14 @@ constexpr int kRows = kWarps * 16;  // query rows of a forward block: 16 per war
 // serve up to 16 rows a kv head, and the SIMT kernels the backward below 16.
 constexpr int64_t kMinRows = 16;
 
-template <int kD_>
+// The tiles of head dim kD_ for a GPU of architecture kArch_: 80 (sm_80 and
+// newer), or 75 (Turing: 64 KiB of shared memory a block, so half the key
+// tiles at head dim 128; float16 only, on mma.m16n8k8, up to head dim 128).
+template <int kD_, int kArch_ = 80>
 struct Tile {
+  static_assert(kArch_ == 80 || (kArch_ == 75 && kD_ <= 128), "Turing tiles serve head dims up to 128");
   static constexpr int kD = kD_;                   // padded head dim
+  static constexpr int kArch = kArch_;
   static constexpr int kStride = kD + 8;           // shared row stride (elements)
   // Forward: 16-row m-tiles per warp. Two share every K and V fragment a warp
   // reads from shared memory (half the reads per product) and give it two
@@ -48,12 +53,14 @@ struct Tile {
   // key tiles shrink. At head dim 128 two spilled (sm_90) even with 16-key
   // tiles, so it keeps one.
   static constexpr int kFwdM = kD <= 96 ? 2 : 1;
-  static constexpr int kKeys = kD <= 64 || kD == 128 ? 64 : kD <= 96 ? 32 : 16;  // keys per K/V tile
+  static constexpr int kKeys =  // keys per K/V tile
+      kD <= 64 || (kD == 128 && kArch >= 80) ? 64 : kD <= 128 ? 32 : 16;
   static constexpr int kFwdRows = kWarps * 16 * kFwdM;  // query rows of a forward block
   static constexpr int kNTiles = kD / 8;           // 8-column n-tiles of a [16, kD] accumulator
   // Backward: the tile a block iterates over (keys for dQ, query rows for dK/dV);
-  // at kD = 256 dQ's accumulator takes 128 registers, so the tiles are halved.
-  static constexpr int kBwdTile = kD <= 128 ? 32 : 16;
+  // at kD = 256 dQ's accumulator takes 128 registers, so the tiles are halved
+  // (at 128 on Turing, for shared memory).
+  static constexpr int kBwdTile = kD <= 96 || (kD == 128 && kArch >= 80) ? 32 : 16;
 
   // Forward: Q rows, then K and V, each double-buffered.
   static constexpr size_t forward_smem(size_t elem) {
@@ -146,15 +153,66 @@ void with_mma_head_dim(int64_t d, F&& f) {
   }
 }
 
+// Whether this compilation holds the body of a tensor-core kernel for T on
+// the tiles of kArch: sm_75 machine code the float16 Turing ones, sm_80+ the
+// others (a GPU launches only its own); the emulator and the host pass all.
+template <typename T, int kArch>
+constexpr bool kBuiltHere =
+#if defined(__CUDA_ARCH__) && !defined(FUSEDLLM_SIMT)
+    __CUDA_ARCH__ >= 800 ? kArch == 80 : __CUDA_ARCH__ >= 750 && kArch == 75 && std::is_same_v<T, c10::Half>;
+#else
+    true;
+#endif
+
+// The tiles this device takes (Tile's kArch): 75 on a Turing GPU (sm_75, the
+// emulated one under FUSEDLLM_SIMT_SM=75), 80 from sm_80 on; 0 where the
+// tensor-core kernels do not run.
+inline int tile_arch() {
+  const auto& props = device_properties();
+  if (props.major >= 8) return 80;
+  return props.major == 7 && props.minor >= 5 ? 75 : 0;
+}
+
+// Calls f(T{}, Tile<kD, kArch>{}) for the call's 16-bit type, its padded head
+// dim and this device's tiles (choose_attention_kernel has checked they serve it).
+template <typename F>
+void with_mma_tiles(at::ScalarType dtype, int64_t d, F&& f) {
+  const int arch = tile_arch();
+  with_mma_dtype(dtype, [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    with_mma_head_dim(d, [&](auto D) {
+      constexpr int kD = decltype(D)::value;
+      if (arch == 80) {
+        f(T{}, Tile<kD, 80>{});
+        return;
+      }
+      if constexpr (std::is_same_v<T, c10::Half> && kD <= 128) {
+        if (arch == 75) {
+          f(T{}, Tile<kD, 75>{});
+          return;
+        }
+      }
+      TORCH_CHECK(false, "fusedllm.attention: no tensor-core kernel for ", dtype, " at head dim ", d,
+                  " on this GPU (sm_", device_properties().major, device_properties().minor, ")");
+    });
+  });
+}
+
 // The most shared memory a block of the forward or backward kernels takes at
-// head dim d: the tensor-core kernels serve a call only where all of them fit,
-// so that a forward on them has its backward on them too.
-inline size_t max_smem(int64_t d, size_t elem) {
+// head dim d on the tiles of kArch: the tensor-core kernels serve a call only
+// where all of them fit, so that a forward on them has its backward on them too.
+template <int kArch>
+size_t max_smem(int64_t d, size_t elem) {
   size_t bytes = 0;
   with_mma_head_dim(d, [&](auto D) {
-    using Tl = Tile<decltype(D)::value>;
-    bytes = std::max(Tl::forward_smem(elem), Tl::dq_smem(elem));
-    if (Tl::kD <= kMaxDkdvHeadDim) bytes = std::max(bytes, Tl::dkdv_smem(elem));
+    constexpr int kD = decltype(D)::value;
+    if constexpr (kArch == 80 || kD <= 128) {
+      using Tl = Tile<kD, kArch>;
+      bytes = std::max(Tl::forward_smem(elem), Tl::dq_smem(elem));
+      if (Tl::kD <= kMaxDkdvHeadDim) bytes = std::max(bytes, Tl::dkdv_smem(elem));
+    } else {
+      bytes = std::numeric_limits<size_t>::max();  // no Turing tiles past 128
+    }
   });
   return bytes;
 }
@@ -426,7 +484,8 @@ __device__ __forceinline__ void store_acc_row(T* dst, const mma::FragC (&c)[kN],
 // kernels (attention_hopper*.cu) wherever they serve a call, on the emulator
 // too. Unset or "auto": the Hopper kernels on an sm_90 GPU with this build's
 // sm_90a machine code (2-3x the mma.sync kernels' speed there), else the
-// choice below; the emulated device is an sm_80 one.
+// choice below; the emulated device is an sm_80 one (sm_75 under
+// FUSEDLLM_SIMT_SM=75).
 enum class AttentionRequest { kAuto, kSimt, kMma, kHopper };
 inline AttentionRequest attention_request() {
   const char* value = std::getenv("FUSEDLLM_CUDA_ATTENTION");
@@ -439,13 +498,14 @@ inline AttentionRequest attention_request() {
 }
 inline bool simt_attention_requested() { return attention_request() == AttentionRequest::kSimt; }
 
-// Whether the Hopper kernels run here: on the emulator when requested; on an
+// Whether the Hopper kernels run here: on the emulator when requested (not as
+// an sm_75 device); on an
 // sm_90 GPU with this build's sm_90a machine code unless another kernel family
 // is requested.
 inline bool hopper_attention_available() {
   const AttentionRequest request = attention_request();
 #if defined(FUSEDLLM_SIMT)
-  return request == AttentionRequest::kHopper;
+  return request == AttentionRequest::kHopper && tc::tile_arch() == 80;
 #elif defined(FUSEDLLM_SM90A_IMAGE)
   if (request != AttentionRequest::kAuto && request != AttentionRequest::kHopper) return false;
   const auto& props = device_properties();
@@ -457,17 +517,19 @@ inline bool hopper_attention_available() {
 }
 
 // Which kernel serves a call: the tensor-core kernels for bfloat16 / float16
-// on sm_80+ (the emulated device is one) when the query rows of a kv head fill
-// a warp's m-tile and the tiles fit in shared memory; the SIMT kernels
-// otherwise (float32 / float64, decoding, older GPUs). A forward of at most 16
-// rows a kv head tries the decoding kernels first (CudaAttention::forward).
+// on sm_80+ (the emulated device is one) and for float16 on sm_75, when the
+// query rows of a kv head fill a warp's m-tile and the tiles fit in shared
+// memory; the SIMT kernels otherwise (float32 / float64, decoding, bfloat16
+// on Turing, older GPUs). A forward of at most 16 rows a kv head tries the
+// decoding kernels first (CudaAttention::forward).
 inline AttentionKernel choose_attention_kernel(const AttentionParams& p, at::ScalarType dtype) {
   if (simt_attention_requested()) return AttentionKernel::kSimt;
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return AttentionKernel::kSimt;
-  const auto& props = device_properties();
-  if (props.major < 8) return AttentionKernel::kSimt;
+  const int arch = tc::tile_arch();
+  if (arch == 0 || (arch == 75 && dtype != at::kHalf)) return AttentionKernel::kSimt;
   if (p.rows.group_rows() < tc::kMinRows) return AttentionKernel::kSimt;
-  if (tc::max_smem(p.shape.head_dim, 2) > props.sharedMemPerBlockOptin) return AttentionKernel::kSimt;
+  const size_t smem = arch == 75 ? tc::max_smem<75>(p.shape.head_dim, 2) : tc::max_smem<80>(p.shape.head_dim, 2);
+  if (smem > device_properties().sharedMemPerBlockOptin) return AttentionKernel::kSimt;
   return AttentionKernel::kTensorCore;
 }
 

@@ -1,4 +1,4 @@
-// The tensor-core attention backward (bfloat16 / float16, sm_80+), FlashAttention-2
+// The tensor-core attention backward (bfloat16 / float16; float16 on sm_75), FlashAttention-2
 // style, in two kernels that share nothing but delta = rowsum(dO * O) (computed
 // first, on the tensor cores as they compute dP):
 //
@@ -26,165 +26,168 @@ namespace {
 // in the same order as dP = dO V^T below, so that a row whose output is one
 // key's value row (that key alone visible) gets dP - delta = 0 exactly, and so
 // dQ and dK exactly 0.
-template <typename T, int kD>
+template <typename T, class Tl>
 __global__ void __launch_bounds__(tc::kThreads, 1)
 attention_mma_delta_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restrict__ out, Strides os,
                            float* __restrict__ delta, attn::QueryRows rows, attn::Seqs seqs, int d, bool chunks) {
-#if FUSEDLLM_BELOW_SM80
-  __trap();  // dispatch (choose_attention_kernel) never launches it below sm_80
-#else
-  constexpr int kStride = tc::Tile<kD>::kStride;
-  T* do_s = dynamic_shared<T>();         // [kRows][kStride]
-  T* o_s = do_s + tc::kRows * kStride;   // [kRows][kStride]
-  const tc::BlockPlace place;
-  const int64_t g = place.g, b = place.b;
-  const int warp = place.warp, group = place.group, quad = place.quad;
-  const tc::QueryBlock<tc::kRows, 1> block(rows, seqs.q_len(b));
-  if (block.empty()) return;  // past this (packed) sequence's end: the whole block
-  tc::stage_group_rows<T, kD, tc::kRows>(do_s, place.query_side(grad_out, gs, seqs), gs, rows, g, block.row0,
-                                         block.rows_total, d, chunks);
-  tc::stage_group_rows<T, kD, tc::kRows>(o_s, place.query_side(out, os, seqs), os, rows, g, block.row0,
-                                         block.rows_total, d, chunks);
-  mma::cp_async_commit();
-  mma::cp_async_wait<0>();
-  __syncthreads();
-  mma::FragC c[2];  // [16 rows, 16 rows]
-  tc::mma_rows_rows<T, kD, 16, kStride>(c, do_s + warp * 16 * kStride, o_s + warp * 16 * kStride);
-  // (row, row) for rows `group` (n-tile 0) and group + 8 (n-tile 1) lies in
-  // the lane of this group whose quad holds column `group`.
-  if (quad != group / 2) return;
-  const float diagonal[2] = {group % 2 != 0 ? c[0].r[1] : c[0].r[0], group % 2 != 0 ? c[1].r[3] : c[1].r[2]};
+  if constexpr (!tc::kBuiltHere<T, Tl::kArch>) {
+    __trap();  // dispatch never launches it on this GPU
+  } else {
+    constexpr int kD = Tl::kD;
+    constexpr int kStride = Tl::kStride;
+    T* do_s = dynamic_shared<T>();         // [kRows][kStride]
+    T* o_s = do_s + tc::kRows * kStride;   // [kRows][kStride]
+    const tc::BlockPlace place;
+    const int64_t g = place.g, b = place.b;
+    const int warp = place.warp, group = place.group, quad = place.quad;
+    const tc::QueryBlock<tc::kRows, 1> block(rows, seqs.q_len(b));
+    if (block.empty()) return;  // past this (packed) sequence's end: the whole block
+    tc::stage_group_rows<T, kD, tc::kRows>(do_s, place.query_side(grad_out, gs, seqs), gs, rows, g, block.row0,
+                                           block.rows_total, d, chunks);
+    tc::stage_group_rows<T, kD, tc::kRows>(o_s, place.query_side(out, os, seqs), os, rows, g, block.row0,
+                                           block.rows_total, d, chunks);
+    mma::cp_async_commit();
+    mma::cp_async_wait<0>();
+    __syncthreads();
+    mma::FragC c[2];  // [16 rows, 16 rows]
+    tc::mma_rows_rows<T, kD, 16, kStride>(c, do_s + warp * 16 * kStride, o_s + warp * 16 * kStride);
+    // (row, row) for rows `group` (n-tile 0) and group + 8 (n-tile 1) lies in
+    // the lane of this group whose quad holds column `group`.
+    if (quad != group / 2) return;
+    const float diagonal[2] = {group % 2 != 0 ? c[0].r[1] : c[0].r[0], group % 2 != 0 ? c[1].r[3] : c[1].r[2]};
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int64_t row = block.row0 + warp * 16 + group + 8 * half;
-    if (row < block.rows_total) delta[rows.row_of_group_row(b, g, row)] = diagonal[half];
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = block.row0 + warp * 16 + group + 8 * half;
+      if (row < block.rows_total) delta[rows.row_of_group_row(b, g, row)] = diagonal[half];
+    }
   }
-#endif
 }
 
-FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_mma_delta_kernel, "tensor cores: bfloat16/float16, sm_80+")
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_mma_delta_kernel,
+                               "tensor cores: bfloat16/float16 on sm_80+, float16 on sm_75")
 
-template <typename T, int kD>
+template <typename T, class Tl>
 __global__ void __launch_bounds__(tc::kThreads, 1)
 attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restrict__ q, Strides qs,
                         const T* __restrict__ k, Strides ks, const T* __restrict__ v, Strides vs,
                         const float* __restrict__ lse, const float* __restrict__ delta,
                         T* __restrict__ grad_q, attn::QueryRows rows, attn::Seqs seqs, int d, float scale,
                         Mask mask_all, ScoreExtras extras, bool q_chunks, bool kv_chunks) {
-#if FUSEDLLM_BELOW_SM80
-  __trap();  // dispatch (choose_attention_kernel) never launches it below sm_80
-#else
-  using Tl = tc::Tile<kD>;
-  constexpr int kKeys = Tl::kBwdTile, kStride = Tl::kStride, kN = Tl::kNTiles;
-  T* q_s = dynamic_shared<T>();               // [kRows][kStride]
-  T* do_s = q_s + tc::kRows * kStride;        // [kRows][kStride]
-  T* k_s = do_s + tc::kRows * kStride;        // [2][kKeys][kStride]
-  T* v_s = k_s + 2 * kKeys * kStride;         // [2][kKeys][kStride]
+  if constexpr (!tc::kBuiltHere<T, Tl::kArch>) {
+    __trap();  // dispatch never launches it on this GPU
+  } else {
+    constexpr int kD = Tl::kD;
+    constexpr int kKeys = Tl::kBwdTile, kStride = Tl::kStride, kN = Tl::kNTiles;
+    T* q_s = dynamic_shared<T>();               // [kRows][kStride]
+    T* do_s = q_s + tc::kRows * kStride;        // [kRows][kStride]
+    T* k_s = do_s + tc::kRows * kStride;        // [2][kKeys][kStride]
+    T* v_s = k_s + 2 * kKeys * kStride;         // [2][kKeys][kStride]
 
-  const tc::BlockPlace place;
-  const int64_t g = place.g, b = place.b;
-  const int warp = place.warp, group = place.group, quad = place.quad;
-  const int64_t sq = seqs.q_len(b);
-  tc::QueryBlock<tc::kRows, kKeys> block(rows, sq);
-  if (block.empty()) return;  // past this (packed) sequence's end: the whole block
-  const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
-  block.find_keys(mask, rows);
-  const T* q_b = place.query_side(q, qs, seqs);
-  const T* g_b = place.query_side(grad_out, gs, seqs);
-  const T* k_b = place.key_side(k, ks, seqs);
-  const T* v_b = place.key_side(v, vs, seqs);
+    const tc::BlockPlace place;
+    const int64_t g = place.g, b = place.b;
+    const int warp = place.warp, group = place.group, quad = place.quad;
+    const int64_t sq = seqs.q_len(b);
+    tc::QueryBlock<tc::kRows, kKeys> block(rows, sq);
+    if (block.empty()) return;  // past this (packed) sequence's end: the whole block
+    const Mask mask = mask_all.of_lengths(sq, seqs.k_len(b));
+    block.find_keys(mask, rows);
+    const T* q_b = place.query_side(q, qs, seqs);
+    const T* g_b = place.query_side(grad_out, gs, seqs);
+    const T* k_b = place.key_side(k, ks, seqs);
+    const T* v_b = place.key_side(v, vs, seqs);
 
-  tc::stage_group_rows<T, kD, tc::kRows>(q_s, q_b, qs, rows, g, block.row0, block.rows_total, d, q_chunks);
-  tc::stage_group_rows<T, kD, tc::kRows>(do_s, g_b, gs, rows, g, block.row0, block.rows_total, d, q_chunks);
-  const auto stage_kv = [&](int64_t tile) {
-    const int buffer = static_cast<int>(tile % 2);
-    tc::stage_key_rows<T, kD, kKeys>(k_s + buffer * kKeys * kStride, v_s + buffer * kKeys * kStride, k_b,
-                                     ks.s, v_b, vs.s, block.key_lo + tile * kKeys, block.key_hi, d, kv_chunks);
-  };
-  tc::pipeline_start(block.n_tiles, stage_kv);
+    tc::stage_group_rows<T, kD, tc::kRows>(q_s, q_b, qs, rows, g, block.row0, block.rows_total, d, q_chunks);
+    tc::stage_group_rows<T, kD, tc::kRows>(do_s, g_b, gs, rows, g, block.row0, block.rows_total, d, q_chunks);
+    const auto stage_kv = [&](int64_t tile) {
+      const int buffer = static_cast<int>(tile % 2);
+      tc::stage_key_rows<T, kD, kKeys>(k_s + buffer * kKeys * kStride, v_s + buffer * kKeys * kStride, k_b,
+                                       ks.s, v_b, vs.s, block.key_lo + tile * kKeys, block.key_hi, d, kv_chunks);
+    };
+    tc::pipeline_start(block.n_tiles, stage_kv);
 
-  // This lane's two rows (half 0: row `group` of the warp's 16, half 1: group + 8).
-  int64_t head[2], pos[2], lo[2], hi[2];
-  float lse_row[2], dlt[2];
+    // This lane's two rows (half 0: row `group` of the warp's 16, half 1: group + 8).
+    int64_t head[2], pos[2], lo[2], hi[2];
+    float lse_row[2], dlt[2];
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int64_t row = block.row0 + warp * 16 + group + 8 * half;
-    const bool valid = row < block.rows_total;
-    const int64_t lrow = valid ? rows.row_of_group_row(b, g, row) : 0;
-    head[half] = rows.group_head(g, row);
-    pos[half] = rows.group_pos(row);
-    lo[half] = valid ? attn::key_begin(mask, pos[half]) : 0;
-    hi[half] = valid ? attn::key_end(mask, pos[half]) : 0;
-    lse_row[half] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[lrow]) : 0.f;
-    dlt[half] = valid ? delta[lrow] : 0.f;
-  }
-  const bool unmodified = !extras.mods.any_score_mod() && !extras.mask.present();
-  const bool plain = unmodified && !extras.drop.enabled;
-  // Keys both of this lane's rows see (rows past the end see none).
-  const int64_t all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
-
-  mma::FragC dq[kN];
-  for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
-    tc::pipeline_next(tile, block.n_tiles, stage_kv);
-    const int buffer = static_cast<int>(tile % 2);
-    const int64_t j0 = block.key_lo + tile * kKeys;
-    const T* k_tile = k_s + buffer * kKeys * kStride;
-
-    mma::FragC s[kKeys / 8], dp[kKeys / 8];
-    tc::mma_rows_rows<T, kD, kKeys, kStride>(s, q_s + warp * 16 * kStride, k_tile);
-    tc::mma_rows_rows<T, kD, kKeys, kStride>(dp, do_s + warp * 16 * kStride, v_s + buffer * kKeys * kStride);
-    // Every key visible to both rows: no test per score (not at head dim 256,
-    // where the second copy of the loop spilled on sm_80).
-    if (kD <= 128 && plain && j0 >= all_lo && j0 + kKeys <= all_hi) {
-#pragma unroll
-      for (int n = 0; n < kKeys / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float p = tc::exp_of_difference(s[n].r[e] * scale, lse_row[e / 2]);
-          s[n].r[e] = attn::score_grad(p, dp[n].r[e], dlt[e / 2]);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int n = 0; n < kKeys / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int half = e / 2;
-          const int64_t key = j0 + n * 8 + 2 * quad + (e % 2);
-          const bool visible = key >= lo[half] && key < hi[half];
-          float dcap;
-          const float x = tc::score(s[n].r[e], visible, unmodified, scale, extras, mask, b, head[half], pos[half],
-                                    key, &dcap);
-          const float p = tc::exp_of_difference(x, lse_row[half]);
-          float dpe = visible ? dp[n].r[e] : 0.f;
-          if (extras.drop.enabled && visible) dpe *= extras.keep_factor<float>(b, head[half], pos[half], key);
-          // Through the cap: d score / d (scale q . k) = dcap (1 without one).
-          s[n].r[e] = attn::score_grad(p, dpe, dlt[half]) * dcap;
-        }
-      }
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = block.row0 + warp * 16 + group + 8 * half;
+      const bool valid = row < block.rows_total;
+      const int64_t lrow = valid ? rows.row_of_group_row(b, g, row) : 0;
+      head[half] = rows.group_head(g, row);
+      pos[half] = rows.group_pos(row);
+      lo[half] = valid ? attn::key_begin(mask, pos[half]) : 0;
+      hi[half] = valid ? attn::key_end(mask, pos[half]) : 0;
+      lse_row[half] = valid ? attn::ScalarOps<float>::finite_or_zero(lse[lrow]) : 0.f;
+      dlt[half] = valid ? delta[lrow] : 0.f;
     }
-    mma::FragA ds[kKeys / 16];
-    tc::to_a_frags<T, kKeys>(ds, s);
-    tc::mma_frags_rows<T, kKeys, kD, kStride>(dq, ds, k_tile);
-    __syncthreads();  // every warp is done with this buffer before it is staged again
-  }
+    const bool unmodified = !extras.mods.any_score_mod() && !extras.mask.present();
+    const bool plain = unmodified && !extras.drop.enabled;
+    // Keys both of this lane's rows see (rows past the end see none).
+    const int64_t all_lo = lo[0] > lo[1] ? lo[0] : lo[1], all_hi = hi[0] < hi[1] ? hi[0] : hi[1];
+
+    mma::FragC dq[kN];
+    for (int64_t tile = 0; tile < block.n_tiles; ++tile) {
+      tc::pipeline_next(tile, block.n_tiles, stage_kv);
+      const int buffer = static_cast<int>(tile % 2);
+      const int64_t j0 = block.key_lo + tile * kKeys;
+      const T* k_tile = k_s + buffer * kKeys * kStride;
+
+      mma::FragC s[kKeys / 8], dp[kKeys / 8];
+      tc::mma_rows_rows<T, kD, kKeys, kStride>(s, q_s + warp * 16 * kStride, k_tile);
+      tc::mma_rows_rows<T, kD, kKeys, kStride>(dp, do_s + warp * 16 * kStride, v_s + buffer * kKeys * kStride);
+      // Every key visible to both rows: no test per score (not at head dim 256,
+      // where the second copy of the loop spilled on sm_80).
+      if (kD <= 128 && plain && j0 >= all_lo && j0 + kKeys <= all_hi) {
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float p = tc::exp_of_difference(s[n].r[e] * scale, lse_row[e / 2]);
+            s[n].r[e] = attn::score_grad(p, dp[n].r[e], dlt[e / 2]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int half = e / 2;
+            const int64_t key = j0 + n * 8 + 2 * quad + (e % 2);
+            const bool visible = key >= lo[half] && key < hi[half];
+            float dcap;
+            const float x = tc::score(s[n].r[e], visible, unmodified, scale, extras, mask, b, head[half], pos[half],
+                                      key, &dcap);
+            const float p = tc::exp_of_difference(x, lse_row[half]);
+            float dpe = visible ? dp[n].r[e] : 0.f;
+            if (extras.drop.enabled && visible) dpe *= extras.keep_factor<float>(b, head[half], pos[half], key);
+            // Through the cap: d score / d (scale q . k) = dcap (1 without one).
+            s[n].r[e] = attn::score_grad(p, dpe, dlt[half]) * dcap;
+          }
+        }
+      }
+      mma::FragA ds[kKeys / 16];
+      tc::to_a_frags<T, kKeys>(ds, s);
+      tc::mma_frags_rows<T, kKeys, kD, kStride>(dq, ds, k_tile);
+      __syncthreads();  // every warp is done with this buffer before it is staged again
+    }
 
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int64_t row = block.row0 + warp * 16 + group + 8 * half;
-    if (row >= block.rows_total) continue;
-    tc::store_acc_row<T, kN>(grad_q + rows.row_of_group_row(b, g, row) * d, dq, half, scale, quad, d);
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = block.row0 + warp * 16 + group + 8 * half;
+      if (row >= block.rows_total) continue;
+      tc::store_acc_row<T, kN>(grad_q + rows.row_of_group_row(b, g, row) * d, dq, half, scale, quad, d);
+    }
   }
-#endif
 }
 
-FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_mma_dq_kernel, "tensor cores: bfloat16/float16, sm_80+")
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_mma_dq_kernel,
+                               "tensor cores: bfloat16/float16 on sm_80+, float16 on sm_75")
 
 // Stages row tile `tile` of a dK/dV block into buffer tile % 2: the Q and dO
 // rows from begin + tile kTile (zeros from `end` on) and each row's lse and delta.
-template <typename T, int kD>
+template <typename T, class Tl>
 struct RowTiles {
-  static constexpr int kTile = tc::Tile<kD>::kBwdTile, kStride = tc::Tile<kD>::kStride;
+  static constexpr int kD = Tl::kD, kTile = Tl::kBwdTile, kStride = Tl::kStride;
   T* q_s;          // [2][kTile][kStride]
   T* do_s;         // [2][kTile][kStride]
   float* lse_s;    // [2][kTile]
@@ -224,9 +227,9 @@ struct RowTiles {
 // and dS^T into dp from S^T and dP^T there, [16 keys, kTile rows]
 // accumulators whose element e of n-tile n is key e / 2 and row
 // n * 8 + 2 quad + e % 2 of the tile.
-template <int kD>
+template <class Tl>
 struct KeyLanes {
-  static constexpr int kTile = tc::Tile<kD>::kBwdTile, kN = tc::Tile<kD>::kNTiles;
+  static constexpr int kTile = Tl::kBwdTile, kN = Tl::kNTiles;
   const tc::BlockPlace& place;
   const attn::QueryRows& rows;
   const Mask& mask;
@@ -302,7 +305,7 @@ struct KeyLanes {
   }
 };
 
-template <typename T, int kD>
+template <typename T, class Tl>
 __global__ void __launch_bounds__(tc::kThreads, 1)
 attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restrict__ q, Strides qs,
                           const T* __restrict__ k, Strides ks, const T* __restrict__ v, Strides vs,
@@ -310,85 +313,86 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
                           T* __restrict__ grad_k, T* __restrict__ grad_v, attn::QueryRows rows,
                           attn::KeyRows key_rows, attn::Seqs seqs, int d, float scale, Mask mask_all,
                           ScoreExtras extras, bool q_chunks, bool kv_chunks) {
-#if FUSEDLLM_BELOW_SM80
-  __trap();  // dispatch (choose_attention_kernel) never launches it below sm_80
-#else
-  static_assert(kD <= tc::kMaxDkdvHeadDim, "dK and dV of wider heads do not fit in registers");
-  using Tl = tc::Tile<kD>;
-  constexpr int kTile = Tl::kBwdTile, kStride = Tl::kStride, kN = Tl::kNTiles;
-  T* k_s = dynamic_shared<T>();               // [kRows][kStride] (this block's keys)
-  T* v_s = k_s + tc::kRows * kStride;         // [kRows][kStride]
-  T* q_s = v_s + tc::kRows * kStride;         // [2][kTile][kStride]
-  T* do_s = q_s + 2 * kTile * kStride;        // [2][kTile][kStride]
-  float* lse_s = reinterpret_cast<float*>(do_s + 2 * kTile * kStride);  // [2][kTile]
-  float* delta_s = lse_s + 2 * kTile;                                   // [2][kTile]
+  if constexpr (!tc::kBuiltHere<T, Tl::kArch>) {
+    __trap();  // dispatch never launches it on this GPU
+  } else {
+    constexpr int kD = Tl::kD;
+    static_assert(kD <= tc::kMaxDkdvHeadDim, "dK and dV of wider heads do not fit in registers");
+    constexpr int kTile = Tl::kBwdTile, kStride = Tl::kStride, kN = Tl::kNTiles;
+    T* k_s = dynamic_shared<T>();               // [kRows][kStride] (this block's keys)
+    T* v_s = k_s + tc::kRows * kStride;         // [kRows][kStride]
+    T* q_s = v_s + tc::kRows * kStride;         // [2][kTile][kStride]
+    T* do_s = q_s + 2 * kTile * kStride;        // [2][kTile][kStride]
+    float* lse_s = reinterpret_cast<float*>(do_s + 2 * kTile * kStride);  // [2][kTile]
+    float* delta_s = lse_s + 2 * kTile;                                   // [2][kTile]
 
-  const tc::BlockPlace place;
-  const int64_t g = place.g, b = place.b;
-  const int warp = place.warp, group = place.group;
-  const int64_t sq = seqs.q_len(b), sk = seqs.k_len(b);
-  const int64_t j0 = static_cast<int64_t>(blockIdx.x) * tc::kRows;
-  if (j0 >= sk) return;  // past this (packed) sequence's end: the whole block
-  const int64_t j_end = j0 + tc::kRows < sk ? j0 + tc::kRows : sk;
-  const Mask mask = mask_all.of_lengths(sq, sk);
-  const T* q_b = place.query_side(q, qs, seqs);
-  const T* g_b = place.query_side(grad_out, gs, seqs);
-  const T* k_b = place.key_side(k, ks, seqs);
-  const T* v_b = place.key_side(v, vs, seqs);
+    const tc::BlockPlace place;
+    const int64_t g = place.g, b = place.b;
+    const int warp = place.warp, group = place.group;
+    const int64_t sq = seqs.q_len(b), sk = seqs.k_len(b);
+    const int64_t j0 = static_cast<int64_t>(blockIdx.x) * tc::kRows;
+    if (j0 >= sk) return;  // past this (packed) sequence's end: the whole block
+    const int64_t j_end = j0 + tc::kRows < sk ? j0 + tc::kRows : sk;
+    const Mask mask = mask_all.of_lengths(sq, sk);
+    const T* q_b = place.query_side(q, qs, seqs);
+    const T* g_b = place.query_side(grad_out, gs, seqs);
+    const T* k_b = place.key_side(k, ks, seqs);
+    const T* v_b = place.key_side(v, vs, seqs);
 
-  tc::stage_key_rows<T, kD, tc::kRows>(k_s, v_s, k_b, ks.s, v_b, vs.s, j0, j_end, d, kv_chunks);
+    tc::stage_key_rows<T, kD, tc::kRows>(k_s, v_s, k_b, ks.s, v_b, vs.s, j0, j_end, d, kv_chunks);
 
-  // Rows (position, head) of the positions that see any key of this block.
-  const int64_t rows_begin = rows.group_row(attn::query_begin(mask, j0, sq));
-  const int64_t rows_end = rows.group_row(attn::query_end(mask, j_end, sq));
-  const int64_t n_tiles = rows_end > rows_begin ? (rows_end - rows_begin + kTile - 1) / kTile : 0;
-  const RowTiles<T, kD> stage_rows{q_s, do_s, lse_s, delta_s, q_b, g_b, qs, gs, lse, delta, rows, g, b,
-                                   rows_begin, rows_end, d, q_chunks};
-  tc::pipeline_start(n_tiles, stage_rows);
+    // Rows (position, head) of the positions that see any key of this block.
+    const int64_t rows_begin = rows.group_row(attn::query_begin(mask, j0, sq));
+    const int64_t rows_end = rows.group_row(attn::query_end(mask, j_end, sq));
+    const int64_t n_tiles = rows_end > rows_begin ? (rows_end - rows_begin + kTile - 1) / kTile : 0;
+    const RowTiles<T, Tl> stage_rows{q_s, do_s, lse_s, delta_s, q_b, g_b, qs, gs, lse, delta, rows, g, b,
+                                     rows_begin, rows_end, d, q_chunks};
+    tc::pipeline_start(n_tiles, stage_rows);
 
-  // This lane's two keys (half 0: key `group` of the warp's 16, half 1: group + 8).
-  int64_t key[2];
+    // This lane's two keys (half 0: key `group` of the warp's 16, half 1: group + 8).
+    int64_t key[2];
 #pragma unroll
-  for (int half = 0; half < 2; ++half) key[half] = j0 + warp * 16 + group + 8 * half;
-  const KeyLanes<kD> lanes{place, rows, mask, key, j_end, rows_end, lse_s, delta_s};
-  const bool unmodified = !extras.mods.any_score_mod() && !extras.mask.present();
-  const bool plain = unmodified && !extras.drop.enabled;
-  // This warp's 16 keys (the key range of a row grows with its position).
-  const int64_t warp_j0 = j0 + warp * 16, warp_j1 = warp_j0 + 16;
+    for (int half = 0; half < 2; ++half) key[half] = j0 + warp * 16 + group + 8 * half;
+    const KeyLanes<Tl> lanes{place, rows, mask, key, j_end, rows_end, lse_s, delta_s};
+    const bool unmodified = !extras.mods.any_score_mod() && !extras.mask.present();
+    const bool plain = unmodified && !extras.drop.enabled;
+    // This warp's 16 keys (the key range of a row grows with its position).
+    const int64_t warp_j0 = j0 + warp * 16, warp_j1 = warp_j0 + 16;
 
-  mma::FragC dk[kN], dv[kN];
-  for (int64_t tile = 0; tile < n_tiles; ++tile) {
-    tc::pipeline_next(tile, n_tiles, stage_rows);
-    const int buffer = static_cast<int>(tile % 2);
-    const int64_t r0 = rows_begin + tile * kTile;
-    const T* q_tile = q_s + buffer * kTile * kStride;
-    const T* do_tile = do_s + buffer * kTile * kStride;
+    mma::FragC dk[kN], dv[kN];
+    for (int64_t tile = 0; tile < n_tiles; ++tile) {
+      tc::pipeline_next(tile, n_tiles, stage_rows);
+      const int buffer = static_cast<int>(tile % 2);
+      const int64_t r0 = rows_begin + tile * kTile;
+      const T* q_tile = q_s + buffer * kTile * kStride;
+      const T* do_tile = do_s + buffer * kTile * kStride;
 
-    mma::FragC s[kTile / 8], dp[kTile / 8];  // S^T and dP^T: [16 keys, kTile rows]
-    tc::mma_rows_rows<T, kD, kTile, kStride>(s, k_s + warp * 16 * kStride, q_tile);
-    tc::mma_rows_rows<T, kD, kTile, kStride>(dp, v_s + warp * 16 * kStride, do_tile);
-    // Every row of the tile sees every key of this warp: its first row's
-    // range ends after them and its last row's begins before them.
-    const bool inside = plain && r0 + kTile <= rows_end && warp_j1 <= j_end &&
-                        warp_j1 <= attn::key_end(mask, rows.group_pos(r0)) &&
-                        warp_j0 >= attn::key_begin(mask, rows.group_pos(r0 + kTile - 1));
-    if (inside) {
-      lanes.interior_grads(s, dp, buffer, scale);
-    } else {
-      lanes.cut_grads(s, dp, buffer, r0, unmodified, scale, extras);
+      mma::FragC s[kTile / 8], dp[kTile / 8];  // S^T and dP^T: [16 keys, kTile rows]
+      tc::mma_rows_rows<T, kD, kTile, kStride>(s, k_s + warp * 16 * kStride, q_tile);
+      tc::mma_rows_rows<T, kD, kTile, kStride>(dp, v_s + warp * 16 * kStride, do_tile);
+      // Every row of the tile sees every key of this warp: its first row's
+      // range ends after them and its last row's begins before them.
+      const bool inside = plain && r0 + kTile <= rows_end && warp_j1 <= j_end &&
+                          warp_j1 <= attn::key_end(mask, rows.group_pos(r0)) &&
+                          warp_j0 >= attn::key_begin(mask, rows.group_pos(r0 + kTile - 1));
+      if (inside) {
+        lanes.interior_grads(s, dp, buffer, scale);
+      } else {
+        lanes.cut_grads(s, dp, buffer, r0, unmodified, scale, extras);
+      }
+      mma::FragA pa[kTile / 16], dsa[kTile / 16];
+      tc::to_a_frags<T, kTile>(pa, s);
+      tc::mma_frags_rows<T, kTile, kD, kStride>(dv, pa, do_tile);
+      tc::to_a_frags<T, kTile>(dsa, dp);
+      tc::mma_frags_rows<T, kTile, kD, kStride>(dk, dsa, q_tile);
+      __syncthreads();  // every warp is done with this buffer before it is staged again
     }
-    mma::FragA pa[kTile / 16], dsa[kTile / 16];
-    tc::to_a_frags<T, kTile>(pa, s);
-    tc::mma_frags_rows<T, kTile, kD, kStride>(dv, pa, do_tile);
-    tc::to_a_frags<T, kTile>(dsa, dp);
-    tc::mma_frags_rows<T, kTile, kD, kStride>(dk, dsa, q_tile);
-    __syncthreads();  // every warp is done with this buffer before it is staged again
+    lanes.store(dk, dv, grad_k, grad_v, key_rows, scale, d);
   }
-  lanes.store(dk, dv, grad_k, grad_v, key_rows, scale, d);
-#endif
 }
 
-FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_mma_dkdv_kernel, "tensor cores: bfloat16/float16, sm_80+, head dims up to 128")
+FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_mma_dkdv_kernel,
+                               "tensor cores: bfloat16/float16 on sm_80+, float16 on sm_75; head dims up to 128")
 
 }  // namespace
 
@@ -397,19 +401,17 @@ void launch_attention_mma_delta(const AttentionBackwardPlan& p, const at::Tensor
   const attn::QueryRows rows = rows_of(p);
   const bool chunks = tc::chunks_aligned(p.grad_out.const_data_ptr(), strides_of(p.grad_out)) &&
                       tc::chunks_aligned(p.out.const_data_ptr(), strides_of(p.out));
-  tc::with_mma_dtype(p.q.scalar_type(), [&](auto dtype_tag) {
+  tc::with_mma_tiles(p.q.scalar_type(), s.head_dim, [&](auto dtype_tag, auto tiles) {
     using T = decltype(dtype_tag);
-    tc::with_mma_head_dim(s.head_dim, [&](auto D) {
-      constexpr int kD = decltype(D)::value;
-      auto kernel = attention_mma_delta_kernel<T, kD>;
-      const size_t smem = sizeof(T) * tc::Tile<kD>::kStride * 2 * tc::kRows;
-      allow_shared_memory(kernel, smem);
-      const dim3 grid(static_cast<unsigned>((rows.group_rows() + tc::kRows - 1) / tc::kRows),
-                      static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
-      launch("attention_mma_delta_kernel", kernel, grid, tc::kThreads, smem, stream,
-             p.grad_out.const_data_ptr<T>(), strides_of(p.grad_out), p.out.const_data_ptr<T>(), strides_of(p.out),
-             delta.mutable_data_ptr<float>(), rows, p.seqs, static_cast<int>(s.head_dim), chunks);
-    });
+    using Tl = decltype(tiles);
+    auto kernel = attention_mma_delta_kernel<T, Tl>;
+    const size_t smem = sizeof(T) * Tl::kStride * 2 * tc::kRows;
+    allow_shared_memory(kernel, smem);
+    const dim3 grid(static_cast<unsigned>((rows.group_rows() + tc::kRows - 1) / tc::kRows),
+                    static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+    launch("attention_mma_delta_kernel", kernel, grid, tc::kThreads, smem, stream, p.grad_out.const_data_ptr<T>(),
+           strides_of(p.grad_out), p.out.const_data_ptr<T>(), strides_of(p.out), delta.mutable_data_ptr<float>(),
+           rows, p.seqs, static_cast<int>(s.head_dim), chunks);
   });
 }
 
@@ -420,22 +422,19 @@ void launch_attention_mma_dq(const AttentionBackwardPlan& p, const at::Tensor& d
                         tc::chunks_aligned(p.grad_out.const_data_ptr(), strides_of(p.grad_out));
   const bool kv_chunks = tc::chunks_aligned(p.k.const_data_ptr(), strides_of(p.k)) &&
                          tc::chunks_aligned(p.v.const_data_ptr(), strides_of(p.v));
-  tc::with_mma_dtype(p.q.scalar_type(), [&](auto dtype_tag) {
+  tc::with_mma_tiles(p.q.scalar_type(), s.head_dim, [&](auto dtype_tag, auto tiles) {
     using T = decltype(dtype_tag);
-    tc::with_mma_head_dim(s.head_dim, [&](auto D) {
-      constexpr int kD = decltype(D)::value;
-      auto kernel = attention_mma_dq_kernel<T, kD>;
-      const size_t smem = tc::Tile<kD>::dq_smem(sizeof(T));
-      allow_shared_memory(kernel, smem);
-      const dim3 grid(static_cast<unsigned>((rows.group_rows() + tc::kRows - 1) / tc::kRows),
-                      static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
-      launch("attention_mma_dq_kernel", kernel, grid, tc::kThreads, smem, stream,
-             p.grad_out.const_data_ptr<T>(), strides_of(p.grad_out), p.q.const_data_ptr<T>(),
-             strides_of(p.q), p.k.const_data_ptr<T>(), strides_of(p.k), p.v.const_data_ptr<T>(),
-             strides_of(p.v), p.lse.const_data_ptr<float>(), delta.const_data_ptr<float>(),
-             p.grad_q.mutable_data_ptr<T>(), rows, p.seqs, static_cast<int>(s.head_dim),
-             static_cast<float>(p.scale), p.mask, extras_of(p), q_chunks, kv_chunks);
-    });
+    using Tl = decltype(tiles);
+    auto kernel = attention_mma_dq_kernel<T, Tl>;
+    const size_t smem = Tl::dq_smem(sizeof(T));
+    allow_shared_memory(kernel, smem);
+    const dim3 grid(static_cast<unsigned>((rows.group_rows() + tc::kRows - 1) / tc::kRows),
+                    static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+    launch("attention_mma_dq_kernel", kernel, grid, tc::kThreads, smem, stream, p.grad_out.const_data_ptr<T>(),
+           strides_of(p.grad_out), p.q.const_data_ptr<T>(), strides_of(p.q), p.k.const_data_ptr<T>(),
+           strides_of(p.k), p.v.const_data_ptr<T>(), strides_of(p.v), p.lse.const_data_ptr<float>(),
+           delta.const_data_ptr<float>(), p.grad_q.mutable_data_ptr<T>(), rows, p.seqs,
+           static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras_of(p), q_chunks, kv_chunks);
   });
 }
 
@@ -447,26 +446,24 @@ void launch_attention_mma_dkdv(const AttentionBackwardPlan& p, const at::Tensor&
                         tc::chunks_aligned(p.grad_out.const_data_ptr(), strides_of(p.grad_out));
   const bool kv_chunks = tc::chunks_aligned(p.k.const_data_ptr(), strides_of(p.k)) &&
                          tc::chunks_aligned(p.v.const_data_ptr(), strides_of(p.v));
-  tc::with_mma_dtype(p.q.scalar_type(), [&](auto dtype_tag) {
+  tc::with_mma_tiles(p.q.scalar_type(), s.head_dim, [&](auto dtype_tag, auto tiles) {
     using T = decltype(dtype_tag);
-    tc::with_mma_head_dim(s.head_dim, [&](auto D) {
-      constexpr int kD = decltype(D)::value;
-      if constexpr (kD <= tc::kMaxDkdvHeadDim) {
-        auto kernel = attention_mma_dkdv_kernel<T, kD>;
-        const size_t smem = tc::Tile<kD>::dkdv_smem(sizeof(T));
-        allow_shared_memory(kernel, smem);
-        // Sized by the longest sequence's keys (packed); shorter ones return early.
-        const dim3 grid(static_cast<unsigned>((s.sk + tc::kRows - 1) / tc::kRows),
-                        static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
-        launch("attention_mma_dkdv_kernel", kernel, grid, tc::kThreads, smem, stream,
-               p.grad_out.const_data_ptr<T>(), strides_of(p.grad_out), p.q.const_data_ptr<T>(),
-               strides_of(p.q), p.k.const_data_ptr<T>(), strides_of(p.k), p.v.const_data_ptr<T>(),
-               strides_of(p.v), p.lse.const_data_ptr<float>(), delta.const_data_ptr<float>(),
-               p.grad_k.mutable_data_ptr<T>(), p.grad_v.mutable_data_ptr<T>(), rows_of(p), p.key_rows,
-               p.seqs, static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras_of(p),
-               q_chunks, kv_chunks);
-      }
-    });
+    using Tl = decltype(tiles);
+    if constexpr (Tl::kD <= tc::kMaxDkdvHeadDim) {
+      auto kernel = attention_mma_dkdv_kernel<T, Tl>;
+      const size_t smem = Tl::dkdv_smem(sizeof(T));
+      allow_shared_memory(kernel, smem);
+      // Sized by the longest sequence's keys (packed); shorter ones return early.
+      const dim3 grid(static_cast<unsigned>((s.sk + tc::kRows - 1) / tc::kRows),
+                      static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+      launch("attention_mma_dkdv_kernel", kernel, grid, tc::kThreads, smem, stream,
+             p.grad_out.const_data_ptr<T>(), strides_of(p.grad_out), p.q.const_data_ptr<T>(),
+             strides_of(p.q), p.k.const_data_ptr<T>(), strides_of(p.k), p.v.const_data_ptr<T>(),
+             strides_of(p.v), p.lse.const_data_ptr<float>(), delta.const_data_ptr<float>(),
+             p.grad_k.mutable_data_ptr<T>(), p.grad_v.mutable_data_ptr<T>(), rows_of(p), p.key_rows,
+             p.seqs, static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras_of(p),
+             q_chunks, kv_chunks);
+    }
   });
 }
 

@@ -1,16 +1,19 @@
-// Tensor-core building blocks (sm_80 and newer): the m16n8k16 matrix product
-// on 16-bit inputs with float32 accumulators, ldmatrix fragment loads from
-// shared memory, and cp.async copies from global to shared memory.
+// Tensor-core building blocks: the m16n8k16 matrix product on 16-bit inputs
+// with float32 accumulators, ldmatrix fragment loads from shared memory, and
+// cp.async copies from global to shared memory.
 //
-// Each has two forms: the PTX instruction (nvcc, sm_80+), and a portable form
-// built from warp shuffles and plain loads that follows the fragment layouts of
-// the PTX ISA ("Matrix Fragments for mma.m16n8k16", "Warp-level matrix load
-// instruction: ldmatrix"). The emulated build (FUSEDLLM_SIMT) runs the portable
-// form (below sm_80 only the layout check of mma_check.cuh does); `kPortable =
-// true` selects it on any GPU, which is how a test on a GPU compares it with the
-// hardware. Under the emulator the portable
-// ldmatrix and cp.async also report their shared-memory rows, whose bank
-// conflicts fusedllm.simt counts.
+// Each has two forms: the PTX instruction, and a portable form built from warp
+// shuffles and plain loads that follows the fragment layouts of the PTX ISA
+// ("Matrix Fragments for mma.m16n8k16", "... for mma.m16n8k8", "Warp-level
+// matrix load instruction: ldmatrix"). sm_80 and newer have all three. sm_75
+// (Turing) has ldmatrix and, for float16 only, mma.m16n8k8: there the m16n8k16
+// product is two of them, one per half of k, and cp.async is the portable
+// copy (a 16-byte load, then a 16-byte store). The emulated build
+// (FUSEDLLM_SIMT) runs the portable forms, as an sm_75 device the m16n8k8
+// halves when FUSEDLLM_SIMT_SM=75 makes it one; `kPortable = true` selects
+// them on any GPU, which is how a test on a GPU compares them with the
+// hardware. Under the emulator the portable ldmatrix and cp.async also report
+// their shared-memory rows, whose bank conflicts fusedllm.simt counts.
 //
 // Layouts, for lane = 4 * group + quad (group 0..7, quad 0..3):
 //   A (16x16, row-major): r[0] = A[group][2q, 2q+1], r[1] = A[group+8][2q, 2q+1],
@@ -18,7 +21,8 @@
 //   B (16x8, k x n):      r[0] = B[2q, 2q+1][group], r[1] = B[2q+8, 2q+9][group]
 //   C (16x8, float32):    r[0..1] = C[group][2q, 2q+1], r[2..3] = C[group+8][2q, 2q+1]
 // where each 32-bit register holds two 16-bit elements, the lower index in the
-// low half.
+// low half. m16n8k8's A (16x8) is {r[0], r[1]} and its B (8x8) r[0] of these,
+// its C the same: A's r[2], r[3] and B's r[1] are the second k8 product's.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -35,9 +39,16 @@
 #define FUSEDLLM_HAS_MMA_SM80 0
 #endif
 
+// sm_75 machine code: ldmatrix and the float16 mma.m16n8k8.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750 && !defined(FUSEDLLM_SIMT)
+#define FUSEDLLM_HAS_MMA_SM75 1
+#else
+#define FUSEDLLM_HAS_MMA_SM75 0
+#endif
+
 // Device code for a GPU below sm_80 (sm_75 builds): the tensor-core kernels
-// compile there to a trap, since dispatch never launches them below sm_80 and
-// their portable form would only cost build time.
+// that dispatch never launches there compile to a trap, since their portable
+// form would only cost build time.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800 && !defined(FUSEDLLM_SIMT)
 #define FUSEDLLM_BELOW_SM80 1
 #else
@@ -113,7 +124,37 @@ __device__ __forceinline__ void mma_16816_portable(FragC& d, const FragA& a, con
   for (int i = 0; i < 4; ++i) d.r[i] = acc[i];
 }
 
-// d = a * b + d on the tensor cores (mma.sync.m16n8k16, float32 accumulators).
+// d = a * b + d for one half of k (m16n8k8): A's registers a0 (row group)
+// and a1 (row group + 8), B's b0, the portable form.
+template <typename T>
+__device__ __forceinline__ void mma_1688_portable(FragC& d, uint32_t a0, uint32_t a1, uint32_t b0) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int group = lane / 4, quad = lane % 4;
+  float acc[4] = {d.r[0], d.r[1], d.r[2], d.r[3]};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    // A[group][2q, 2q+1] and A[group+8][2q, 2q+1], from lane 4*group + q.
+    const int a_lane = group * 4 + q;
+    float a_top[2], a_bottom[2];
+    unpack<T>(__shfl_sync(kFullMask, a0, a_lane), a_top[0], a_top[1]);
+    unpack<T>(__shfl_sync(kFullMask, a1, a_lane), a_bottom[0], a_bottom[1]);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float bk[2];  // B[2q, 2q+1][2*quad + c], from lane 4 (2*quad + c) + q
+      unpack<T>(__shfl_sync(kFullMask, b0, (2 * quad + c) * 4 + q), bk[0], bk[1]);
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        acc[c] = fmaf(a_top[k], bk[k], acc[c]);
+        acc[2 + c] = fmaf(a_bottom[k], bk[k], acc[2 + c]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d.r[i] = acc[i];
+}
+
+// d = a * b + d on the tensor cores: mma.sync.m16n8k16 (sm_80+), or two
+// float16 mma.sync.m16n8k8 (sm_75), float32 accumulators.
 template <typename T, bool kPortable = false>
 __device__ __forceinline__ void mma_16816(FragC& d, const FragA& a, const FragB& b) {
 #if FUSEDLLM_HAS_MMA_SM80
@@ -133,17 +174,41 @@ __device__ __forceinline__ void mma_16816(FragC& d, const FragA& a, const FragB&
     }
     return;
   }
+#elif FUSEDLLM_HAS_MMA_SM75
+  if constexpr (!kPortable) {
+    if constexpr (std::is_same_v<T, c10::Half>) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(d.r[0]), "+f"(d.r[1]), "+f"(d.r[2]), "+f"(d.r[3])
+            : "r"(a.r[2 * h]), "r"(a.r[2 * h + 1]), "r"(b.r[h]));
+      }
+    } else {
+      __trap();  // no bfloat16 tensor-core product before sm_80: dispatch never asks for one
+    }
+    return;
+  }
+#endif
+#if defined(FUSEDLLM_SIMT)
+  if (simt::device_properties().major < 8) {  // an emulated sm_75: what its instructions do
+    CUDA_KERNEL_ASSERT((std::is_same_v<T, c10::Half>) && "no bfloat16 tensor-core product before sm_80");
+    mma_1688_portable<T>(d, a.r[0], a.r[1], b.r[0]);
+    mma_1688_portable<T>(d, a.r[2], a.r[3], b.r[1]);
+    return;
+  }
 #endif
   mma_16816_portable<T>(d, a, b);
 }
 
-// ldmatrix .x4: four 8x8 matrices of 16-bit elements from shared memory. Lanes
+// ldmatrix .x4 (sm_75+): four 8x8 matrices of 16-bit elements from shared memory. Lanes
 // 8i..8i+7 pass the addresses of rows 0..7 of matrix i (16-byte aligned); r[i]
 // receives this lane's register of matrix i: row group, columns 2q and 2q+1
 // (with kTrans, rows 2q and 2q+1 of column group: the transposed matrix).
 template <bool kTrans, bool kPortable = false>
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
-#if FUSEDLLM_HAS_MMA_SM80
+#if FUSEDLLM_HAS_MMA_SM75
   if constexpr (!kPortable) {
     const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(row));
     if constexpr (kTrans) {
@@ -180,8 +245,9 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
 }
 
 // 16 bytes from global to shared memory without passing through registers
-// (cp.async.cg); visible to this thread after cp_async_wait, to the block after
-// that and a __syncthreads. The portable form copies at once (the emulator does
+// (cp.async.cg, sm_80+; below, the portable copy through registers); visible
+// to this thread after cp_async_wait, to the block after that and a
+// __syncthreads. The portable form copies at once (the emulator does
 // not model the copy's delay: a missing wait goes unnoticed there).
 template <bool kPortable = false>
 __device__ __forceinline__ void cp_async_16(void* shared, const void* global) {

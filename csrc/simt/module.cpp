@@ -64,6 +64,8 @@ PYBIND11_MODULE(_simt, m) {
     d["shared_mem_per_block_optin"] = p.sharedMemPerBlockOptin;
     d["max_threads_per_block"] = p.maxThreadsPerBlock;
     d["warp_size"] = p.warpSize;
+    d["major"] = p.major;
+    d["minor"] = p.minor;
     return d;
   });
 }

@@ -45,7 +45,9 @@ namespace fusedllm::simt {
 
 constexpr int kWarpSize = 32;
 
-// Limits of the emulated device (an sm_80-class GPU); the SM count is small by
+// Limits of the emulated device: an sm_80-class GPU, or with FUSEDLLM_SIMT_SM=75
+// a Turing one (compute capability 7.5, 64 KiB of shared memory a block, whose
+// tensor-core products are float16 mma.m16n8k8 only); the SM count is small by
 // default (FUSEDLLM_SIMT_SMS) so grid-stride loops run more than once.
 struct DeviceProperties {
   char name[256];
@@ -220,6 +222,7 @@ void reset_stats();
 #undef CUDA_KERNEL_ASSERT
 #define CUDA_KERNEL_ASSERT(cond) \
   ((cond) ? void(0) : ::fusedllm::simt::detail::kernel_assert_failed(#cond, __FILE__, __LINE__))
+#define __trap() ::fusedllm::simt::detail::kernel_assert_failed("__trap()", __FILE__, __LINE__)
 
 namespace fusedllm::simt::detail {
 using C = Collective;

@@ -1,0 +1,83 @@
+"""The tensor-core attention kernels as an sm_75 (Turing: T4) GPU runs them:
+the emulator as an sm_75 device (FUSEDLLM_SIMT_SM=75: compute capability 7.5,
+64 KiB of shared memory a block, each float16 m16n8k16 product as two
+mma.m16n8k8, no bfloat16 product), in processes of their own since the
+emulated device's properties are read once. There mma.cuh's check tile
+multiplies exactly in float16 and refuses bfloat16, and
+test_attention_tensor_core.py's float16 and dispatch cases pass on the Turing
+tiles (bfloat16 on the SIMT kernels)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+
+pytestmark = pytest.mark.simt
+
+
+def _as_sm75(args, timeout):
+    env = dict(os.environ, FUSEDLLM_SIMT_SM="75",
+               PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    env.pop("PYTEST_XDIST_WORKER", None)
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+
+
+CHECK_TILE = r"""
+import json, torch, fusedllm, fusedllm.simt as simt
+from test_tensor_core import LAYOUTS, check, operands
+props = simt._simt.device_properties()
+assert (props["major"], props["minor"], props["shared_mem_per_block_optin"]) == (7, 5, 64 * 1024), props
+for rows_are_n in LAYOUTS.values():
+    for exact in (True, False):
+        a, b, expected = operands(torch.float16, exact, rows_are_n)
+        with simt.kernels(schedule="warp-random"):
+            check(torch.ops.fusedllm_simt_selftest.mma_tile(a, b, rows_are_n), expected, exact)
+a, b, _ = operands(torch.bfloat16, True, True)
+try:
+    with simt.kernels():
+        torch.ops.fusedllm_simt_selftest.mma_tile(a, b, True)
+    refused = ""
+except RuntimeError as e:
+    refused = str(e)
+q = torch.randn(1, 4, 40, 256).half()
+k, v = torch.randn(1, 2, 40, 256).half(), torch.randn(1, 2, 40, 256).half()
+try:
+    with simt.kernels():
+        fusedllm.attention(q, k, v)
+    head_dim_256 = ""
+except RuntimeError as e:
+    head_dim_256 = str(e)
+print(json.dumps({"refused": refused, "head_dim_256": head_dim_256}))
+"""
+
+
+def test_check_tile_as_two_k8_products():
+    """float16: the m16n8k16 product as two m16n8k8 ones, exact on small
+    integers in both B layouts; bfloat16 has no product there: the kernel
+    stops (dispatch never asks for one on sm_75). Head dim 256: no kernel fits
+    the device's shared memory, and the call says how much it needs."""
+    done = _as_sm75(["-c", CHECK_TILE], 600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "no bfloat16 tensor-core product before sm_80" in result["refused"], result
+    assert "83200 bytes of shared memory per block" in result["head_dim_256"], result
+    assert "sm_75 limits) allows 65536" in result["head_dim_256"], result
+
+
+def test_attention_grid_on_turing_tiles():
+    """test_attention_tensor_core.py's float16 cases (the tensor-core forward,
+    delta, dQ and dK/dV on the Turing tiles: 32-key forward tiles and 16-row
+    backward tiles at head dim 128), its dispatch cases (bfloat16 and decoding
+    on the SIMT kernels) and its bank-conflict count, both schedules."""
+    done = _as_sm75(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", "simt",
+                     os.path.join(TESTS, "test_attention_tensor_core.py"),
+                     "-k", "(float16 or dispatch or bank_conflicts or simt_kernel_on_request) and not hopper"], 1800)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary

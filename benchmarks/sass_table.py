@@ -21,6 +21,7 @@ How the loop and its iteration are chosen (static analysis, no profile):
   modifiers, masks, dropout, element-wise copies for unaligned tensors). The
   counted path is the one from the loop head to its back-edge with the most
   tensor-core instructions, then the most asynchronous global->shared copies
+  (or 16-byte global loads: sm_75 has no cp.async)
   (so the steady state, which stages the next tile), then the fewest
   instructions. The loop's full static size is printed beside it.
 - loops inside the loop (e.g. the tile-staging loop) count once per trip; the
@@ -328,13 +329,15 @@ def main_loop(instrs: list[Instr], blocks: list[Block], loops: list[Loop]) -> Lo
 
 def hot_path(instrs: list[Instr], blocks: list[Block], dom: list[int], loop: Loop, tensor: bool) -> list[int]:
     """Block numbers one iteration runs: the path from the head to a latch ranked
-    by (most tensor ops, most async copies, fewest instructions) in tensor-core
+    by (most tensor ops, most async copies or 16-byte loads, fewest instructions) in tensor-core
     kernels, by (most FMA, most shared loads, fewest instructions) in others.
     Back edges are dropped, so an inner loop's body is on the path once."""
     def weight(n: int) -> tuple[int, int, int]:
         items = instrs[blocks[n].first:blocks[n].last + 1]
         if tensor:
-            return (-count_in(items, TENSOR), -count_in(items, ASYNC_COPY), len(items))
+            # Copies: asynchronous ones, or (sm_75, no cp.async) 16-byte loads.
+            wide_loads = sum(1 for ins in items if ins.base == "LDG" and ".128" in ins.opcode)
+            return (-count_in(items, TENSOR), -count_in(items, ASYNC_COPY) - wide_loads, len(items))
         return (-count_in(items, {"FFMA", "DFMA", "HFMA2"}), -count_in(items, {"LDS", "LDSM"}), len(items))
 
     def forward(n: int) -> list[int]:

@@ -257,6 +257,11 @@ __device__ __forceinline__ void cp_async_16(void* shared, const void* global) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global));
     return;
   }
+#elif FUSEDLLM_HAS_MMA_SM75
+  if constexpr (!kPortable) {  // a read-only 16-byte global load, then the store
+    *static_cast<uint4*>(shared) = __ldg(static_cast<const uint4*>(global));
+    return;
+  }
 #endif
 #if defined(FUSEDLLM_SIMT)
   simt::detail::record_shared_access(simt::detail::SharedAccess::kCpAsync, shared);
@@ -278,7 +283,7 @@ __device__ __forceinline__ void cp_async_16_or_zero(void* shared, const void* gl
   }
 #endif
   if (valid) {
-    cp_async_16<true>(shared, global);
+    cp_async_16<kPortable>(shared, global);
     return;
   }
 #if defined(FUSEDLLM_SIMT)

@@ -8,7 +8,7 @@ conflicts. They run under the emulator ("simt", "simt-warp") and on a GPU
 (FUSEDLLM_CUDA_ATTENTION=mma), and again with the Hopper forward and backward
 (=hopper; the default on an sm_90 GPU) wherever they serve the call and can
 run. On an sm_75 device (a T4, or the emulator under FUSEDLLM_SIMT_SM=75,
-which test_attention_turing.py runs this file as) bfloat16 and head dims past
+which test_turing.py runs this file as) bfloat16 and head dims past
 128 take the SIMT kernels, and decoding the SIMT decoding kernel."""
 
 import contextlib
@@ -64,7 +64,7 @@ def _turing():
 def skip_past_turing_shared_memory(head_dim):
     """Head dims past 128 on an sm_75 device: no attention kernel fits its 64
     KiB of shared memory a block (the SIMT ones take 83 KB at 256), and the
-    call says so (test_attention_turing.py)."""
+    call says so (test_turing.py)."""
     if head_dim > 128 and _turing():
         pytest.skip("head dims past 128 on sm_75: no kernel fits 64 KiB of shared memory")
 

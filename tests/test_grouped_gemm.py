@@ -1,8 +1,9 @@
 """The grouped matrix products of csrc/cuda/grouped_gemm.cuh (mixture-of-experts
 rows grouped by expert through device-side offsets): under the emulator,
 through torch.ops.fusedllm_simt_selftest.grouped_mm, against a float64
-per-group reference; and compiled for sm_80 (tensor-core instructions, no
-register spills)."""
+per-group reference; and compiled for sm_75 and sm_80 (tensor-core
+instructions, no register spills). test_turing.py runs them on an emulated
+sm_75 device."""
 
 import os
 import re
@@ -235,23 +236,28 @@ SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_kernels_compile_to_tensor_core_instructions_without_spills(tmp_path):
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80"])
+def test_kernels_compile_to_tensor_core_instructions_without_spills(tmp_path, arch):
     """Evidence without a GPU: for sm_80, the 16-bit kernels' machine code holds
     HMMA (mma.sync), LDSM and LDSM .MT (ldmatrix, ldmatrix .trans) and LDGSTS
-    (cp.async), and ptxas reports no spills for any grouped kernel."""
+    (cp.async); for sm_75, the float16 ones' holds HMMA.1688 (two m16n8k8 a
+    product) and LDSM, no LDGSTS; ptxas reports no spills for any grouped kernel."""
     cuobjdump = _cuobjdump()
     assert cuobjdump, "nvcc is here but cuobjdump is not (the CUDA toolkit's, or triton's copy)"
     probe = tmp_path / "probe.cu"
     # The host function instantiates every kernel.
     probe.write_text('#include "grouped_gemm.cuh"\n')
     cubin = tmp_path / "probe.cubin"
-    build = subprocess.run(["nvcc", "-std=c++20", "-arch=sm_80", "--expt-relaxed-constexpr", "-cubin",
+    build = subprocess.run(["nvcc", "-std=c++20", f"-arch={arch}", "--expt-relaxed-constexpr", "-cubin",
                             "-Xptxas=-v", *gpu_extensions.cuda_include_dirs(), str(probe), "-o", str(cubin)],
                            check=True, capture_output=True, text=True)
     spills = [(int(s), int(l)) for s, l in SPILLS.findall(build.stderr)]
     assert len(spills) >= 18 and all(s == l == 0 for s, l in spills), build.stderr
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True,
                           text=True).stdout
-    for instruction in ("HMMA.16816.F32.BF16", "HMMA.16816.F32 ", "LDSM.16.M88.4", "LDSM.16.MT88.4",
-                        "LDGSTS.E.BYPASS.128"):
-        assert instruction in sass, f"{instruction.strip()} not in the sm_80 machine code"
+    expected = (("HMMA.1688.F32 ", "LDSM.16.M88.4", "LDSM.16.MT88.4") if arch == "sm_75" else
+                ("HMMA.16816.F32.BF16", "HMMA.16816.F32 ", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS.E.BYPASS.128"))
+    for instruction in expected:
+        assert instruction in sass, f"{instruction.strip()} not in the {arch} machine code"
+    if arch == "sm_75":
+        assert "HMMA.16816" not in sass and "LDGSTS" not in sass

@@ -2,7 +2,7 @@
 ldmatrix with and without .trans, cp.async), through the 64x64x64 check tile of
 csrc/cuda/mma_check.cuh: under the emulator (their portable forms, through
 torch.ops.fusedllm_simt_selftest.mma_tile; as two m16n8k8 on an emulated sm_75
-in test_attention_turing.py), compiled for sm_75, sm_80 and sm_90 (the
+in test_turing.py), compiled for sm_75, sm_80 and sm_90 (the
 instructions they become), and on a GPU (the hardware
 instructions and the portable forms on the same inputs); and the machine code of
 the built extension's tensor-core kernels (attention forward, grouped products)."""
@@ -145,9 +145,10 @@ def test_built_tensor_core_kernels_hold_tensor_core_instructions():
     forward and dQ for two dtypes x four head dims, dK/dV for three) and of the
     grouped products holds HMMA (mma.sync; .BF16 for bfloat16), ldmatrix (LDSM)
     and cp.async (LDGSTS). On sm_75 the float16 kernels on Turing tiles (the
-    forward, dQ and dK/dV at head dims 64, 96 and 128) hold HMMA.1688 and
-    ldmatrix, no cp.async; every other instantiation, there and on the newer
-    architectures, compiles to a trap and holds no HMMA."""
+    forward, dQ and dK/dV at head dims 64, 96 and 128) and the float16 grouped
+    products hold HMMA.1688 and ldmatrix, no cp.async; every other
+    instantiation, there and on the newer architectures, compiles to a trap
+    and holds no HMMA."""
     import fusedllm
     from fusedllm import _extension
 
@@ -188,12 +189,17 @@ def test_built_tensor_core_kernels_hold_tensor_core_instructions():
             assert "LDSM.16.M88.4" in body and "LDSM.16.MT88.4" in body, (arch, name)
         assert not any("HMMA" in body for body in turing.values()), (arch, list(turing))
     turing, attention = split("sm_75")
+    grouped = _functions_sass(cuobjdump, library, "sm_75", "grouped_mm_tc_kernel")
+    grouped_fp16 = {n: b for n, b in grouped.items() if "N3c104HalfE" in n}
     assert len(turing) == 9 and all("Half" in name for name in turing), list(turing)
-    for name, body in turing.items():
-        assert "HMMA.1688.F32 " in body and "LDSM.16.M88.4" in body and "LDSM.16.MT88.4" in body, name
+    assert len(grouped) == 6 and len(grouped_fp16) == 3, list(grouped)
+    for name, body in {**turing, **grouped_fp16}.items():
+        assert "HMMA.1688.F32 " in body and "LDSM.16.M88.4" in body, name
         assert "HMMA.16816" not in body and "LDGSTS" not in body, name
-    old = {**attention, **_functions_sass(cuobjdump, library, "sm_75", "grouped_mm_tc_kernel")}
-    assert len(old) == 28 and not any("HMMA" in body or "LDGSTS" in body for body in old.values()), list(old)
+    for name, body in turing.items():
+        assert "LDSM.16.MT88.4" in body, name
+    old = {**attention, **{n: b for n, b in grouped.items() if n not in grouped_fp16}}
+    assert len(old) == 25 and not any("HMMA" in body or "LDGSTS" in body for body in old.values()), list(old)
 
 
 @pytest.fixture(scope="module")

@@ -157,11 +157,11 @@ void with_mma_head_dim(int64_t d, F&& f) {
 // the tiles of kArch: sm_75 machine code the float16 Turing ones, sm_80+ the
 // others (a GPU launches only its own); the emulator and the host pass all.
 template <typename T, int kArch>
-constexpr bool kBuiltHere =
+constexpr bool kBuiltHere = mma::kProductFor<T> &&
 #if defined(__CUDA_ARCH__) && !defined(FUSEDLLM_SIMT)
-    __CUDA_ARCH__ >= 800 ? kArch == 80 : __CUDA_ARCH__ >= 750 && kArch == 75 && std::is_same_v<T, c10::Half>;
+                            (kArch == 80) == (__CUDA_ARCH__ >= 800);
 #else
-    true;
+                            true;
 #endif
 
 // The tiles this device takes (Tile's kArch): 75 on a Turing GPU (sm_75, the

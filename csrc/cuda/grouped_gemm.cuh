@@ -15,13 +15,14 @@
 // one per group, e.g. an empty group's) exits at once.
 //
 // Two kernels share that tiling (64 x 64 output tiles):
-// - bfloat16 / float16 on sm_80+: tensor cores (mma.cuh: m16n8k16 with float32
-//   accumulators, ldmatrix, cp.async), 4 warps of 32 x 32, K-steps of 32 staged
+// - bfloat16 / float16 on sm_80+, float16 on sm_75: tensor cores (mma.cuh:
+//   m16n8k16 with float32 accumulators, on sm_75 two m16n8k8; ldmatrix,
+//   cp.async), 4 warps of 32 x 32, K-steps of 32 staged
 //   in shared memory, double-buffered. Ragged edges (rows past a group's end, N
 //   or K not tile multiples) and operands cp.async cannot read (16-byte chunks
 //   need aligned pointers and strides) are loaded element by element, zeros
 //   past the edges.
-// - float32 / float64, and 16-bit types below sm_80: a SIMT kernel, 256 threads
+// - float32 / float64, and bfloat16 below sm_80: a SIMT kernel, 256 threads
 //   of 4 x 4 outputs, K-steps of 16 staged (converted to the accumulator type)
 //   in shared memory.
 // Both write each output once, rounded once from float32 (float64) sums (plus
@@ -227,103 +228,103 @@ __device__ __forceinline__ void stage_tc_operand(T* s, const T* x0, int64_t stri
 
 template <typename T, GroupedProduct kKind>
 __global__ void __launch_bounds__(kTcThreads) grouped_mm_tc_kernel(Args<T> p) {
-#if FUSEDLLM_BELOW_SM80
-  __trap();  // grouped_mm launches the SIMT kernel below sm_80
-#else
-  constexpr bool kAK = kAIsKContiguous<kKind>, kBK = kBIsKContiguous<kKind>;
-  using TileA = TcTile<kAK>;
-  using TileB = TcTile<kBK>;
-  Block<T> blk;
-  if (!locate<kKind>(p, blk)) return;  // the whole block: its slot holds no tile
-  T* sa = dynamic_shared<T>();               // [kTcStages][TileA::kSize]
-  T* sb = sa + kTcStages * TileA::kSize;     // [kTcStages][TileB::kSize]
+  if constexpr (!mma::kProductFor<T>) {
+    __trap();  // grouped_mm launches the SIMT kernel where T has no tensor-core product
+  } else {
+    constexpr bool kAK = kAIsKContiguous<kKind>, kBK = kBIsKContiguous<kKind>;
+    using TileA = TcTile<kAK>;
+    using TileB = TcTile<kBK>;
+    Block<T> blk;
+    if (!locate<kKind>(p, blk)) return;  // the whole block: its slot holds no tile
+    T* sa = dynamic_shared<T>();               // [kTcStages][TileA::kSize]
+    T* sb = sa + kTcStages * TileA::kSize;     // [kTcStages][TileB::kSize]
 
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int wm = (warp % 2) * 32, wn = (warp / 2) * 32;  // this warp's 32 x 32 of the tile
-  const int matrix = lane / 8, matrix_row = lane % 8;    // the 8x8 matrix this lane addresses
-  mma::FragC acc[2][4];
+    const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+    const int wm = (warp % 2) * 32, wn = (warp / 2) * 32;  // this warp's 32 x 32 of the tile
+    const int matrix = lane / 8, matrix_row = lane % 8;    // the 8x8 matrix this lane addresses
+    mma::FragC acc[2][4];
 
-  const int64_t steps = (blk.k + kTcK - 1) / kTcK;
-  const auto stage = [&](int64_t step) {
-    const int buffer = static_cast<int>(step % kTcStages);
-    stage_tc_operand<kAK>(sa + buffer * TileA::kSize, blk.a0, p.a_stride, blk.m_valid, blk.k,
-                          step * kTcK, p.a_chunks);
-    stage_tc_operand<kBK>(sb + buffer * TileB::kSize, blk.b0, p.b_stride, blk.n_valid, blk.k,
-                          step * kTcK, p.b_chunks);
-    mma::cp_async_commit();
-  };
-  if (steps > 0) stage(0);
-  for (int64_t step = 0; step < steps; ++step) {
-    if (step + 1 < steps) {
-      stage(step + 1);  // its buffer was last read before the previous step's closing barrier
-      mma::cp_async_wait<1>();
-    } else {
-      mma::cp_async_wait<0>();
-    }
-    __syncthreads();
-    const T* ta = sa + static_cast<int>(step % kTcStages) * TileA::kSize;
-    const T* tb = sb + static_cast<int>(step % kTcStages) * TileB::kSize;
-#pragma unroll
-    for (int ks = 0; ks < kTcK; ks += 16) {
-      mma::FragA fa[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int m = wm + i * 16;
-        if constexpr (kAK) {
-          mma::ldmatrix_x4<false>(
-              fa[i].r, ta + (m + (matrix % 2) * 8 + matrix_row) * TileA::kStride + ks + (matrix / 2) * 8);
-        } else {
-          mma::ldmatrix_x4<true>(
-              fa[i].r, ta + (ks + (matrix / 2) * 8 + matrix_row) * TileA::kStride + m + (matrix % 2) * 8);
-        }
+    const int64_t steps = (blk.k + kTcK - 1) / kTcK;
+    const auto stage = [&](int64_t step) {
+      const int buffer = static_cast<int>(step % kTcStages);
+      stage_tc_operand<kAK>(sa + buffer * TileA::kSize, blk.a0, p.a_stride, blk.m_valid, blk.k,
+                            step * kTcK, p.a_chunks);
+      stage_tc_operand<kBK>(sb + buffer * TileB::kSize, blk.b0, p.b_stride, blk.n_valid, blk.k,
+                            step * kTcK, p.b_chunks);
+      mma::cp_async_commit();
+    };
+    if (steps > 0) stage(0);
+    for (int64_t step = 0; step < steps; ++step) {
+      if (step + 1 < steps) {
+        stage(step + 1);  // its buffer was last read before the previous step's closing barrier
+        mma::cp_async_wait<1>();
+      } else {
+        mma::cp_async_wait<0>();
       }
+      __syncthreads();
+      const T* ta = sa + static_cast<int>(step % kTcStages) * TileA::kSize;
+      const T* tb = sb + static_cast<int>(step % kTcStages) * TileB::kSize;
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int n = wn + j * 16;
-        uint32_t r[4];  // two n-tiles of 8: {r[0], r[1]} and {r[2], r[3]}
-        if constexpr (kBK) {
-          mma::ldmatrix_x4<false>(
-              r, tb + (n + (matrix / 2) * 8 + matrix_row) * TileB::kStride + ks + (matrix % 2) * 8);
-        } else {
-          mma::ldmatrix_x4<true>(
-              r, tb + (ks + (matrix % 2) * 8 + matrix_row) * TileB::kStride + n + (matrix / 2) * 8);
-        }
+      for (int ks = 0; ks < kTcK; ks += 16) {
+        mma::FragA fa[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          mma::mma_16816<T>(acc[i][2 * j], fa[i], mma::FragB{{r[0], r[1]}});
-          mma::mma_16816<T>(acc[i][2 * j + 1], fa[i], mma::FragB{{r[2], r[3]}});
+          const int m = wm + i * 16;
+          if constexpr (kAK) {
+            mma::ldmatrix_x4<false>(
+                fa[i].r, ta + (m + (matrix % 2) * 8 + matrix_row) * TileA::kStride + ks + (matrix / 2) * 8);
+          } else {
+            mma::ldmatrix_x4<true>(
+                fa[i].r, ta + (ks + (matrix / 2) * 8 + matrix_row) * TileA::kStride + m + (matrix % 2) * 8);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int n = wn + j * 16;
+          uint32_t r[4];  // two n-tiles of 8: {r[0], r[1]} and {r[2], r[3]}
+          if constexpr (kBK) {
+            mma::ldmatrix_x4<false>(
+                r, tb + (n + (matrix / 2) * 8 + matrix_row) * TileB::kStride + ks + (matrix % 2) * 8);
+          } else {
+            mma::ldmatrix_x4<true>(
+                r, tb + (ks + (matrix % 2) * 8 + matrix_row) * TileB::kStride + n + (matrix / 2) * 8);
+          }
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            mma::mma_16816<T>(acc[i][2 * j], fa[i], mma::FragB{{r[0], r[1]}});
+            mma::mma_16816<T>(acc[i][2 * j + 1], fa[i], mma::FragB{{r[2], r[3]}});
+          }
+        }
+      }
+      __syncthreads();  // every warp is done with this buffer before it is staged again
+    }
+
+    const int group = lane / 4, quad = lane % 4;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int col = wn + t * 8 + 2 * quad;
+      // The bias of this lane's two columns, added to the float32 sums (rounded once).
+      float bias[2] = {0.f, 0.f};
+      if (blk.bias0 != nullptr) {
+        if (col < blk.n_valid) bias[0] = static_cast<float>(blk.bias0[col]);
+        if (col + 1 < blk.n_valid) bias[1] = static_cast<float>(blk.bias0[col + 1]);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // rows group and group + 8
+          const int row = wm + i * 16 + group + half * 8;
+          if (row >= blk.m_valid) continue;
+          T* c = blk.c0 + row * p.out_stride + col;
+          if (col < blk.n_valid) c[0] = T(acc[i][t].r[2 * half] + bias[0]);
+          if (col + 1 < blk.n_valid) c[1] = T(acc[i][t].r[2 * half + 1] + bias[1]);
         }
       }
     }
-    __syncthreads();  // every warp is done with this buffer before it is staged again
   }
-
-  const int group = lane / 4, quad = lane % 4;
-#pragma unroll
-  for (int t = 0; t < 4; ++t) {
-    const int col = wn + t * 8 + 2 * quad;
-    // The bias of this lane's two columns, added to the float32 sums (rounded once).
-    float bias[2] = {0.f, 0.f};
-    if (blk.bias0 != nullptr) {
-      if (col < blk.n_valid) bias[0] = static_cast<float>(blk.bias0[col]);
-      if (col + 1 < blk.n_valid) bias[1] = static_cast<float>(blk.bias0[col + 1]);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {  // rows group and group + 8
-        const int row = wm + i * 16 + group + half * 8;
-        if (row >= blk.m_valid) continue;
-        T* c = blk.c0 + row * p.out_stride + col;
-        if (col < blk.n_valid) c[0] = T(acc[i][t].r[2 * half] + bias[0]);
-        if (col + 1 < blk.n_valid) c[1] = T(acc[i][t].r[2 * half + 1] + bias[1]);
-      }
-    }
-  }
-#endif
 }
 
-// ---- SIMT kernel (float32 / float64, and 16-bit types below sm_80) ----------
+// ---- SIMT kernel (float32 / float64, and bfloat16 below sm_80) -------------
 
 // Stages K-step [k0, k0 + kSimtK) of an operand (see Block) into `s` as
 // [kSimtK][kSimtStride] rows of Acc (K-major, whatever the operand's layout),
@@ -527,7 +528,8 @@ inline void check_operands(const at::Tensor& out, const at::Tensor& a, const at:
 }
 
 // grouped_mm with the kernel choice exposed: tensor_cores = false runs the
-// SIMT kernel for 16-bit types too (tests; GPUs below sm_80 do it anyway).
+// SIMT kernel for 16-bit types too (tests; a GPU without a product for the
+// dtype does it anyway: below sm_75, and bfloat16 below sm_80).
 inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                        const at::Tensor& offsets, GroupedProduct kind, bool tensor_cores,
                        const at::Tensor& bias = at::Tensor()) {
@@ -538,7 +540,9 @@ inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Ten
 
   const DeviceGuard guard(out.device());
   const Stream stream = current_stream();
-  const bool use_tensor_cores = tensor_cores && device_properties().major >= 8;
+  const auto& props = device_properties();
+  const bool use_tensor_cores =
+      tensor_cores && (props.major >= 8 || (props.major == 7 && props.minor >= 5 && out.scalar_type() == at::kHalf));
   const auto run = [&](auto tag) {
     using T = decltype(tag);
     Args<T> p;

@@ -57,6 +57,17 @@
 
 namespace fusedllm::cuda::mma {
 
+// Whether this compilation has a tensor-core product for T: sm_80 and newer
+// for both 16-bit types, sm_75 for float16 (mma.m16n8k8); the emulator and
+// the host pass say yes (the host checks the device before it launches).
+template <typename T>
+constexpr bool kProductFor =
+#if defined(__CUDA_ARCH__) && !defined(FUSEDLLM_SIMT)
+    __CUDA_ARCH__ >= 800 || (__CUDA_ARCH__ >= 750 && std::is_same_v<T, c10::Half>);
+#else
+    true;
+#endif
+
 struct FragA {
   uint32_t r[4];
 };

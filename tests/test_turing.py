@@ -1,11 +1,12 @@
-"""The tensor-core attention kernels as an sm_75 (Turing: T4) GPU runs them:
-the emulator as an sm_75 device (FUSEDLLM_SIMT_SM=75: compute capability 7.5,
-64 KiB of shared memory a block, each float16 m16n8k16 product as two
+"""The tensor-core kernels as an sm_75 (Turing: T4) GPU runs them: the
+emulator as an sm_75 device (FUSEDLLM_SIMT_SM=75: compute capability 7.5, 64
+KiB of shared memory a block, each float16 m16n8k16 product as two
 mma.m16n8k8, no bfloat16 product), in processes of their own since the
-emulated device's properties are read once. There mma.cuh's check tile
-multiplies exactly in float16 and refuses bfloat16, and
-test_attention_tensor_core.py's float16 and dispatch cases pass on the Turing
-tiles (bfloat16 on the SIMT kernels)."""
+emulated device's properties are read once. There mma.cuh's check tile and
+the grouped products multiply exactly in float16 on the tensor cores
+(bfloat16: the check tile refuses, the grouped products take the SIMT
+kernel), and test_attention_tensor_core.py's float16 and dispatch cases pass
+on the Turing tiles (bfloat16 on the SIMT kernels)."""
 
 import json
 import os
@@ -28,9 +29,10 @@ def _as_sm75(args, timeout):
                           cwd=ROOT)
 
 
-CHECK_TILE = r"""
+PRODUCTS = r"""
 import json, torch, fusedllm, fusedllm.simt as simt
 from test_tensor_core import LAYOUTS, check, operands
+from test_grouped_gemm import GROUPS, check as check_grouped, operands as grouped_operands
 props = simt._simt.device_properties()
 assert (props["major"], props["minor"], props["shared_mem_per_block_optin"]) == (7, 5, 64 * 1024), props
 for rows_are_n in LAYOUTS.values():
@@ -45,6 +47,16 @@ try:
     refused = ""
 except RuntimeError as e:
     refused = str(e)
+grouped = {}
+for dtype in ("float16", "bfloat16"):
+    for kind in range(3):
+        a, b, offsets = grouped_operands(kind, GROUPS, (40, 72), getattr(torch, dtype), exact=True, seed=kind)
+        before = simt.stats()["kernel_launches"]
+        with simt.kernels(schedule="warp-random"):
+            out = torch.ops.fusedllm_simt_selftest.grouped_mm(a, b, offsets, kind, True)
+        after = simt.stats()["kernel_launches"]
+        check_grouped(out, a, b, offsets, kind, exact=True)
+        grouped[f"{dtype} {kind}"] = sorted(n for n, c in after.items() if c > before.get(n, 0))
 q = torch.randn(1, 4, 40, 256).half()
 k, v = torch.randn(1, 2, 40, 256).half(), torch.randn(1, 2, 40, 256).half()
 try:
@@ -53,19 +65,24 @@ try:
     head_dim_256 = ""
 except RuntimeError as e:
     head_dim_256 = str(e)
-print(json.dumps({"refused": refused, "head_dim_256": head_dim_256}))
+print(json.dumps({"refused": refused, "grouped": grouped, "head_dim_256": head_dim_256}))
 """
 
 
-def test_check_tile_as_two_k8_products():
+def test_products_as_two_k8_products():
     """float16: the m16n8k16 product as two m16n8k8 ones, exact on small
-    integers in both B layouts; bfloat16 has no product there: the kernel
-    stops (dispatch never asks for one on sm_75). Head dim 256: no kernel fits
-    the device's shared memory, and the call says how much it needs."""
-    done = _as_sm75(["-c", CHECK_TILE], 600)
+    integers in both B layouts of the check tile and in the three grouped
+    products (on their tensor-core kernel); bfloat16 has no product there: the
+    check tile stops (dispatch never asks for one on sm_75) and the grouped
+    products run the SIMT kernel. Head dim 256: no attention kernel fits the
+    device's shared memory, and the call says how much it needs."""
+    done = _as_sm75(["-c", PRODUCTS], 600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert "no bfloat16 tensor-core product before sm_80" in result["refused"], result
+    for case, kernels in result["grouped"].items():
+        want = "grouped_mm_tc_kernel" if case.startswith("float16") else "grouped_mm_simt_kernel"
+        assert kernels == [want], (case, kernels)
     assert "83200 bytes of shared memory per block" in result["head_dim_256"], result
     assert "sm_75 limits) allows 65536" in result["head_dim_256"], result
 
@@ -74,10 +91,12 @@ def test_attention_grid_on_turing_tiles():
     """test_attention_tensor_core.py's float16 cases (the tensor-core forward,
     delta, dQ and dK/dV on the Turing tiles: 32-key forward tiles and 16-row
     backward tiles at head dim 128), its dispatch cases (bfloat16 and decoding
-    on the SIMT kernels) and its bank-conflict count, both schedules."""
+    on the SIMT kernels) and its bank-conflict count, under the round-robin
+    schedule (both schedules run the same kernels on the sm_80 tiles)."""
     done = _as_sm75(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", "simt",
                      os.path.join(TESTS, "test_attention_tensor_core.py"),
-                     "-k", "(float16 or dispatch or bank_conflicts or simt_kernel_on_request) and not hopper"], 1800)
+                     "-k", "(float16 or dispatch or bank_conflicts or simt_kernel_on_request) and not hopper "
+                     "and not simt-warp"], 1800)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     summary = done.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, summary

@@ -61,14 +61,6 @@ def _turing():
     return torch.cuda.get_device_capability() < (8, 0)
 
 
-def skip_past_turing_shared_memory(head_dim):
-    """Head dims past 128 on an sm_75 device: no attention kernel fits its 64
-    KiB of shared memory a block (the SIMT ones take 83 KB at 256), and the
-    call says so (test_turing.py)."""
-    if head_dim > 128 and _turing():
-        pytest.skip("head dims past 128 on sm_75: no kernel fits 64 KiB of shared memory")
-
-
 def _tensor_cores_serve(dtype, head_dim):
     """sm_80+: bfloat16 and float16 at every head dim; sm_75: float16 up to 128."""
     return not _turing() or (dtype == torch.float16 and head_dim <= 128)
@@ -307,7 +299,6 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:8])) + f"-{s[8]}")
 def test_matches_reference(device, shape):
     b, hq, hkv, sq, sk, d, causal, window, dtype = shape
-    skip_past_turing_shared_memory(d)
     q, k, v = make_qkv(b, hq, hkv, sq, sk, d, dtype, device, requires_grad=True)
     run_and_check(q, k, v, dtype, causal=causal, window=window)
 
@@ -377,7 +368,6 @@ def test_grad_out_in_another_layout_matches_reference(device, q_heads_inner):
 def test_one_visible_key_gives_exact_zero_gradients(device, case, dtype):
     """test_attention's exact zeros of rows that see one key, on this grid's
     backward kernels (the emulated suite runs that file on the SIMT ones)."""
-    skip_past_turing_shared_memory(case[5])
     with launches() as counts:
         test_attention.test_softmax_recompute_one_visible_key_gives_exact_zero_gradients(device, case, dtype)
     check_ran(counts, *backward_kernels(case[5], case[1] // case[2], dtype=dtype)[0])
@@ -524,7 +514,6 @@ def test_no_bank_conflicts(device, head_dim):
     """The emulator scores every ldmatrix and cp.async of the portable forms:
     none takes more than one shared-memory wavefront per 8-lane phase (float16
     on sm_75, whose tiles those are)."""
-    skip_past_turing_shared_memory(head_dim)
     dtype = torch.float16 if _turing() else torch.bfloat16
     q, k, v = make_qkv(1, 4, 2, 40, 70, head_dim, dtype, device, requires_grad=True)
     with launches() as counts:

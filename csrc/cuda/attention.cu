@@ -107,10 +107,10 @@ __device__ __forceinline__ void stage_kv(acc_t* k_s, acc_t* v_s, const KvSource&
 
 // A warp's rows of a forward block (rows row0 + r kFwdWarps + warp, r < RW;
 // those before rows_total exist) and its lane.
-template <typename T, int kDL>
+template <typename T, int kDL, bool kNarrow>
 struct WarpRows {
   using acc_t = at::opmath_type<T>;
-  using C = Cfg<acc_t, kDL>;
+  using C = Cfg<acc_t, kDL, kNarrow>;
   static constexpr int RW = C::kFwdRowsPerWarp;
   const attn::QueryRows& rows;
   const Mask& mask;
@@ -230,7 +230,7 @@ __device__ __forceinline__ void tile_pv(acc_t (&pv)[RW][kDL], const acc_t (&p)[R
   }
 }
 
-template <typename T, int kDL>
+template <typename T, int kDL, bool kNarrow>
 __global__ void __launch_bounds__(Cfg<at::opmath_type<T>, kDL>::kFwdWarps * kWarpSize,
                                   Cfg<at::opmath_type<T>, kDL>::kFwdBlocks)
 attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSource v, T* __restrict__ out,
@@ -238,7 +238,7 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
                          int d, at::opmath_type<T> scale, Mask mask_all, ScoreExtras extras,
                          KeySlices<at::opmath_type<T>> slices) {
   using acc_t = at::opmath_type<T>;
-  using C = Cfg<acc_t, kDL>;
+  using C = Cfg<acc_t, kDL, kNarrow>;
   constexpr int RW = C::kFwdRowsPerWarp;
   acc_t* q_s = dynamic_shared<acc_t>();
   acc_t* k_s = q_s + C::kFwdRows * C::kLd;
@@ -271,7 +271,7 @@ attention_forward_kernel(const T* __restrict__ q, Strides qs, KvSource k, KvSour
   const int busy = static_cast<int>(std::clamp<int64_t>((after + C::kFwdWarps - 1) / C::kFwdWarps, 0, RW));
   acc_t m[RW], l[RW], o[RW][kDL];
   int64_t lo[RW], hi[RW];
-  const WarpRows<T, kDL> warp_rows{rows, mask, g, b, row0, rows_total, warp, lane};
+  const WarpRows<T, kDL, kNarrow> warp_rows{rows, mask, g, b, row0, rows_total, warp, lane};
   warp_rows.start(m, l, o, lo, hi, slice_lo, slice_hi);
   const int64_t last_row = (row0 + C::kFwdRows < rows_total ? row0 + C::kFwdRows : rows_total) - 1;
   const int64_t key_lo = std::max(attn::key_begin(mask, rows.group_pos(row0)), slice_lo);
@@ -320,10 +320,9 @@ void launch_attention_forward(const AttentionForwardPlan& p, Stream stream) {
   const attn::QueryRows rows = rows_of(p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.scalar_type(), "fusedllm_attention_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    with_head_dim(s.head_dim, [&](auto DL) {
-      constexpr int kDL = decltype(DL)::value;
-      using C = Cfg<acc_t, kDL>;
-      auto kernel = attention_forward_kernel<scalar_t, kDL>;
+    with_cfg<acc_t>(s.head_dim, [](auto c) { return decltype(c)::fwd_smem(); }, [&](auto cfg) {
+      using C = decltype(cfg);
+      auto kernel = attention_forward_kernel<scalar_t, C::kDL, C::kNarrow>;
       allow_shared_memory(kernel, C::fwd_smem());
       const int64_t tiles = (rows.group_rows() + C::kFwdRows - 1) / C::kFwdRows;
       at::Tensor part_out, part_lse;

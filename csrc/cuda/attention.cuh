@@ -74,13 +74,19 @@ struct Strides {
 Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
 // Tile shapes for head dims up to 32 * kDL, in accumulator type acc_t.
-template <typename acc_t, int kDL>
+// kNarrow: half the keys a tile (half the lanes idle in the dot products), for
+// head dims past 128 where the full tiles' shared memory does not fit the GPU
+// (sm_75 blocks have 64 KiB; the full tiles take 83 KB at head dim 256).
+template <typename acc_t, int kDL_, bool kNarrow_ = false>
 struct Cfg {
+  static constexpr int kDL = kDL_;
+  static constexpr bool kNarrow = kNarrow_;
   static constexpr int kD = kWarpSize * kDL;                 // padded head dim
   static constexpr int kVec = 16 / sizeof(acc_t);            // elements per 16-byte access
   static constexpr int kLd = kD + kVec;                      // shared row stride: lanes reading
                                                              // different rows hit different banks
-  static constexpr int kKeys = sizeof(acc_t) == 8 ? 16 : 32;  // keys per tile, one per lane
+  // keys per tile, one per lane
+  static constexpr int kKeys = (sizeof(acc_t) == 8 ? 16 : 32) / (kNarrow ? 2 : 1);
   static constexpr bool kWide = sizeof(acc_t) == 8;
 
   // forward: 4 warps, each owning kFwdRowsPerWarp rows; kFwdBlocks resident
@@ -280,6 +286,23 @@ void with_head_dim(int64_t d, F&& f) {
   } else {
     f(std::integral_constant<int, 8>{});
   }
+}
+
+// Calls f(Cfg<acc_t, kDL, kNarrow>{}) for head dim d: the full tiles, or past
+// head dim 128 the narrow ones where the full tiles' smem(Cfg{}) bytes exceed
+// what a block of this GPU may have.
+template <typename acc_t, typename Smem, typename F>
+void with_cfg(int64_t d, Smem&& smem, F&& f) {
+  with_head_dim(d, [&](auto DL) {
+    constexpr int kDL = decltype(DL)::value;
+    if constexpr (kDL == 8) {
+      if (smem(Cfg<acc_t, kDL>{}) > device_properties().sharedMemPerBlockOptin) {
+        f(Cfg<acc_t, kDL, true>{});
+        return;
+      }
+    }
+    f(Cfg<acc_t, kDL>{});
+  });
 }
 
 // Lets `kernel` use `bytes` of dynamic shared memory (above the 48 KiB default).

@@ -10,10 +10,10 @@ namespace {
 // softmax shift) and delta, and their P and dS against the keys. The keys
 // [j0, j_end) come as arguments: read from members, chunk_scores' test of
 // a key's visibility compiled to other branches.
-template <typename T, int kDL>
+template <typename T, int kDL, bool kNarrow>
 struct KeyBlock {
   using acc_t = at::opmath_type<T>;
-  using C = Cfg<acc_t, kDL>;
+  using C = Cfg<acc_t, kDL, kNarrow>;
   static constexpr int KW = C::kKeysPerWarp;
   static constexpr int RC = C::kChunk;
   acc_t* k_s;
@@ -141,7 +141,7 @@ __device__ __forceinline__ void fold(acc_t (&dk)[KW][kDL], acc_t (&dv)[KW][kDL],
 
 // dK and dV for one tile of keys of kv head g, summed over every query row of
 // the group that sees them (the group reduction happens here, in registers).
-template <typename T, int kDL>
+template <typename T, int kDL, bool kNarrow>
 __global__ void __launch_bounds__(Cfg<at::opmath_type<T>, kDL>::kKvWarps * kWarpSize, 1)
 attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restrict__ q, Strides qs,
                       const T* __restrict__ k, Strides ks, const T* __restrict__ v, Strides vs,
@@ -151,7 +151,7 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
                       attn::Seqs seqs, int d, at::opmath_type<T> scale, Mask mask_all,
                       ScoreExtras extras) {
   using acc_t = at::opmath_type<T>;
-  using C = Cfg<acc_t, kDL>;
+  using C = Cfg<acc_t, kDL, kNarrow>;
   constexpr int KW = C::kKeysPerWarp;
   constexpr int RC = C::kChunk;
   acc_t* k_s = dynamic_shared<acc_t>();
@@ -193,7 +193,7 @@ attention_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* __res
   const int64_t rows_end = rows.group_row(attn::query_end(mask, j_end, sq));
   const T* qb_ptr = q + b * qs.b + q_start * qs.s;
   const T* gb_ptr = grad_out + b * gs.b + q_start * gs.s;
-  const KeyBlock<T, kDL> block{k_s, v_s, q_s, do_s, p_s, ds_s, shift_s, delta_s, rows, mask, g, b, rows_end,
+  const KeyBlock<T, kDL, kNarrow> block{k_s, v_s, q_s, do_s, p_s, ds_s, shift_s, delta_s, rows, mask, g, b, rows_end,
                                warp, lane};
 
   for (int64_t r0 = rows_begin; r0 < rows_end; r0 += RC) {
@@ -220,10 +220,9 @@ void launch_attention_dkdv(const AttentionBackwardPlan& p, const at::Tensor& del
   const AttentionShape& s = p.shape;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.scalar_type(), "fusedllm_attention_dkdv_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    with_head_dim(s.head_dim, [&](auto DL) {
-      constexpr int kDL = decltype(DL)::value;
-      using C = Cfg<acc_t, kDL>;
-      auto kv_kernel = attention_dkdv_kernel<scalar_t, kDL>;
+    with_cfg<acc_t>(s.head_dim, [](auto c) { return decltype(c)::kv_smem(); }, [&](auto cfg) {
+      using C = decltype(cfg);
+      auto kv_kernel = attention_dkdv_kernel<scalar_t, C::kDL, C::kNarrow>;
       allow_shared_memory(kv_kernel, C::kv_smem());
       // Sized by the longest sequence's keys (packed); shorter ones return early.
       const dim3 kv_grid(static_cast<unsigned>((s.sk + C::kKeys - 1) / C::kKeys),

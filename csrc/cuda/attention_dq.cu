@@ -37,7 +37,7 @@ __global__ void attention_delta_kernel(const T* __restrict__ grad_out, Strides g
 FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_delta_kernel, "SIMT")
 
 // dQ for a tile of rows (position, head) of kv head g over every key they see.
-template <typename T, int kDL>
+template <typename T, int kDL, bool kNarrow>
 __global__ void __launch_bounds__(Cfg<at::opmath_type<T>, kDL>::kDqWarps * kWarpSize, 1)
 attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restrict__ q, Strides qs,
                     const T* __restrict__ k, Strides ks, const T* __restrict__ v, Strides vs,
@@ -46,7 +46,7 @@ attention_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __restr
                     attn::QueryRows rows, attn::Seqs seqs, int d, at::opmath_type<T> scale,
                     Mask mask_all, ScoreExtras extras) {
   using acc_t = at::opmath_type<T>;
-  using C = Cfg<acc_t, kDL>;
+  using C = Cfg<acc_t, kDL, kNarrow>;
   using Ops = attn::ScalarOps<acc_t>;
   constexpr int RW = C::kDqRowsPerWarp;
   acc_t* q_s = dynamic_shared<acc_t>();
@@ -182,10 +182,9 @@ void launch_attention_dq(const AttentionBackwardPlan& p, const at::Tensor& delta
   const attn::QueryRows rows = rows_of(p);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.q.scalar_type(), "fusedllm_attention_dq_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    with_head_dim(s.head_dim, [&](auto DL) {
-      constexpr int kDL = decltype(DL)::value;
-      using C = Cfg<acc_t, kDL>;
-      auto dq_kernel = attention_dq_kernel<scalar_t, kDL>;
+    with_cfg<acc_t>(s.head_dim, [](auto c) { return decltype(c)::dq_smem(); }, [&](auto cfg) {
+      using C = decltype(cfg);
+      auto dq_kernel = attention_dq_kernel<scalar_t, C::kDL, C::kNarrow>;
       allow_shared_memory(dq_kernel, C::dq_smem());
       const dim3 dq_grid(static_cast<unsigned>((rows.group_rows() + C::kDqRows - 1) / C::kDqRows),
                          static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));

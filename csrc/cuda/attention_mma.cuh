@@ -499,9 +499,8 @@ inline AttentionRequest attention_request() {
 inline bool simt_attention_requested() { return attention_request() == AttentionRequest::kSimt; }
 
 // Whether the Hopper kernels run here: on the emulator when requested (not as
-// an sm_75 device); on an
-// sm_90 GPU with this build's sm_90a machine code unless another kernel family
-// is requested.
+// an sm_75 device); on an sm_90 GPU with this build's sm_90a machine code
+// unless another kernel family is requested.
 inline bool hopper_attention_available() {
   const AttentionRequest request = attention_request();
 #if defined(FUSEDLLM_SIMT)

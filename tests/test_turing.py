@@ -1,13 +1,13 @@
-"""The tensor-core kernels as an sm_75 (Turing: T4) GPU runs them: the
-emulator as an sm_75 device (FUSEDLLM_SIMT_SM=75: compute capability 7.5, 64
-KiB of shared memory a block, each float16 m16n8k16 product as two
-mma.m16n8k8, no bfloat16 product), in processes of their own since the
-emulated device's properties are read once. There mma.cuh's check tile and
-the grouped products multiply exactly in float16 on the tensor cores
-(bfloat16: the check tile refuses, the grouped products take the SIMT
-kernel), and test_attention_tensor_core.py's float16 and dispatch cases pass
-on the Turing tiles (bfloat16 on the SIMT kernels), and head dims past 128 run
-on the SIMT kernels' narrow tiles, which fit 64 KiB."""
+"""The CUDA kernels as an sm_75 (Turing: T4) GPU runs them: the emulator as
+an sm_75 device (FUSEDLLM_SIMT_SM=75: compute capability 7.5, 64 KiB of
+shared memory a block, each float16 m16n8k16 product as two mma.m16n8k8, no
+bfloat16 product), in processes of their own since the emulated device's
+properties are read once. There mma.cuh's check tile and the grouped products
+multiply exactly in float16 on the tensor cores (bfloat16: the check tile
+refuses, the grouped products take the SIMT kernel);
+test_attention_tensor_core.py's float16 and dispatch cases pass on the Turing
+tiles (bfloat16 on the SIMT kernels); and head dims past 128 run on the SIMT
+kernels' narrow tiles, which fit 64 KiB."""
 
 import json
 import os

@@ -53,23 +53,30 @@ def _emulator():
     return simt if simt is not None and simt.active() else None
 
 
-def _turing():
-    """Whether this run's device is an sm_75 one (a T4, or the emulator as one)."""
+def _capability():
+    """This run's device's compute capability (the emulator's included)."""
     simt = _emulator()
     if simt is not None:
-        return simt._simt.device_properties()["major"] == 7
-    return torch.cuda.get_device_capability() < (8, 0)
+        props = simt._simt.device_properties()
+        return props["major"], props["minor"]
+    return torch.cuda.get_device_capability()
+
+
+def _turing():
+    """Whether this run's device is an sm_75 one (a T4, or the emulator as one)."""
+    return _capability() == (7, 5)
 
 
 def _tensor_cores_serve(dtype, head_dim):
-    """sm_80+: bfloat16 and float16 at every head dim; sm_75: float16 up to 128."""
-    return not _turing() or (dtype == torch.float16 and head_dim <= 128)
+    """sm_80+: bfloat16 and float16 at every head dim; sm_75: float16 up to
+    128; older GPUs: none."""
+    return _capability() >= (8, 0) or (_turing() and dtype == torch.float16 and head_dim <= 128)
 
 
 def decode_kernel():
     """The decoding kernel of a call of up to 16 rows a kv head (a cache of the
     query's dtype): the tensor-core one from sm_80 on."""
-    return DECODE if _turing() else DECODE_MMA
+    return DECODE_MMA if _capability() >= (8, 0) else DECODE
 
 
 def backward_kernels(head_dim, group, plain=True, dtype=torch.bfloat16):

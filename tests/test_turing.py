@@ -123,3 +123,36 @@ def test_head_dims_past_128_fit_64_kib():
     assert done.returncode == 0, done.stderr[-4000:]
     for kernels in json.loads(done.stdout.strip().splitlines()[-1]):
         assert {"attention_forward_kernel", "attention_dq_kernel", "attention_dkdv_kernel"} <= set(kernels), kernels
+
+
+TURING_TILES = r"""
+import json, torch, fusedllm, fusedllm.simt as simt
+from test_attention_options import check_against_reference
+out = []
+for d in (64, 96, 128):
+    for schedule in ("lockstep", "warp-random"):
+        g = torch.Generator().manual_seed(d)
+        q = torch.randn(1, 4, 40, d, generator=g).half().requires_grad_()
+        k = torch.randn(1, 2, 70, d, generator=g).half().requires_grad_()
+        v = torch.randn(1, 2, 70, d, generator=g).half().requires_grad_()
+        before = simt.stats()["kernel_launches"]
+        with simt.kernels(schedule=schedule):
+            o = fusedllm.attention(q, k, v, causal=True, softcap=5.0)
+            grad_out = torch.randn_like(o)
+            grads = torch.autograd.grad(o, (q, k, v), grad_out)
+        after = simt.stats()["kernel_launches"]
+        check_against_reference(q, k, v, o, grad_out, grads, torch.float16, causal=True, softcap=5.0)
+        out.append(sorted(n for n, c in after.items() if c > before.get(n, 0)))
+print(json.dumps(out))
+"""
+
+
+def test_turing_tiles_under_both_schedules():
+    """The tensor-core forward, delta, dQ and dK/dV on the Turing tiles of head
+    dims 64, 96 and 128, under the round-robin and a warp-at-a-time schedule:
+    small enough to run under the sanitizer build too."""
+    done = _as_sm75(["-c", TURING_TILES], 900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for kernels in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert kernels == ["attention_mma_delta_kernel", "attention_mma_dkdv_kernel", "attention_mma_dq_kernel",
+                           "attention_mma_forward_kernel"], kernels

@@ -9,8 +9,8 @@
 // (Turing) has ldmatrix and, for float16 only, mma.m16n8k8: there the m16n8k16
 // product is two of them, one per half of k, and cp.async is the portable
 // copy (a 16-byte load, then a 16-byte store). The emulated build
-// (FUSEDLLM_SIMT) runs the portable forms, as an sm_75 device the m16n8k8
-// halves when FUSEDLLM_SIMT_SM=75 makes it one; `kPortable = true` selects
+// (FUSEDLLM_SIMT) runs the portable forms (an m16n8k16 product as its two
+// m16n8k8 halves, as sm_75 runs it); `kPortable = true` selects
 // them on any GPU, which is how a test on a GPU compares them with the
 // hardware. Under the emulator the portable ldmatrix and cp.async also report
 // their shared-memory rows, whose bank conflicts fusedllm.simt counts.
@@ -96,45 +96,6 @@ __device__ __forceinline__ uint32_t pack2(T lo, T hi) {
   return static_cast<uint32_t>(lo.x) | (static_cast<uint32_t>(hi.x) << 16);
 }
 
-// d = a * b + d, the portable form: every lane gathers the rows of A and the
-// columns of B its four outputs need from the lanes that hold them.
-template <typename T>
-__device__ __forceinline__ void mma_16816_portable(FragC& d, const FragA& a, const FragB& b) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int group = lane / 4, quad = lane % 4;
-  float acc[4] = {d.r[0], d.r[1], d.r[2], d.r[3]};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    // A[group][k] and A[group+8][k] for k in {2q, 2q+1, 2q+8, 2q+9}, from lane 4*group + q.
-    const int a_lane = group * 4 + q;
-    uint32_t a_bits[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a_bits[i] = __shfl_sync(kFullMask, a.r[i], a_lane);
-    float a_top[4], a_bottom[4];  // rows group and group+8; k = 2q, 2q+1, 2q+8, 2q+9
-    unpack<T>(a_bits[0], a_top[0], a_top[1]);
-    unpack<T>(a_bits[2], a_top[2], a_top[3]);
-    unpack<T>(a_bits[1], a_bottom[0], a_bottom[1]);
-    unpack<T>(a_bits[3], a_bottom[2], a_bottom[3]);
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      // Column n = 2*quad + c of B, held by the lanes of group n: from lane 4n + q.
-      const int b_lane = (2 * quad + c) * 4 + q;
-      const uint32_t b0 = __shfl_sync(kFullMask, b.r[0], b_lane);
-      const uint32_t b1 = __shfl_sync(kFullMask, b.r[1], b_lane);
-      float bk[4];  // k = 2q, 2q+1, 2q+8, 2q+9
-      unpack<T>(b0, bk[0], bk[1]);
-      unpack<T>(b1, bk[2], bk[3]);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        acc[c] = fmaf(a_top[k], bk[k], acc[c]);
-        acc[2 + c] = fmaf(a_bottom[k], bk[k], acc[2 + c]);
-      }
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) d.r[i] = acc[i];
-}
-
 // d = a * b + d for one half of k (m16n8k8): A's registers a0 (row group)
 // and a1 (row group + 8), B's b0, the portable form.
 template <typename T>
@@ -162,6 +123,15 @@ __device__ __forceinline__ void mma_1688_portable(FragC& d, uint32_t a0, uint32_
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) d.r[i] = acc[i];
+}
+
+// d = a * b + d, the portable form: the two halves of k as two m16n8k8
+// products (what sm_75 runs), each lane gathering the rows of A and the
+// columns of B its four outputs need from the lanes that hold them.
+template <typename T>
+__device__ __forceinline__ void mma_16816_portable(FragC& d, const FragA& a, const FragB& b) {
+  mma_1688_portable<T>(d, a.r[0], a.r[1], b.r[0]);
+  mma_1688_portable<T>(d, a.r[2], a.r[3], b.r[1]);
 }
 
 // d = a * b + d on the tensor cores: mma.sync.m16n8k16 (sm_80+), or two
@@ -203,12 +173,9 @@ __device__ __forceinline__ void mma_16816(FragC& d, const FragA& a, const FragB&
   }
 #endif
 #if defined(FUSEDLLM_SIMT)
-  if (simt::device_properties().major < 8) {  // an emulated sm_75: what its instructions do
-    CUDA_KERNEL_ASSERT((std::is_same_v<T, c10::Half>) && "no bfloat16 tensor-core product before sm_80");
-    mma_1688_portable<T>(d, a.r[0], a.r[1], b.r[0]);
-    mma_1688_portable<T>(d, a.r[2], a.r[3], b.r[1]);
-    return;
-  }
+  // An emulated sm_75 has float16 products only (dispatch never asks it for bfloat16).
+  CUDA_KERNEL_ASSERT((std::is_same_v<T, c10::Half> || simt::device_properties().major >= 8) &&
+                     "no bfloat16 tensor-core product before sm_80");
 #endif
   mma_16816_portable<T>(d, a, b);
 }

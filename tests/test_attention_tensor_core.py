@@ -44,7 +44,9 @@ DELTA, SIMT_DELTA = "attention_mma_delta_kernel", "attention_delta_kernel"
 DQ, SIMT_DQ = "attention_mma_dq_kernel", "attention_dq_kernel"
 DKDV, SIMT_DKDV = "attention_mma_dkdv_kernel", "attention_dkdv_kernel"
 HOPPER_DQ, HOPPER_DKDV = "attention_hopper_dq_kernel", "attention_hopper_dkdv_kernel"  # sm_90a
-MAX_DKDV_HEAD_DIM = 128  # wider heads: dK and dV on the SIMT kernel (tc::kMaxDkdvHeadDim)
+# dK/dV at head dim 256: two blocks of the key block, a column half each
+# (tc::Tile<256, 80>::dkdv_smem); where a block cannot take it, the SIMT kernel.
+DKDV_SMEM_256 = 101632
 HOPPER_BACKWARD_TILE = 64  # query rows of a Hopper dK/dV tile: the group must divide them
 
 
@@ -91,7 +93,7 @@ def backward_kernels(head_dim, group, plain=True, dtype=torch.bfloat16):
     if (_forward["kernel"] == "hopper" and (head_dim <= 64 or (head_dim <= 128 and plain))
             and HOPPER_BACKWARD_TILE % group == 0):
         return hopper, (DELTA, DQ, DKDV, SIMT_DELTA, SIMT_DQ, SIMT_DKDV)  # delta: in the Hopper dQ kernel
-    if head_dim <= MAX_DKDV_HEAD_DIM:
+    if head_dim <= 128 or _smem_optin() >= DKDV_SMEM_256:
         return (DELTA, DQ, DKDV), (*hopper, SIMT_DELTA, SIMT_DQ, SIMT_DKDV)
     return (DELTA, DQ, SIMT_DELTA, SIMT_DKDV), (*hopper, SIMT_DQ, DKDV)
 
@@ -190,8 +192,8 @@ def op_lse(q, k, v, causal=False, window=None, mask=None, scale=None, softcap=No
 def run_and_check(q, k, v, dtype, check_lse=True, **options):
     """attention forward and backward against the float64 reference (the lse
     too, through the op); returns the emulator's counts, checked to show the
-    tensor-core kernels ran and the SIMT ones did not (dK/dV: SIMT past head
-    dim 128; the forward of up to 16 rows a kv head: the decoding kernel's)."""
+    tensor-core kernels ran and the SIMT ones did not (backward_kernels says
+    which; the forward of up to 16 rows a kv head: the decoding kernel's)."""
     with launches() as counts:
         out = fusedllm.attention(q, k, v, **options)
         grad_out = torch.randn_like(out)
@@ -298,6 +300,7 @@ SHAPES = [
     (1, 8, 1, 17, 40, 256, False, None, BF16),
     (1, 16, 2, 17, 17, 128, False, None, FP16),
     (1, 4, 2, 70, 100, 128, True, None, FP16),  # several key and row tiles (sm_75's are half as long)
+    (1, 4, 2, 70, 130, 160, True, None, BF16),  # dK/dV's column halves over several key and row tiles
     (1, 4, 4, 40, 17, 64, True, None, FP16),
     (1, 4, 1, 257, 33, 96, False, (5, 9), BF16),
 ]
@@ -382,18 +385,19 @@ def test_one_visible_key_gives_exact_zero_gradients(device, case, dtype):
 
 # (option, causal, dtype)
 OPTION_CASES = [
-    ("softcap", True, torch.bfloat16),
-    ("sinks", False, torch.float16),
-    ("alibi_per_batch", True, torch.float16),
-    ("window_left_right", False, torch.bfloat16),
-    ("all", True, torch.float16),
-    ("all", False, torch.bfloat16),
+    ("softcap", True, torch.bfloat16, 64),
+    ("sinks", False, torch.float16, 64),
+    ("alibi_per_batch", True, torch.float16, 64),
+    ("window_left_right", False, torch.bfloat16, 64),
+    ("all", True, torch.float16, 64),
+    ("all", False, torch.bfloat16, 64),
+    ("all", True, torch.bfloat16, 200),  # padded to 256: dK/dV's column halves cut at 200
 ]
 
 
-@pytest.mark.parametrize("option,causal,dtype", OPTION_CASES, ids=lambda x: str(x))
-def test_options_match_reference(device, option, causal, dtype):
-    q, k, v = make_qkv(2, 4, 2, 40, 70, 64, dtype, device, requires_grad=True)
+@pytest.mark.parametrize("option,causal,dtype,head_dim", OPTION_CASES, ids=lambda x: str(x))
+def test_options_match_reference(device, option, causal, dtype, head_dim):
+    q, k, v = make_qkv(2, 4, 2, 40, 70, head_dim, dtype, device, requires_grad=True)
     run_and_check(q, k, v, dtype, causal=causal, **make_options(option, 2, 4, device))
 
 
@@ -442,13 +446,14 @@ def test_dropout_keeps_what_the_cpu_op_keeps(device, dtype):
     assert_close(out, (keep.double() / sk / (1 - p)), FORWARD_TOL[dtype], "kept values")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_dropout_with_options_matches_reference(device, dtype):
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 64), (torch.bfloat16, 256)],
+                         ids=str)
+def test_dropout_with_options_matches_reference(device, dtype, head_dim):
     from fusedllm import _philox
 
     p, seed = 0.2, 55
     b, hq, hkv, sq, sk = 1, 4, 2, 33, 80
-    q, k, v = make_qkv(b, hq, hkv, sq, sk, 64, dtype, device, requires_grad=True)
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, head_dim, dtype, device, requires_grad=True)
     sinks = make_sinks(hq, device)
     slopes = alibi_slopes(hq, b, device=device)
     left, right = _op_window((40, 4))
@@ -457,7 +462,8 @@ def test_dropout_with_options_matches_reference(device, dtype):
                                slopes, None, None, 0, 0)
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v, sinks), grad_out)
-    check_ran(counts, tc_forward(64, 2, dtype=dtype), *backward_kernels(64, 2, dtype=dtype)[0])
+    check_ran(counts, tc_forward(head_dim, 2, plain=False, dtype=dtype),
+              *backward_kernels(head_dim, 2, plain=False, dtype=dtype)[0])
     keep = _philox.dropout_keep(seed, (b, hq, sq, sk), p, q.device)
     check_against_reference(q, k, v, out, grad_out, grads, dtype, scale=0.5, window=(40, 4), keep=keep,
                             dropout_p=p, softcap=2.0, sinks=sinks, alibi_slopes=slopes)

@@ -368,7 +368,7 @@ struct CudaAttention {
     const Stream stream = current_stream();
     const AttentionShape& s = p.shape;
     const bool tensor_cores = choose_attention_kernel(p, p.q.scalar_type()) == AttentionKernel::kTensorCore;
-    const bool mma_dkdv = tensor_cores && s.head_dim <= tc::kMaxDkdvHeadDim;
+    const bool mma_dkdv = tensor_cores && tc::mma_dkdv_fits(s.head_dim);
     // delta = rowsum(dO * O) summed as each kernel sums its dP = dO . v: on
     // the tensor cores for theirs, as the SIMT kernels do for those.
     const auto delta_rows = [&] {

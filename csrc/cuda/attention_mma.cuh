@@ -75,10 +75,13 @@ struct Tile {
   static constexpr size_t dkdv_smem(size_t elem) {
     return elem * static_cast<size_t>(kStride) * (2 * kRows + 4 * kBwdTile) + sizeof(float) * 4 * kBwdTile;
   }
+  // dK/dV columns a block accumulates: a warp holds 2 x [16, kDkdvCols] in
+  // registers, which past 128 columns do not fit; so at 256 two blocks take
+  // each key block, one column half each, and both compute its S^T and dP^T
+  // over the whole head (1.5x the products of one block).
+  static constexpr int kDkdvCols = kD <= 128 ? kD : kD / 2;
+  static constexpr int kDkdvSplits = kD / kDkdvCols;
 };
-
-// dK and dV accumulate 2 x [16, kD] per warp: past 128 they would not fit in registers.
-constexpr int kMaxDkdvHeadDim = 128;
 
 // Where a tensor-core attention block and its lane stand: the block's kv head
 // g and sequence b (grid y and z), the lane's warp and its place in the
@@ -201,6 +204,8 @@ void with_mma_tiles(at::ScalarType dtype, int64_t d, F&& f) {
 // The most shared memory a block of the forward or backward kernels takes at
 // head dim d on the tiles of kArch: the tensor-core kernels serve a call only
 // where all of them fit, so that a forward on them has its backward on them too.
+// The split dK/dV of head dim 256 is not counted: 256 bytes past an sm_86/89
+// block's 99 KiB, it has its own test (mma_dkdv_fits) and the SIMT kernel there.
 template <int kArch>
 size_t max_smem(int64_t d, size_t elem) {
   size_t bytes = 0;
@@ -209,12 +214,24 @@ size_t max_smem(int64_t d, size_t elem) {
     if constexpr (kArch == 80 || kD <= 128) {
       using Tl = Tile<kD, kArch>;
       bytes = std::max(Tl::forward_smem(elem), Tl::dq_smem(elem));
-      if (Tl::kD <= kMaxDkdvHeadDim) bytes = std::max(bytes, Tl::dkdv_smem(elem));
+      if (Tl::kDkdvSplits == 1) bytes = std::max(bytes, Tl::dkdv_smem(elem));
     } else {
       bytes = std::numeric_limits<size_t>::max();  // no Turing tiles past 128
     }
   });
   return bytes;
+}
+
+// Whether dK/dV of a call the tensor cores serve run on them too: everywhere
+// but head dim 256 (sm_80 tiles only) on a GPU whose blocks are too small for
+// its split tiles.
+inline bool mma_dkdv_fits(int64_t d) {
+  bool fits = true;
+  with_mma_head_dim(d, [&](auto D) {
+    using Tl = Tile<decltype(D)::value, 80>;
+    if constexpr (Tl::kDkdvSplits > 1) fits = Tl::dkdv_smem(2) <= device_properties().sharedMemPerBlockOptin;
+  });
+  return fits;
 }
 
 // True when every row of the operand can be copied in 16-byte chunks: an
@@ -232,13 +249,15 @@ inline bool chunks_aligned(const void* ptr, Strides s) {
 // the chunk is whole or past d, element by element otherwise. The caller
 // commits the cp.async group.
 //
-// Where every chunk is whole (chunks and d == kD: the common head dims), kD
-// <= 128 and kMayUnroll, a thread's units are unrolled into one cp.async each
-// and a test of the row:
+// Where every chunk is whole (chunks and d == kD: the common head dims) and
+// kMayUnroll, a thread's units are unrolled into one cp.async each and a test
+// of the row:
 // the general loop cost about 60 instructions per 16-byte copy in the SASS,
 // half of the forward's key-tile loop. (kMayUnroll false: a caller whose
-// registers cannot hold every unit's address at once.)
-template <typename T, int kD, int kTileRows, bool kMayUnroll = true, typename RowFn>
+// registers cannot hold every unit's address at once; by default past 128,
+// where the unrolled addresses took registers the forward's accumulators
+// need, and it spilled.)
+template <typename T, int kD, int kTileRows, bool kMayUnroll = (kD <= 128), typename RowFn>
 __device__ __forceinline__ void stage_tile(T* dst, RowFn&& src_row, int d, bool chunks) {
   constexpr int kChunks = kD / 8, kStride = Tile<kD>::kStride;
   constexpr int kSlabsPerOctet = kChunks / 4;  // a slab: 8 rows x 4 chunks, one warp's turn
@@ -247,10 +266,7 @@ __device__ __forceinline__ void stage_tile(T* dst, RowFn&& src_row, int d, bool 
   static_assert(kUnits % kThreads == 0, "every thread copies the same number of chunks");
   const auto row_of = [](int u) { return 8 * (u / kWarpSize / kSlabsPerOctet) + u % kWarpSize % 8; };
   const auto col_of = [](int u) { return 8 * (4 * (u / kWarpSize % kSlabsPerOctet) + u % kWarpSize / 8); };
-  // At head dim 256 the unrolled copies' addresses took registers the
-  // forward's accumulators need (it spilled).
-  constexpr bool kUnrolled = kMayUnroll && kD <= 128;
-  if (kUnrolled && chunks && d == kD) {
+  if (kMayUnroll && chunks && d == kD) {
 #pragma unroll
     for (int i = 0; i < kUnits / kThreads; ++i) {
       const int u = threadIdx.x + i * kThreads;
@@ -327,10 +343,10 @@ __device__ __forceinline__ void stage_key_rows(T* k_dst, T* v_dst, const T* k, i
 // Stages rows [r0, r0 + kTileRows) (position, head) of kv head g's group from
 // the operand x_b (its batch and sequence start; strides s); rows at or past
 // `end`: zeros.
-template <typename T, int kD, int kTileRows>
+template <typename T, int kD, int kTileRows, bool kMayUnroll = (kD <= 128)>
 __device__ __forceinline__ void stage_group_rows(T* dst, const T* x_b, Strides s, const attn::QueryRows& rows,
                                                  int64_t g, int64_t r0, int64_t end, int d, bool chunks) {
-  stage_tile<T, kD, kTileRows>(dst, [&](int r) -> const T* {
+  stage_tile<T, kD, kTileRows, kMayUnroll>(dst, [&](int r) -> const T* {
     const int64_t row = r0 + r;
     return row < end ? x_b + rows.group_head(g, row) * s.h + rows.group_pos(row) * s.s : nullptr;
   }, d, chunks);
@@ -546,7 +562,7 @@ bool launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream strea
 bool launch_attention_hopper_backward(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 
 // The tensor-core forward (attention_mma.cu) and backward (attention_mma_backward.cu;
-// dK/dV up to head dim kMaxDkdvHeadDim, the SIMT kernel above it).
+// dK/dV where mma_dkdv_fits, the SIMT kernel elsewhere).
 void launch_attention_mma_forward(const AttentionForwardPlan& p, Stream stream);
 // delta = rowsum(dO * O) as the tensor-core dP sums it (the SIMT kernels':
 // launch_attention_delta).

@@ -12,7 +12,9 @@
 //       every head of the group) that see them stream through it, with their
 //       lse and delta. Per tile: S^T = K Q^T and dP^T = V dO^T, P^T and dS^T on
 //       the fragments, then dV += P^T dO and dK += dS^T Q. The block sums over
-//       the whole group in registers: deterministic, no atomics.
+//       the whole group in registers: deterministic, no atomics. At head dim
+//       256 two blocks share a key block, each with half of dK's and dV's
+//       columns (Tile::kDkdvCols).
 //
 // Scores follow the forward exactly (scale, soft-capping with its slope dcap,
 // ALiBi, masks, the dropout draws of the same Philox stream).
@@ -206,8 +208,9 @@ struct RowTiles {
   __device__ __forceinline__ void operator()(int64_t tile) const {
     const int64_t r0 = begin + tile * kTile;
     const int buffer = static_cast<int>(tile % 2);
-    tc::stage_group_rows<T, kD, kTile>(q_s + buffer * kTile * kStride, q_b, qs, rows, g, r0, end, d, chunks);
-    tc::stage_group_rows<T, kD, kTile>(do_s + buffer * kTile * kStride, g_b, gs, rows, g, r0, end, d, chunks);
+    // Unrolled at every head dim: dK/dV's accumulators leave the registers.
+    tc::stage_group_rows<T, kD, kTile, true>(q_s + buffer * kTile * kStride, q_b, qs, rows, g, r0, end, d, chunks);
+    tc::stage_group_rows<T, kD, kTile, true>(do_s + buffer * kTile * kStride, g_b, gs, rows, g, r0, end, d, chunks);
     if (threadIdx.x < kTile) {
       const int64_t row = r0 + threadIdx.x;
       float ls = 0.f, de = 0.f;
@@ -229,7 +232,7 @@ struct RowTiles {
 // n * 8 + 2 quad + e % 2 of the tile.
 template <class Tl>
 struct KeyLanes {
-  static constexpr int kTile = Tl::kBwdTile, kN = Tl::kNTiles;
+  static constexpr int kTile = Tl::kBwdTile, kN = Tl::kDkdvCols / 8;
   const tc::BlockPlace& place;
   const attn::QueryRows& rows;
   const Mask& mask;
@@ -279,24 +282,27 @@ struct KeyLanes {
     }
   }
 
-  // dK (times the scale) and dV of this lane's keys before j_end.
+  // dK (times the scale) and dV of this lane's keys before j_end, columns
+  // col0 on (those before d).
   template <typename T>
   __device__ __forceinline__ void store(const mma::FragC (&dk)[kN], const mma::FragC (&dv)[kN], T* grad_k,
-                                        T* grad_v, const attn::KeyRows& key_rows, float scale, int d) const {
+                                        T* grad_v, const attn::KeyRows& key_rows, float scale, int col0,
+                                        int d) const {
     const int64_t kv_row0 = key_rows.row(place.b, place.g, 0);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       if (key[half] >= j_end) continue;
-      T* dk_row = grad_k + (kv_row0 + key[half]) * d;
-      T* dv_row = grad_v + (kv_row0 + key[half]) * d;
+      T* dk_row = grad_k + (kv_row0 + key[half]) * d + col0;
+      T* dv_row = grad_v + (kv_row0 + key[half]) * d + col0;
+      const int cols = d - col0;
 #pragma unroll
       for (int n = 0; n < kN; ++n) {
         const int c = n * 8 + 2 * place.quad;
-        if (c < d) {
+        if (c < cols) {
           dk_row[c] = T(dk[n].r[2 * half] * scale);
           dv_row[c] = T(dv[n].r[2 * half]);
         }
-        if (c + 1 < d) {
+        if (c + 1 < cols) {
           dk_row[c + 1] = T(dk[n].r[2 * half + 1] * scale);
           dv_row[c + 1] = T(dv[n].r[2 * half + 1]);
         }
@@ -317,8 +323,7 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
     __trap();  // dispatch never launches it on this GPU
   } else {
     constexpr int kD = Tl::kD;
-    static_assert(kD <= tc::kMaxDkdvHeadDim, "dK and dV of wider heads do not fit in registers");
-    constexpr int kTile = Tl::kBwdTile, kStride = Tl::kStride, kN = Tl::kNTiles;
+    constexpr int kTile = Tl::kBwdTile, kStride = Tl::kStride, kCols = Tl::kDkdvCols;
     T* k_s = dynamic_shared<T>();               // [kRows][kStride] (this block's keys)
     T* v_s = k_s + tc::kRows * kStride;         // [kRows][kStride]
     T* q_s = v_s + tc::kRows * kStride;         // [2][kTile][kStride]
@@ -330,7 +335,9 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
     const int64_t g = place.g, b = place.b;
     const int warp = place.warp, group = place.group;
     const int64_t sq = seqs.q_len(b), sk = seqs.k_len(b);
-    const int64_t j0 = static_cast<int64_t>(blockIdx.x) * tc::kRows;
+    // Key block blockIdx.x / kDkdvSplits; its dK/dV columns col0 to col0 + kCols.
+    const int64_t j0 = static_cast<int64_t>(blockIdx.x / Tl::kDkdvSplits) * tc::kRows;
+    const int col0 = static_cast<int>(blockIdx.x % Tl::kDkdvSplits) * kCols;
     if (j0 >= sk) return;  // past this (packed) sequence's end: the whole block
     const int64_t j_end = j0 + tc::kRows < sk ? j0 + tc::kRows : sk;
     const Mask mask = mask_all.of_lengths(sq, sk);
@@ -359,7 +366,7 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
     // This warp's 16 keys (the key range of a row grows with its position).
     const int64_t warp_j0 = j0 + warp * 16, warp_j1 = warp_j0 + 16;
 
-    mma::FragC dk[kN], dv[kN];
+    mma::FragC dk[kCols / 8], dv[kCols / 8];
     for (int64_t tile = 0; tile < n_tiles; ++tile) {
       tc::pipeline_next(tile, n_tiles, stage_rows);
       const int buffer = static_cast<int>(tile % 2);
@@ -382,17 +389,18 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
       }
       mma::FragA pa[kTile / 16], dsa[kTile / 16];
       tc::to_a_frags<T, kTile>(pa, s);
-      tc::mma_frags_rows<T, kTile, kD, kStride>(dv, pa, do_tile);
+      tc::mma_frags_rows<T, kTile, kCols, kStride>(dv, pa, do_tile + col0);
       tc::to_a_frags<T, kTile>(dsa, dp);
-      tc::mma_frags_rows<T, kTile, kD, kStride>(dk, dsa, q_tile);
+      tc::mma_frags_rows<T, kTile, kCols, kStride>(dk, dsa, q_tile + col0);
       __syncthreads();  // every warp is done with this buffer before it is staged again
     }
-    lanes.store(dk, dv, grad_k, grad_v, key_rows, scale, d);
+    lanes.store(dk, dv, grad_k, grad_v, key_rows, scale, col0, d);
   }
 }
 
 FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_mma_dkdv_kernel,
-                               "tensor cores: bfloat16/float16 on sm_80+, float16 on sm_75; head dims up to 128")
+                               "tensor cores: bfloat16/float16 on sm_80+, float16 on sm_75; past head dim 128 "
+                               "two blocks a key block, a column half each")
 
 }  // namespace
 
@@ -440,8 +448,6 @@ void launch_attention_mma_dq(const AttentionBackwardPlan& p, const at::Tensor& d
 
 void launch_attention_mma_dkdv(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream) {
   const AttentionShape& s = p.shape;
-  TORCH_CHECK(s.head_dim <= tc::kMaxDkdvHeadDim, "fusedllm.attention: the tensor-core dK/dV kernel takes head dims "
-              "up to ", tc::kMaxDkdvHeadDim, ", got ", s.head_dim);
   const bool q_chunks = tc::chunks_aligned(p.q.const_data_ptr(), strides_of(p.q)) &&
                         tc::chunks_aligned(p.grad_out.const_data_ptr(), strides_of(p.grad_out));
   const bool kv_chunks = tc::chunks_aligned(p.k.const_data_ptr(), strides_of(p.k)) &&
@@ -449,21 +455,21 @@ void launch_attention_mma_dkdv(const AttentionBackwardPlan& p, const at::Tensor&
   tc::with_mma_tiles(p.q.scalar_type(), s.head_dim, [&](auto dtype_tag, auto tiles) {
     using T = decltype(dtype_tag);
     using Tl = decltype(tiles);
-    if constexpr (Tl::kD <= tc::kMaxDkdvHeadDim) {
-      auto kernel = attention_mma_dkdv_kernel<T, Tl>;
-      const size_t smem = Tl::dkdv_smem(sizeof(T));
-      allow_shared_memory(kernel, smem);
-      // Sized by the longest sequence's keys (packed); shorter ones return early.
-      const dim3 grid(static_cast<unsigned>((s.sk + tc::kRows - 1) / tc::kRows),
-                      static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
-      launch("attention_mma_dkdv_kernel", kernel, grid, tc::kThreads, smem, stream,
-             p.grad_out.const_data_ptr<T>(), strides_of(p.grad_out), p.q.const_data_ptr<T>(),
-             strides_of(p.q), p.k.const_data_ptr<T>(), strides_of(p.k), p.v.const_data_ptr<T>(),
-             strides_of(p.v), p.lse.const_data_ptr<float>(), delta.const_data_ptr<float>(),
-             p.grad_k.mutable_data_ptr<T>(), p.grad_v.mutable_data_ptr<T>(), rows_of(p), p.key_rows,
-             p.seqs, static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras_of(p),
-             q_chunks, kv_chunks);
-    }
+    auto kernel = attention_mma_dkdv_kernel<T, Tl>;
+    const size_t smem = Tl::dkdv_smem(sizeof(T));
+    allow_shared_memory(kernel, smem);
+    // Sized by the longest sequence's keys (packed); shorter ones return
+    // early. The column halves of a key block are neighbours, so that they
+    // run together and read the same Q and dO tiles through L2.
+    const dim3 grid(static_cast<unsigned>((s.sk + tc::kRows - 1) / tc::kRows * Tl::kDkdvSplits),
+                    static_cast<unsigned>(s.kv_heads), static_cast<unsigned>(s.batch));
+    launch("attention_mma_dkdv_kernel", kernel, grid, tc::kThreads, smem, stream,
+           p.grad_out.const_data_ptr<T>(), strides_of(p.grad_out), p.q.const_data_ptr<T>(),
+           strides_of(p.q), p.k.const_data_ptr<T>(), strides_of(p.k), p.v.const_data_ptr<T>(),
+           strides_of(p.v), p.lse.const_data_ptr<float>(), delta.const_data_ptr<float>(),
+           p.grad_k.mutable_data_ptr<T>(), p.grad_v.mutable_data_ptr<T>(), rows_of(p), p.key_rows,
+           p.seqs, static_cast<int>(s.head_dim), static_cast<float>(p.scale), p.mask, extras_of(p),
+           q_chunks, kv_chunks);
   });
 }
 

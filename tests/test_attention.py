@@ -369,7 +369,7 @@ def _grads(call, q, k, v, grad_out):
 # (batch, q_heads, kv_heads, q_len, kv_len, head_dim, causal, scale): queries that
 # see exactly one key: one query and one key with scores of 4.7 and 50 (scale
 # None: chosen for them), GQA decoding rows wide enough for the CUDA tensor-core
-# kernels (head dim 256: their dQ with the SIMT dK/dV), and a causal prefill's
+# kernels (head dim 256: dK/dV in column halves), and a causal prefill's
 # first position, prefill tiles and decoding tiles alike.
 ONE_KEY = [
     (1, 1, 1, 1, 1, 256, False, 4.7),

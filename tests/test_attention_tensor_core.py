@@ -44,9 +44,6 @@ DELTA, SIMT_DELTA = "attention_mma_delta_kernel", "attention_delta_kernel"
 DQ, SIMT_DQ = "attention_mma_dq_kernel", "attention_dq_kernel"
 DKDV, SIMT_DKDV = "attention_mma_dkdv_kernel", "attention_dkdv_kernel"
 HOPPER_DQ, HOPPER_DKDV = "attention_hopper_dq_kernel", "attention_hopper_dkdv_kernel"  # sm_90a
-# dK/dV at head dim 256: two blocks of the key block, a column half each
-# (tc::Tile<256, 80>::dkdv_smem); where a block cannot take it, the SIMT kernel.
-DKDV_SMEM_256 = 101632
 HOPPER_BACKWARD_TILE = 64  # query rows of a Hopper dK/dV tile: the group must divide them
 
 
@@ -93,9 +90,7 @@ def backward_kernels(head_dim, group, plain=True, dtype=torch.bfloat16):
     if (_forward["kernel"] == "hopper" and (head_dim <= 64 or (head_dim <= 128 and plain))
             and HOPPER_BACKWARD_TILE % group == 0):
         return hopper, (DELTA, DQ, DKDV, SIMT_DELTA, SIMT_DQ, SIMT_DKDV)  # delta: in the Hopper dQ kernel
-    if head_dim <= 128 or _smem_optin() >= DKDV_SMEM_256:
-        return (DELTA, DQ, DKDV), (*hopper, SIMT_DELTA, SIMT_DQ, SIMT_DKDV)
-    return (DELTA, DQ, SIMT_DELTA, SIMT_DKDV), (*hopper, SIMT_DQ, DKDV)
+    return (DELTA, DQ, DKDV), (*hopper, SIMT_DELTA, SIMT_DQ, SIMT_DKDV)
 
 
 _forward = {"kernel": "mma"}

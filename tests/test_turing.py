@@ -1,4 +1,5 @@
-"""The CUDA kernels as an sm_75 (Turing: T4) GPU runs them: the emulator as
+"""The CUDA kernels on GPUs with less shared memory than the emulated
+sm_80-class device. Mostly as an sm_75 (Turing: T4) GPU runs them: the emulator as
 an sm_75 device (FUSEDLLM_SIMT_SM=75: compute capability 7.5, 64 KiB of
 shared memory a block, each float16 m16n8k16 product as two mma.m16n8k8, no
 bfloat16 product), in processes of their own since the emulated device's
@@ -7,7 +8,8 @@ multiply exactly in float16 on the tensor cores (bfloat16: the check tile
 refuses, the grouped products take the SIMT kernel);
 test_attention_tensor_core.py's float16 and dispatch cases pass on the Turing
 tiles (bfloat16 on the SIMT kernels); and head dims past 128 run on the SIMT
-kernels' narrow tiles, which fit 64 KiB."""
+kernels' narrow tiles, which fit 64 KiB. And as an sm_86/89 GPU, whose
+blocks get 99 KiB: head dim 256's tensor-core backward fits it exactly."""
 
 import json
 import os
@@ -22,12 +24,17 @@ TESTS = os.path.join(ROOT, "tests")
 pytestmark = pytest.mark.simt
 
 
-def _as_sm75(args, timeout):
-    env = dict(os.environ, FUSEDLLM_SIMT_SM="75",
-               PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+def _emulated(args, timeout, **device):
+    """python `args` with the emulated device as the FUSEDLLM_SIMT_* variables
+    `device` say."""
+    env = dict(os.environ, **device, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
     env.pop("PYTEST_XDIST_WORKER", None)
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT)
+
+
+def _as_sm75(args, timeout):
+    return _emulated(args, timeout, FUSEDLLM_SIMT_SM="75")
 
 
 PRODUCTS = r"""
@@ -152,6 +159,42 @@ def test_turing_tiles_under_both_schedules():
     dims 64, 96 and 128, under the round-robin and a warp-at-a-time schedule:
     small enough to run under the sanitizer build too."""
     done = _as_sm75(["-c", TURING_TILES], 900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for kernels in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert kernels == ["attention_mma_delta_kernel", "attention_mma_dkdv_kernel", "attention_mma_dq_kernel",
+                           "attention_mma_forward_kernel"], kernels
+
+
+HEAD_DIM_256_IN_99_KIB = r"""
+import json, torch, fusedllm, fusedllm.simt as simt
+from test_attention_options import check_against_reference
+props = simt._simt.device_properties()
+assert (props["major"], props["shared_mem_per_block_optin"]) == (8, 99 * 1024), props
+out = []
+for dtype, d, sq, sk in ((torch.bfloat16, 256, 40, 130), (torch.float16, 200, 33, 70)):
+    g = torch.Generator().manual_seed(d)
+    q = torch.randn(1, 4, sq, d, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(1, 2, sk, d, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(1, 2, sk, d, generator=g).to(dtype).requires_grad_()
+    before = simt.stats()["kernel_launches"]
+    with simt.kernels(schedule="warp-random"):
+        o = fusedllm.attention(q, k, v, causal=True)
+        grad_out = torch.randn_like(o)
+        grads = torch.autograd.grad(o, (q, k, v), grad_out)
+    after = simt.stats()["kernel_launches"]
+    check_against_reference(q, k, v, o, grad_out, grads, dtype, causal=True)
+    out.append(sorted(n for n, c in after.items() if c > before.get(n, 0)))
+print(json.dumps(out))
+"""
+
+
+def test_head_dim_256_backward_in_99_kib():
+    """sm_86/89 GPUs (A10G, L4, RTX 30 and 40) give a block 99 KiB of shared
+    memory, exactly what head dim 256's dQ and dK/dV tiles take (dK/dV keeps
+    its rows' lse and delta in K's padding columns): there the whole forward
+    and backward run on the tensor cores, dK/dV in column halves over several
+    key blocks and row tiles."""
+    done = _emulated(["-c", HEAD_DIM_256_IN_99_KIB], 900, FUSEDLLM_SIMT_SMEM_OPTIN=str(99 * 1024))
     assert done.returncode == 0, done.stderr[-4000:]
     for kernels in json.loads(done.stdout.strip().splitlines()[-1]):
         assert kernels == ["attention_mma_delta_kernel", "attention_mma_dkdv_kernel", "attention_mma_dq_kernel",

@@ -367,33 +367,18 @@ struct CudaAttention {
     check_grid(p.shape);
     const Stream stream = current_stream();
     const AttentionShape& s = p.shape;
-    const bool tensor_cores = choose_attention_kernel(p, p.q.scalar_type()) == AttentionKernel::kTensorCore;
-    const bool mma_dkdv = tensor_cores && tc::mma_dkdv_fits(s.head_dim);
-    // delta = rowsum(dO * O) summed as each kernel sums its dP = dO . v: on
-    // the tensor cores for theirs, as the SIMT kernels do for those.
-    const auto delta_rows = [&] {
-      return at::empty({p.rows.count(s.batch)}, p.q.options().dtype(accumulation_dtype(p.q)));
-    };
-    at::Tensor delta_tc, delta_simt;
-    if (tensor_cores) {
-      delta_tc = delta_rows();
+    // delta = rowsum(dO * O), summed as the kernels that read it sum dP = dO . v.
+    const at::Tensor delta = at::empty({p.rows.count(s.batch)}, p.q.options().dtype(accumulation_dtype(p.q)));
+    if (choose_attention_kernel(p, p.q.scalar_type()) == AttentionKernel::kTensorCore) {
       // The Hopper backward sums delta itself, as its dP.
-      if (hopper_attention_available() && launch_attention_hopper_backward(p, delta_tc, stream)) return;
-      launch_attention_mma_delta(p, delta_tc, stream);
-    }
-    if (!mma_dkdv) {
-      delta_simt = delta_rows();
-      launch_attention_delta(p, delta_simt, stream);
-    }
-    if (tensor_cores) {
-      launch_attention_mma_dq(p, delta_tc, stream);
+      if (hopper_attention_available() && launch_attention_hopper_backward(p, delta, stream)) return;
+      launch_attention_mma_delta(p, delta, stream);
+      launch_attention_mma_dq(p, delta, stream);
+      launch_attention_mma_dkdv(p, delta, stream);
     } else {
-      launch_attention_dq(p, delta_simt, stream);
-    }
-    if (mma_dkdv) {
-      launch_attention_mma_dkdv(p, delta_tc, stream);
-    } else {
-      launch_attention_dkdv(p, delta_simt, stream);
+      launch_attention_delta(p, delta, stream);
+      launch_attention_dq(p, delta, stream);
+      launch_attention_dkdv(p, delta, stream);
     }
   }
 };

@@ -70,10 +70,10 @@ struct Tile {
   static constexpr size_t dq_smem(size_t elem) {
     return elem * static_cast<size_t>(kStride) * (2 * kRows + 4 * kBwdTile);
   }
-  // dK/dV: K and V rows, then Q and dO, each double-buffered, and each staged
-  // row's lse and delta.
+  // dK/dV: K and V rows (each staged row's lse and delta in K's padding),
+  // then Q and dO, each double-buffered.
   static constexpr size_t dkdv_smem(size_t elem) {
-    return elem * static_cast<size_t>(kStride) * (2 * kRows + 4 * kBwdTile) + sizeof(float) * 4 * kBwdTile;
+    return elem * static_cast<size_t>(kStride) * (2 * kRows + 4 * kBwdTile);
   }
   // dK/dV columns a block accumulates: a warp holds 2 x [16, kDkdvCols] in
   // registers, which past 128 columns do not fit; so at 256 two blocks take
@@ -204,8 +204,6 @@ void with_mma_tiles(at::ScalarType dtype, int64_t d, F&& f) {
 // The most shared memory a block of the forward or backward kernels takes at
 // head dim d on the tiles of kArch: the tensor-core kernels serve a call only
 // where all of them fit, so that a forward on them has its backward on them too.
-// The split dK/dV of head dim 256 is not counted: 256 bytes past an sm_86/89
-// block's 99 KiB, it has its own test (mma_dkdv_fits) and the SIMT kernel there.
 template <int kArch>
 size_t max_smem(int64_t d, size_t elem) {
   size_t bytes = 0;
@@ -213,25 +211,12 @@ size_t max_smem(int64_t d, size_t elem) {
     constexpr int kD = decltype(D)::value;
     if constexpr (kArch == 80 || kD <= 128) {
       using Tl = Tile<kD, kArch>;
-      bytes = std::max(Tl::forward_smem(elem), Tl::dq_smem(elem));
-      if (Tl::kDkdvSplits == 1) bytes = std::max(bytes, Tl::dkdv_smem(elem));
+      bytes = std::max({Tl::forward_smem(elem), Tl::dq_smem(elem), Tl::dkdv_smem(elem)});
     } else {
       bytes = std::numeric_limits<size_t>::max();  // no Turing tiles past 128
     }
   });
   return bytes;
-}
-
-// Whether dK/dV of a call the tensor cores serve run on them too: everywhere
-// but head dim 256 (sm_80 tiles only) on a GPU whose blocks are too small for
-// its split tiles.
-inline bool mma_dkdv_fits(int64_t d) {
-  bool fits = true;
-  with_mma_head_dim(d, [&](auto D) {
-    using Tl = Tile<decltype(D)::value, 80>;
-    if constexpr (Tl::kDkdvSplits > 1) fits = Tl::dkdv_smem(2) <= device_properties().sharedMemPerBlockOptin;
-  });
-  return fits;
 }
 
 // True when every row of the operand can be copied in 16-byte chunks: an
@@ -562,7 +547,7 @@ bool launch_attention_hopper_forward(const AttentionForwardPlan& p, Stream strea
 bool launch_attention_hopper_backward(const AttentionBackwardPlan& p, const at::Tensor& delta, Stream stream);
 
 // The tensor-core forward (attention_mma.cu) and backward (attention_mma_backward.cu;
-// dK/dV where mma_dkdv_fits, the SIMT kernel elsewhere).
+// dK/dV in column halves past head dim 128).
 void launch_attention_mma_forward(const AttentionForwardPlan& p, Stream stream);
 // delta = rowsum(dO * O) as the tensor-core dP sums it (the SIMT kernels':
 // launch_attention_delta).

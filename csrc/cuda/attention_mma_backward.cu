@@ -185,15 +185,43 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
 FUSEDLLM_ATTENTION_KERNEL_NOTE(attention_mma_dq_kernel,
                                "tensor cores: bfloat16/float16 on sm_80+, float16 on sm_75")
 
+// The lse and delta of a dK/dV block's staged rows, [2 buffers][kTile] each,
+// in the padding columns of its K rows (16 bytes a row that no product
+// reads): at head dim 256 a separate array would take the block 256 bytes
+// past the 99 KiB sm_86/89 GPUs give one. Lanes of a quad read 4 rows' values
+// from distinct banks; the groups read the same ones.
+template <typename T, class Tl>
+struct RowStats {
+  static constexpr int kTile = Tl::kBwdTile;
+  static constexpr int kRowFloats = Tl::kStride * sizeof(T) / sizeof(float);  // a K row
+  static_assert((Tl::kStride - Tl::kD) * sizeof(T) == 4 * sizeof(float) && kTile % 4 == 0 && kTile <= tc::kRows,
+                "4 statistics a K row, 4 kTile in all");
+  float* first;  // K row 0's padding
+
+  __device__ __forceinline__ explicit RowStats(T* k_s) : first(reinterpret_cast<float*>(k_s + Tl::kD)) {}
+
+  // Statistic `which` (0: lse, 1: delta) of row `row` of a buffer's tile:
+  // slot (2 which + buffer) kTile + row, 4 slots a K row.
+  __device__ __forceinline__ float& at(int which, int buffer, int row) const {
+    const int slot = (2 * which + buffer) * kTile + row;
+    return first[(slot / 4) * kRowFloats + slot % 4];
+  }
+  // at(which, buffer, 8 n + 2 quad + e): the tile row of element e (0 or 1)
+  // of n-tile n in this lane's accumulator fragments; all but the buffer's
+  // offset is known at compile time or fixed for the lane.
+  __device__ __forceinline__ float of_lane(int which, int buffer, int n, int e, int quad) const {
+    return first[((2 * which + buffer) * (kTile / 4) + 2 * n + quad / 2) * kRowFloats + 2 * (quad % 2) + e];
+  }
+};
+
 // Stages row tile `tile` of a dK/dV block into buffer tile % 2: the Q and dO
 // rows from begin + tile kTile (zeros from `end` on) and each row's lse and delta.
 template <typename T, class Tl>
 struct RowTiles {
   static constexpr int kD = Tl::kD, kTile = Tl::kBwdTile, kStride = Tl::kStride;
-  T* q_s;          // [2][kTile][kStride]
-  T* do_s;         // [2][kTile][kStride]
-  float* lse_s;    // [2][kTile]
-  float* delta_s;  // [2][kTile]
+  T* q_s;   // [2][kTile][kStride]
+  T* do_s;  // [2][kTile][kStride]
+  RowStats<T, Tl> stats;
   const T* q_b;
   const T* g_b;
   const Strides& qs;
@@ -219,8 +247,8 @@ struct RowTiles {
         ls = attn::ScalarOps<float>::finite_or_zero(lse[lrow]);
         de = delta[lrow];
       }
-      lse_s[buffer * kTile + threadIdx.x] = ls;
-      delta_s[buffer * kTile + threadIdx.x] = de;
+      stats.at(0, buffer, threadIdx.x) = ls;
+      stats.at(1, buffer, threadIdx.x) = de;
     }
   }
 };
@@ -230,7 +258,7 @@ struct RowTiles {
 // and dS^T into dp from S^T and dP^T there, [16 keys, kTile rows]
 // accumulators whose element e of n-tile n is key e / 2 and row
 // n * 8 + 2 quad + e % 2 of the tile.
-template <class Tl>
+template <typename T, class Tl>
 struct KeyLanes {
   static constexpr int kTile = Tl::kBwdTile, kN = Tl::kDkdvCols / 8;
   const tc::BlockPlace& place;
@@ -238,8 +266,7 @@ struct KeyLanes {
   const Mask& mask;
   const int64_t (&key)[2];
   int64_t j_end, rows_end;
-  const float* lse_s;    // [2][kTile]
-  const float* delta_s;  // [2][kTile]
+  RowStats<T, Tl> stats;
 
   // A tile every row of which sees both keys, in a plain call: no test per score.
   __device__ __forceinline__ void interior_grads(mma::FragC (&s)[kTile / 8], mma::FragC (&dp)[kTile / 8],
@@ -248,9 +275,8 @@ struct KeyLanes {
     for (int n = 0; n < kTile / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int col = n * 8 + 2 * place.quad + (e % 2);
-        const float p = tc::exp_of_difference(s[n].r[e] * scale, lse_s[buffer * kTile + col]);
-        dp[n].r[e] = attn::score_grad(p, dp[n].r[e], delta_s[buffer * kTile + col]);
+        const float p = tc::exp_of_difference(s[n].r[e] * scale, stats.of_lane(0, buffer, n, e % 2, place.quad));
+        dp[n].r[e] = attn::score_grad(p, dp[n].r[e], stats.of_lane(1, buffer, n, e % 2, place.quad));
         s[n].r[e] = p;
       }
     }
@@ -271,12 +297,12 @@ struct KeyLanes {
                              j < attn::key_end(mask, p_row);
         float dcap;
         const float x = tc::score(s[n].r[e], visible, unmodified, scale, extras, mask, place.b, h, p_row, j, &dcap);
-        const float p = tc::exp_of_difference(x, lse_s[buffer * kTile + col]);
+        const float p = tc::exp_of_difference(x, stats.of_lane(0, buffer, n, e % 2, place.quad));
         float keep = 1.f;
         if (extras.drop.enabled && visible) keep = extras.keep_factor<float>(place.b, h, p_row, j);
         const float dpe = visible ? dp[n].r[e] * keep : 0.f;
         // Through the cap: d score / d (scale q . k) = dcap (1 without one).
-        dp[n].r[e] = attn::score_grad(p, dpe, delta_s[buffer * kTile + col]) * dcap;
+        dp[n].r[e] = attn::score_grad(p, dpe, stats.of_lane(1, buffer, n, e % 2, place.quad)) * dcap;
         s[n].r[e] = p * keep;  // dV sees the probabilities after dropout
       }
     }
@@ -284,7 +310,6 @@ struct KeyLanes {
 
   // dK (times the scale) and dV of this lane's keys before j_end, columns
   // col0 on (those before d).
-  template <typename T>
   __device__ __forceinline__ void store(const mma::FragC (&dk)[kN], const mma::FragC (&dv)[kN], T* grad_k,
                                         T* grad_v, const attn::KeyRows& key_rows, float scale, int col0,
                                         int d) const {
@@ -328,8 +353,7 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
     T* v_s = k_s + tc::kRows * kStride;         // [kRows][kStride]
     T* q_s = v_s + tc::kRows * kStride;         // [2][kTile][kStride]
     T* do_s = q_s + 2 * kTile * kStride;        // [2][kTile][kStride]
-    float* lse_s = reinterpret_cast<float*>(do_s + 2 * kTile * kStride);  // [2][kTile]
-    float* delta_s = lse_s + 2 * kTile;                                   // [2][kTile]
+    const RowStats<T, Tl> stats(k_s);  // each staged row's lse and delta
 
     const tc::BlockPlace place;
     const int64_t g = place.g, b = place.b;
@@ -352,7 +376,7 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
     const int64_t rows_begin = rows.group_row(attn::query_begin(mask, j0, sq));
     const int64_t rows_end = rows.group_row(attn::query_end(mask, j_end, sq));
     const int64_t n_tiles = rows_end > rows_begin ? (rows_end - rows_begin + kTile - 1) / kTile : 0;
-    const RowTiles<T, Tl> stage_rows{q_s, do_s, lse_s, delta_s, q_b, g_b, qs, gs, lse, delta, rows, g, b,
+    const RowTiles<T, Tl> stage_rows{q_s, do_s, stats, q_b, g_b, qs, gs, lse, delta, rows, g, b,
                                      rows_begin, rows_end, d, q_chunks};
     tc::pipeline_start(n_tiles, stage_rows);
 
@@ -360,7 +384,7 @@ attention_mma_dkdv_kernel(const T* __restrict__ grad_out, Strides gs, const T* _
     int64_t key[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) key[half] = j0 + warp * 16 + group + 8 * half;
-    const KeyLanes<Tl> lanes{place, rows, mask, key, j_end, rows_end, lse_s, delta_s};
+    const KeyLanes<T, Tl> lanes{place, rows, mask, key, j_end, rows_end, stats};
     const bool unmodified = !extras.mods.any_score_mod() && !extras.mask.present();
     const bool plain = unmodified && !extras.drop.enabled;
     // This warp's 16 keys (the key range of a row grows with its position).

@@ -8,6 +8,7 @@ its Hopper kernels), fusedllm held to its mma.sync tensor-core kernels
 
     python benchmarks/bench_attention.py            # B=1, Hq=32, Hkv=8, D=128, S in 512/2048/4096
     python benchmarks/bench_attention.py --quick    # small sizes, fewer repetitions
+    python benchmarks/bench_attention.py --head-dim 256 --out /tmp/d256   # Gemma's head (cases named D256)
 
 GFLOP/s counts the useful matrix products only: a causal forward is
 4*B*Hq*S*S*D / 2 FLOPs (QK^T and PV over the visible half), forward+backward
@@ -222,7 +223,7 @@ def bench_case(batch, q_heads, kv_heads, seq, head_dim, dtype, device, reps, cor
             peaks[n] = peak_memory_bytes(fn, device)
         fused_t = times["fusedllm"]
         row = dict(
-            case=f"S={seq} {dtype_name(dtype)} {mode}",
+            case=f"S={seq}{'' if head_dim == 128 else f' D{head_dim}'} {dtype_name(dtype)} {mode}",
             seq=seq, dtype=str(dtype), mode=mode,
             shape=dict(batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim),
             ms={n: t * 1e3 for n, t in times.items()},
@@ -272,13 +273,14 @@ COLUMNS = [
 def options(parser):
     parser.add_argument("--seqs", type=int, nargs="*", default=None)
     parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
+    parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--max-call-seconds", type=float, default=40.0,
                         help="skip a baseline whose call is predicted to take longer")
 
 
 def cases(args, device):
     seqs = args.seqs or ([256, 512] if args.quick else [512, 2048, 4096])
-    batch, q_heads, kv_heads, head_dim = 1, 32, 8, 128
+    batch, q_heads, kv_heads, head_dim = 1, 32, 8, args.head_dim
     for name in args.dtypes:
         dtype = getattr(torch, name)
         history = {}

@@ -203,14 +203,18 @@ struct RowStats {
   // Statistic `which` (0: lse, 1: delta) of row `row` of a buffer's tile:
   // slot (2 which + buffer) kTile + row, 4 slots a K row.
   __device__ __forceinline__ float& at(int which, int buffer, int row) const {
-    const int slot = (2 * which + buffer) * kTile + row;
-    return first[(slot / 4) * kRowFloats + slot % 4];
+    return in_row(which, buffer, row / 4, row % 4);
   }
   // at(which, buffer, 8 n + 2 quad + e): the tile row of element e (0 or 1)
-  // of n-tile n in this lane's accumulator fragments; all but the buffer's
-  // offset is known at compile time or fixed for the lane.
+  // of n-tile n in this lane's accumulator fragments, its K row and place
+  // split so that only the buffer's offset is computed in the loop.
   __device__ __forceinline__ float of_lane(int which, int buffer, int n, int e, int quad) const {
-    return first[((2 * which + buffer) * (kTile / 4) + 2 * n + quad / 2) * kRowFloats + 2 * (quad % 2) + e];
+    return in_row(which, buffer, 2 * n + quad / 2, 2 * (quad % 2) + e);
+  }
+
+ private:
+  __device__ __forceinline__ float& in_row(int which, int buffer, int k_row, int place) const {
+    return first[((2 * which + buffer) * (kTile / 4) + k_row) * kRowFloats + place];
   }
 };
 

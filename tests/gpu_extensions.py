@@ -48,11 +48,11 @@ GPU_SOURCE = r"""
 #include "grouped_gemm.cuh"
 
 at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets, int64_t kind,
-                      bool tensor_cores) {
+                      bool tensor_cores, int64_t tile) {
   const auto product = static_cast<fusedllm::cuda::GroupedProduct>(kind);
   at::Tensor out = kind == 2 ? at::empty({offsets.size(0) - 1, a.size(1), b.size(-1)}, a.options())
                              : at::empty({a.size(0), b.size(kind == 0 ? 1 : 2)}, a.options());
-  fusedllm::cuda::grouped::grouped_mm(out, a, b, offsets, product, tensor_cores);
+  fusedllm::cuda::grouped::grouped_mm(out, a, b, offsets, product, tensor_cores, static_cast<int>(tile));
   return out;
 }
 """
@@ -62,7 +62,7 @@ def grouped_gemm_check():
     from torch.utils.cpp_extension import load_inline
 
     declaration = ("at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, "
-                   "const at::Tensor& offsets, int64_t kind, bool tensor_cores);")
+                   "const at::Tensor& offsets, int64_t kind, bool tensor_cores, int64_t tile);")
     return load_inline(name="fusedllm_grouped_gemm_check", cpp_sources=declaration, cuda_sources=GPU_SOURCE,
                        functions=["grouped_mm"], extra_include_paths=[CUDA_SOURCES, INCLUDE],
                        # The CUDA library headers of torch's nvidia-* wheels, where the toolkit lacks them.

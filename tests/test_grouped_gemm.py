@@ -67,11 +67,12 @@ def tolerance(dtype, exact):
             torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (1e-3, 1e-3)}[dtype]
 
 
-def run(a, b, offsets, kind, schedule, tensor_cores=True):
+def run(a, b, offsets, kind, schedule, tensor_cores=True, tile=0):
+    """tile: the output tile, 64 or 128 (0: grouped_mm's choice)."""
     import fusedllm.simt  # loads fusedllm._simt or says how to build it
 
     with fusedllm.simt.kernels(schedule=schedule):
-        return torch.ops.fusedllm_simt_selftest.grouped_mm(a, b, offsets, kind, tensor_cores)
+        return torch.ops.fusedllm_simt_selftest.grouped_mm(a, b, offsets, kind, tensor_cores, tile)
 
 
 def check(out, a, b, offsets, kind, exact):
@@ -92,35 +93,57 @@ def check(out, a, b, offsets, kind, exact):
 GROUPS = [0, 5, 1, 0, 70, 3, 0]
 
 
+TILES = [64, 128]
+DTYPE_TILES = [(dtype, tile) for dtype in DTYPES for tile in TILES]
+
+
 @pytest.mark.simt
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_grouped_products_integers(dtype, kind, schedule):
+@pytest.mark.parametrize("dtype,tile", DTYPE_TILES, ids=str)
+def test_grouped_products_integers(dtype, tile, kind, schedule):
     k = KINDS[kind]
     a, b, offsets = operands(k, GROUPS, (40, 72), dtype, exact=True, seed=k)
-    check(run(a, b, offsets, k, schedule), a, b, offsets, k, exact=True)
+    check(run(a, b, offsets, k, schedule, tile=tile), a, b, offsets, k, exact=True)
 
 
 @pytest.mark.simt
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_grouped_products_random_ragged(dtype, kind):
+@pytest.mark.parametrize("dtype,tile", DTYPE_TILES, ids=str)
+def test_grouped_products_random_ragged(dtype, tile, kind):
     """Random values; K (or the groups' rows) over two K-steps with a ragged
     tail, N over one tile, M ragged: every edge of both kernels."""
     k = KINDS[kind]
     a, b, offsets = operands(k, [3, 0, 37, 9], (45, 67), dtype, exact=False, seed=10 + k)
-    check(run(a, b, offsets, k, "warp-random"), a, b, offsets, k, exact=False)
+    check(run(a, b, offsets, k, "warp-random", tile=tile), a, b, offsets, k, exact=False)
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_whole_tiles(dtype, tile, kind, schedule):
+    """Groups over several whole row tiles, K over several whole K-steps (the
+    stages turn over) with a ragged last one, N over two 128-column tiles,
+    aligned rows: the staging that keeps its addresses from step to step
+    (16-byte copies; the SIMT kernel's 16-byte reads held across a step's
+    products), beside the element-wise edges of the same groups (their last
+    row tile, the last K-step); integers, exact."""
+    k = KINDS[kind]
+    a, b, offsets = operands(k, [0, 130, 1, 0, 264, 0], (136, 264), dtype, exact=True, seed=70 + k)
+    check(run(a, b, offsets, k, schedule, tile=tile), a, b, offsets, k, exact=True)
 
 
 @pytest.mark.simt
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_simt_kernel_for_16_bit_types(dtype, kind):
-    """The SIMT kernel that 16-bit types take below sm_80."""
+    """The SIMT kernel that 16-bit types take below sm_80, both tiles."""
     k = KINDS[kind]
     a, b, offsets = operands(k, [6, 0, 30], (24, 20), dtype, exact=True, seed=20 + k)
-    check(run(a, b, offsets, k, "lockstep", tensor_cores=False), a, b, offsets, k, exact=True)
+    for tile in TILES:
+        check(run(a, b, offsets, k, "lockstep", tensor_cores=False, tile=tile), a, b, offsets, k, exact=True)
 
 
 @pytest.mark.simt
@@ -153,12 +176,13 @@ LAYOUT = {"aligned": (8, 0), "odd_stride": (3, 0), "odd_pointer": (8, 1)}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_strided_operands(dtype, kind, layout):
     """Row-strided slices of a and of b (every other expert of a larger b for
-    the row products), for every alignment case."""
+    the row products), for every alignment case, in both tiles."""
     k = KINDS[kind]
     a, b, offsets = operands(k, [9, 0, 24, 2], (32, 24), dtype, exact=True, seed=40 + k)
     a_s, b_s = (strided(t, *LAYOUT[layout]) for t in (a, b))
     assert not a_s.is_contiguous() and not b_s.is_contiguous() and b_s.stride(-1) == 1
-    check(run(a_s, b_s, offsets, k, "warp-random"), a, b, offsets, k, exact=True)
+    for tile in TILES:
+        check(run(a_s, b_s, offsets, k, "warp-random", tile=tile), a, b, offsets, k, exact=True)
 
 
 @pytest.mark.simt
@@ -205,6 +229,8 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match=whole(
             "grouped_mm: a's last dimension must have unit stride, got strides [1, 5]")):
         run(a.T.contiguous().T, b, offsets, 0, "lockstep")
+    with pytest.raises(ValueError, match=whole("grouped_mm: tile must be 0 (chosen), 64 or 128, got 32")):
+        run(a, b, offsets, 0, "lockstep", tile=32)
 
 
 @pytest.fixture(scope="module")
@@ -222,13 +248,14 @@ def test_grouped_products_on_a_gpu(gpu_grouped_mm, dtype, kind, exact):
     both kernels for the 16-bit types, and run-to-run determinism."""
     k = KINDS[kind]
     a, b, offsets = operands(k, [0, 300, 1, 0, 517, 64, 0], (200, 136), dtype, exact=exact, seed=60 + k)
-    for tensor_cores in (True, False):
-        out = gpu_grouped_mm(a.cuda(), b.cuda(), offsets.cuda(), k, tensor_cores)
+    for tensor_cores, tile in ((True, 0), (True, 64), (True, 128), (False, 0)):
+        out = gpu_grouped_mm(a.cuda(), b.cuda(), offsets.cuda(), k, tensor_cores, tile)
         check(out.cpu(), a, b, offsets, k, exact)
-        again = gpu_grouped_mm(a.cuda(), b.cuda(), offsets.cuda(), k, tensor_cores)
+        again = gpu_grouped_mm(a.cuda(), b.cuda(), offsets.cuda(), k, tensor_cores, tile)
         assert torch.equal(out, again)
     a_s, b_s = (strided(t, 3, 1).cuda() for t in (a, b))
-    check(gpu_grouped_mm(a_s, b_s, offsets.cuda(), k, True).cpu(), a, b, offsets, k, exact)
+    for tile in (64, 128):
+        check(gpu_grouped_mm(a_s, b_s, offsets.cuda(), k, True, tile).cpu(), a, b, offsets, k, exact)
 
 
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")

@@ -58,13 +58,14 @@ except RuntimeError as e:
 grouped = {}
 for dtype in ("float16", "bfloat16"):
     for kind in range(3):
-        a, b, offsets = grouped_operands(kind, GROUPS, (40, 72), getattr(torch, dtype), exact=True, seed=kind)
-        before = simt.stats()["kernel_launches"]
-        with simt.kernels(schedule="warp-random"):
-            out = torch.ops.fusedllm_simt_selftest.grouped_mm(a, b, offsets, kind, True)
-        after = simt.stats()["kernel_launches"]
-        check_grouped(out, a, b, offsets, kind, exact=True)
-        grouped[f"{dtype} {kind}"] = sorted(n for n, c in after.items() if c > before.get(n, 0))
+        for tile in (64, 128):
+            a, b, offsets = grouped_operands(kind, GROUPS, (40, 72), getattr(torch, dtype), exact=True, seed=kind)
+            before = simt.stats()["kernel_launches"]
+            with simt.kernels(schedule="warp-random"):
+                out = torch.ops.fusedllm_simt_selftest.grouped_mm(a, b, offsets, kind, True, tile)
+            after = simt.stats()["kernel_launches"]
+            check_grouped(out, a, b, offsets, kind, exact=True)
+            grouped[f"{dtype} {kind} {tile}"] = sorted(n for n, c in after.items() if c > before.get(n, 0))
 print(json.dumps({"refused": refused, "grouped": grouped}))
 """
 
@@ -72,7 +73,7 @@ print(json.dumps({"refused": refused, "grouped": grouped}))
 def test_products_as_two_k8_products():
     """float16: the m16n8k16 product as two m16n8k8 ones, exact on small
     integers in both B layouts of the check tile and in the three grouped
-    products (on their tensor-core kernel); bfloat16 has no product there: the
+    products (on both tiles of their tensor-core kernel); bfloat16 has no product there: the
     check tile stops (dispatch never asks for one on sm_75) and the grouped
     products run the SIMT kernel."""
     done = _as_sm75(["-c", PRODUCTS], 600)

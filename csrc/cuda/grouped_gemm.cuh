@@ -5,8 +5,9 @@
 // its expert's weight gradient.
 //
 // The host never reads `offsets` (no device-to-host sync): the grid is sized for
-// the worst case and every block finds its (group, tile) on the device. Row tile
-// j of group e runs in the block of slot offsets[e] / kTile + e + j. A group of
+// the worst case and every block finds its (group, tile) on the device. With
+// kTile the kernel's tile rows, row tile j of group e runs in the block of
+// slot offsets[e] / kTile + e + j. A group of
 // n rows has ceil(n / kTile) <= (offsets[e] % kTile + n) / kTile + 1 tiles, the
 // distance from its first slot to the next group's, so the groups' slots are
 // disjoint and increasing in e, ceil(S / kTile) + E slots cover them all, and a
@@ -14,17 +15,18 @@
 // hundred at most). A block whose slot lies between two groups' tiles (at most
 // one per group, e.g. an empty group's) exits at once.
 //
-// Two kernels share that tiling (64 x 64 output tiles):
+// Two kernels:
 // - bfloat16 / float16 on sm_80+, float16 on sm_75: tensor cores (mma.cuh:
 //   m16n8k16 with float32 accumulators, on sm_75 two m16n8k8; ldmatrix,
-//   cp.async), 4 warps of 32 x 32, K-steps of 32 staged
-//   in shared memory, double-buffered. Ragged edges (rows past a group's end, N
-//   or K not tile multiples) and operands cp.async cannot read (16-byte chunks
-//   need aligned pointers and strides) are loaded element by element, zeros
-//   past the edges.
-// - float32 / float64, and bfloat16 below sm_80: a SIMT kernel, 256 threads
-//   of 4 x 4 outputs, K-steps of 16 staged (converted to the accumulator type)
-//   in shared memory.
+//   cp.async), 4 warps, K-steps of 32 staged in shared memory: 128 x 128
+//   output tiles of 64 x 64 a warp, three stages, where the groups are large;
+//   64 x 64 tiles of 32 x 32 a warp, two stages, otherwise (TcShape). Ragged
+//   edges (rows past a group's end, N or K not tile multiples) and operands
+//   cp.async cannot read (16-byte chunks need aligned pointers and strides)
+//   are loaded element by element, zeros past the edges.
+// - float32 / float64, and bfloat16 below sm_80: a SIMT kernel, 128 x 128 or
+//   64 x 64 tiles as above, 8 x 8 outputs a thread, K-steps of 8 staged
+//   (converted to the accumulator type) in shared memory, double-buffered.
 // Both write each output once, rounded once from float32 (float64) sums (plus
 // the group's bias row, where the row products have one); no atomics, so the
 // result does not depend on scheduling.
@@ -50,14 +52,11 @@ using GroupedProduct = ::fusedllm::moe::GroupedProduct;
 
 namespace grouped {
 
-// Output tile: kTile x kTile for both kernels (so both share the row-tile slots).
-constexpr int kTile = 64;
+// Both kernels' output tiles are 64 x 64 or 128 x 128 (TcShape, SimtShape); a
+// block's row-tile slots (see the file comment) count in its own tile's rows.
 constexpr int kTcK = 32;  // tensor-core kernel: K-step
 constexpr int kTcThreads = 128;
-constexpr int kTcStages = 2;
-constexpr int kSimtK = 16;  // SIMT kernel: K-step
-constexpr int kSimtThreads = 256;
-constexpr int kSimtStride = kTile + 1;  // padded rows of the transposed tiles
+constexpr int kSimtK = 8;   // SIMT kernel: K-step
 
 // Every product as C [M, N] = A [M, K] B [K, N]. An operand is stored either
 // "K-contiguous" (rows of M or N, K along the row: a in the row products, b in
@@ -81,6 +80,7 @@ struct Args {
   int64_t m, n, k;  // the weight gradient's M and N; the row products' N and K (m unused)
   const T* bias;    // row products: [E, N] (row stride n) added to group e's rows, or null
   bool a_chunks, b_chunks;  // 16-byte copies possible (aligned pointer, strides multiples of 8)
+  bool out_pairs;           // two 16-bit outputs a 4-byte store (aligned pointer, even strides)
 };
 
 // offsets[e] clamped to [0, rows], so that malformed offsets cannot send a
@@ -92,6 +92,7 @@ __device__ __forceinline__ int64_t group_start(const int64_t* offsets, int64_t e
 
 // The rows [begin, end) of the row tile in slot `slot` (see the file comment),
 // and its group; false when the slot holds no tile.
+template <int kRowTile>
 __device__ __forceinline__ bool find_row_tile(const int64_t* offsets, int64_t experts, int64_t rows,
                                               int64_t slot, int64_t& group, int64_t& begin,
                                               int64_t& end) {
@@ -99,7 +100,7 @@ __device__ __forceinline__ bool find_row_tile(const int64_t* offsets, int64_t ex
   int64_t lo = 0, hi = experts - 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if (group_start(offsets, mid, rows) / kTile + mid <= slot) {
+    if (group_start(offsets, mid, rows) / kRowTile + mid <= slot) {
       lo = mid;
     } else {
       hi = mid - 1;
@@ -107,11 +108,11 @@ __device__ __forceinline__ bool find_row_tile(const int64_t* offsets, int64_t ex
   }
   const int64_t first = group_start(offsets, lo, rows);
   const int64_t last = group_start(offsets, lo + 1, rows);
-  const int64_t tile = slot - (first / kTile + lo);
-  begin = first + tile * kTile;
+  const int64_t tile = slot - (first / kRowTile + lo);
+  begin = first + tile * kRowTile;
   if (tile < 0 || begin >= last) return false;
   group = lo;
-  end = begin + kTile < last ? begin + kTile : last;
+  end = begin + kRowTile < last ? begin + kRowTile : last;
   return true;
 }
 
@@ -127,12 +128,13 @@ struct Block {
   int64_t m_valid, n_valid, k;
 };
 
-// The block's tile; false when the block has none (a slot past its group's tiles).
-template <GroupedProduct kKind, typename T>
+// The block's kBlockTile x kBlockTile tile; false when the block has none (a
+// slot past its group's tiles).
+template <GroupedProduct kKind, int kBlockTile, typename T>
 __device__ __forceinline__ bool locate(const Args<T>& p, Block<T>& blk) {
   if constexpr (kKind == GroupedProduct::kWeightGradient) {
-    const int64_t e = blockIdx.z, m0 = static_cast<int64_t>(blockIdx.y) * kTile,
-                  n0 = static_cast<int64_t>(blockIdx.x) * kTile;
+    const int64_t e = blockIdx.z, m0 = static_cast<int64_t>(blockIdx.y) * kBlockTile,
+                  n0 = static_cast<int64_t>(blockIdx.x) * kBlockTile;
     const int64_t first = group_start(p.offsets, e, p.rows);
     const int64_t last = group_start(p.offsets, e + 1, p.rows);
     blk.a0 = p.a + first * p.a_stride + m0;
@@ -145,8 +147,8 @@ __device__ __forceinline__ bool locate(const Args<T>& p, Block<T>& blk) {
     return true;
   } else {
     int64_t e, begin, end;
-    if (!find_row_tile(p.offsets, p.experts, p.rows, blockIdx.x, e, begin, end)) return false;
-    const int64_t n0 = static_cast<int64_t>(blockIdx.y) * kTile;
+    if (!find_row_tile<kBlockTile>(p.offsets, p.experts, p.rows, blockIdx.x, e, begin, end)) return false;
+    const int64_t n0 = static_cast<int64_t>(blockIdx.y) * kBlockTile;
     blk.a0 = p.a + begin * p.a_stride;
     const T* b = p.b + e * p.b_expert_stride;
     blk.b0 = kKind == GroupedProduct::kRowsTimesWeightT ? b + n0 * p.b_stride : b + n0;
@@ -163,145 +165,203 @@ __device__ __forceinline__ int clip_to(int64_t v, int limit) {
   return v < 0 ? 0 : (v > limit ? limit : static_cast<int>(v));
 }
 
-// ---- Tensor-core kernel (bfloat16 / float16, sm_80+) ------------------------
+// ---- Tensor-core kernel (bfloat16 / float16, sm_80+; float16 on sm_75) ------
+
+// A block of 4 warps in 2 x 2, each computing a kWarp x kWarp square of the
+// block's output tile. kWarp = 64 (128 x 128 tiles, three stages): a K-step
+// issues 64 mma a warp against 16 ldmatrix and 8 copies a thread. kWarp = 32
+// (64 x 64 tiles, two stages) where groups are small or the large tiles would
+// not fill the GPU (the host's choice, tc_warp).
+template <int kWarp>
+struct TcShape {
+  static_assert(kWarp == 32 || kWarp == 64);
+  static constexpr int kTile = 2 * kWarp;
+  static constexpr int kStages = kWarp == 64 ? 3 : 2;
+  // Blocks a multiprocessor should hold, which caps registers (at most 170
+  // and 128 a thread): the large tiles' memory fits three on an H100 (one on
+  // sm_75, whose 16-byte copies pass through registers: uncapped there), and
+  // ptxas left alone gives the small ones 80 registers and a spill on sm_75.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  static constexpr int kMinBlocks = kWarp == 64 ? 1 : 4;
+#else
+  static constexpr int kMinBlocks = kWarp == 64 ? 3 : 4;
+#endif
+  static constexpr int kMFrags = kWarp / 16;  // m16 fragments a warp
+  static constexpr int kNPairs = kWarp / 16;  // pairs of n8 fragments (one ldmatrix.x4 each)
+};
 
 // Shared-memory tile of one operand for one K-step: K-contiguous operands as
-// [kTile][kTcK] rows, MN-contiguous ones as [kTcK][kTile] rows, padded by 16
-// bytes so that the 8 rows an ldmatrix reads fall in distinct banks.
-template <bool kKContiguous>
+// [kTileMN][kTcK] rows, MN-contiguous ones as [kTcK][kTileMN] rows, padded by
+// 16 bytes so that the 8 rows an ldmatrix reads fall in distinct banks.
+template <bool kKContiguous, int kTileMN>
 struct TcTile {
-  static constexpr int kRows = kKContiguous ? kTile : kTcK;
-  static constexpr int kCols = kKContiguous ? kTcK : kTile;
+  static constexpr int kRows = kKContiguous ? kTileMN : kTcK;
+  static constexpr int kCols = kKContiguous ? kTcK : kTileMN;
   static constexpr int kStride = kCols + 8;
   static constexpr int kSize = kRows * kStride;
 };
 
-// Stages a [kRows, kCols] tile of a row-major matrix (row stride `stride`,
-// rows_valid x cols_valid of it inside the operand) into `s`, zeros outside:
-// 16-byte cp.async chunks where the chunk is whole and `chunks` allows, element
-// by element otherwise.
-template <typename T, int kRows, int kCols, int kStride>
-__device__ __forceinline__ void stage_tc_tile(T* s, const T* g, int64_t stride, int rows_valid,
-                                              int cols_valid, bool chunks) {
-  constexpr int kPerChunk = 16 / static_cast<int>(sizeof(T));
-  constexpr int kChunksPerRow = kCols / kPerChunk;
-  constexpr int kChunks = kRows * kChunksPerRow;
-  if (chunks && rows_valid == kRows && cols_valid == kCols && kChunks % kTcThreads == 0) {
-    // A whole tile (all but a group's edges): each thread's chunks unrolled,
-    // no per-chunk tests (the general loop cost ~12 integer instructions a
-    // chunk, most of a K-step's issue).
-#pragma unroll
-    for (int i = 0; i < kChunks / kTcThreads; ++i) {
-      const int c = threadIdx.x + i * kTcThreads;
-      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kPerChunk;
-      mma::cp_async_16(s + r * kStride + col, g + r * stride + col);
-    }
-    return;
+// One operand's K-steps staged into shared memory by the block (see Block for
+// x0, stride, mn_valid and k). A whole tile (rows and columns inside the
+// operand, 16-byte copies possible: all but a group's edges and the last
+// K-step) takes each thread's kPasses 16-byte copies at addresses kept across
+// steps, advanced by one K-step each; any other tile goes element by element
+// where a chunk is cut, zeros outside the operand.
+template <typename T, bool kKContiguous, int kTileMN>
+struct TcOperand {
+  using Tile = TcTile<kKContiguous, kTileMN>;
+  static constexpr int kPerChunk = 16 / static_cast<int>(sizeof(T));
+  static constexpr int kChunksPerRow = Tile::kCols / kPerChunk;
+  static constexpr int kRowsPerPass = kTcThreads / kChunksPerRow;
+  static constexpr int kPasses = Tile::kRows / kRowsPerPass;
+  static_assert(kTcThreads % kChunksPerRow == 0 && Tile::kRows % kRowsPerPass == 0);
+
+  const T* x0;
+  int64_t stride, mn_valid, k;
+  bool chunks;     // 16-byte copies allowed (aligned pointer and strides)
+  int whole_left;  // K-steps left to stage whole (every full one if the tile's rows or columns are)
+  // Kept from step to step: rebuilt from the thread index and the shared base
+  // each step, they were most of a K-step's integer instructions.
+  const T* mine;   // this thread's first chunk at the next K-step
+  int64_t k_step;  // elements between two K-steps' chunks
+  T* s_write;      // this thread's first chunk in the stage the next K-step goes to
+  int write;       // that stage
+
+  __device__ __forceinline__ TcOperand(T* s, const T* x0_, int64_t stride_, int64_t mn_valid_, int64_t k_,
+                                       bool chunks_)
+      : x0(x0_), stride(stride_), mn_valid(mn_valid_), k(k_), chunks(chunks_),
+        whole_left(chunks_ && mn_valid_ >= kTileMN ? static_cast<int>(k_ / kTcK) : 0), write(0) {
+    const int row = threadIdx.x / kChunksPerRow, col = (threadIdx.x % kChunksPerRow) * kPerChunk;
+    mine = x0 + row * stride + col;
+    k_step = kKContiguous ? kTcK : kTcK * stride;
+    s_write = s + row * Tile::kStride + col;
   }
-  for (int c = threadIdx.x; c < kChunks; c += kTcThreads) {
-    const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kPerChunk;
-    T* dst = s + r * kStride + col;
-    if (chunks && r < rows_valid && col + kPerChunk <= cols_valid) {
-      mma::cp_async_16(dst, g + r * stride + col);
-    } else {
+
+  // Stages K-step `step` into the next stage of s_write's ring of kStages;
+  // steps are staged in order from 0.
+  template <int kStages>
+  __device__ __forceinline__ void stage(int step) {
+    if (whole_left > 0) {
 #pragma unroll
-      for (int i = 0; i < kPerChunk; ++i) {
-        dst[i] = (r < rows_valid && col + i < cols_valid) ? g[r * stride + col + i] : T(0.f);
+      for (int i = 0; i < kPasses; ++i) {
+        mma::cp_async_16(s_write + i * kRowsPerPass * Tile::kStride, mine + i * kRowsPerPass * stride);
+      }
+    } else {
+      const int row = threadIdx.x / kChunksPerRow, col = (threadIdx.x % kChunksPerRow) * kPerChunk;
+      T* s = s_write - (row * Tile::kStride + col);  // the stage's tile
+      const int64_t k0 = static_cast<int64_t>(step) * kTcK;
+      const int mn = clip_to(mn_valid, kTileMN), kk = clip_to(k - k0, kTcK);
+      if constexpr (kKContiguous) {
+        stage_edges(s, x0 + k0, mn, kk);
+      } else {
+        stage_edges(s, x0 + k0 * stride, kk, mn);
+      }
+    }
+    --whole_left;
+    mine += k_step;
+    if (++write == kStages) {
+      write = 0;
+      s_write -= (kStages - 1) * Tile::kSize;
+    } else {
+      s_write += Tile::kSize;
+    }
+  }
+
+  // The tile at g (rows_valid x cols_valid of it inside the operand) into s.
+  __device__ __forceinline__ void stage_edges(T* s, const T* g, int rows_valid, int cols_valid) const {
+    for (int c = threadIdx.x; c < Tile::kRows * kChunksPerRow; c += kTcThreads) {
+      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kPerChunk;
+      T* dst = s + r * Tile::kStride + col;
+      if (chunks && r < rows_valid && col + kPerChunk <= cols_valid) {
+        mma::cp_async_16(dst, g + r * stride + col);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kPerChunk; ++i) {
+          dst[i] = (r < rows_valid && col + i < cols_valid) ? g[r * stride + col + i] : T(0.f);
+        }
       }
     }
   }
-}
-
-// Stages K-step [k0, k0 + kTcK) of an operand (see Block) into `s`.
-template <bool kKContiguous, typename T>
-__device__ __forceinline__ void stage_tc_operand(T* s, const T* x0, int64_t stride, int64_t mn_valid,
-                                                 int64_t k, int64_t k0, bool chunks) {
-  using Tile = TcTile<kKContiguous>;
-  if constexpr (kKContiguous) {
-    stage_tc_tile<T, Tile::kRows, Tile::kCols, Tile::kStride>(
-        s, x0 + k0, stride, clip_to(mn_valid, kTile), clip_to(k - k0, kTcK), chunks);
-  } else {
-    stage_tc_tile<T, Tile::kRows, Tile::kCols, Tile::kStride>(
-        s, x0 + k0 * stride, stride, clip_to(k - k0, kTcK), clip_to(mn_valid, kTile), chunks);
-  }
-}
-
-template <typename T, GroupedProduct kKind>
-__global__ void __launch_bounds__(kTcThreads) grouped_mm_tc_kernel(Args<T> p) {
+};
+template <typename T, GroupedProduct kKind, int kWarp>
+__global__ void __launch_bounds__(kTcThreads, TcShape<kWarp>::kMinBlocks) grouped_mm_tc_kernel(Args<T> p) {
   if constexpr (!mma::kProductFor<T>) {
     __trap();  // grouped_mm launches the SIMT kernel where T has no tensor-core product
   } else {
+    using Shape = TcShape<kWarp>;
     constexpr bool kAK = kAIsKContiguous<kKind>, kBK = kBIsKContiguous<kKind>;
-    using TileA = TcTile<kAK>;
-    using TileB = TcTile<kBK>;
+    using OperandA = TcOperand<T, kAK, Shape::kTile>;
+    using OperandB = TcOperand<T, kBK, Shape::kTile>;
+    using TileA = typename OperandA::Tile;
+    using TileB = typename OperandB::Tile;
     Block<T> blk;
-    if (!locate<kKind>(p, blk)) return;  // the whole block: its slot holds no tile
-    T* sa = dynamic_shared<T>();               // [kTcStages][TileA::kSize]
-    T* sb = sa + kTcStages * TileA::kSize;     // [kTcStages][TileB::kSize]
+    if (!locate<kKind, Shape::kTile>(p, blk)) return;  // the whole block: its slot holds no tile
+    T* sa = dynamic_shared<T>();                 // [kStages][TileA::kSize]
+    T* sb = sa + Shape::kStages * TileA::kSize;  // [kStages][TileB::kSize]
+    OperandA a(sa, blk.a0, p.a_stride, blk.m_valid, blk.k, p.a_chunks);
+    OperandB b(sb, blk.b0, p.b_stride, blk.n_valid, blk.k, p.b_chunks);
 
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-    const int wm = (warp % 2) * 32, wn = (warp / 2) * 32;  // this warp's 32 x 32 of the tile
-    const int matrix = lane / 8, matrix_row = lane % 8;    // the 8x8 matrix this lane addresses
-    mma::FragC acc[2][4];
+    const int wm = (warp % 2) * kWarp, wn = (warp / 2) * kWarp;  // this warp's square of the tile
+    const int matrix = lane / 8, matrix_row = lane % 8;          // the 8x8 matrix this lane addresses
+    // The row this lane passes to ldmatrix for the warp's first fragment at
+    // k = 0, in the stage the next step lies in (kept step to step, as s_write).
+    const T* ta = sa + (kAK ? (wm + (matrix % 2) * 8 + matrix_row) * TileA::kStride + (matrix / 2) * 8
+                            : ((matrix / 2) * 8 + matrix_row) * TileA::kStride + wm + (matrix % 2) * 8);
+    const T* tb = sb + (kBK ? (wn + (matrix / 2) * 8 + matrix_row) * TileB::kStride + (matrix % 2) * 8
+                            : ((matrix % 2) * 8 + matrix_row) * TileB::kStride + wn + (matrix / 2) * 8);
+    int read = 0;
+    mma::FragC acc[Shape::kMFrags][2 * Shape::kNPairs];
 
-    const int64_t steps = (blk.k + kTcK - 1) / kTcK;
-    const auto stage = [&](int64_t step) {
-      const int buffer = static_cast<int>(step % kTcStages);
-      stage_tc_operand<kAK>(sa + buffer * TileA::kSize, blk.a0, p.a_stride, blk.m_valid, blk.k,
-                            step * kTcK, p.a_chunks);
-      stage_tc_operand<kBK>(sb + buffer * TileB::kSize, blk.b0, p.b_stride, blk.n_valid, blk.k,
-                            step * kTcK, p.b_chunks);
+    // K-steps fit an int (K past 2^36 would not fit in memory).
+    const int steps = static_cast<int>((blk.k + kTcK - 1) / kTcK);
+    int staged = 0;
+    const auto stage_next = [&](bool any) {  // one commit group a step, empty past the last
+      if (any) {
+        a.template stage<Shape::kStages>(staged);
+        b.template stage<Shape::kStages>(staged);
+        ++staged;
+      }
       mma::cp_async_commit();
     };
-    if (steps > 0) stage(0);
-    for (int64_t step = 0; step < steps; ++step) {
-      if (step + 1 < steps) {
-        stage(step + 1);  // its buffer was last read before the previous step's closing barrier
-        mma::cp_async_wait<1>();
-      } else {
-        mma::cp_async_wait<0>();
-      }
+#pragma unroll
+    for (int s = 0; s < Shape::kStages - 1; ++s) stage_next(s < steps);
+    for (int left = steps; left > 0; --left) {
+      mma::cp_async_wait<Shape::kStages - 2>();  // this thread's copies of this step have landed
+      // Everyone's have; and every warp is done with the previous step's stage, staged next.
       __syncthreads();
-      const T* ta = sa + static_cast<int>(step % kTcStages) * TileA::kSize;
-      const T* tb = sb + static_cast<int>(step % kTcStages) * TileB::kSize;
+      stage_next(left > Shape::kStages - 1);
 #pragma unroll
       for (int ks = 0; ks < kTcK; ks += 16) {
-        mma::FragA fa[2];
+        mma::FragA fa[Shape::kMFrags];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int m = wm + i * 16;
-          if constexpr (kAK) {
-            mma::ldmatrix_x4<false>(
-                fa[i].r, ta + (m + (matrix % 2) * 8 + matrix_row) * TileA::kStride + ks + (matrix / 2) * 8);
-          } else {
-            mma::ldmatrix_x4<true>(
-                fa[i].r, ta + (ks + (matrix / 2) * 8 + matrix_row) * TileA::kStride + m + (matrix % 2) * 8);
-          }
+        for (int i = 0; i < Shape::kMFrags; ++i) {
+          mma::ldmatrix_x4<!kAK>(fa[i].r, ta + (kAK ? i * 16 * TileA::kStride + ks : ks * TileA::kStride + i * 16));
         }
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int n = wn + j * 16;
+        for (int j = 0; j < Shape::kNPairs; ++j) {
           uint32_t r[4];  // two n-tiles of 8: {r[0], r[1]} and {r[2], r[3]}
-          if constexpr (kBK) {
-            mma::ldmatrix_x4<false>(
-                r, tb + (n + (matrix / 2) * 8 + matrix_row) * TileB::kStride + ks + (matrix % 2) * 8);
-          } else {
-            mma::ldmatrix_x4<true>(
-                r, tb + (ks + (matrix % 2) * 8 + matrix_row) * TileB::kStride + n + (matrix / 2) * 8);
-          }
+          mma::ldmatrix_x4<!kBK>(r, tb + (kBK ? j * 16 * TileB::kStride + ks : ks * TileB::kStride + j * 16));
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
+          for (int i = 0; i < Shape::kMFrags; ++i) {
             mma::mma_16816<T>(acc[i][2 * j], fa[i], mma::FragB{{r[0], r[1]}});
             mma::mma_16816<T>(acc[i][2 * j + 1], fa[i], mma::FragB{{r[2], r[3]}});
           }
         }
       }
-      __syncthreads();  // every warp is done with this buffer before it is staged again
+      if (++read == Shape::kStages) {
+        read = 0;
+        ta -= (Shape::kStages - 1) * TileA::kSize;
+        tb -= (Shape::kStages - 1) * TileB::kSize;
+      } else {
+        ta += TileA::kSize;
+        tb += TileB::kSize;
+      }
     }
 
     const int group = lane / 4, quad = lane % 4;
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
+    for (int t = 0; t < 2 * Shape::kNPairs; ++t) {
       const int col = wn + t * 8 + 2 * quad;
       // The bias of this lane's two columns, added to the float32 sums (rounded once).
       float bias[2] = {0.f, 0.f};
@@ -310,86 +370,231 @@ __global__ void __launch_bounds__(kTcThreads) grouped_mm_tc_kernel(Args<T> p) {
         if (col + 1 < blk.n_valid) bias[1] = static_cast<float>(blk.bias0[col + 1]);
       }
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
+      for (int i = 0; i < Shape::kMFrags; ++i) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {  // rows group and group + 8
           const int row = wm + i * 16 + group + half * 8;
           if (row >= blk.m_valid) continue;
           T* c = blk.c0 + row * p.out_stride + col;
-          if (col < blk.n_valid) c[0] = T(acc[i][t].r[2 * half] + bias[0]);
-          if (col + 1 < blk.n_valid) c[1] = T(acc[i][t].r[2 * half + 1] + bias[1]);
+          const T lo = T(acc[i][t].r[2 * half] + bias[0]), hi = T(acc[i][t].r[2 * half + 1] + bias[1]);
+          if (p.out_pairs && col + 1 < blk.n_valid) {
+            store_pack<T, 2>(c, Pack<T, 2>{{lo, hi}});
+          } else {
+            if (col < blk.n_valid) c[0] = lo;
+            if (col + 1 < blk.n_valid) c[1] = hi;
+          }
         }
       }
     }
   }
 }
 
-// ---- SIMT kernel (float32 / float64, and bfloat16 below sm_80) -------------
+// ---- SIMT kernel (float32 / float64, and 16-bit types without a product) ---
 
-// Stages K-step [k0, k0 + kSimtK) of an operand (see Block) into `s` as
-// [kSimtK][kSimtStride] rows of Acc (K-major, whatever the operand's layout),
-// zeros outside the operand.
-template <bool kKContiguous, typename Acc, typename T>
-__device__ __forceinline__ void stage_simt_operand(Acc* s, const T* x0, int64_t stride,
-                                                   int64_t mn_valid, int64_t k, int64_t k0) {
-  const int mn_limit = clip_to(mn_valid, kTile), k_limit = clip_to(k - k0, kSimtK);
-  for (int i = threadIdx.x; i < kTile * kSimtK; i += kSimtThreads) {
-    // Consecutive threads along the operand's contiguous dimension.
-    const int kk = kKContiguous ? i % kSimtK : i / kTile;
-    const int mn = kKContiguous ? i / kSimtK : i % kTile;
-    Acc v = Acc(0);
-    if (mn < mn_limit && kk < k_limit) {
-      v = static_cast<Acc>(kKContiguous ? x0[mn * stride + k0 + kk] : x0[(k0 + kk) * stride + mn]);
+// A block of kSide x kSide threads, each computing 8 x 8 outputs of the
+// block's kTile x kTile tile (kTile = 8 kSide: 128 for large groups, 64
+// otherwise): rows 4 ty + {0..3} and kTile / 2 + 4 ty + {0..3}, columns
+// likewise from tx, so that for each k a thread reads two 4-vectors of each
+// staged operand (16-byte shared loads in float32) for 64 FMAs.
+template <int kTileSide>
+struct SimtShape {
+  static_assert(kTileSide == 64 || kTileSide == 128);
+  static constexpr int kTile = kTileSide;
+  static constexpr int kSide = kTile / 8;
+  static constexpr int kThreads = kSide * kSide;
+  static constexpr int kStride = kTile + 4;  // padded rows: the transposed stores fall in distinct banks
+  static constexpr int kSize = kSimtK * kStride;
+};
+
+// One operand's K-steps staged by the block as [kSimtK][kStride] rows of Acc
+// (K-major, whatever the operand's layout), in two buffers. A whole step of a
+// float32 / float64 operand (see TcOperand) is read as 16-byte packs into
+// registers before the previous step's products and stored after them; any
+// other step element by element, zeros outside the operand.
+template <typename T, typename Acc, bool kKContiguous, int kTile, int kThreads>
+struct SimtOperand {
+  using Shape = SimtShape<kTile>;
+  static constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+  static constexpr bool kPacks = sizeof(T) >= 4;  // float32, float64 (Acc is T)
+  static constexpr int kRows = kKContiguous ? kTile : kSimtK;  // the operand's rows in a step
+  static constexpr int kCols = kKContiguous ? kSimtK : kTile;
+  static constexpr int kChunksPerRow = kPacks ? kCols / kPer : 1;
+  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  static constexpr int kPasses = kPacks ? kRows / kRowsPerPass : 1;
+  static_assert(!kPacks || (kThreads % kChunksPerRow == 0 && kRows % kRowsPerPass == 0));
+
+  const T* x0;
+  int64_t stride, mn_valid, k;
+  int whole_left;  // K-steps left to read as packs (every full one if the tile's rows or columns are)
+  const T* mine;   // this thread's first pack at the next K-step
+  int64_t k_step;  // elements between two K-steps' packs
+  int s_mine;      // where that pack goes in a buffer (its first element)
+  Pack<T, kPer> held[kPasses];
+
+  __device__ __forceinline__ SimtOperand(const T* x0_, int64_t stride_, int64_t mn_valid_, int64_t k_,
+                                         bool chunks)
+      : x0(x0_), stride(stride_), mn_valid(mn_valid_), k(k_),
+        whole_left(kPacks && chunks && mn_valid_ >= kTile ? static_cast<int>(k_ / kSimtK) : 0) {
+    const int row = threadIdx.x / kChunksPerRow, col = (threadIdx.x % kChunksPerRow) * kPer;
+    mine = x0 + row * stride + col;
+    k_step = kKContiguous ? kSimtK : kSimtK * stride;
+    s_mine = kKContiguous ? col * Shape::kStride + row : row * Shape::kStride + col;
+  }
+
+  // Whether the next step is read as packs (read, then put), else staged by `stage`.
+  __device__ __forceinline__ bool packed() const { return whole_left > 0; }
+
+  __device__ __forceinline__ void read() {
+    if constexpr (kPacks) {
+#pragma unroll
+      for (int i = 0; i < kPasses; ++i) held[i] = load_pack<T, kPer>(mine + i * kRowsPerPass * stride);
     }
-    s[kk * kSimtStride + mn] = v;
+  }
+
+  // The packs read into buffer s (K-contiguous operands transposed).
+  __device__ __forceinline__ void put(Acc* s) {
+    if constexpr (kPacks) {
+#pragma unroll
+      for (int i = 0; i < kPasses; ++i) {
+        if constexpr (kKContiguous) {
+#pragma unroll
+          for (int j = 0; j < kPer; ++j) s[s_mine + j * Shape::kStride + i * kRowsPerPass] = held[i].v[j];
+        } else {
+          store_pack<Acc, kPer>(s + s_mine + i * kRowsPerPass * Shape::kStride, held[i]);
+        }
+      }
+    }
+    next();
+  }
+
+  // K-step `step` into buffer s, element by element.
+  __device__ __forceinline__ void stage(Acc* s, int step) {
+    const int64_t k0 = static_cast<int64_t>(step) * kSimtK;
+    const int mn_limit = clip_to(mn_valid, kTile), k_limit = clip_to(k - k0, kSimtK);
+    for (int i = threadIdx.x; i < kTile * kSimtK; i += kThreads) {
+      // Consecutive threads along the operand's contiguous dimension.
+      const int kk = kKContiguous ? i % kSimtK : i / kTile;
+      const int mn = kKContiguous ? i / kSimtK : i % kTile;
+      Acc v = Acc(0);
+      if (mn < mn_limit && kk < k_limit) {
+        v = static_cast<Acc>(kKContiguous ? x0[mn * stride + k0 + kk] : x0[(k0 + kk) * stride + mn]);
+      }
+      s[kk * Shape::kStride + mn] = v;
+    }
+    next();
+  }
+
+  __device__ __forceinline__ void next() {
+    --whole_left;
+    mine += k_step;
+  }
+};
+
+// Four consecutive values of a staged row (16-byte aligned: kStride and the
+// offsets are multiples of 4).
+template <typename Acc>
+__device__ __forceinline__ void load4(const Acc* s, Acc (&v)[8], int at) {
+  if constexpr (sizeof(Acc) == 4) {
+    const Pack<Acc, 4> q = load_pack<Acc, 4>(s);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[at + i] = q.v[i];
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const Pack<Acc, 2> q = load_pack<Acc, 2>(s + 2 * h);
+      v[at + 2 * h] = q.v[0];
+      v[at + 2 * h + 1] = q.v[1];
+    }
   }
 }
 
-template <typename T, GroupedProduct kKind>
-__global__ void __launch_bounds__(kSimtThreads) grouped_mm_simt_kernel(Args<T> p) {
+template <typename T, GroupedProduct kKind, int kTileSide>
+__global__ void __launch_bounds__(SimtShape<kTileSide>::kThreads) grouped_mm_simt_kernel(Args<T> p) {
   using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  using Shape = SimtShape<kTileSide>;
+  constexpr int kTile = Shape::kTile, kHalf = kTile / 2;
   Block<T> blk;
-  if (!locate<kKind>(p, blk)) return;
-  Acc* sa = dynamic_shared<Acc>();       // [kSimtK][kSimtStride]
-  Acc* sb = sa + kSimtK * kSimtStride;   // [kSimtK][kSimtStride]
-  // Thread (ty, tx) owns rows ty + 16 i and columns tx + 16 j: a warp reads 16
-  // consecutive columns of sb and broadcasts 2 rows of sa.
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  Acc acc[4][4] = {};
-  for (int64_t k0 = 0; k0 < blk.k; k0 += kSimtK) {
-    stage_simt_operand<kAIsKContiguous<kKind>>(sa, blk.a0, p.a_stride, blk.m_valid, blk.k, k0);
-    stage_simt_operand<kBIsKContiguous<kKind>>(sb, blk.b0, p.b_stride, blk.n_valid, blk.k, k0);
-    __syncthreads();
+  if (!locate<kKind, kTile>(p, blk)) return;
+  Acc* sa = dynamic_shared<Acc>();   // [2][kSimtK][kStride]
+  Acc* sb = sa + 2 * Shape::kSize;   // [2][kSimtK][kStride]
+  SimtOperand<T, Acc, kAIsKContiguous<kKind>, kTile, Shape::kThreads> a(blk.a0, p.a_stride, blk.m_valid,
+                                                                         blk.k, p.a_chunks);
+  SimtOperand<T, Acc, kBIsKContiguous<kKind>, kTile, Shape::kThreads> b(blk.b0, p.b_stride, blk.n_valid,
+                                                                         blk.k, p.b_chunks);
+  const int tx = threadIdx.x % Shape::kSide, ty = threadIdx.x / Shape::kSide;
+  Acc acc[8][8] = {};
+
+  // K-steps fit an int (K past 2^34 would not fit in memory).
+  const int steps = static_cast<int>((blk.k + kSimtK - 1) / kSimtK);
+  const auto stage = [&](auto& x, Acc* s, int step) {
+    if (x.packed()) {
+      x.read();
+      x.put(s);
+    } else {
+      x.stage(s, step);
+    }
+  };
+  if (steps > 0) {
+    stage(a, sa, 0);
+    stage(b, sb, 0);
+  }
+  __syncthreads();
+  for (int step = 0; step < steps; ++step) {
+    const int buffer = step % 2;
+    const bool more = step + 1 < steps;
+    // The next step's packs are read before this step's products and
+    // stored after them, into the other buffer.
+    const bool a_packs = more && a.packed(), b_packs = more && b.packed();
+    if (a_packs) a.read();
+    if (b_packs) b.read();
+    const Acc* ta = sa + buffer * Shape::kSize + 4 * ty;
+    const Acc* tb = sb + buffer * Shape::kSize + 4 * tx;
 #pragma unroll
     for (int kk = 0; kk < kSimtK; ++kk) {
-      Acc av[4], bv[4];
+      Acc av[8], bv[8];
+      load4(ta + kk * Shape::kStride, av, 0);
+      load4(ta + kk * Shape::kStride + kHalf, av, 4);
+      load4(tb + kk * Shape::kStride, bv, 0);
+      load4(tb + kk * Shape::kStride + kHalf, bv, 4);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        av[i] = sa[kk * kSimtStride + ty + 16 * i];
-        bv[i] = sb[kk * kSimtStride + tx + 16 * i];
-      }
+      for (int i = 0; i < 8; ++i) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * bv[j];
+        for (int j = 0; j < 8; ++j) acc[i][j] += av[i] * bv[j];
       }
     }
-    __syncthreads();  // all reads done before the next step's staging
+    if (more) {
+      // The other buffer was last read before the previous step's barrier.
+      Acc* na = sa + (1 - buffer) * Shape::kSize;
+      Acc* nb = sb + (1 - buffer) * Shape::kSize;
+      if (a_packs) {
+        a.put(na);
+      } else {
+        a.stage(na, step + 1);
+      }
+      if (b_packs) {
+        b.put(nb);
+      } else {
+        b.stage(nb, step + 1);
+      }
+    }
+    __syncthreads();
   }
-  Acc bias[4] = {};  // this thread's columns' bias, added to the sums (rounded once)
+
+  const auto at = [&](int i, int t) { return i < 4 ? 4 * t + i : kHalf + 4 * t + i - 4; };
+  Acc bias[8] = {};  // this thread's columns' bias, added to the sums (rounded once)
   if (blk.bias0 != nullptr) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (tx + 16 * j < blk.n_valid) bias[j] = static_cast<Acc>(blk.bias0[tx + 16 * j]);
+    for (int j = 0; j < 8; ++j) {
+      if (at(j, tx) < blk.n_valid) bias[j] = static_cast<Acc>(blk.bias0[at(j, tx)]);
     }
   }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int row = ty + 16 * i;
+  for (int i = 0; i < 8; ++i) {
+    const int row = at(i, ty);
     if (row >= blk.m_valid) continue;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int col = tx + 16 * j;
+    for (int j = 0; j < 8; ++j) {
+      const int col = at(j, tx);
       if (col < blk.n_valid) blk.c0[row * p.out_stride + col] = static_cast<T>(acc[i][j] + bias[j]);
     }
   }
@@ -397,47 +602,102 @@ __global__ void __launch_bounds__(kSimtThreads) grouped_mm_simt_kernel(Args<T> p
 
 // ---- Host side ----------------------------------------------------------------
 
-// True when 16-byte copies of the operand are aligned: the pointer, and every
-// stride that moves between rows or experts (in elements).
-template <typename T>
-inline bool chunks_aligned(const T* ptr, std::initializer_list<int64_t> strides) {
-  constexpr int kPerChunk = 16 / static_cast<int>(sizeof(T));
-  if (!pack_aligned<T, kPerChunk>(ptr)) return false;
+// True when accesses of kElems elements at a time are aligned: the pointer,
+// and every stride that moves between rows or experts (in elements).
+template <int kElems, typename T>
+inline bool aligned_for(const T* ptr, std::initializer_list<int64_t> strides) {
+  if (!pack_aligned<T, kElems>(ptr)) return false;
   for (const int64_t s : strides) {
-    if (s % kPerChunk != 0) return false;
+    if (s % kElems != 0) return false;
   }
   return true;
 }
 
-template <typename T, GroupedProduct kKind>
-void launch_grouped_mm(const Args<T>& p, bool tensor_cores, Stream stream) {
-  const int64_t n_tiles = (p.n + kTile - 1) / kTile;
-  dim3 grid;
+// The grid of a product's output tiles (tile x tile): for the row products,
+// the row-tile slots (see the file comment) by column tiles; for the weight
+// gradient, column tiles by row tiles by experts.
+template <GroupedProduct kKind, typename T>
+dim3 grid_for(const Args<T>& p, int tile) {
+  const int64_t n_tiles = (p.n + tile - 1) / tile;
   if constexpr (kKind == GroupedProduct::kWeightGradient) {
-    const int64_t m_tiles = (p.m + kTile - 1) / kTile;
+    const int64_t m_tiles = (p.m + tile - 1) / tile;
     TORCH_CHECK_VALUE(m_tiles <= 65535 && p.experts <= 65535 && n_tiles <= INT32_MAX,
                       "grouped_mm: a weight gradient of ", p.experts, " x ", p.m, " x ", p.n,
                       " is too large for one launch");
-    grid = dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(m_tiles),
-                static_cast<unsigned>(p.experts));
+    return dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(m_tiles), static_cast<unsigned>(p.experts));
   } else {
-    const int64_t slots = (p.rows + kTile - 1) / kTile + p.experts;
-    TORCH_CHECK_VALUE(n_tiles <= 65535 && slots <= INT32_MAX, "grouped_mm: ", p.rows, " rows of ",
-                      p.n, " outputs over ", p.experts, " experts are too many for one launch");
-    grid = dim3(static_cast<unsigned>(slots), static_cast<unsigned>(n_tiles));
+    const int64_t slots = (p.rows + tile - 1) / tile + p.experts;
+    TORCH_CHECK_VALUE(n_tiles <= 65535 && slots <= INT32_MAX, "grouped_mm: ", p.rows, " rows of ", p.n,
+                      " outputs over ", p.experts, " experts are too many for one launch");
+    return dim3(static_cast<unsigned>(slots), static_cast<unsigned>(n_tiles));
   }
+}
+
+template <typename T, GroupedProduct kKind, int kWarp>
+size_t tc_shared_bytes() {
+  using Shape = TcShape<kWarp>;
+  return Shape::kStages *
+         (TcTile<kAIsKContiguous<kKind>, Shape::kTile>::kSize + TcTile<kBIsKContiguous<kKind>, Shape::kTile>::kSize) *
+         sizeof(T);
+}
+
+template <typename T, GroupedProduct kKind, int kWarp>
+void launch_tc(const Args<T>& p, Stream stream) {
+  const size_t smem = tc_shared_bytes<T, kKind, kWarp>();
+  const auto kernel = grouped_mm_tc_kernel<T, kKind, kWarp>;
+  if (smem > 48 * 1024) allow_dynamic_shared_memory(kernel, smem);
+  launch("grouped_mm_tc_kernel", kernel, grid_for<kKind>(p, TcShape<kWarp>::kTile), kTcThreads, smem, stream, p);
+}
+
+template <typename T, GroupedProduct kKind, int kTileSide>
+void launch_simt(const Args<T>& p, Stream stream) {
+  using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  using Shape = SimtShape<kTileSide>;
+  launch("grouped_mm_simt_kernel", grouped_mm_simt_kernel<T, kKind, kTileSide>, grid_for<kKind>(p, kTileSide),
+         Shape::kThreads, 4 * Shape::kSize * sizeof(Acc), stream, p);
+}
+
+// Whether 128 x 128 tiles serve the product: the groups average 128 rows or
+// more (the row products; the weight gradient reduces over them) and those
+// tiles give every multiprocessor a block. Otherwise 64 x 64 tiles, which
+// leave less of a small group's tile empty and fill more of the GPU.
+template <GroupedProduct kKind, typename T>
+bool large_tiles(const Args<T>& p) {
+  constexpr int64_t kLarge = 128;
+  const int64_t n_tiles = (p.n + kLarge - 1) / kLarge;
+  int64_t tiles = 0;
+  if constexpr (kKind == GroupedProduct::kWeightGradient) {
+    tiles = p.experts * ((p.m + kLarge - 1) / kLarge) * n_tiles;
+  } else {
+    if (p.rows < kLarge * p.experts) return false;
+    tiles = p.rows / kLarge * n_tiles;
+  }
+  return tiles >= device_properties().multiProcessorCount;
+}
+
+// Which kernel grouped_mm runs: tensor cores where the GPU has a product for
+// the dtype, else SIMT; `tile` 64 or 128, or 0 for large_tiles' choice (the
+// tensor cores' large tiles also need a multiprocessor to hold two of their
+// blocks: their memory within what one block may opt in to, an A100's or
+// H100's, not the 99 KiB of sm_86/89 or a T4's 64).
+template <typename T, GroupedProduct kKind>
+void launch_grouped_mm(const Args<T>& p, bool tensor_cores, int tile, Stream stream) {
   if constexpr (mma::kIs16Bit<T>) {
     if (tensor_cores) {
-      const size_t smem = kTcStages *
-                          (TcTile<kAIsKContiguous<kKind>>::kSize + TcTile<kBIsKContiguous<kKind>>::kSize) *
-                          sizeof(T);
-      launch("grouped_mm_tc_kernel", grouped_mm_tc_kernel<T, kKind>, grid, kTcThreads, smem, stream, p);
+      const bool fit = 2 * tc_shared_bytes<T, kKind, 64>() <= device_properties().sharedMemPerBlockOptin;
+      if (tile == 0 ? large_tiles<kKind>(p) && fit : tile == 128) {
+        launch_tc<T, kKind, 64>(p, stream);
+      } else {
+        launch_tc<T, kKind, 32>(p, stream);
+      }
       return;
     }
   }
-  using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  const size_t smem = 2 * kSimtK * kSimtStride * sizeof(Acc);
-  launch("grouped_mm_simt_kernel", grouped_mm_simt_kernel<T, kKind>, grid, kSimtThreads, smem, stream, p);
+  if (tile == 0 ? large_tiles<kKind>(p) : tile == 128) {
+    launch_simt<T, kKind, 128>(p, stream);
+  } else {
+    launch_simt<T, kKind, 64>(p, stream);
+  }
 }
 
 // The sizes of a grouped product: S rows, E experts, and M, N and K as Args counts them.
@@ -527,12 +787,15 @@ inline void check_operands(const at::Tensor& out, const at::Tensor& a, const at:
   }
 }
 
-// grouped_mm with the kernel choice exposed: tensor_cores = false runs the
-// SIMT kernel for 16-bit types too (tests; a GPU without a product for the
-// dtype does it anyway: below sm_75, and bfloat16 below sm_80).
+// grouped_mm with the kernel choice exposed (tests): tensor_cores = false runs
+// the SIMT kernel for 16-bit types too (a GPU without a product for the dtype
+// does it anyway: below sm_75, and bfloat16 below sm_80); tile 64 or 128
+// picks the output tile, 0 leaves it to large_tiles.
 inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
-                       const at::Tensor& offsets, GroupedProduct kind, bool tensor_cores,
+                       const at::Tensor& offsets, GroupedProduct kind, bool tensor_cores, int tile = 0,
                        const at::Tensor& bias = at::Tensor()) {
+  TORCH_CHECK_VALUE(tile == 0 || tile == 64 || tile == 128, "grouped_mm: tile must be 0 (chosen), 64 or 128, got ",
+                    tile);
   const bool weight_gradient = kind == GroupedProduct::kWeightGradient;
   const ProductShape s = product_shape(a, b, offsets, kind);
   check_operands(out, a, b, offsets, bias, kind, s);
@@ -561,17 +824,19 @@ inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Ten
     p.n = s.n;
     p.k = s.k;
     p.bias = bias.defined() ? bias.const_data_ptr<T>() : nullptr;
-    p.a_chunks = chunks_aligned(p.a, {p.a_stride});
-    p.b_chunks = chunks_aligned(p.b, {p.b_expert_stride, p.b_stride});
+    constexpr int kPerChunk = 16 / static_cast<int>(sizeof(T));
+    p.a_chunks = aligned_for<kPerChunk>(p.a, {p.a_stride});
+    p.b_chunks = aligned_for<kPerChunk>(p.b, {p.b_expert_stride, p.b_stride});
+    p.out_pairs = aligned_for<2>(p.out, {p.out_expert_stride, p.out_stride});
     switch (kind) {
       case GroupedProduct::kRowsTimesWeightT:
-        launch_grouped_mm<T, GroupedProduct::kRowsTimesWeightT>(p, use_tensor_cores, stream);
+        launch_grouped_mm<T, GroupedProduct::kRowsTimesWeightT>(p, use_tensor_cores, tile, stream);
         break;
       case GroupedProduct::kRowsTimesWeight:
-        launch_grouped_mm<T, GroupedProduct::kRowsTimesWeight>(p, use_tensor_cores, stream);
+        launch_grouped_mm<T, GroupedProduct::kRowsTimesWeight>(p, use_tensor_cores, tile, stream);
         break;
       case GroupedProduct::kWeightGradient:
-        launch_grouped_mm<T, GroupedProduct::kWeightGradient>(p, use_tensor_cores, stream);
+        launch_grouped_mm<T, GroupedProduct::kWeightGradient>(p, use_tensor_cores, tile, stream);
         break;
     }
   };
@@ -604,7 +869,7 @@ inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Ten
 inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                        const at::Tensor& offsets, GroupedProduct kind,
                        const at::Tensor& bias = at::Tensor()) {
-  grouped::grouped_mm(out, a, b, offsets, kind, /*tensor_cores=*/true, bias);
+  grouped::grouped_mm(out, a, b, offsets, kind, /*tensor_cores=*/true, /*tile=*/0, bias);
 }
 
 }  // namespace fusedllm::cuda

@@ -300,9 +300,10 @@ void encode_tensor_map(const at::Tensor& t, at::IntArrayRef box, int64_t swizzle
 
 // cuda::grouped_mm on CPU tensors, out allocated here: kind is a
 // GroupedProduct (0: a @ b[e]^T, 1: a @ b[e], 2: the weight gradient);
-// tensor_cores = false runs the SIMT kernel for 16-bit types too.
+// tensor_cores = false runs the SIMT kernel for 16-bit types too; tile 64 or
+// 128 picks the output tile (0: grouped_mm's choice).
 at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets, int64_t kind,
-                      bool tensor_cores) {
+                      bool tensor_cores, int64_t tile) {
   TORCH_CHECK_VALUE(kind >= 0 && kind <= 2, "grouped_mm: kind must be 0, 1 or 2, got ", kind);
   TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() >= 2 && offsets.dim() == 1,
                     "grouped_mm: a must be 2-D, b 2-D or 3-D, offsets 1-D");
@@ -314,7 +315,7 @@ at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor
     out = at::empty({a.size(0), b.size(product == cuda::GroupedProduct::kRowsTimesWeightT ? 1 : 2)},
                     a.options());
   }
-  cuda::grouped::grouped_mm(out, a, b, offsets, product, tensor_cores);
+  cuda::grouped::grouped_mm(out, a, b, offsets, product, tensor_cores, static_cast<int>(tile));
   return out;
 }
 
@@ -333,6 +334,6 @@ TORCH_LIBRARY(fusedllm_simt_selftest, m) {
   m.impl("tma_box", c10::DispatchKey::CPU, &fusedllm::simt::tma_box);
   m.def("encode_tensor_map(Tensor t, int[] box, int swizzle) -> ()");
   m.impl("encode_tensor_map", c10::DispatchKey::CPU, &fusedllm::simt::encode_tensor_map);
-  m.def("grouped_mm(Tensor a, Tensor b, Tensor offsets, int kind, bool tensor_cores=True) -> Tensor");
+  m.def("grouped_mm(Tensor a, Tensor b, Tensor offsets, int kind, bool tensor_cores=True, int tile=0) -> Tensor");
   m.impl("grouped_mm", c10::DispatchKey::CPU, &fusedllm::simt::grouped_mm);
 }

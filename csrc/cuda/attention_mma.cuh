@@ -313,17 +313,27 @@ __device__ __forceinline__ void stage_strided_rows(T* dst, const T* src, int64_t
 
 // Stages keys [j0, j0 + kTileRows) of one kv head's K and V (rows k + j *
 // k_stride; keys at or past `end`: zeros) into k_dst and v_dst.
-template <typename T, int kD, int kTileRows>
+template <typename T, int kD, int kTileRows, bool kMayUnroll = (kD <= 128)>
 __device__ __forceinline__ void stage_key_rows(T* k_dst, T* v_dst, const T* k, int64_t k_stride, const T* v,
                                                int64_t v_stride, int64_t j0, int64_t end, int d, bool chunks) {
   const int n = end - j0 < kTileRows ? static_cast<int>(end - j0) : kTileRows;  // rows present
   const T* k0 = k + j0 * k_stride;
   const T* v0 = v + j0 * v_stride;
-  stage_tile<T, kD, kTileRows>(k_dst, [&](int r) -> const T* { return r < n ? k0 + r * k_stride : nullptr; }, d,
-                               chunks);
-  stage_tile<T, kD, kTileRows>(v_dst, [&](int r) -> const T* { return r < n ? v0 + r * v_stride : nullptr; }, d,
-                               chunks);
+  stage_tile<T, kD, kTileRows, kMayUnroll>(
+      k_dst, [&](int r) -> const T* { return r < n ? k0 + r * k_stride : nullptr; }, d, chunks);
+  stage_tile<T, kD, kTileRows, kMayUnroll>(
+      v_dst, [&](int r) -> const T* { return r < n ? v0 + r * v_stride : nullptr; }, d, chunks);
 }
+
+// Whether the dQ kernel unrolls its K/V staging past head dim 128: sm_90's
+// registers hold the unrolled addresses (head dim 256: 857 -> 623 instructions
+// a key tile), sm_80's spilled them. The emulator unrolls, so that its tests
+// run the unrolled path at every head dim.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+constexpr bool kUnrollWideDqStaging = false;
+#else
+constexpr bool kUnrollWideDqStaging = true;
+#endif
 
 // Stages rows [r0, r0 + kTileRows) (position, head) of kv head g's group from
 // the operand x_b (its batch and sequence start; strides s); rows at or past

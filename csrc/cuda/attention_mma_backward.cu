@@ -102,8 +102,9 @@ attention_mma_dq_kernel(const T* __restrict__ grad_out, Strides gs, const T* __r
     tc::stage_group_rows<T, kD, tc::kRows>(do_s, g_b, gs, rows, g, block.row0, block.rows_total, d, q_chunks);
     const auto stage_kv = [&](int64_t tile) {
       const int buffer = static_cast<int>(tile % 2);
-      tc::stage_key_rows<T, kD, kKeys>(k_s + buffer * kKeys * kStride, v_s + buffer * kKeys * kStride, k_b,
-                                       ks.s, v_b, vs.s, block.key_lo + tile * kKeys, block.key_hi, d, kv_chunks);
+      tc::stage_key_rows<T, kD, kKeys, kD <= 128 || tc::kUnrollWideDqStaging>(
+          k_s + buffer * kKeys * kStride, v_s + buffer * kKeys * kStride, k_b, ks.s, v_b, vs.s,
+          block.key_lo + tile * kKeys, block.key_hi, d, kv_chunks);
     };
     tc::pipeline_start(block.n_tiles, stage_kv);
 

@@ -40,18 +40,22 @@ __device__ __forceinline__ RopeRow<T> rope_row(const RopeTensor& q, const RopeTe
   // chosen at run time put both on the stack.
   const bool is_q = r < q_rows;
   const int64_t idx = is_q ? r : r - q_rows, heads = is_q ? q.heads : k.heads;
+  // Rows in (batch, position, head) order, the head fastest: the rows of a
+  // block share their positions' cos and sin, read from L2 once for all heads
+  // (in (batch, head, position) order every row read its own, twice its
+  // bfloat16 features' bytes).
   int64_t s, h, b;
   if (idx <= INT32_MAX && seq <= INT32_MAX && heads <= INT32_MAX) {
     // 32-bit divisions where the indices fit: a 64-bit one is a call of some
     // 40 instructions, three of them per pack
     const uint32_t i = static_cast<uint32_t>(idx), n = static_cast<uint32_t>(seq);
-    const uint32_t nh = static_cast<uint32_t>(heads), rest = i / n;
-    s = i - rest * n;
-    h = rest % nh;
-    b = rest / nh;
+    const uint32_t nh = static_cast<uint32_t>(heads), rest = i / nh;
+    h = i - rest * nh;
+    s = rest % n;
+    b = rest / n;
   } else {
-    s = idx % seq;
-    h = (idx / seq) % heads;
+    h = idx % heads;
+    s = (idx / heads) % seq;
     b = idx / (seq * heads);
   }
   const T* in = static_cast<const T*>(is_q ? q.in : k.in);

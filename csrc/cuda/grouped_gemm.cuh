@@ -171,7 +171,7 @@ __device__ __forceinline__ int clip_to(int64_t v, int limit) {
 // block's output tile. kWarp = 64 (128 x 128 tiles, three stages): a K-step
 // issues 64 mma a warp against 16 ldmatrix and 8 copies a thread. kWarp = 32
 // (64 x 64 tiles, two stages) where groups are small or the large tiles would
-// not fill the GPU (the host's choice, tc_warp).
+// not fill the GPU (the host's choice: launch_grouped_mm).
 template <int kWarp>
 struct TcShape {
   static_assert(kWarp == 32 || kWarp == 64);
@@ -283,6 +283,7 @@ struct TcOperand {
     }
   }
 };
+
 template <typename T, GroupedProduct kKind, int kWarp>
 __global__ void __launch_bounds__(kTcThreads, TcShape<kWarp>::kMinBlocks) grouped_mm_tc_kernel(Args<T> p) {
   if constexpr (!mma::kProductFor<T>) {

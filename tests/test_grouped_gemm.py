@@ -94,7 +94,8 @@ GROUPS = [0, 5, 1, 0, 70, 3, 0]
 
 
 TILES = [64, 128]
-DTYPE_TILES = [(dtype, tile) for dtype in DTYPES for tile in TILES]
+# float64 keeps the 64 x 64 tile (128 asks for what it has)
+DTYPE_TILES = [(dtype, tile) for dtype in DTYPES for tile in (TILES if dtype != torch.float64 else [64])]
 
 
 @pytest.mark.simt
@@ -122,7 +123,7 @@ def test_grouped_products_random_ragged(dtype, tile, kind):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("tile", TILES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_whole_tiles(dtype, tile, kind, schedule):
     """Groups over several whole row tiles, K over several whole K-steps (the
     stages turn over) with a ragged last one, N over two 128-column tiles,
@@ -139,11 +140,10 @@ def test_whole_tiles(dtype, tile, kind, schedule):
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_simt_kernel_for_16_bit_types(dtype, kind):
-    """The SIMT kernel that 16-bit types take below sm_80, both tiles."""
+    """The SIMT kernel that 16-bit types take below sm_80 (its 64 x 64 tile)."""
     k = KINDS[kind]
     a, b, offsets = operands(k, [6, 0, 30], (24, 20), dtype, exact=True, seed=20 + k)
-    for tile in TILES:
-        check(run(a, b, offsets, k, "lockstep", tensor_cores=False, tile=tile), a, b, offsets, k, exact=True)
+    check(run(a, b, offsets, k, "lockstep", tensor_cores=False), a, b, offsets, k, exact=True)
 
 
 @pytest.mark.simt

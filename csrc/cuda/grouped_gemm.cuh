@@ -24,9 +24,10 @@
 //   edges (rows past a group's end, N or K not tile multiples) and operands
 //   cp.async cannot read (16-byte chunks need aligned pointers and strides)
 //   are loaded element by element, zeros past the edges.
-// - float32 / float64, and bfloat16 below sm_80: a SIMT kernel, 128 x 128 or
-//   64 x 64 tiles as above, 8 x 8 outputs a thread, K-steps of 8 staged
-//   (converted to the accumulator type) in shared memory, double-buffered.
+// - float32 / float64, and bfloat16 below sm_80: a SIMT kernel, 8 x 8 outputs
+//   a thread, K-steps of 8 staged (converted to the accumulator type) in
+//   shared memory, double-buffered; 128 x 128 tiles as above in float32, 64 x
+//   64 tiles otherwise.
 // Both write each output once, rounded once from float32 (float64) sums (plus
 // the group's bias row, where the row products have one); no atomics, so the
 // result does not depend on scheduling.
@@ -677,7 +678,8 @@ bool large_tiles(const Args<T>& p) {
 }
 
 // Which kernel grouped_mm runs: tensor cores where the GPU has a product for
-// the dtype, else SIMT; `tile` 64 or 128, or 0 for large_tiles' choice (the
+// the dtype, else SIMT (128 x 128 tiles in float32 only, to keep the build's
+// instantiations few); `tile` 64 or 128, or 0 for large_tiles' choice (the
 // tensor cores' large tiles also need a multiprocessor to hold two of their
 // blocks: their memory within what one block may opt in to, an A100's or
 // H100's, not the 99 KiB of sm_86/89 or a T4's 64).
@@ -694,11 +696,13 @@ void launch_grouped_mm(const Args<T>& p, bool tensor_cores, int tile, Stream str
       return;
     }
   }
-  if (tile == 0 ? large_tiles<kKind>(p) : tile == 128) {
-    launch_simt<T, kKind, 128>(p, stream);
-  } else {
-    launch_simt<T, kKind, 64>(p, stream);
+  if constexpr (std::is_same_v<T, float>) {  // the others keep one tile: they are rare on a GPU
+    if (tile == 0 ? large_tiles<kKind>(p) : tile == 128) {
+      launch_simt<T, kKind, 128>(p, stream);
+      return;
+    }
   }
+  launch_simt<T, kKind, 64>(p, stream);
 }
 
 // The sizes of a grouped product: S rows, E experts, and M, N and K as Args counts them.
@@ -791,7 +795,8 @@ inline void check_operands(const at::Tensor& out, const at::Tensor& a, const at:
 // grouped_mm with the kernel choice exposed (tests): tensor_cores = false runs
 // the SIMT kernel for 16-bit types too (a GPU without a product for the dtype
 // does it anyway: below sm_75, and bfloat16 below sm_80); tile 64 or 128
-// picks the output tile, 0 leaves it to large_tiles.
+// picks the output tile of the kernels that have both (tensor cores, float32
+// SIMT), 0 leaves it to large_tiles.
 inline void grouped_mm(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
                        const at::Tensor& offsets, GroupedProduct kind, bool tensor_cores, int tile = 0,
                        const at::Tensor& bias = at::Tensor()) {

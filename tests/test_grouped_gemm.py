@@ -67,12 +67,27 @@ def tolerance(dtype, exact):
             torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (1e-3, 1e-3)}[dtype]
 
 
-def run(a, b, offsets, kind, schedule, tensor_cores=True, tile=0):
-    """tile: the output tile, 64 or 128 (0: grouped_mm's choice)."""
+def run(a, b, offsets, kind, schedule, tensor_cores=True, tile=0, expect=None):
+    """tile: the output tile asked for, 64 or 128 (0: grouped_mm's choice);
+    expect: the kernel that must have run ("tc 128", "simt 64", ...)."""
     import fusedllm.simt  # loads fusedllm._simt or says how to build it
 
+    before = fusedllm.simt.stats()["kernel_launches"]
     with fusedllm.simt.kernels(schedule=schedule):
-        return torch.ops.fusedllm_simt_selftest.grouped_mm(a, b, offsets, kind, tensor_cores, tile)
+        out = torch.ops.fusedllm_simt_selftest.grouped_mm(a, b, offsets, kind, tensor_cores, tile)
+    after = fusedllm.simt.stats()["kernel_launches"]
+    if expect is not None:
+        kernel, size = expect.split()
+        ran = sorted(n for n, c in after.items() if c > before.get(n, 0))
+        assert ran == [f"grouped_mm_{kernel}_kernel {size}"], ran
+    return out
+
+
+def kernel_for(dtype, tile, tensor_cores=True):
+    """The kernel `run` must reach for dtype and an asked tile (on the emulated sm_80)."""
+    if tensor_cores and dtype in (torch.bfloat16, torch.float16):
+        return f"tc {tile}"
+    return f"simt {tile if dtype == torch.float32 else 64}"
 
 
 def check(out, a, b, offsets, kind, exact):
@@ -94,7 +109,7 @@ GROUPS = [0, 5, 1, 0, 70, 3, 0]
 
 
 TILES = [64, 128]
-# float64 keeps the 64 x 64 tile (128 asks for what it has)
+# float64's SIMT kernel has only the 64 x 64 tile
 DTYPE_TILES = [(dtype, tile) for dtype in DTYPES for tile in (TILES if dtype != torch.float64 else [64])]
 
 
@@ -105,7 +120,7 @@ DTYPE_TILES = [(dtype, tile) for dtype in DTYPES for tile in (TILES if dtype != 
 def test_grouped_products_integers(dtype, tile, kind, schedule):
     k = KINDS[kind]
     a, b, offsets = operands(k, GROUPS, (40, 72), dtype, exact=True, seed=k)
-    check(run(a, b, offsets, k, schedule, tile=tile), a, b, offsets, k, exact=True)
+    check(run(a, b, offsets, k, schedule, tile=tile, expect=kernel_for(dtype, tile)), a, b, offsets, k, exact=True)
 
 
 @pytest.mark.simt
@@ -133,7 +148,25 @@ def test_whole_tiles(dtype, tile, kind, schedule):
     row tile, the last K-step); integers, exact."""
     k = KINDS[kind]
     a, b, offsets = operands(k, [0, 130, 1, 0, 264, 0], (136, 264), dtype, exact=True, seed=70 + k)
-    check(run(a, b, offsets, k, schedule, tile=tile), a, b, offsets, k, exact=True)
+    check(run(a, b, offsets, k, schedule, tile=tile, expect=kernel_for(dtype, tile)), a, b, offsets, k, exact=True)
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_tile_choice(dtype, kind):
+    """grouped_mm's own choice on the emulated GPU (4 multiprocessors): 128 x
+    128 tiles where the groups average 128 rows or more (the row products)
+    and those tiles give every multiprocessor a block (float64: its one
+    tile); 64 x 64 tiles for small groups, or too few large tiles."""
+    k = KINDS[kind]
+    large, small = ("simt 64" if dtype == torch.float64 else kernel_for(dtype, 128)), kernel_for(dtype, 64)
+    cases = [([300], (136, 264), large),  # 2 x 3 large tiles (weight gradient: 2 x 3 of [M, N])
+             ([20, 30, 10], (136, 264), small if k != 2 else large),  # 20 rows a group; 3 x 2 x 3
+             ([300], (136, 120), small)]  # 2 x 1 large tiles (weight gradient: 2 x 1)
+    for sizes, dims, expect in cases:
+        a, b, offsets = operands(k, sizes, dims, dtype, exact=True, seed=80 + k)
+        check(run(a, b, offsets, k, "lockstep", expect=expect), a, b, offsets, k, exact=True)
 
 
 @pytest.mark.simt

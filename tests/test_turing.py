@@ -81,7 +81,8 @@ def test_products_as_two_k8_products():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert "no bfloat16 tensor-core product before sm_80" in result["refused"], result
     for case, kernels in result["grouped"].items():
-        want = "grouped_mm_tc_kernel" if case.startswith("float16") else "grouped_mm_simt_kernel"
+        tile = case.split()[-1]
+        want = f"grouped_mm_tc_kernel {tile}" if case.startswith("float16") else "grouped_mm_simt_kernel 64"
         assert kernels == [want], (case, kernels)
 
 

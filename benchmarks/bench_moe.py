@@ -14,7 +14,9 @@ width 768, top-8), at 4096 tokens:
 - "hf+fusedllm": the block with ``experts_implementation="fusedllm"``
   (transformers' router, :func:`fusedllm.moe_experts`);
 - "fusedllm": ``fusedllm.nn.MoE.from_config`` sharing the block's weights
-  (:func:`fusedllm.moe_route` and :func:`fusedllm.moe_experts`).
+  (:func:`fusedllm.moe_route` and :func:`fusedllm.moe_experts`);
+- "fusedllm_wgmma" (on an sm_90 GPU): the same module with its bfloat16
+  products' large tiles on the wgmma kernel (``FUSEDLLM_CUDA_GROUPED_MM=wgmma``).
 
 All candidates hold the very same parameters. A candidate that fails is
 reported in the row's notes, not fatal.
@@ -130,8 +132,25 @@ def build(family, shape, dtype, device, with_compile, tokens):
     fused.gate.weight = base.gate.weight
     fused.experts.gate_up_proj, fused.experts.down_proj = base.experts.gate_up_proj, base.experts.down_proj
     modules["fusedllm"] = fused
+    if str(device).startswith("cuda") and torch.cuda.get_device_capability() == (9, 0):
+        modules["fusedllm_wgmma"] = fused  # called under FUSEDLLM_CUDA_GROUPED_MM=wgmma (on_wgmma)
     modules["dense"] = DenseSameFlops(base, shape["top_k"])
     return modules
+
+
+def on_wgmma(call):
+    """call with fusedllm's 16-bit grouped products on the wgmma kernel where it serves."""
+    def wrapped():
+        saved = os.environ.get("FUSEDLLM_CUDA_GROUPED_MM")
+        os.environ["FUSEDLLM_CUDA_GROUPED_MM"] = "wgmma"
+        try:
+            call()
+        finally:
+            if saved is None:
+                os.environ.pop("FUSEDLLM_CUDA_GROUPED_MM")
+            else:
+                os.environ["FUSEDLLM_CUDA_GROUPED_MM"] = saved
+    return wrapped
 
 
 def cases(args, device):
@@ -176,7 +195,8 @@ def cases(args, device):
                                 p.grad = None
                             m(xg).backward(grad)
                         return call
-                candidates = {name: make(m) for name, m in modules.items()}
+                candidates = {name: on_wgmma(make(m)) if name == "fusedllm_wgmma" else make(m)
+                              for name, m in modules.items()}
                 mode_skipped = dict(skipped)
                 for name, fn in list(candidates.items()):
                     try:
@@ -203,12 +223,12 @@ def cases(args, device):
 
 def describe(row):
     others = "  ".join(f"x{row[f'vs_{n}']:.2f} {n}" for n in ("eager", "grouped_mm", "batched_mm", "compile",
-                                                                "hf+fusedllm") if f"vs_{n}" in row)
+                                                                "hf+fusedllm", "fusedllm_wgmma") if f"vs_{n}" in row)
     return (f"{row['case']:<30} fused {row['fused_ms']:8.1f} ms  {others}  peak MiB fused "
             f"{row['fusedllm_peak_mb']:.0f} eager {row['eager_peak_mb']:.0f}")
 
 
-NAMES = ("eager", "grouped_mm", "batched_mm", "compile", "hf+fusedllm", "fusedllm", "dense")
+NAMES = ("eager", "grouped_mm", "batched_mm", "compile", "hf+fusedllm", "fusedllm", "fusedllm_wgmma", "dense")
 
 
 def plot(rows, path, device):
@@ -251,6 +271,7 @@ COLUMNS = [
     ("vs_eager", "× eager", ".2f"),
     ("vs_grouped_mm", "× grouped_mm", ".2f"),
     ("vs_compile", "× compile", ".2f"),
+    ("vs_fusedllm_wgmma", "× fusedllm on wgmma", ".2f"),
     ("eager_peak_mb", "eager peak MiB", ".0f"),
     ("grouped_mm_peak_mb", "grouped_mm peak MiB", ".0f"),
     ("compile_peak_mb", "compile peak MiB", ".0f"),

@@ -63,10 +63,14 @@ def grouped_gemm_check():
 
     declaration = ("at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, "
                    "const at::Tensor& offsets, int64_t kind, bool tensor_cores, int64_t tile);")
+    # On an sm_90 GPU, with the wgmma kernel's sm_90a machine code (as fusedllm's own build).
+    hopper = (["-gencode", "arch=compute_90a,code=sm_90a", "-DFUSEDLLM_SM90A_IMAGE=1"]
+              if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else [])
     return load_inline(name="fusedllm_grouped_gemm_check", cpp_sources=declaration, cuda_sources=GPU_SOURCE,
                        functions=["grouped_mm"], extra_include_paths=[CUDA_SOURCES, INCLUDE],
                        # The CUDA library headers of torch's nvidia-* wheels, where the toolkit lacks them.
-                       extra_cuda_cflags=[*FLAGS, *(f for f in cuda_include_dirs() if f.startswith("-Xcompiler"))],
+                       extra_cuda_cflags=[*FLAGS, *hopper,
+                                          *(f for f in cuda_include_dirs() if f.startswith("-Xcompiler"))],
                        extra_cflags=["-std=c++20"], verbose=False)
 
 

@@ -1,10 +1,11 @@
 """The grouped matrix products of csrc/cuda/grouped_gemm.cuh (mixture-of-experts
 rows grouped by expert through device-side offsets): under the emulator,
 through torch.ops.fusedllm_simt_selftest.grouped_mm, against a float64
-per-group reference; and compiled for sm_75 and sm_80 (tensor-core
+per-group reference; and compiled for sm_75, sm_80 and sm_90a (tensor-core
 instructions, no register spills). test_turing.py runs them on an emulated
 sm_75 device."""
 
+import contextlib
 import os
 import re
 import shutil
@@ -67,20 +68,48 @@ def tolerance(dtype, exact):
             torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (1e-3, 1e-3)}[dtype]
 
 
-def run(a, b, offsets, kind, schedule, tensor_cores=True, tile=0, expect=None):
-    """tile: the output tile asked for, 64 or 128 (0: grouped_mm's choice);
-    expect: the kernel that must have run ("tc 128", "simt 64", ...)."""
+WGMMA = "wgmma 128x256"
+
+
+@contextlib.contextmanager
+def grouped_request(value):
+    """FUSEDLLM_CUDA_GROUPED_MM = value for the calls inside (None: unset)."""
+    saved = os.environ.pop("FUSEDLLM_CUDA_GROUPED_MM", None)
+    if value is not None:
+        os.environ["FUSEDLLM_CUDA_GROUPED_MM"] = value
+    try:
+        yield
+    finally:
+        os.environ.pop("FUSEDLLM_CUDA_GROUPED_MM", None)
+        if saved is not None:
+            os.environ["FUSEDLLM_CUDA_GROUPED_MM"] = saved
+
+
+@contextlib.contextmanager
+def launched(expect):
+    """Asserts that the grouped-product kernels the calls inside launched are
+    exactly those `expect` names ("tc 128", "simt 64", WGMMA, ...; several
+    apart by commas)."""
     import fusedllm.simt  # loads fusedllm._simt or says how to build it
 
     before = fusedllm.simt.stats()["kernel_launches"]
-    with fusedllm.simt.kernels(schedule=schedule):
-        out = torch.ops.fusedllm_simt_selftest.grouped_mm(a, b, offsets, kind, tensor_cores, tile)
+    yield
     after = fusedllm.simt.stats()["kernel_launches"]
-    if expect is not None:
-        kernel, size = expect.split()
-        ran = sorted(n for n, c in after.items() if c > before.get(n, 0))
-        assert ran == [f"grouped_mm_{kernel}_kernel {size}"], ran
-    return out
+    ran = sorted(n for n, c in after.items() if c > before.get(n, 0) and n.startswith("grouped_mm_"))
+    names = sorted(f"grouped_mm_{kernel}_kernel {size}" for kernel, size in
+                   (e.split() for e in expect.split(",")))
+    assert ran == names, ran
+
+
+def run(a, b, offsets, kind, schedule, tensor_cores=True, tile=0, expect=None, request=None):
+    """tile: the output tile asked for, 64 or 128 (0: grouped_mm's choice);
+    expect: the kernel that must have run ("tc 128", "simt 64", ...);
+    request: FUSEDLLM_CUDA_GROUPED_MM ("wgmma" reaches the sm_90a kernel)."""
+    import fusedllm.simt
+
+    checked = launched(expect) if expect is not None else contextlib.nullcontext()
+    with grouped_request(request), checked, fusedllm.simt.kernels(schedule=schedule):
+        return torch.ops.fusedllm_simt_selftest.grouped_mm(a, b, offsets, kind, tensor_cores, tile)
 
 
 def kernel_for(dtype, tile, tensor_cores=True):
@@ -266,6 +295,90 @@ def test_bad_arguments_name_the_argument():
         run(a, b, offsets, 0, "lockstep", tile=32)
 
 
+# The wgmma kernel (sm_90a), asked for on the emulated device: every product,
+# both 16-bit types, its edges and its whole tiles.
+HALVES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_wgmma_products_integers(dtype, kind, schedule):
+    """Empty, one-row and ragged groups, K below one K-step, N below one tile:
+    the element-wise edges of the swizzled staging."""
+    k = KINDS[kind]
+    a, b, offsets = operands(k, GROUPS, (40, 72), dtype, exact=True, seed=k)
+    check(run(a, b, offsets, k, schedule, tile=128, expect=WGMMA, request="wgmma"), a, b, offsets, k, exact=True)
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_wgmma_whole_tiles(kind, schedule):
+    """Groups over several 128-row tiles, K over five whole K-steps of 64 and
+    a ragged one (the three stages turn over twice; the weight gradient's K,
+    the groups' rows, over two and four), N over two 256-column tiles:
+    16-byte copies into the swizzled layout at kept addresses, beside the
+    edges of the same groups; integers, exact."""
+    k = KINDS[kind]
+    a, b, offsets = operands(k, [0, 130, 1, 0, 264, 0], (328, 264), torch.bfloat16, exact=True, seed=90 + k)
+    check(run(a, b, offsets, k, schedule, tile=128, expect=WGMMA, request="wgmma"), a, b, offsets, k, exact=True)
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", HALVES, ids=str)
+def test_wgmma_random_ragged(dtype, kind):
+    k = KINDS[kind]
+    a, b, offsets = operands(k, [3, 0, 137, 9], (45, 67), dtype, exact=False, seed=100 + k)
+    check(run(a, b, offsets, k, "warp-random", tile=128, expect=WGMMA, request="wgmma"), a, b, offsets, k,
+          exact=False)
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("layout", list(LAYOUT))
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_wgmma_strided_operands(kind, layout):
+    k = KINDS[kind]
+    a, b, offsets = operands(k, [9, 0, 140, 2], (72, 24), torch.bfloat16, exact=True, seed=110 + k)
+    a_s, b_s = (strided(t, *LAYOUT[layout]) for t in (a, b))
+    check(run(a_s, b_s, offsets, k, "warp-random", tile=128, expect=WGMMA, request="wgmma"), a, b, offsets, k,
+          exact=True)
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_wgmma_choice(kind):
+    """Asked for, the wgmma kernel takes the large tiles grouped_mm chooses
+    (small groups keep the mma.sync kernel's 64 x 64); "mma" and "auto" keep
+    the mma.sync kernel; another value is refused."""
+    k = KINDS[kind]
+    for sizes, request, expect in (([300], "wgmma", WGMMA), ([20, 30, 10], "wgmma", WGMMA if k == 2 else "tc 64"),
+                                   ([300], "mma", "tc 128"), ([300], "auto", "tc 128")):
+        a, b, offsets = operands(k, sizes, (136, 264), torch.bfloat16, exact=True, seed=120 + k)
+        check(run(a, b, offsets, k, "lockstep", expect=expect, request=request), a, b, offsets, k, exact=True)
+    with pytest.raises(ValueError, match=whole("FUSEDLLM_CUDA_GROUPED_MM must be 'auto', 'mma' or 'wgmma', "
+                                               "got 'hopper'")):
+        run(a, b, offsets, k, "lockstep", request="hopper")
+
+
+@pytest.mark.simt
+@pytest.mark.parametrize("transposed", [False, True], ids=["mixtral_layout", "gpt_oss_layout"])
+def test_moe_experts_on_wgmma(transposed):
+    """moe_experts, forward and backward, with every product on the wgmma
+    kernel (groups of 256 rows; biases added to its sums; Mixtral's weight
+    layout, and gpt-oss's transposed, interleaved one): against the float64
+    reference, as test_moe checks the op."""
+    import fusedllm.simt
+    from test_moe import check_experts, make_gpt_oss
+
+    args, activation, options = make_gpt_oss(256, 128, 64, 4, 4, torch.bfloat16, "cpu", biases=True,
+                                             transposed=transposed, interleaved=transposed, activation="silu")
+    with grouped_request("wgmma"), launched(WGMMA), fusedllm.simt.kernels(schedule="lockstep"):
+        check_experts(*args, activation, **options)
+
+
 @pytest.fixture(scope="module")
 def gpu_grouped_mm():
     return gpu_extensions.grouped_gemm_check().grouped_mm
@@ -278,17 +391,20 @@ def gpu_grouped_mm():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_grouped_products_on_a_gpu(gpu_grouped_mm, dtype, kind, exact):
     """Larger groups than the emulator can afford (several tiles and K-steps),
-    both kernels for the 16-bit types, and run-to-run determinism."""
+    every kernel for the 16-bit types (on an H100 or H200 the large tiles run
+    the wgmma kernel when it is asked for), and run-to-run determinism."""
     k = KINDS[kind]
     a, b, offsets = operands(k, [0, 300, 1, 0, 517, 64, 0], (200, 136), dtype, exact=exact, seed=60 + k)
-    for tensor_cores, tile in ((True, 0), (True, 64), (True, 128), (False, 0)):
-        out = gpu_grouped_mm(a.cuda(), b.cuda(), offsets.cuda(), k, tensor_cores, tile)
-        check(out.cpu(), a, b, offsets, k, exact)
-        again = gpu_grouped_mm(a.cuda(), b.cuda(), offsets.cuda(), k, tensor_cores, tile)
-        assert torch.equal(out, again)
-    a_s, b_s = (strided(t, 3, 1).cuda() for t in (a, b))
-    for tile in (64, 128):
-        check(gpu_grouped_mm(a_s, b_s, offsets.cuda(), k, True, tile).cpu(), a, b, offsets, k, exact)
+    for request in ("auto", "wgmma"):
+        with grouped_request(request):
+            for tensor_cores, tile in ((True, 0), (True, 64), (True, 128), (False, 0)):
+                out = gpu_grouped_mm(a.cuda(), b.cuda(), offsets.cuda(), k, tensor_cores, tile)
+                check(out.cpu(), a, b, offsets, k, exact)
+                again = gpu_grouped_mm(a.cuda(), b.cuda(), offsets.cuda(), k, tensor_cores, tile)
+                assert torch.equal(out, again)
+            a_s, b_s = (strided(t, 3, 1).cuda() for t in (a, b))
+            for tile in (64, 128):
+                check(gpu_grouped_mm(a_s, b_s, offsets.cuda(), k, True, tile).cpu(), a, b, offsets, k, exact)
 
 
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")

@@ -106,7 +106,7 @@ def _kernels_sass(cuobjdump, library, arch):
     found = {}
     for section in re.split(r"\n\s*Function : ", sass)[1:]:
         name, _, body = section.partition("\n")
-        if re.search(r"attention_|grouped_mm_tc_kernel", name):
+        if re.search(r"attention_|grouped_mm_(tc|wgmma)_kernel", name):
             found[name.strip()] = body
     return found
 
@@ -149,7 +149,8 @@ def test_built_tensor_core_kernels_hold_tensor_core_instructions():
     """Evidence from the installed build itself, without a GPU, where it holds
     machine code for sm_75, sm_80 and sm_90a (FUSEDLLM_CUDA=1, as CI builds):
     the Hopper forward's 10 instantiations and the Hopper backward's 14 hold
-    HGMMA, UTMALDG and USETMAXREG on sm_90a; on sm_80 and sm_90a every
+    HGMMA, UTMALDG and USETMAXREG on sm_90a, the 6 wgmma grouped products
+    HGMMA.64x256x16 and cp.async (LDGSTS), and compile to traps elsewhere; on sm_80 and sm_90a every
     instantiation of the tensor-core attention kernels on sm_80 tiles (the
     forward and dQ for two dtypes x four head dims, dK/dV for three) and of the
     grouped products holds HMMA (mma.sync; .BF16 for bfloat16), ldmatrix (LDSM)
@@ -179,6 +180,15 @@ def test_built_tensor_core_kernels_hold_tensor_core_instructions():
         assert re.search(hgmma, body) and "UTMALDG.4D" in body and "USETMAXREG" in body, name
         # The producer gives its registers up to 24 (setmaxnreg): its code must stay below R24.
         assert "USETMAXREG.DEALLOC" in body and 0 <= _registers_after_dealloc(body) < 24, name
+
+    wgmma = _functions_sass(cuobjdump, library, "sm_90a", "grouped_mm_wgmma_kernel")
+    assert len(wgmma) == 6, list(wgmma)  # two dtypes x three products
+    for name, body in wgmma.items():
+        hgmma = "HGMMA.64x256x16.F32.BF16" if "BFloat16" in name else "HGMMA.64x256x16.F32 "
+        assert hgmma in body and "LDGSTS.E.BYPASS.128" in body and "FENCE.VIEW.ASYNC.S" in body, name
+    for arch in ("sm_75", "sm_80"):
+        traps = _functions_sass(cuobjdump, library, arch, "grouped_mm_wgmma_kernel")
+        assert len(traps) == 6 and not any("GMMA" in b or "LDGSTS" in b for b in traps.values()), arch
 
     def split(arch):
         """The attention kernels on Turing tiles (Tile<kD, 75>, mangled TileILi..ELi75E) and the others."""

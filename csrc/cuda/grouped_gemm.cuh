@@ -15,7 +15,10 @@
 // hundred at most). A block whose slot lies between two groups' tiles (at most
 // one per group, e.g. an empty group's) exits at once.
 //
-// Two kernels:
+// Three kernels:
+// - bfloat16 / float16 on sm_90a, where the groups are large: wgmma (hopper.cuh)
+//   on 128 x 256 output tiles, two warpgroups, K-steps of 64 staged by
+//   cp.async into the swizzled layout wgmma reads, three stages.
 // - bfloat16 / float16 on sm_80+, float16 on sm_75: tensor cores (mma.cuh:
 //   m16n8k16 with float32 accumulators, on sm_75 two m16n8k8; ldmatrix,
 //   cp.async), 4 warps, K-steps of 32 staged in shared memory: 128 x 128
@@ -36,12 +39,15 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
+#include <string>
 #include <type_traits>
 #include <utility>
 
 #include "fusedllm/checks.h"
 #include "fusedllm/moe.h"
+#include "hopper.cuh"
 #include "mma.cuh"
 #include "primitives.cuh"
 
@@ -129,13 +135,13 @@ struct Block {
   int64_t m_valid, n_valid, k;
 };
 
-// The block's kBlockTile x kBlockTile tile; false when the block has none (a
-// slot past its group's tiles).
-template <GroupedProduct kKind, int kBlockTile, typename T>
+// The block's kTileM x kTileN tile; false when the block has none (a slot
+// past its group's tiles).
+template <GroupedProduct kKind, int kTileM, int kTileN, typename T>
 __device__ __forceinline__ bool locate(const Args<T>& p, Block<T>& blk) {
   if constexpr (kKind == GroupedProduct::kWeightGradient) {
-    const int64_t e = blockIdx.z, m0 = static_cast<int64_t>(blockIdx.y) * kBlockTile,
-                  n0 = static_cast<int64_t>(blockIdx.x) * kBlockTile;
+    const int64_t e = blockIdx.z, m0 = static_cast<int64_t>(blockIdx.y) * kTileM,
+                  n0 = static_cast<int64_t>(blockIdx.x) * kTileN;
     const int64_t first = group_start(p.offsets, e, p.rows);
     const int64_t last = group_start(p.offsets, e + 1, p.rows);
     blk.a0 = p.a + first * p.a_stride + m0;
@@ -148,8 +154,8 @@ __device__ __forceinline__ bool locate(const Args<T>& p, Block<T>& blk) {
     return true;
   } else {
     int64_t e, begin, end;
-    if (!find_row_tile<kBlockTile>(p.offsets, p.experts, p.rows, blockIdx.x, e, begin, end)) return false;
-    const int64_t n0 = static_cast<int64_t>(blockIdx.y) * kBlockTile;
+    if (!find_row_tile<kTileM>(p.offsets, p.experts, p.rows, blockIdx.x, e, begin, end)) return false;
+    const int64_t n0 = static_cast<int64_t>(blockIdx.y) * kTileN;
     blk.a0 = p.a + begin * p.a_stride;
     const T* b = p.b + e * p.b_expert_stride;
     blk.b0 = kKind == GroupedProduct::kRowsTimesWeightT ? b + n0 * p.b_stride : b + n0;
@@ -164,6 +170,35 @@ __device__ __forceinline__ bool locate(const Args<T>& p, Block<T>& blk) {
 
 __device__ __forceinline__ int clip_to(int64_t v, int limit) {
   return v < 0 ? 0 : (v > limit ? limit : static_cast<int>(v));
+}
+
+// The bias of output columns col and col + 1 of the block's tile (zeros past
+// its columns or without a bias), added to the float32 sums before they are
+// rounded once.
+struct Bias2 {
+  float v[2] = {0.f, 0.f};
+  template <typename T>
+  __device__ __forceinline__ Bias2(const Block<T>& blk, int col) {
+    if (blk.bias0 != nullptr) {
+      if (col < blk.n_valid) v[0] = static_cast<float>(blk.bias0[col]);
+      if (col + 1 < blk.n_valid) v[1] = static_cast<float>(blk.bias0[col + 1]);
+    }
+  }
+};
+
+// Outputs (row, col) and (row, col + 1) of the block's tile from float32
+// sums; those outside the tile are not written.
+template <typename T>
+__device__ __forceinline__ void write_pair(const Args<T>& p, const Block<T>& blk, int row, int col, float lo,
+                                           float hi) {
+  if (row >= blk.m_valid) return;
+  T* c = blk.c0 + row * p.out_stride + col;
+  if (p.out_pairs && col + 1 < blk.n_valid) {
+    store_pack<T, 2>(c, Pack<T, 2>{{T(lo), T(hi)}});
+  } else {
+    if (col < blk.n_valid) c[0] = T(lo);
+    if (col + 1 < blk.n_valid) c[1] = T(hi);
+  }
 }
 
 // ---- Tensor-core kernel (bfloat16 / float16, sm_80+; float16 on sm_75) ------
@@ -191,31 +226,58 @@ struct TcShape {
   static constexpr int kNPairs = kWarp / 16;  // pairs of n8 fragments (one ldmatrix.x4 each)
 };
 
-// Shared-memory tile of one operand for one K-step: K-contiguous operands as
-// [kTileMN][kTcK] rows, MN-contiguous ones as [kTcK][kTileMN] rows, padded by
-// 16 bytes so that the 8 rows an ldmatrix reads fall in distinct banks.
-template <bool kKContiguous, int kTileMN>
+// Shared-memory tile of one operand for one K-step of the mma.sync kernel:
+// K-contiguous operands as [kTileMN][kTcK] rows, MN-contiguous ones as
+// [kTcK][kTileMN] rows, padded by 16 bytes so that the 8 rows an ldmatrix
+// reads fall in distinct banks. at(row, col): the element's offset;
+// kRowPitch: the offset of a row from the one before (StagedOperand steps
+// its passes by it).
+template <bool kKContiguous_, int kTileMN>
 struct TcTile {
+  static constexpr bool kKContiguous = kKContiguous_;
+  static constexpr int kMN = kTileMN, kK = kTcK;
   static constexpr int kRows = kKContiguous ? kTileMN : kTcK;
   static constexpr int kCols = kKContiguous ? kTcK : kTileMN;
   static constexpr int kStride = kCols + 8;
+  static constexpr int kRowPitch = kStride;
   static constexpr int kSize = kRows * kStride;
+  __device__ __forceinline__ static int at(int row, int col) { return row * kStride + col; }
 };
 
-// One operand's K-steps staged into shared memory by the block (see Block for
-// x0, stride, mn_valid and k). A whole tile (rows and columns inside the
-// operand, 16-byte copies possible: all but a group's edges and the last
-// K-step) takes each thread's kPasses 16-byte copies at addresses kept across
-// steps, advanced by one K-step each; any other tile goes element by element
-// where a chunk is cut, zeros outside the operand.
-template <typename T, bool kKContiguous, int kTileMN>
-struct TcOperand {
-  using Tile = TcTile<kKContiguous, kTileMN>;
+// The same for the wgmma kernel (sm_90a): K-steps of 64 16-bit elements, in
+// the 128-byte-swizzled layout wgmma reads. K-contiguous operands as
+// [kTileMN][64] rows of 128 bytes; MN-contiguous ones as kTileMN / 64 boxes
+// of [64][64] (64 K rows of 64 MN elements) side by side. In each 8-row group
+// of 1024 bytes, 16-byte chunk c of row r lies at chunk c ^ (r % 8). Rows 8
+// apart share the swizzle, so kRowPitch holds for the passes' multiples of 8.
+template <bool kKContiguous_, int kTileMN>
+struct SwizzledTile {
+  static constexpr bool kKContiguous = kKContiguous_;
+  static constexpr int kMN = kTileMN, kK = 64;
+  static constexpr int kRows = kKContiguous ? kTileMN : kK;
+  static constexpr int kCols = kKContiguous ? kK : kTileMN;
+  static constexpr int kRowPitch = 64;
+  static constexpr int kBox = kRows * 64;  // elements of a box of 64 columns
+  static constexpr int kSize = kTileMN * kK;
+  __device__ __forceinline__ static int at(int row, int col) {
+    return (col / 64) * kBox + row * 64 + ((((col % 64) / 8) ^ (row % 8)) * 8) + col % 8;
+  }
+};
+
+// One operand's K-steps staged into shared memory by the kThreads threads of
+// the block, into a ring of tiles laid out as Tile (see Block for x0, stride,
+// mn_valid and k). A whole tile (rows and columns inside the operand, 16-byte
+// copies possible: all but a group's edges and the last K-step) takes each
+// thread's kPasses 16-byte copies at addresses kept across steps, advanced by
+// one K-step each; any other tile goes element by element where a chunk is
+// cut, zeros outside the operand.
+template <typename T, typename Tile, int kThreads>
+struct StagedOperand {
   static constexpr int kPerChunk = 16 / static_cast<int>(sizeof(T));
   static constexpr int kChunksPerRow = Tile::kCols / kPerChunk;
-  static constexpr int kRowsPerPass = kTcThreads / kChunksPerRow;
+  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
   static constexpr int kPasses = Tile::kRows / kRowsPerPass;
-  static_assert(kTcThreads % kChunksPerRow == 0 && Tile::kRows % kRowsPerPass == 0);
+  static_assert(kThreads % kChunksPerRow == 0 && Tile::kRows % kRowsPerPass == 0 && kRowsPerPass % 8 == 0);
 
   const T* x0;
   int64_t stride, mn_valid, k;
@@ -228,14 +290,14 @@ struct TcOperand {
   T* s_write;      // this thread's first chunk in the stage the next K-step goes to
   int write;       // that stage
 
-  __device__ __forceinline__ TcOperand(T* s, const T* x0_, int64_t stride_, int64_t mn_valid_, int64_t k_,
-                                       bool chunks_)
+  __device__ __forceinline__ StagedOperand(T* s, const T* x0_, int64_t stride_, int64_t mn_valid_, int64_t k_,
+                                           bool chunks_)
       : x0(x0_), stride(stride_), mn_valid(mn_valid_), k(k_), chunks(chunks_),
-        whole_left(chunks_ && mn_valid_ >= kTileMN ? static_cast<int>(k_ / kTcK) : 0), write(0) {
+        whole_left(chunks_ && mn_valid_ >= Tile::kMN ? static_cast<int>(k_ / Tile::kK) : 0), write(0) {
     const int row = threadIdx.x / kChunksPerRow, col = (threadIdx.x % kChunksPerRow) * kPerChunk;
     mine = x0 + row * stride + col;
-    k_step = kKContiguous ? kTcK : kTcK * stride;
-    s_write = s + row * Tile::kStride + col;
+    k_step = Tile::kKContiguous ? Tile::kK : Tile::kK * stride;
+    s_write = s + Tile::at(row, col);
   }
 
   // Stages K-step `step` into the next stage of s_write's ring of kStages;
@@ -245,14 +307,14 @@ struct TcOperand {
     if (whole_left > 0) {
 #pragma unroll
       for (int i = 0; i < kPasses; ++i) {
-        mma::cp_async_16(s_write + i * kRowsPerPass * Tile::kStride, mine + i * kRowsPerPass * stride);
+        mma::cp_async_16(s_write + i * kRowsPerPass * Tile::kRowPitch, mine + i * kRowsPerPass * stride);
       }
     } else {
       const int row = threadIdx.x / kChunksPerRow, col = (threadIdx.x % kChunksPerRow) * kPerChunk;
-      T* s = s_write - (row * Tile::kStride + col);  // the stage's tile
-      const int64_t k0 = static_cast<int64_t>(step) * kTcK;
-      const int mn = clip_to(mn_valid, kTileMN), kk = clip_to(k - k0, kTcK);
-      if constexpr (kKContiguous) {
+      T* s = s_write - Tile::at(row, col);  // the stage's tile
+      const int64_t k0 = static_cast<int64_t>(step) * Tile::kK;
+      const int mn = clip_to(mn_valid, Tile::kMN), kk = clip_to(k - k0, Tile::kK);
+      if constexpr (Tile::kKContiguous) {
         stage_edges(s, x0 + k0, mn, kk);
       } else {
         stage_edges(s, x0 + k0 * stride, kk, mn);
@@ -270,9 +332,9 @@ struct TcOperand {
 
   // The tile at g (rows_valid x cols_valid of it inside the operand) into s.
   __device__ __forceinline__ void stage_edges(T* s, const T* g, int rows_valid, int cols_valid) const {
-    for (int c = threadIdx.x; c < Tile::kRows * kChunksPerRow; c += kTcThreads) {
+    for (int c = threadIdx.x; c < Tile::kRows * kChunksPerRow; c += kThreads) {
       const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kPerChunk;
-      T* dst = s + r * Tile::kStride + col;
+      T* dst = s + Tile::at(r, col);
       if (chunks && r < rows_valid && col + kPerChunk <= cols_valid) {
         mma::cp_async_16(dst, g + r * stride + col);
       } else {
@@ -292,16 +354,14 @@ __global__ void __launch_bounds__(kTcThreads, TcShape<kWarp>::kMinBlocks) groupe
   } else {
     using Shape = TcShape<kWarp>;
     constexpr bool kAK = kAIsKContiguous<kKind>, kBK = kBIsKContiguous<kKind>;
-    using OperandA = TcOperand<T, kAK, Shape::kTile>;
-    using OperandB = TcOperand<T, kBK, Shape::kTile>;
-    using TileA = typename OperandA::Tile;
-    using TileB = typename OperandB::Tile;
+    using TileA = TcTile<kAK, Shape::kTile>;
+    using TileB = TcTile<kBK, Shape::kTile>;
     Block<T> blk;
-    if (!locate<kKind, Shape::kTile>(p, blk)) return;  // the whole block: its slot holds no tile
+    if (!locate<kKind, Shape::kTile, Shape::kTile>(p, blk)) return;  // the whole block: its slot holds no tile
     T* sa = dynamic_shared<T>();                 // [kStages][TileA::kSize]
     T* sb = sa + Shape::kStages * TileA::kSize;  // [kStages][TileB::kSize]
-    OperandA a(sa, blk.a0, p.a_stride, blk.m_valid, blk.k, p.a_chunks);
-    OperandB b(sb, blk.b0, p.b_stride, blk.n_valid, blk.k, p.b_chunks);
+    StagedOperand<T, TileA, kTcThreads> a(sa, blk.a0, p.a_stride, blk.m_valid, blk.k, p.a_chunks);
+    StagedOperand<T, TileB, kTcThreads> b(sb, blk.b0, p.b_stride, blk.n_valid, blk.k, p.b_chunks);
 
     const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
     const int wm = (warp % 2) * kWarp, wn = (warp / 2) * kWarp;  // this warp's square of the tile
@@ -365,30 +425,129 @@ __global__ void __launch_bounds__(kTcThreads, TcShape<kWarp>::kMinBlocks) groupe
 #pragma unroll
     for (int t = 0; t < 2 * Shape::kNPairs; ++t) {
       const int col = wn + t * 8 + 2 * quad;
-      // The bias of this lane's two columns, added to the float32 sums (rounded once).
-      float bias[2] = {0.f, 0.f};
-      if (blk.bias0 != nullptr) {
-        if (col < blk.n_valid) bias[0] = static_cast<float>(blk.bias0[col]);
-        if (col + 1 < blk.n_valid) bias[1] = static_cast<float>(blk.bias0[col + 1]);
-      }
+      const Bias2 bias(blk, col);
 #pragma unroll
       for (int i = 0; i < Shape::kMFrags; ++i) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {  // rows group and group + 8
-          const int row = wm + i * 16 + group + half * 8;
-          if (row >= blk.m_valid) continue;
-          T* c = blk.c0 + row * p.out_stride + col;
-          const T lo = T(acc[i][t].r[2 * half] + bias[0]), hi = T(acc[i][t].r[2 * half + 1] + bias[1]);
-          if (p.out_pairs && col + 1 < blk.n_valid) {
-            store_pack<T, 2>(c, Pack<T, 2>{{lo, hi}});
-          } else {
-            if (col < blk.n_valid) c[0] = lo;
-            if (col + 1 < blk.n_valid) c[1] = hi;
-          }
+          write_pair(p, blk, wm + i * 16 + group + half * 8, col, acc[i][t].r[2 * half] + bias.v[0],
+                     acc[i][t].r[2 * half + 1] + bias.v[1]);
         }
       }
     }
   }
+}
+
+// ---- wgmma kernel (bfloat16 / float16 on sm_90a) ------------------------------
+
+// 128 x 256 output tiles, 64 x 256 a warpgroup: a K-step of 64 is four wgmma
+// m64n256k16 a warpgroup, each reading the warpgroup's 64 rows of A and all
+// of B from shared memory, which the block's 256 threads fill by cp.async in
+// the layout wgmma reads (SwizzledTile), three stages deep: 144 KiB, one block
+// a multiprocessor. A block's operands per K-step are 48 KiB for 2 Mi
+// multiply-adds: a quarter less from L2 a product than the mma.sync kernel's
+// 128 x 128 tiles read.
+struct WgShape {
+  static constexpr int kTileM = 128, kTileN = 256;
+  static constexpr int kThreads = 256;
+  static constexpr int kStages = 3;
+};
+
+template <typename T>
+constexpr size_t wgmma_shared_bytes() {
+  return WgShape::kStages * (WgShape::kTileM + WgShape::kTileN) * 64 * sizeof(T) + 1024;  // + the alignment
+}
+
+// The wgmma descriptor of a swizzled tile at its first K sub-step of 16
+// (K-contiguous tiles read K-major: 8-row groups 1024 bytes apart;
+// MN-contiguous ones MN-major: boxes kBox apart, 8 K rows 1024 bytes apart),
+// and the bytes from one sub-step to the next.
+template <typename Tile>
+__device__ __forceinline__ uint64_t swizzled_descriptor(const void* tile) {
+  return hopper::make_descriptor(tile, hopper::Swizzle::k128B, Tile::kKContiguous ? 16 : Tile::kBox * 2, 1024);
+}
+template <typename Tile>
+constexpr uint32_t kSubStepBytes = Tile::kKContiguous ? 16 * 2 : 16 * 128;
+
+template <typename T, GroupedProduct kKind>
+__global__ void __launch_bounds__(WgShape::kThreads, 1) grouped_mm_wgmma_kernel(Args<T> p) {
+#if FUSEDLLM_HAS_SM90A || defined(FUSEDLLM_SIMT)
+  if constexpr (!mma::kIs16Bit<T>) {
+    __trap();  // grouped_mm launches it for 16-bit types only
+  } else {
+    constexpr bool kAK = kAIsKContiguous<kKind>, kBK = kBIsKContiguous<kKind>;
+    constexpr auto kMajorA = kAK ? hopper::Major::kK : hopper::Major::kMN;
+    constexpr auto kMajorB = kBK ? hopper::Major::kK : hopper::Major::kMN;
+    constexpr int kStages = WgShape::kStages;
+    using TileA = SwizzledTile<kAK, WgShape::kTileM>;
+    using TileB = SwizzledTile<kBK, WgShape::kTileN>;
+    Block<T> blk;
+    if (!locate<kKind, WgShape::kTileM, WgShape::kTileN>(p, blk)) return;
+    unsigned char* raw = dynamic_shared<unsigned char>();
+    T* sa = reinterpret_cast<T*>(raw + (1024 - hopper::shared_address(raw) % 1024) % 1024);  // [kStages][TileA]
+    T* sb = sa + kStages * TileA::kSize;                                                      // [kStages][TileB]
+    StagedOperand<T, TileA, WgShape::kThreads> a(sa, blk.a0, p.a_stride, blk.m_valid, blk.k, p.a_chunks);
+    StagedOperand<T, TileB, WgShape::kThreads> b(sb, blk.b0, p.b_stride, blk.n_valid, blk.k, p.b_chunks);
+    // The warpgroup, uniform across each warp as the compiler can see (else it
+    // serialises the wgmma of a branch it takes for divergent), and its rows of A.
+    const int warpgroup = __shfl_sync(kFullMask, threadIdx.x / 128, 0);
+    const uint64_t desc_a =
+        swizzled_descriptor<TileA>(sa + (kAK ? TileA::at(64 * warpgroup, 0) : TileA::at(0, 64 * warpgroup)));
+    const uint64_t desc_b = swizzled_descriptor<TileB>(sb);
+    float acc[WgShape::kTileN / 2] = {};
+
+    const int steps = static_cast<int>((blk.k + TileA::kK - 1) / TileA::kK);
+    int staged = 0;
+    const auto stage_next = [&](bool any) {  // one commit group a step, empty past the last
+      if (any) {
+        a.template stage<kStages>(staged);
+        b.template stage<kStages>(staged);
+        ++staged;
+      }
+      mma::cp_async_commit();
+    };
+    // Copies run kStages - 2 steps ahead of the products, which run one step
+    // ahead of their wait: step t's stage is rewritten at step t + 2, after
+    // the barrier every thread reaches past its wait for step t.
+#pragma unroll
+    for (int s = 0; s < kStages - 2; ++s) stage_next(s < steps);
+    int read = 0;
+    for (int left = steps; left > 0; --left) {
+      mma::cp_async_wait<kStages - 3>();  // this thread's copies of this step have landed
+      hopper::fence_proxy_async();        // where wgmma (the async proxy) sees them
+      __syncthreads();                    // everyone's; and both warpgroups' products of two steps back are done
+      stage_next(left > kStages - 2);
+      hopper::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < TileA::kK / 16; ++ks) {
+        hopper::wgmma<T, WgShape::kTileN, kMajorA, kMajorB>(
+            acc, hopper::advance_descriptor(desc_a, read * TileA::kSize * 2 + ks * kSubStepBytes<TileA>),
+            hopper::advance_descriptor(desc_b, read * TileB::kSize * 2 + ks * kSubStepBytes<TileB>), true);
+      }
+      hopper::wgmma_commit();
+      hopper::wgmma_wait<1>();  // the previous step's products are done
+      hopper::fence_operand(acc);
+      read = read + 1 == kStages ? 0 : read + 1;
+    }
+    hopper::wgmma_wait<0>();
+    hopper::fence_operand(acc);
+
+    // hopper.cuh's accumulator layout: acc[4j + 2h + c] is row 16 w + g + 8 h, column 8 j + 2 q + c.
+    const int lane = threadIdx.x % kWarpSize, warp = (threadIdx.x % 128) / kWarpSize;
+    const int row = 64 * warpgroup + 16 * warp + lane / 4, quad = lane % 4;
+#pragma unroll
+    for (int j = 0; j < WgShape::kTileN / 8; ++j) {
+      const int col = 8 * j + 2 * quad;
+      const Bias2 bias(blk, col);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        write_pair(p, blk, row + 8 * h, col, acc[4 * j + 2 * h] + bias.v[0], acc[4 * j + 2 * h + 1] + bias.v[1]);
+      }
+    }
+  }
+#else
+  __trap();  // sm_90a only: launched where its machine code exists (wgmma_serves)
+#endif
 }
 
 // ---- SIMT kernel (float32 / float64, and 16-bit types without a product) ---
@@ -410,7 +569,7 @@ struct SimtShape {
 
 // One operand's K-steps staged by the block as [kSimtK][kStride] rows of Acc
 // (K-major, whatever the operand's layout), in two buffers. A whole step of a
-// float32 / float64 operand (see TcOperand) is read as 16-byte packs into
+// float32 / float64 operand (see StagedOperand) is read as 16-byte packs into
 // registers before the previous step's products and stored after them; any
 // other step element by element, zeros outside the operand.
 template <typename T, typename Acc, bool kKContiguous, int kTile, int kThreads>
@@ -516,7 +675,7 @@ __global__ void __launch_bounds__(SimtShape<kTileSide>::kThreads) grouped_mm_sim
   using Shape = SimtShape<kTileSide>;
   constexpr int kTile = Shape::kTile, kHalf = kTile / 2;
   Block<T> blk;
-  if (!locate<kKind, kTile>(p, blk)) return;
+  if (!locate<kKind, kTile, kTile>(p, blk)) return;
   Acc* sa = dynamic_shared<Acc>();   // [2][kSimtK][kStride]
   Acc* sb = sa + 2 * Shape::kSize;   // [2][kSimtK][kStride]
   SimtOperand<T, Acc, kAIsKContiguous<kKind>, kTile, Shape::kThreads> a(blk.a0, p.a_stride, blk.m_valid,
@@ -615,20 +774,20 @@ inline bool aligned_for(const T* ptr, std::initializer_list<int64_t> strides) {
   return true;
 }
 
-// The grid of a product's output tiles (tile x tile): for the row products,
-// the row-tile slots (see the file comment) by column tiles; for the weight
-// gradient, column tiles by row tiles by experts.
+// The grid of a product's output tiles (tile_m x tile_n): for the row
+// products, the row-tile slots (see the file comment) by column tiles; for
+// the weight gradient, column tiles by row tiles by experts.
 template <GroupedProduct kKind, typename T>
-dim3 grid_for(const Args<T>& p, int tile) {
-  const int64_t n_tiles = (p.n + tile - 1) / tile;
+dim3 grid_for(const Args<T>& p, int tile_m, int tile_n) {
+  const int64_t n_tiles = (p.n + tile_n - 1) / tile_n;
   if constexpr (kKind == GroupedProduct::kWeightGradient) {
-    const int64_t m_tiles = (p.m + tile - 1) / tile;
+    const int64_t m_tiles = (p.m + tile_m - 1) / tile_m;
     TORCH_CHECK_VALUE(m_tiles <= 65535 && p.experts <= 65535 && n_tiles <= INT32_MAX,
                       "grouped_mm: a weight gradient of ", p.experts, " x ", p.m, " x ", p.n,
                       " is too large for one launch");
     return dim3(static_cast<unsigned>(n_tiles), static_cast<unsigned>(m_tiles), static_cast<unsigned>(p.experts));
   } else {
-    const int64_t slots = (p.rows + tile - 1) / tile + p.experts;
+    const int64_t slots = (p.rows + tile_m - 1) / tile_m + p.experts;
     TORCH_CHECK_VALUE(n_tiles <= 65535 && slots <= INT32_MAX, "grouped_mm: ", p.rows, " rows of ", p.n,
                       " outputs over ", p.experts, " experts are too many for one launch");
     return dim3(static_cast<unsigned>(slots), static_cast<unsigned>(n_tiles));
@@ -650,7 +809,16 @@ void launch_tc(const Args<T>& p, Stream stream) {
   if (smem > 48 * 1024) allow_dynamic_shared_memory(kernel, smem);
   // The name says the tile, so that the emulator's launch counts show which ran.
   launch(kWarp == 64 ? "grouped_mm_tc_kernel 128" : "grouped_mm_tc_kernel 64", kernel,
-         grid_for<kKind>(p, TcShape<kWarp>::kTile), kTcThreads, smem, stream, p);
+         grid_for<kKind>(p, TcShape<kWarp>::kTile, TcShape<kWarp>::kTile), kTcThreads, smem, stream, p);
+}
+
+template <typename T, GroupedProduct kKind>
+void launch_wgmma(const Args<T>& p, Stream stream) {
+  constexpr size_t smem = wgmma_shared_bytes<T>();
+  const auto kernel = grouped_mm_wgmma_kernel<T, kKind>;
+  allow_dynamic_shared_memory(kernel, smem);
+  launch("grouped_mm_wgmma_kernel 128x256", kernel, grid_for<kKind>(p, WgShape::kTileM, WgShape::kTileN),
+         WgShape::kThreads, smem, stream, p);
 }
 
 template <typename T, GroupedProduct kKind, int kTileSide>
@@ -658,7 +826,7 @@ void launch_simt(const Args<T>& p, Stream stream) {
   using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
   using Shape = SimtShape<kTileSide>;
   launch(kTileSide == 128 ? "grouped_mm_simt_kernel 128" : "grouped_mm_simt_kernel 64",
-         grouped_mm_simt_kernel<T, kKind, kTileSide>, grid_for<kKind>(p, kTileSide),
+         grouped_mm_simt_kernel<T, kKind, kTileSide>, grid_for<kKind>(p, kTileSide, kTileSide),
          Shape::kThreads, 4 * Shape::kSize * sizeof(Acc), stream, p);
 }
 
@@ -680,19 +848,54 @@ bool large_tiles(const Args<T>& p) {
   return tiles >= device_properties().multiProcessorCount;
 }
 
+// FUSEDLLM_CUDA_GROUPED_MM: "wgmma" runs the 16-bit products' large tiles on
+// the wgmma kernel, on an sm_90 GPU with this build's sm_90a machine code and
+// on the emulator; unset, "auto" or "mma", on the mma.sync kernel everywhere
+// (the wgmma kernel has not yet been timed on a GPU).
+enum class GroupedRequest { kAuto, kMma, kWgmma };
+inline GroupedRequest grouped_request() {
+  const char* value = std::getenv("FUSEDLLM_CUDA_GROUPED_MM");
+  if (value == nullptr || *value == '\0' || std::string(value) == "auto") return GroupedRequest::kAuto;
+  if (std::string(value) == "mma") return GroupedRequest::kMma;
+  TORCH_CHECK_VALUE(std::string(value) == "wgmma", "FUSEDLLM_CUDA_GROUPED_MM must be 'auto', 'mma' or 'wgmma', got '",
+                    value, "'");
+  return GroupedRequest::kWgmma;
+}
+
+// Whether the wgmma kernel serves this device's large tiles.
+template <typename T>
+bool wgmma_serves() {
+  const GroupedRequest request = grouped_request();
+  const auto& props = device_properties();
+  const bool fits = wgmma_shared_bytes<T>() <= props.sharedMemPerBlockOptin;
+#if defined(FUSEDLLM_SIMT)
+  return request == GroupedRequest::kWgmma && props.major >= 8 && fits;
+#elif defined(FUSEDLLM_SM90A_IMAGE)
+  return request == GroupedRequest::kWgmma && props.major == 9 && props.minor == 0 && fits;
+#else
+  (void)request, (void)fits;
+  return false;
+#endif
+}
+
 // Which kernel grouped_mm runs: tensor cores where the GPU has a product for
 // the dtype, else SIMT (128 x 128 tiles in float32 only, to keep the build's
 // instantiations few); `tile` 64 or 128, or 0 for large_tiles' choice (the
 // tensor cores' large tiles also need a multiprocessor to hold two of their
 // blocks: their memory within what one block may opt in to, an A100's or
-// H100's, not the 99 KiB of sm_86/89 or a T4's 64).
+// H100's, not the 99 KiB of sm_86/89 or a T4's 64). Where wgmma_serves, the
+// large tiles are the wgmma kernel's.
 template <typename T, GroupedProduct kKind>
 void launch_grouped_mm(const Args<T>& p, bool tensor_cores, int tile, Stream stream) {
   if constexpr (mma::kIs16Bit<T>) {
     if (tensor_cores) {
       const bool fit = 2 * tc_shared_bytes<T, kKind, 64>() <= device_properties().sharedMemPerBlockOptin;
       if (tile == 0 ? large_tiles<kKind>(p) && fit : tile == 128) {
-        launch_tc<T, kKind, 64>(p, stream);
+        if (wgmma_serves<T>()) {
+          launch_wgmma<T, kKind>(p, stream);
+        } else {
+          launch_tc<T, kKind, 64>(p, stream);
+        }
       } else {
         launch_tc<T, kKind, 32>(p, stream);
       }

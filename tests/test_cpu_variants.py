@@ -10,6 +10,7 @@ on another variant than the one it names (the AMX variant has the attention
 forward only: the op's other kernels run AVX512_BF16 there).
 """
 
+import functools
 import json
 import platform
 
@@ -98,25 +99,35 @@ def test_op_under_every_cpu_variant(op, isa):
         assert ran.get(table) == want, f"kernel {table} ran {ran.get(table)}, not {want}: {ran}"
 
 
-def _disassembly(symbol_pattern):
+@functools.cache
+def _cpu_functions():
     """{demangled function name: its instructions} for the extension's
-    functions whose name matches symbol_pattern."""
+    fusedllm::cpu functions (the library is disassembled once a process: each
+    disassembly takes seconds)."""
     import fusedllm._C as ext
 
-    if shutil.which("objdump") is None:
-        pytest.skip("objdump is not installed")
     out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", ext.__file__],
                          capture_output=True, text=True, check=True).stdout
     functions, name = {}, None
     for line in out.splitlines():
         head = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
         if head:
-            name = head.group(1) if re.search(symbol_pattern, head.group(1), re.IGNORECASE) else None
+            name = head.group(1) if "fusedllm::cpu::" in head.group(1) else None
             if name:
                 functions[name] = []
         elif name and "\t" in line:
             functions[name].append(line.split("\t", 1)[1].strip())
     return functions
+
+
+def _disassembly(symbol_pattern):
+    """{demangled function name: its instructions} for the extension's
+    functions whose name matches symbol_pattern (which names fusedllm::cpu::...)."""
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump is not installed")
+    assert symbol_pattern.startswith("fusedllm::cpu::"), symbol_pattern
+    return {name: body for name, body in _cpu_functions().items()
+            if re.search(symbol_pattern, name, re.IGNORECASE)}
 
 
 def _variant_uses(isa, pattern, instruction):

@@ -443,7 +443,7 @@ __global__ void __launch_bounds__(kTcThreads, TcShape<kWarp>::kMinBlocks) groupe
 // 128 x 256 output tiles, 64 x 256 a warpgroup: a K-step of 64 is four wgmma
 // m64n256k16 a warpgroup, each reading the warpgroup's 64 rows of A and all
 // of B from shared memory, which the block's 256 threads fill by cp.async in
-// the layout wgmma reads (SwizzledTile), three stages deep: 144 KiB, one block
+// the layout wgmma reads (SwizzledTile), three stages deep: 145 KiB, one block
 // a multiprocessor. A block's operands per K-step are 48 KiB for 2 Mi
 // multiply-adds: a quarter less from L2 a product than the mma.sync kernel's
 // 128 x 128 tiles read.
@@ -507,8 +507,10 @@ __global__ void __launch_bounds__(WgShape::kThreads, 1) grouped_mm_wgmma_kernel(
       mma::cp_async_commit();
     };
     // Copies run kStages - 2 steps ahead of the products, which run one step
-    // ahead of their wait: step t's stage is rewritten at step t + 2, after
-    // the barrier every thread reaches past its wait for step t.
+    // ahead of their wait: step t's stage takes step t + kStages's operands
+    // during step t + kStages - 1, after the barrier every thread reaches past
+    // its wait for step t's products.
+    static_assert(kStages >= 3);
 #pragma unroll
     for (int s = 0; s < kStages - 2; ++s) stage_next(s < steps);
     int read = 0;

@@ -22,7 +22,6 @@ one call beyond the inputs (see testkit.memory.peak_memory_bytes).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import os
@@ -37,6 +36,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fusedllm  # noqa: E402
+from testkit.env import env_var  # noqa: E402
 from testkit.memory import peak_memory_bytes  # noqa: E402
 
 
@@ -94,19 +94,9 @@ def sdpa_backend_core(backend):
     return core
 
 
-@contextlib.contextmanager
 def attention_request(request):
     """FUSEDLLM_CUDA_ATTENTION=request inside the block (None: as it is)."""
-    saved = os.environ.get("FUSEDLLM_CUDA_ATTENTION")
-    if request is not None:
-        os.environ["FUSEDLLM_CUDA_ATTENTION"] = request
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("FUSEDLLM_CUDA_ATTENTION", None)
-        else:
-            os.environ["FUSEDLLM_CUDA_ATTENTION"] = saved
+    return env_var("FUSEDLLM_CUDA_ATTENTION", request)
 
 
 def fused_held_core(request):

@@ -45,6 +45,7 @@ import torch  # noqa: E402
 
 import fusedllm  # noqa: E402
 from fusedllm.nn import MoE  # noqa: E402
+from testkit.env import env_var  # noqa: E402
 from testkit.memory import peak_memory_bytes  # noqa: E402
 
 SHAPES = {
@@ -141,15 +142,8 @@ def build(family, shape, dtype, device, with_compile, tokens):
 def on_wgmma(call):
     """call with fusedllm's 16-bit grouped products on the wgmma kernel where it serves."""
     def wrapped():
-        saved = os.environ.get("FUSEDLLM_CUDA_GROUPED_MM")
-        os.environ["FUSEDLLM_CUDA_GROUPED_MM"] = "wgmma"
-        try:
+        with env_var("FUSEDLLM_CUDA_GROUPED_MM", "wgmma"):
             call()
-        finally:
-            if saved is None:
-                os.environ.pop("FUSEDLLM_CUDA_GROUPED_MM")
-            else:
-                os.environ["FUSEDLLM_CUDA_GROUPED_MM"] = saved
     return wrapped
 
 

@@ -8,6 +8,8 @@
   KV cache argument in the installed release.
 - ``testkit.gloo``: ``spawn``, a function run on several CPU processes joined
   by gloo (the distributed-training tests).
+- ``testkit.env``: ``env_var``, an environment variable set inside a block
+  (the kernel requests of fusedllm's CUDA dispatch).
 
 Importable from the repository root: pytest puts the root on ``sys.path``
 (``pythonpath`` in pyproject.toml), ``python -m benchmarks.<script>`` runs from

@@ -16,6 +16,7 @@ import torch
 
 import gpu_extensions
 from checks import assert_close, whole
+from testkit.env import env_var
 from test_tensor_core import _cuobjdump
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,18 +72,9 @@ def tolerance(dtype, exact):
 WGMMA = "wgmma 128x256"
 
 
-@contextlib.contextmanager
 def grouped_request(value):
-    """FUSEDLLM_CUDA_GROUPED_MM = value for the calls inside (None: unset)."""
-    saved = os.environ.pop("FUSEDLLM_CUDA_GROUPED_MM", None)
-    if value is not None:
-        os.environ["FUSEDLLM_CUDA_GROUPED_MM"] = value
-    try:
-        yield
-    finally:
-        os.environ.pop("FUSEDLLM_CUDA_GROUPED_MM", None)
-        if saved is not None:
-            os.environ["FUSEDLLM_CUDA_GROUPED_MM"] = saved
+    """FUSEDLLM_CUDA_GROUPED_MM = value for the calls inside."""
+    return env_var("FUSEDLLM_CUDA_GROUPED_MM", value)
 
 
 @contextlib.contextmanager
@@ -99,7 +91,7 @@ def launched(expect):
     assert ran == [f"grouped_mm_{kernel}_kernel {size}"], ran
 
 
-def run(a, b, offsets, kind, schedule, tensor_cores=True, tile=0, expect=None, request=None):
+def run(a, b, offsets, kind, schedule, tensor_cores=True, tile=0, expect=None, request="auto"):
     """tile: the output tile asked for, 64 or 128 (0: grouped_mm's choice);
     expect: the kernel that must have run ("tc 128", "simt 64", ...);
     request: FUSEDLLM_CUDA_GROUPED_MM ("wgmma" reaches the sm_90a kernel)."""
